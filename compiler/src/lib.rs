@@ -1,0 +1,1 @@
+//! The Llama frontend and the compiler driver.

@@ -1,0 +1,357 @@
+//! Result types of every op from its input types: the single source of the typing rules,
+//! used by the builder (to create nodes) and the verifier (to check declared types).
+
+use crate::dtype::DType;
+use crate::graph::Region;
+use crate::op::Op;
+use crate::shape::{Dim, DimTable, TensorType, resolve_dim, same_dim, same_shape};
+
+/// What type inference needs to know besides the op and its inputs.
+#[derive(Clone, Copy)]
+pub struct InferCtx<'a> {
+    pub dims: &'a DimTable,
+    pub blocks: &'a [Region],
+}
+
+fn shape_str(s: &[Dim]) -> String {
+    let parts: Vec<String> = s.iter().map(|d| d.to_string()).collect();
+    format!("[{}]", parts.join(", "))
+}
+
+fn need_float(t: &TensorType, what: &str) -> Result<(), String> {
+    if t.dtype.is_float() { Ok(()) } else { Err(format!("{what} must be a float tensor, found {t}")) }
+}
+
+fn need_int(t: &TensorType, what: &str) -> Result<(), String> {
+    if t.dtype.is_int() { Ok(()) } else { Err(format!("{what} must be an integer tensor, found {t}")) }
+}
+
+fn need_rank(t: &TensorType, rank: usize, what: &str) -> Result<(), String> {
+    if t.rank() == rank { Ok(()) } else { Err(format!("{what} must have rank {rank}, found {t}")) }
+}
+
+fn need_same_dtype(a: &TensorType, b: &TensorType, what: &str) -> Result<(), String> {
+    if a.dtype == b.dtype { Ok(()) } else { Err(format!("{what}: dtype mismatch, {} vs {}", a.dtype, b.dtype)) }
+}
+
+fn need_dim(a: &Dim, b: &Dim, dims: &DimTable, what: &str) -> Result<(), String> {
+    if same_dim(a, b, dims) { Ok(()) } else { Err(format!("{what}: {a} vs {b}")) }
+}
+
+fn need_same_type(a: &TensorType, b: &TensorType, dims: &DimTable, what: &str) -> Result<(), String> {
+    if a.same_as(b, dims) { Ok(()) } else { Err(format!("{what}: {a} vs {b}")) }
+}
+
+fn one_declared<'d>(op: &Op, declared: Option<&'d [TensorType]>) -> Result<&'d TensorType, String> {
+    match declared {
+        Some([t]) => Ok(t),
+        Some(ts) => Err(format!("`{}` has one result, {} declared", op.name(), ts.len())),
+        None => Err(format!("`{}` needs its result type declared", op.name())),
+    }
+}
+
+fn numel(shape: &[Dim], dims: &DimTable) -> Option<u64> {
+    shape.iter().map(|d| resolve_dim(d, dims)).product()
+}
+
+/// The result types of `op` applied to `inputs`. For ops whose result type is declared,
+/// `declared` is checked against the inputs and returned.
+pub fn infer_types(op: &Op, inputs: &[&TensorType], declared: Option<&[TensorType]>, ctx: &InferCtx) -> Result<Vec<TensorType>, String> {
+    if let Some(n) = op.arity() {
+        if inputs.len() != n {
+            return Err(format!("`{}` takes {n} operand{}, found {}", op.name(), if n == 1 { "" } else { "s" }, inputs.len()));
+        }
+    }
+    let dims = ctx.dims;
+    let out = match op {
+        Op::Embedding => {
+            let (tok, table) = (inputs[0], inputs[1]);
+            need_int(tok, "embedding tokens")?;
+            need_rank(table, 2, "embedding table")?;
+            need_float(table, "embedding table")?;
+            let mut s = tok.shape.clone();
+            s.push(table.shape[1].clone());
+            vec![TensorType::new(table.dtype, s)]
+        }
+        Op::Linear => {
+            let (x, w) = (inputs[0], inputs[1]);
+            need_float(x, "linear input")?;
+            need_rank(w, 2, "linear weight")?;
+            need_same_dtype(x, w, "linear")?;
+            let last = x.shape.last().ok_or("linear input must have rank >= 1")?;
+            need_dim(last, &w.shape[1], dims, "linear: input features do not match weight [out, in]")?;
+            let mut s = x.shape.clone();
+            *s.last_mut().expect("invariant: rank >= 1") = w.shape[0].clone();
+            vec![TensorType::new(x.dtype, s)]
+        }
+        Op::RmsNorm { .. } => {
+            let (x, w) = (inputs[0], inputs[1]);
+            need_float(x, "rmsnorm input")?;
+            need_float(w, "rmsnorm weight")?;
+            need_rank(w, 1, "rmsnorm weight")?;
+            let last = x.shape.last().ok_or("rmsnorm input must have rank >= 1")?;
+            need_dim(last, &w.shape[0], dims, "rmsnorm: weight size does not match the last dim")?;
+            vec![(*x).clone()]
+        }
+        Op::Rope(_) => {
+            let x = inputs[0];
+            need_float(x, "rope input")?;
+            need_rank(x, 4, "rope input [batch, seq, heads, head_dim]")?;
+            match resolve_dim(&x.shape[3], dims) {
+                Some(d) if d % 2 == 0 => {}
+                _ => return Err(format!("rope: head_dim must be even, found {}", x.shape[3])),
+            }
+            vec![x.clone()]
+        }
+        Op::Attention { .. } => {
+            let (q, k, v) = (inputs[0], inputs[1], inputs[2]);
+            attention_checks(q, k, v, dims)?;
+            let lse = TensorType::new(DType::F32, vec![q.shape[0].clone(), q.shape[2].clone(), q.shape[1].clone()]);
+            vec![q.clone(), lse]
+        }
+        Op::AttentionBwd { .. } => {
+            let (q, k, v, o, lse, d_o) = (inputs[0], inputs[1], inputs[2], inputs[3], inputs[4], inputs[5]);
+            attention_checks(q, k, v, dims)?;
+            need_same_type(o, q, dims, "attention_bwd: out must have the type of q")?;
+            need_same_type(d_o, q, dims, "attention_bwd: dout must have the type of q")?;
+            let want = TensorType::new(DType::F32, vec![q.shape[0].clone(), q.shape[2].clone(), q.shape[1].clone()]);
+            need_same_type(lse, &want, dims, "attention_bwd: lse must be f32[batch, heads, seq]")?;
+            vec![q.clone(), k.clone(), v.clone()]
+        }
+        Op::CrossEntropy => {
+            let (logits, targets) = (inputs[0], inputs[1]);
+            cross_entropy_checks(logits, targets, dims)?;
+            vec![TensorType::scalar(DType::F32)]
+        }
+        Op::CrossEntropyBwd => {
+            let (logits, targets, dloss) = (inputs[0], inputs[1], inputs[2]);
+            cross_entropy_checks(logits, targets, dims)?;
+            need_same_type(dloss, &TensorType::scalar(DType::F32), dims, "cross_entropy_bwd: dloss must be f32[]")?;
+            vec![logits.clone()]
+        }
+        Op::RmsNormBwd { .. } => {
+            let (x, w, dy) = (inputs[0], inputs[1], inputs[2]);
+            need_float(x, "rmsnorm_bwd input")?;
+            need_rank(w, 1, "rmsnorm_bwd weight")?;
+            let last = x.shape.last().ok_or("rmsnorm_bwd input must have rank >= 1")?;
+            need_dim(last, &w.shape[0], dims, "rmsnorm_bwd: weight size does not match the last dim")?;
+            need_same_type(dy, x, dims, "rmsnorm_bwd: dy must have the type of x")?;
+            vec![x.clone(), w.clone()]
+        }
+        Op::Unary(u) => {
+            need_float(inputs[0], &format!("`{}` operand", u.name()))?;
+            vec![inputs[0].clone()]
+        }
+        Op::Binary(bo) => {
+            let (a, b) = (inputs[0], inputs[1]);
+            need_same_dtype(a, b, &format!("`{}`", bo.name()))?;
+            if a.dtype.is_int() {
+                return Err(format!("`{}` operands must be float tensors, found {a}", bo.name()));
+            }
+            if same_shape(&a.shape, &b.shape, dims) {
+                vec![a.clone()]
+            } else if b.rank() == 0 {
+                vec![a.clone()]
+            } else if a.rank() == 0 {
+                vec![b.clone()]
+            } else {
+                return Err(format!("`{}`: shapes {} and {} differ (broadcast one explicitly)", bo.name(), shape_str(&a.shape), shape_str(&b.shape)));
+            }
+        }
+        Op::Cast => {
+            let t = one_declared(op, declared)?;
+            if !same_shape(&t.shape, &inputs[0].shape, dims) {
+                return Err(format!("cast keeps the shape: {} to {}", inputs[0], t));
+            }
+            vec![t.clone()]
+        }
+        Op::Reduce { axes, .. } => {
+            let x = inputs[0];
+            need_float(x, "reduce operand")?;
+            if axes.is_empty() {
+                return Err("reduce needs at least one axis".into());
+            }
+            if axes.windows(2).any(|w| w[0] >= w[1]) {
+                return Err(format!("reduce axes must be sorted and unique, found {axes:?}"));
+            }
+            if let Some(&a) = axes.iter().find(|&&a| a >= x.rank()) {
+                return Err(format!("reduce axis {a} is out of range for {x}"));
+            }
+            let s = x.shape.iter().enumerate().filter(|(i, _)| !axes.contains(i)).map(|(_, d)| d.clone()).collect();
+            vec![TensorType::new(x.dtype, s)]
+        }
+        Op::Reshape => {
+            let t = one_declared(op, declared)?;
+            let x = inputs[0];
+            need_same_dtype(x, t, "reshape")?;
+            match (numel(&x.shape, dims), numel(&t.shape, dims)) {
+                (Some(a), Some(b)) if a == b => {}
+                (Some(a), Some(b)) => return Err(format!("reshape changes the element count: {x} ({a}) to {t} ({b})")),
+                _ => return Err(format!("reshape of {x} to {t} has an unbound dimension")),
+            }
+            vec![t.clone()]
+        }
+        Op::Transpose { perm } => {
+            let x = inputs[0];
+            let mut seen = vec![false; x.rank()];
+            if perm.len() != x.rank() || perm.iter().any(|&p| p >= x.rank() || std::mem::replace(&mut seen[p], true)) {
+                return Err(format!("transpose perm {perm:?} is not a permutation of the {} dims of {x}", x.rank()));
+            }
+            vec![TensorType::new(x.dtype, perm.iter().map(|&p| x.shape[p].clone()).collect())]
+        }
+        Op::Broadcast { dims: map } => {
+            let t = one_declared(op, declared)?;
+            let x = inputs[0];
+            need_same_dtype(x, t, "broadcast")?;
+            if map.len() != x.rank() {
+                return Err(format!("broadcast dims {map:?} must name one output dim per input dim of {x}"));
+            }
+            if map.windows(2).any(|w| w[0] >= w[1]) || map.iter().any(|&d| d >= t.rank()) {
+                return Err(format!("broadcast dims {map:?} must be increasing and below the output rank {}", t.rank()));
+            }
+            for (i, &o) in map.iter().enumerate() {
+                let ok = same_dim(&x.shape[i], &t.shape[o], dims) || resolve_dim(&x.shape[i], dims) == Some(1);
+                if !ok {
+                    return Err(format!("broadcast: input dim {i} ({}) cannot stretch to output dim {o} ({})", x.shape[i], t.shape[o]));
+                }
+            }
+            vec![t.clone()]
+        }
+        Op::Matmul { transpose_a, transpose_b } => {
+            let (a, b) = (inputs[0], inputs[1]);
+            need_float(a, "matmul lhs")?;
+            need_same_dtype(a, b, "matmul")?;
+            if a.rank() < 2 || b.rank() < 2 {
+                return Err(format!("matmul operands must have rank >= 2, found {a} and {b}"));
+            }
+            let (ra, rb) = (a.rank(), b.rank());
+            let (m, ka) = if *transpose_a { (&a.shape[ra - 1], &a.shape[ra - 2]) } else { (&a.shape[ra - 2], &a.shape[ra - 1]) };
+            let (kb, n) = if *transpose_b { (&b.shape[rb - 1], &b.shape[rb - 2]) } else { (&b.shape[rb - 2], &b.shape[rb - 1]) };
+            need_dim(ka, kb, dims, "matmul: contraction dims differ")?;
+            if rb > 2 && !same_shape(&a.shape[..ra - 2], &b.shape[..rb - 2], dims) {
+                return Err(format!("matmul: batch dims differ, {a} and {b}"));
+            }
+            let mut s = a.shape[..ra - 2].to_vec();
+            s.push(m.clone());
+            s.push(n.clone());
+            vec![TensorType::new(a.dtype, s)]
+        }
+        Op::Gather => {
+            let (table, idx) = (inputs[0], inputs[1]);
+            need_int(idx, "gather indices")?;
+            if table.rank() < 1 {
+                return Err("gather table must have rank >= 1".into());
+            }
+            let mut s = idx.shape.clone();
+            s.extend(table.shape[1..].iter().cloned());
+            vec![TensorType::new(table.dtype, s)]
+        }
+        Op::ScatterAdd => {
+            let t = one_declared(op, declared)?;
+            let (idx, src) = (inputs[0], inputs[1]);
+            need_int(idx, "scatter_add indices")?;
+            need_float(src, "scatter_add source")?;
+            need_same_dtype(src, t, "scatter_add")?;
+            let k = idx.rank();
+            if src.rank() < k || !same_shape(&src.shape[..k], &idx.shape, dims) {
+                return Err(format!("scatter_add: source {src} must start with the index shape {}", shape_str(&idx.shape)));
+            }
+            if t.rank() != src.rank() - k + 1 || !same_shape(&t.shape[1..], &src.shape[k..], dims) {
+                return Err(format!("scatter_add: result {t} must be [rows, {}]", shape_str(&src.shape[k..])));
+            }
+            vec![t.clone()]
+        }
+        Op::Constant { .. } => vec![one_declared(op, declared)?.clone()],
+        Op::LrSchedule(_) => {
+            need_int(inputs[0], "lr_schedule step")?;
+            need_rank(inputs[0], 0, "lr_schedule step")?;
+            vec![TensorType::scalar(DType::F32)]
+        }
+        Op::AdamW(_) => {
+            let (p, g, m, v, lr, step) = (inputs[0], inputs[1], inputs[2], inputs[3], inputs[4], inputs[5]);
+            need_float(p, "adamw param")?;
+            need_same_type(g, p, dims, "adamw: grad must have the type of the param")?;
+            need_same_type(m, p, dims, "adamw: first moment must have the type of the param")?;
+            need_same_type(v, p, dims, "adamw: second moment must have the type of the param")?;
+            need_same_type(lr, &TensorType::scalar(DType::F32), dims, "adamw: lr must be f32[]")?;
+            need_int(step, "adamw step")?;
+            need_rank(step, 0, "adamw step")?;
+            vec![p.clone(), p.clone(), p.clone()]
+        }
+        Op::Repeat { block, count, carry, stacked, .. } => {
+            let region = ctx.blocks.get(block.index()).ok_or_else(|| format!("repeat names block #{} which does not exist", block.0))?;
+            let (nc, ns) = (*carry as usize, *stacked as usize);
+            if inputs.len() != region.args.len() {
+                return Err(format!("repeat passes {} operands to @{} which takes {}", inputs.len(), region.name, region.args.len()));
+            }
+            if nc + ns > inputs.len() {
+                return Err(format!("repeat: carry ({nc}) + stacked ({ns}) exceed the {} operands", inputs.len()));
+            }
+            if region.outputs.len() < nc {
+                return Err(format!("repeat: @{} returns {} values, fewer than carry = {nc}", region.name, region.outputs.len()));
+            }
+            let layers = Dim::Fixed(u64::from(*count));
+            for (i, (inp, arg)) in inputs.iter().zip(&region.args).enumerate() {
+                let arg_ty = region.ty(arg.value);
+                if i >= nc && i < nc + ns {
+                    if inp.rank() != arg_ty.rank() + 1 || !same_dim(&inp.shape[0], &layers, dims) || !same_shape(&inp.shape[1..], &arg_ty.shape, dims) || inp.dtype != arg_ty.dtype {
+                        return Err(format!("repeat: stacked operand {i} is {inp}, @{} expects [{count}] + {arg_ty}", region.name));
+                    }
+                } else if !inp.same_as(arg_ty, dims) {
+                    return Err(format!("repeat: operand {i} is {inp}, @{} expects {arg_ty}", region.name));
+                }
+            }
+            let mut out = Vec::new();
+            for (i, o) in region.outputs.iter().enumerate() {
+                let t = region.ty(o.value);
+                if i < nc {
+                    let carried = region.ty(region.args[i].value);
+                    if !t.same_as(carried, dims) {
+                        return Err(format!("repeat: @{} returns {t} for carried value {i} of type {carried}", region.name));
+                    }
+                    out.push(t.clone());
+                } else {
+                    let mut s = vec![layers.clone()];
+                    s.extend(t.shape.iter().cloned());
+                    out.push(TensorType::new(t.dtype, s));
+                }
+            }
+            out
+        }
+    };
+    if let Some(decl) = declared {
+        if decl.len() != out.len() {
+            return Err(format!("`{}` produces {} result{}, {} declared", op.name(), out.len(), if out.len() == 1 { "" } else { "s" }, decl.len()));
+        }
+        for (i, (d, o)) in decl.iter().zip(&out).enumerate() {
+            if !d.same_as(o, dims) {
+                return Err(format!("result {i} of `{}` is {o}, declared {d}", op.name()));
+            }
+        }
+    }
+    Ok(out)
+}
+
+fn attention_checks(q: &TensorType, k: &TensorType, v: &TensorType, dims: &DimTable) -> Result<(), String> {
+    need_float(q, "attention q")?;
+    need_rank(q, 4, "attention q [batch, seq, heads, head_dim]")?;
+    need_rank(k, 4, "attention k [batch, seq, kv_heads, head_dim]")?;
+    need_same_dtype(q, k, "attention q/k")?;
+    need_same_type(k, v, dims, "attention: k and v differ")?;
+    need_dim(&q.shape[0], &k.shape[0], dims, "attention: batch of q and k differ")?;
+    need_dim(&q.shape[1], &k.shape[1], dims, "attention: seq of q and k differ")?;
+    need_dim(&q.shape[3], &k.shape[3], dims, "attention: head_dim of q and k differ")?;
+    match (resolve_dim(&q.shape[2], dims), resolve_dim(&k.shape[2], dims)) {
+        (Some(hq), Some(hk)) if hk > 0 && hq % hk == 0 => Ok(()),
+        _ => Err(format!("attention: query heads ({}) must be a multiple of kv heads ({})", q.shape[2], k.shape[2])),
+    }
+}
+
+fn cross_entropy_checks(logits: &TensorType, targets: &TensorType, dims: &DimTable) -> Result<(), String> {
+    need_float(logits, "cross_entropy logits")?;
+    need_int(targets, "cross_entropy targets")?;
+    if logits.rank() != targets.rank() + 1 || !same_shape(&logits.shape[..targets.rank()], &targets.shape, dims) {
+        return Err(format!("cross_entropy: logits {logits} must be targets {targets} plus a vocab dim"));
+    }
+    Ok(())
+}

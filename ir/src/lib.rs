@@ -1,0 +1,19 @@
+//! titan's graph IR: types, ops, graphs, the text format, the verifier and the reference
+//! interpreter (the executable spec every backend is compared against).
+
+pub mod attr;
+pub mod diag;
+pub mod dtype;
+pub mod graph;
+pub mod infer;
+pub mod op;
+pub mod placement;
+pub mod print;
+pub mod shape;
+
+pub use attr::{AttrValue, Attrs};
+pub use dtype::DType;
+pub use graph::{Arg, ArgKind, BlockId, Builder, Graph, Init, Node, NodeId, Output, ParamInfo, Region, Update, Value, ValueData, ValueDef};
+pub use op::{AdamWConfig, BinaryOp, DecayKind, LrSchedule, Op, ReduceKind, RopeConfig, RopeLayout, RopeScaling, UnaryOp};
+pub use placement::Placement;
+pub use shape::{Dim, DimTable, TensorType};

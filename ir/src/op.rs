@@ -1,0 +1,495 @@
+//! The closed set of operations: model-level ops, their backward ops, primitives, the optimizer
+//! ops and the `repeat` op that runs a block once per layer. Each op's name and attributes are
+//! defined here once; the printer, parser and verifier all go through [`Op::name`],
+//! [`Op::attrs`] and [`Op::from_parts`].
+
+use crate::attr::{AttrValue, Attrs};
+use crate::graph::BlockId;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum UnaryOp {
+    Neg,
+    Exp,
+    Log,
+    Sqrt,
+    Rsqrt,
+    Recip,
+    Sigmoid,
+    Silu,
+    Tanh,
+    Abs,
+    Square,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum BinaryOp {
+    Add,
+    Sub,
+    Mul,
+    Div,
+    Max,
+    Min,
+    Pow,
+    /// `silu_grad(x, dy) = dy * silu'(x)`: the backward of silu as one pointwise op.
+    SiluGrad,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ReduceKind {
+    Sum,
+    Max,
+    Mean,
+}
+
+/// Which pairs of the head dimension RoPE rotates together.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum RopeLayout {
+    /// Hugging Face layout: element `j` pairs with `j + head_dim/2` (`rotate_half`).
+    Half,
+    /// Meta layout: element `2j` pairs with `2j + 1`.
+    Interleaved,
+}
+
+/// Llama 3.1 frequency scaling of RoPE (`rope_scaling.rope_type = "llama3"` in HF configs).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct RopeScaling {
+    pub factor: f64,
+    pub low_freq_factor: f64,
+    pub high_freq_factor: f64,
+    pub original_max_position: u64,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct RopeConfig {
+    pub theta: f64,
+    pub layout: RopeLayout,
+    pub scaling: Option<RopeScaling>,
+    /// Rotate by the negative angle: the backward of rope is rope with `inverse = true`.
+    pub inverse: bool,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum DecayKind {
+    Constant,
+    Linear,
+    Cosine,
+}
+
+/// Learning-rate schedule: linear warmup, then a decay to `min_lr_ratio * lr`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LrSchedule {
+    pub lr: f64,
+    pub warmup_steps: u64,
+    pub decay_steps: u64,
+    pub decay: DecayKind,
+    pub min_lr_ratio: f64,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AdamWConfig {
+    pub beta1: f64,
+    pub beta2: f64,
+    pub eps: f64,
+    pub weight_decay: f64,
+}
+
+/// Every operation of the IR. Shapes and dtypes of results are described in `infer.rs`.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Op {
+    // ---- model-level ops ----
+    /// `(tokens int[...], table [V, D]) -> [..., D]`
+    Embedding,
+    /// `(x [..., in], w [out, in]) -> [..., out]`, i.e. `x @ w^T`
+    Linear,
+    /// `(x [..., D], w [D]) -> [..., D]`, computed in f32
+    RmsNorm { eps: f64 },
+    /// `(x [b, s, h, d]) -> [b, s, h, d]`, positions `0..s`
+    Rope(RopeConfig),
+    /// `(q [b, s, hq, d], k [b, s, hkv, d], v [b, s, hkv, d]) -> (out [b, s, hq, d], lse f32[b, hq, s])`
+    Attention { causal: bool, scale: f64 },
+    /// `(logits [..., V], targets int[...]) -> f32[]`, mean over tokens
+    CrossEntropy,
+
+    // ---- backward of model-level ops ----
+    /// `(x, w, dy) -> (dx, dw)`
+    RmsNormBwd { eps: f64 },
+    /// `(q, k, v, out, lse, dout) -> (dq, dk, dv)`
+    AttentionBwd { causal: bool, scale: f64 },
+    /// `(logits, targets, dloss f32[]) -> dlogits`
+    CrossEntropyBwd,
+
+    // ---- primitives ----
+    Unary(UnaryOp),
+    /// Same shapes, or one side a rank-0 scalar.
+    Binary(BinaryOp),
+    /// Result dtype from the declared type.
+    Cast,
+    /// Removes `axes` (sorted, unique).
+    Reduce { kind: ReduceKind, axes: Vec<usize> },
+    /// Result shape from the declared type.
+    Reshape,
+    Transpose { perm: Vec<usize> },
+    /// Input dim `i` becomes output dim `dims[i]` (size equal or 1); output shape declared.
+    Broadcast { dims: Vec<usize> },
+    /// `(a [..., m, k], b [k, n] or [..., k, n]) -> [..., m, n]`, f32 accumulation
+    Matmul { transpose_a: bool, transpose_b: bool },
+    /// `(table [V, r...], idx int[i...]) -> [i..., r...]`: rows of `table`
+    Gather,
+    /// `(idx int[i...], src [i..., r...]) -> [V, r...]`: rows summed into a zero table, V declared
+    ScatterAdd,
+    /// `() -> T`: every element `value`
+    Constant { value: f64 },
+
+    // ---- optimizer ----
+    /// `(step int[]) -> f32[]`: learning rate at 1-based `step`
+    LrSchedule(LrSchedule),
+    /// `(param, grad, m, v, lr f32[], step int[]) -> (param, m, v)`
+    AdamW(AdamWConfig),
+
+    // ---- structure ----
+    /// Run `block` `count` times. Inputs: `carry` carried values, then `stacked` per-layer
+    /// values (leading dim `count`, sliced per layer), then values every layer sees whole.
+    /// Results: the final carried values, then the block's other outputs stacked per layer.
+    /// `reverse` walks layers from `count - 1` down to 0.
+    Repeat { block: BlockId, count: u32, carry: u32, stacked: u32, reverse: bool },
+}
+
+impl UnaryOp {
+    pub const ALL: [UnaryOp; 11] = [
+        UnaryOp::Neg,
+        UnaryOp::Exp,
+        UnaryOp::Log,
+        UnaryOp::Sqrt,
+        UnaryOp::Rsqrt,
+        UnaryOp::Recip,
+        UnaryOp::Sigmoid,
+        UnaryOp::Silu,
+        UnaryOp::Tanh,
+        UnaryOp::Abs,
+        UnaryOp::Square,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            UnaryOp::Neg => "neg",
+            UnaryOp::Exp => "exp",
+            UnaryOp::Log => "log",
+            UnaryOp::Sqrt => "sqrt",
+            UnaryOp::Rsqrt => "rsqrt",
+            UnaryOp::Recip => "recip",
+            UnaryOp::Sigmoid => "sigmoid",
+            UnaryOp::Silu => "silu",
+            UnaryOp::Tanh => "tanh",
+            UnaryOp::Abs => "abs",
+            UnaryOp::Square => "square",
+        }
+    }
+}
+
+impl BinaryOp {
+    pub const ALL: [BinaryOp; 8] = [
+        BinaryOp::Add,
+        BinaryOp::Sub,
+        BinaryOp::Mul,
+        BinaryOp::Div,
+        BinaryOp::Max,
+        BinaryOp::Min,
+        BinaryOp::Pow,
+        BinaryOp::SiluGrad,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            BinaryOp::Add => "add",
+            BinaryOp::Sub => "sub",
+            BinaryOp::Mul => "mul",
+            BinaryOp::Div => "div",
+            BinaryOp::Max => "max",
+            BinaryOp::Min => "min",
+            BinaryOp::Pow => "pow",
+            BinaryOp::SiluGrad => "silu_grad",
+        }
+    }
+}
+
+impl ReduceKind {
+    pub fn op_name(self) -> &'static str {
+        match self {
+            ReduceKind::Sum => "reduce_sum",
+            ReduceKind::Max => "reduce_max",
+            ReduceKind::Mean => "reduce_mean",
+        }
+    }
+}
+
+fn layout_name(l: RopeLayout) -> &'static str {
+    match l {
+        RopeLayout::Half => "half",
+        RopeLayout::Interleaved => "interleaved",
+    }
+}
+
+fn decay_name(d: DecayKind) -> &'static str {
+    match d {
+        DecayKind::Constant => "constant",
+        DecayKind::Linear => "linear",
+        DecayKind::Cosine => "cosine",
+    }
+}
+
+fn f(x: f64) -> AttrValue {
+    AttrValue::Float(x)
+}
+
+fn b(x: bool) -> AttrValue {
+    AttrValue::Bool(x)
+}
+
+fn i(x: u64) -> AttrValue {
+    AttrValue::Int(x as i64)
+}
+
+fn list(xs: &[usize]) -> AttrValue {
+    AttrValue::List(xs.iter().map(|&x| AttrValue::Int(x as i64)).collect())
+}
+
+fn word(s: &str) -> AttrValue {
+    AttrValue::Ident(s.to_string())
+}
+
+impl Op {
+    /// The name the text format uses.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Op::Embedding => "embedding",
+            Op::Linear => "linear",
+            Op::RmsNorm { .. } => "rmsnorm",
+            Op::Rope(_) => "rope",
+            Op::Attention { .. } => "attention",
+            Op::CrossEntropy => "cross_entropy",
+            Op::RmsNormBwd { .. } => "rmsnorm_bwd",
+            Op::AttentionBwd { .. } => "attention_bwd",
+            Op::CrossEntropyBwd => "cross_entropy_bwd",
+            Op::Unary(u) => u.name(),
+            Op::Binary(b) => b.name(),
+            Op::Cast => "cast",
+            Op::Reduce { kind, .. } => kind.op_name(),
+            Op::Reshape => "reshape",
+            Op::Transpose { .. } => "transpose",
+            Op::Broadcast { .. } => "broadcast",
+            Op::Matmul { .. } => "matmul",
+            Op::Gather => "gather",
+            Op::ScatterAdd => "scatter_add",
+            Op::Constant { .. } => "constant",
+            Op::LrSchedule(_) => "lr_schedule",
+            Op::AdamW(_) => "adamw",
+            Op::Repeat { .. } => "repeat",
+        }
+    }
+
+    /// Number of inputs the op takes, `None` when it varies (`repeat`).
+    pub fn arity(&self) -> Option<usize> {
+        Some(match self {
+            Op::Embedding | Op::Linear | Op::RmsNorm { .. } | Op::CrossEntropy => 2,
+            Op::Rope(_) => 1,
+            Op::Attention { .. } => 3,
+            Op::RmsNormBwd { .. } | Op::CrossEntropyBwd => 3,
+            Op::AttentionBwd { .. } => 6,
+            Op::Unary(_) | Op::Cast | Op::Reduce { .. } | Op::Reshape | Op::Transpose { .. } => 1,
+            Op::Broadcast { .. } | Op::LrSchedule(_) => 1,
+            Op::Binary(_) | Op::Matmul { .. } | Op::Gather | Op::ScatterAdd => 2,
+            Op::Constant { .. } => 0,
+            Op::AdamW(_) => 6,
+            Op::Repeat { .. } => return None,
+        })
+    }
+
+    /// Number of results the op produces, `None` when it depends on the block (`repeat`).
+    pub fn num_results(&self) -> Option<usize> {
+        Some(match self {
+            Op::Attention { .. } | Op::RmsNormBwd { .. } => 2,
+            Op::AttentionBwd { .. } | Op::AdamW(_) => 3,
+            Op::Repeat { .. } => return None,
+            _ => 1,
+        })
+    }
+
+    /// Ops whose result type cannot be inferred from the inputs and is taken from the declaration.
+    pub fn result_type_declared(&self) -> bool {
+        matches!(self, Op::Cast | Op::Reshape | Op::Broadcast { .. } | Op::ScatterAdd | Op::Constant { .. })
+    }
+
+    /// Pointwise ops (elementwise over same-shaped operands, scalars broadcast).
+    pub fn is_pointwise(&self) -> bool {
+        matches!(self, Op::Unary(_) | Op::Binary(_) | Op::Cast)
+    }
+
+    /// The attribute dictionary as printed. `block_name` maps a block id to its name.
+    pub fn attrs(&self, block_name: &dyn Fn(BlockId) -> String) -> Attrs {
+        let e: Vec<(&str, AttrValue)> = match self {
+            Op::Embedding
+            | Op::Linear
+            | Op::CrossEntropy
+            | Op::CrossEntropyBwd
+            | Op::Unary(_)
+            | Op::Binary(_)
+            | Op::Cast
+            | Op::Reshape
+            | Op::Gather
+            | Op::ScatterAdd => vec![],
+            Op::RmsNorm { eps } | Op::RmsNormBwd { eps } => vec![("eps", f(*eps))],
+            Op::Rope(r) => {
+                let mut v = vec![("theta", f(r.theta)), ("layout", word(layout_name(r.layout)))];
+                if let Some(s) = r.scaling {
+                    v.push(("scaling_factor", f(s.factor)));
+                    v.push(("low_freq_factor", f(s.low_freq_factor)));
+                    v.push(("high_freq_factor", f(s.high_freq_factor)));
+                    v.push(("original_max_position", i(s.original_max_position)));
+                }
+                if r.inverse {
+                    v.push(("inverse", b(true)));
+                }
+                v
+            }
+            Op::Attention { causal, scale } | Op::AttentionBwd { causal, scale } => {
+                vec![("causal", b(*causal)), ("scale", f(*scale))]
+            }
+            Op::Reduce { axes, .. } => vec![("axes", list(axes))],
+            Op::Transpose { perm } => vec![("perm", list(perm))],
+            Op::Broadcast { dims } => vec![("dims", list(dims))],
+            Op::Matmul { transpose_a, transpose_b } => {
+                vec![("transpose_a", b(*transpose_a)), ("transpose_b", b(*transpose_b))]
+            }
+            Op::Constant { value } => vec![("value", f(*value))],
+            Op::LrSchedule(s) => vec![
+                ("lr", f(s.lr)),
+                ("warmup_steps", i(s.warmup_steps)),
+                ("decay_steps", i(s.decay_steps)),
+                ("decay", word(decay_name(s.decay))),
+                ("min_lr_ratio", f(s.min_lr_ratio)),
+            ],
+            Op::AdamW(c) => vec![
+                ("beta1", f(c.beta1)),
+                ("beta2", f(c.beta2)),
+                ("eps", f(c.eps)),
+                ("weight_decay", f(c.weight_decay)),
+            ],
+            Op::Repeat { block, count, carry, stacked, reverse } => vec![
+                ("block", AttrValue::Symbol(block_name(*block))),
+                ("count", i(u64::from(*count))),
+                ("carry", i(u64::from(*carry))),
+                ("stacked", i(u64::from(*stacked))),
+                ("reverse", b(*reverse)),
+            ],
+        };
+        Attrs::new(e.into_iter().map(|(k, v)| (k.to_string(), v)).collect())
+    }
+
+    /// Build an op from its name and attributes; every attribute must be used.
+    /// `block_id` resolves `@name` references to blocks.
+    pub fn from_parts(name: &str, attrs: Attrs, block_id: &dyn Fn(&str) -> Option<BlockId>) -> Result<Op, String> {
+        let mut a = attrs;
+        let op = match name {
+            "embedding" => Op::Embedding,
+            "linear" => Op::Linear,
+            "cross_entropy" => Op::CrossEntropy,
+            "cross_entropy_bwd" => Op::CrossEntropyBwd,
+            "cast" => Op::Cast,
+            "reshape" => Op::Reshape,
+            "gather" => Op::Gather,
+            "scatter_add" => Op::ScatterAdd,
+            "rmsnorm" => Op::RmsNorm { eps: a.take_f64("eps")? },
+            "rmsnorm_bwd" => Op::RmsNormBwd { eps: a.take_f64("eps")? },
+            "rope" => {
+                let theta = a.take_f64("theta")?;
+                let layout = match a.take_ident("layout")?.as_str() {
+                    "half" => RopeLayout::Half,
+                    "interleaved" => RopeLayout::Interleaved,
+                    other => return Err(format!("unknown rope layout `{other}`; expected `half` or `interleaved`")),
+                };
+                let scaling = match a.get("scaling_factor") {
+                    None => None,
+                    Some(_) => Some(RopeScaling {
+                        factor: a.take_f64("scaling_factor")?,
+                        low_freq_factor: a.take_f64("low_freq_factor")?,
+                        high_freq_factor: a.take_f64("high_freq_factor")?,
+                        original_max_position: a.take_u64("original_max_position")?,
+                    }),
+                };
+                let inverse = match a.get("inverse") {
+                    None => false,
+                    Some(_) => a.take_bool("inverse")?,
+                };
+                Op::Rope(RopeConfig { theta, layout, scaling, inverse })
+            }
+            "attention" | "attention_bwd" => {
+                let causal = a.take_bool("causal")?;
+                let scale = a.take_f64("scale")?;
+                if name == "attention" {
+                    Op::Attention { causal, scale }
+                } else {
+                    Op::AttentionBwd { causal, scale }
+                }
+            }
+            "reduce_sum" | "reduce_max" | "reduce_mean" => {
+                let kind = match name {
+                    "reduce_sum" => ReduceKind::Sum,
+                    "reduce_max" => ReduceKind::Max,
+                    _ => ReduceKind::Mean,
+                };
+                Op::Reduce { kind, axes: a.take_usize_list("axes")? }
+            }
+            "transpose" => Op::Transpose { perm: a.take_usize_list("perm")? },
+            "broadcast" => Op::Broadcast { dims: a.take_usize_list("dims")? },
+            "matmul" => Op::Matmul { transpose_a: a.take_bool("transpose_a")?, transpose_b: a.take_bool("transpose_b")? },
+            "constant" => Op::Constant { value: a.take_f64("value")? },
+            "lr_schedule" => {
+                let lr = a.take_f64("lr")?;
+                let warmup_steps = a.take_u64("warmup_steps")?;
+                let decay_steps = a.take_u64("decay_steps")?;
+                let decay = match a.take_ident("decay")?.as_str() {
+                    "constant" => DecayKind::Constant,
+                    "linear" => DecayKind::Linear,
+                    "cosine" => DecayKind::Cosine,
+                    other => {
+                        return Err(format!("unknown decay `{other}`; expected `constant`, `linear` or `cosine`"));
+                    }
+                };
+                let min_lr_ratio = a.take_f64("min_lr_ratio")?;
+                Op::LrSchedule(LrSchedule { lr, warmup_steps, decay_steps, decay, min_lr_ratio })
+            }
+            "adamw" => Op::AdamW(AdamWConfig {
+                beta1: a.take_f64("beta1")?,
+                beta2: a.take_f64("beta2")?,
+                eps: a.take_f64("eps")?,
+                weight_decay: a.take_f64("weight_decay")?,
+            }),
+            "repeat" => {
+                let block = match a.take_required("block")? {
+                    AttrValue::Symbol(s) => block_id(&s).ok_or_else(|| format!("no block named `@{s}`"))?,
+                    other => return Err(format!("attribute `block` must be a block reference `@name`, found {}", other.kind())),
+                };
+                let small = |a: &mut Attrs, k: &str| -> Result<u32, String> {
+                    let v = a.take_u64(k)?;
+                    u32::try_from(v).map_err(|_| format!("attribute `{k}` is too large"))
+                };
+                let count = small(&mut a, "count")?;
+                let carry = small(&mut a, "carry")?;
+                let stacked = small(&mut a, "stacked")?;
+                let reverse = a.take_bool("reverse")?;
+                Op::Repeat { block, count, carry, stacked, reverse }
+            }
+            other => {
+                if let Some(u) = UnaryOp::ALL.into_iter().find(|u| u.name() == other) {
+                    Op::Unary(u)
+                } else if let Some(bo) = BinaryOp::ALL.into_iter().find(|bo| bo.name() == other) {
+                    Op::Binary(bo)
+                } else {
+                    return Err(format!("unknown op `{other}`"));
+                }
+            }
+        };
+        a.finish(&format!("`{name}`"))?;
+        Ok(op)
+    }
+}
