@@ -6,10 +6,13 @@ pub mod diag;
 pub mod dtype;
 pub mod graph;
 pub mod infer;
+pub mod interp;
 pub mod op;
+pub mod parse;
 pub mod placement;
 pub mod print;
 pub mod shape;
+pub mod verify;
 
 pub use attr::{AttrValue, Attrs};
 pub use dtype::DType;
@@ -17,3 +20,5 @@ pub use graph::{Arg, ArgKind, BlockId, Builder, Graph, Init, Node, NodeId, Outpu
 pub use op::{AdamWConfig, BinaryOp, DecayKind, LrSchedule, Op, ReduceKind, RopeConfig, RopeLayout, RopeScaling, UnaryOp};
 pub use placement::Placement;
 pub use shape::{Dim, DimTable, TensorType};
+pub use parse::{RegionSpans, SourceMap, parse, parse_and_verify, parse_file};
+pub use verify::{Loc, RegionRef, VerifyError, to_diagnostics, verify};

@@ -1,9 +1,15 @@
-//! Passes over the graph IR: autodiff, the training-step lowering, and (later) fusion and
-//! sharding. Each pass is a plain function over the graph returning statistics.
+//! Passes over the graph IR: mixed precision, autodiff, the optimizer step and the
+//! training-step lowering that chains them (later: fusion and sharding). Each pass is a plain
+//! function over the graph returning statistics.
 
+pub mod autodiff;
+pub mod dce;
+pub mod mixed_precision;
+pub mod optimizer;
 pub mod train;
+pub mod util;
 
-pub use train::{TrainOptions, lower_to_train};
+pub use train::{TrainOptions, TrainStats, lower_to_train, lower_to_train_with_stats};
 
 /// A pass failed; the message says what was wrong and where.
 #[derive(Debug, Clone, thiserror::Error)]

@@ -1,7 +1,7 @@
-//! Lowering of a model graph to the training-step graph: forward, backward (autodiff), mixed
-//! precision master weights, gradient clipping and AdamW.
+//! Lowering of a model graph to the training-step graph: fp32 master weights, forward,
+//! backward (autodiff, each block once), gradient clipping and AdamW.
 
-use titan_ir::{DecayKind, Graph};
+use titan_ir::{AttrValue, DecayKind, Graph};
 
 use crate::PassError;
 
@@ -40,8 +40,67 @@ impl Default for TrainOptions {
     }
 }
 
-/// Build the training-step graph of `model`.
+impl TrainOptions {
+    /// Reject settings that would make the step meaningless.
+    pub fn validate(&self) -> Result<(), PassError> {
+        let bad = |message: String| Err(PassError::Failed { pass: "lower-to-train", message });
+        if !(self.lr.is_finite() && self.lr > 0.0) {
+            return bad(format!("lr must be a positive number, found {}", self.lr));
+        }
+        for (k, v) in [("beta1", self.beta1), ("beta2", self.beta2)] {
+            if !(0.0..1.0).contains(&v) {
+                return bad(format!("{k} must be in [0, 1), found {v}"));
+            }
+        }
+        if !(self.eps.is_finite() && self.eps > 0.0) {
+            return bad(format!("eps must be positive, found {}", self.eps));
+        }
+        if !(self.weight_decay.is_finite() && self.weight_decay >= 0.0) {
+            return bad(format!("weight_decay must be >= 0, found {}", self.weight_decay));
+        }
+        if !(0.0..=1.0).contains(&self.min_lr_ratio) {
+            return bad(format!("min_lr_ratio must be in [0, 1], found {}", self.min_lr_ratio));
+        }
+        if let Some(m) = self.max_norm {
+            if !(m.is_finite() && m > 0.0) {
+                return bad(format!("max_norm must be positive (omit it to disable clipping), found {m}"));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Statistics of the whole lowering.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct TrainStats {
+    pub params: usize,
+    pub saved_per_layer: usize,
+    pub backward_nodes: usize,
+    pub dead_nodes_removed: usize,
+}
+
+/// Build the training-step graph of `model`: inputs `tokens`, `targets`, `step`; outputs
+/// `loss`, `grad_norm`, `lr`; every parameter an fp32 master with AdamW moments, updated in place.
 pub fn lower_to_train(model: &Graph, opts: &TrainOptions) -> Result<Graph, PassError> {
-    let _ = (model, opts);
-    Err(PassError::Unsupported { pass: "lower-to-train", what: "the training lowering (being written)".into() })
+    lower_to_train_with_stats(model, opts).map(|(g, _)| g)
+}
+
+pub fn lower_to_train_with_stats(model: &Graph, opts: &TrainOptions) -> Result<(Graph, TrainStats), PassError> {
+    opts.validate()?;
+    let fail = |pass: &'static str| move |message: String| {
+        if message.contains("not supported yet") {
+            PassError::Unsupported { pass, what: message.replace(" is not supported yet", "").replace(" (not supported yet)", "") }
+        } else {
+            PassError::Failed { pass, message }
+        }
+    };
+    let mut g = model.clone();
+    let mp = crate::mixed_precision::master_weights(&mut g).map_err(fail("mixed-precision"))?;
+    let (grads, ad) = crate::autodiff::differentiate_main(&mut g, "loss").map_err(fail("autodiff"))?;
+    crate::optimizer::append_adamw(&mut g, &grads, opts).map_err(fail("adamw"))?;
+    let removed = crate::dce::dce(&mut g);
+    g.canonicalize();
+    g.name = format!("{}_train", model.name);
+    g.meta.entries.push(("step".into(), AttrValue::Str("train".into())));
+    Ok((g, TrainStats { params: mp.params, saved_per_layer: ad.saved_per_layer, backward_nodes: ad.backward_nodes, dead_nodes_removed: removed }))
 }

@@ -1,0 +1,394 @@
+//! The `titanc` command line: the clap argument definitions and every command, run in-process
+//! so tests can call [`execute`] directly. `main.rs` only parses, prints and sets the exit code.
+
+use std::path::{Path, PathBuf};
+
+use clap::{ArgGroup, Args, Parser, Subcommand};
+use titan_ir::diag::SourceError;
+use titan_ir::print::print_graph;
+use titan_ir::{DType, DecayKind, Graph};
+use titan_passes::{PassError, TrainOptions, lower_to_train};
+
+use crate::FrontendError;
+use crate::hf::load_hf_config;
+use crate::llama::{LlamaConfig, LlamaOverrides, Preset, build_llama3};
+use crate::stats::model_stats;
+
+/// Model families `titanc new` can build.
+pub const FAMILIES: [&str; 1] = ["llama3"];
+
+/// Targets `titanc lower --to` accepts.
+pub const LOWER_TARGETS: [&str; 1] = ["train"];
+
+#[derive(Debug, Parser)]
+#[command(name = "titanc", version, about = "titan: an ahead-of-time compiler for training Llama models")]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Print the graph IR of a new model (`titanc new llama3 --preset debug`)
+    New(NewArgs),
+    /// Lower a model graph to the training step (`titanc lower model.ir --to train`)
+    Lower(LowerArgs),
+    /// Parse and verify a graph file, reporting every error
+    Verify(FileArgs),
+    /// Re-print a graph file in canonical form
+    Fmt(FmtArgs),
+    /// Print parameter counts and training FLOPs per token of a model graph
+    Stats(FileArgs),
+}
+
+#[derive(Debug, Args)]
+#[command(group(ArgGroup::new("source").required(true).args(["preset", "from_hf"])))]
+pub struct NewArgs {
+    /// Model family; only `llama3` for now
+    pub family: String,
+    /// Built-in size: debug, 1b, 3b, 8b, 70b or 405b
+    #[arg(long, value_parser = parse_preset)]
+    pub preset: Option<Preset>,
+    /// A Hugging Face Llama config.json to take the sizes from
+    #[arg(long, value_name = "CONFIG_JSON")]
+    pub from_hf: Option<PathBuf>,
+    #[command(flatten)]
+    pub overrides: OverrideArgs,
+    /// Write the IR to FILE instead of stdout
+    #[arg(short, long, value_name = "FILE")]
+    pub output: Option<PathBuf>,
+    /// Also print parameter counts and FLOPs per token to stderr
+    #[arg(long)]
+    pub summary: bool,
+}
+
+/// Values replacing those of the preset or Hugging Face config.
+#[derive(Debug, Default, Args)]
+pub struct OverrideArgs {
+    /// Model dimension
+    #[arg(long)]
+    pub dim: Option<u64>,
+    /// Number of transformer layers
+    #[arg(long)]
+    pub n_layers: Option<u64>,
+    /// Number of query heads
+    #[arg(long)]
+    pub n_heads: Option<u64>,
+    /// Number of key/value heads
+    #[arg(long)]
+    pub n_kv_heads: Option<u64>,
+    /// Feed-forward hidden dimension
+    #[arg(long)]
+    pub ffn_dim: Option<u64>,
+    /// Vocabulary size
+    #[arg(long)]
+    pub vocab_size: Option<u64>,
+    /// Tokens per sequence
+    #[arg(long)]
+    pub seq_len: Option<u64>,
+    /// Sequences per step
+    #[arg(long)]
+    pub batch_size: Option<u64>,
+    /// RoPE base frequency
+    #[arg(long, allow_hyphen_values = true)]
+    pub rope_theta: Option<f64>,
+    /// RMSNorm epsilon
+    #[arg(long, allow_hyphen_values = true)]
+    pub norm_eps: Option<f64>,
+    /// Parameter dtype: bf16, f16 or f32
+    #[arg(long, value_parser = parse_dtype)]
+    pub dtype: Option<DType>,
+    /// Share the embedding table with the output head
+    #[arg(long, conflicts_with = "no_tie_embeddings")]
+    pub tie_embeddings: bool,
+    /// Give the output head its own weight
+    #[arg(long)]
+    pub no_tie_embeddings: bool,
+}
+
+impl OverrideArgs {
+    pub fn to_overrides(&self) -> LlamaOverrides {
+        LlamaOverrides {
+            dim: self.dim,
+            n_layers: self.n_layers,
+            n_heads: self.n_heads,
+            n_kv_heads: self.n_kv_heads,
+            ffn_dim: self.ffn_dim,
+            vocab_size: self.vocab_size,
+            seq_len: self.seq_len,
+            batch_size: self.batch_size,
+            rope_theta: self.rope_theta,
+            norm_eps: self.norm_eps,
+            dtype: self.dtype,
+            tie_embeddings: match (self.tie_embeddings, self.no_tie_embeddings) {
+                (true, _) => Some(true),
+                (false, true) => Some(false),
+                (false, false) => None,
+            },
+        }
+    }
+}
+
+#[derive(Debug, Args)]
+pub struct LowerArgs {
+    /// The model graph file
+    pub file: PathBuf,
+    /// What to lower to; only `train` for now
+    #[arg(long, value_name = "TARGET")]
+    pub to: String,
+    /// Peak learning rate [default: 8e-4]
+    #[arg(long, allow_hyphen_values = true)]
+    pub lr: Option<f64>,
+    /// Linear warmup steps [default: 200]
+    #[arg(long)]
+    pub warmup_steps: Option<u64>,
+    /// Decay steps after warmup [default: 800]
+    #[arg(long)]
+    pub decay_steps: Option<u64>,
+    /// Decay shape: cosine, linear or constant [default: linear]
+    #[arg(long)]
+    pub decay: Option<String>,
+    /// Final learning rate as a fraction of the peak [default: 0]
+    #[arg(long, allow_hyphen_values = true)]
+    pub min_lr_ratio: Option<f64>,
+    /// AdamW beta1 [default: 0.9]
+    #[arg(long, allow_hyphen_values = true)]
+    pub beta1: Option<f64>,
+    /// AdamW beta2 [default: 0.95]
+    #[arg(long, allow_hyphen_values = true)]
+    pub beta2: Option<f64>,
+    /// AdamW epsilon [default: 1e-8]
+    #[arg(long, allow_hyphen_values = true)]
+    pub eps: Option<f64>,
+    /// AdamW weight decay [default: 0.1]
+    #[arg(long, allow_hyphen_values = true)]
+    pub weight_decay: Option<f64>,
+    /// Clip the global gradient norm to this value; 0 disables clipping [default: 1.0]
+    #[arg(long, allow_hyphen_values = true)]
+    pub max_norm: Option<f64>,
+    /// Write the IR to FILE instead of stdout
+    #[arg(short, long, value_name = "FILE")]
+    pub output: Option<PathBuf>,
+}
+
+#[derive(Debug, Args)]
+pub struct FileArgs {
+    /// The graph file
+    pub file: PathBuf,
+}
+
+#[derive(Debug, Args)]
+pub struct FmtArgs {
+    /// The graph file
+    pub file: PathBuf,
+    /// Write the IR to FILE instead of stdout (may be the input file)
+    #[arg(short, long, value_name = "FILE")]
+    pub output: Option<PathBuf>,
+}
+
+fn parse_preset(s: &str) -> Result<Preset, String> {
+    s.parse::<Preset>().map_err(|e| e.to_string())
+}
+
+fn parse_dtype(s: &str) -> Result<DType, String> {
+    s.parse::<DType>()
+}
+
+/// Errors of the `titanc` commands.
+#[derive(Debug, thiserror::Error)]
+pub enum CliError {
+    #[error(transparent)]
+    Frontend(#[from] FrontendError),
+    /// Parse or verification errors, already rendered with `file:line:col` and an excerpt.
+    #[error(transparent)]
+    Source(#[from] SourceError),
+    #[error(transparent)]
+    Pass(#[from] PassError),
+    /// A bad combination or value of command-line options.
+    #[error("{0}")]
+    Usage(String),
+    #[error("cannot write `{file}`: {message}")]
+    Write { file: String, message: String },
+    /// A pass produced a graph that does not verify: a compiler bug, not a user error.
+    #[error("internal error: {what} does not verify (please report it):\n{errors}")]
+    Internal { what: String, errors: String },
+}
+
+impl CliError {
+    /// The text printed on stderr: source diagnostics as they are, others after `error: `.
+    pub fn render(&self) -> String {
+        match self {
+            CliError::Source(e) => e.to_string(),
+            other => format!("error: {other}"),
+        }
+    }
+}
+
+/// What a command prints.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Outcome {
+    pub stdout: String,
+    pub stderr: String,
+}
+
+/// Run one command.
+pub fn execute(cli: &Cli) -> Result<Outcome, CliError> {
+    match &cli.command {
+        Command::New(a) => cmd_new(a),
+        Command::Lower(a) => cmd_lower(a),
+        Command::Verify(a) => cmd_verify(&a.file),
+        Command::Fmt(a) => cmd_fmt(a),
+        Command::Stats(a) => cmd_stats(&a.file),
+    }
+}
+
+/// Parse `args` (the first is the program name) and run the command; `Err` for both bad
+/// arguments (clap's message) and failed commands.
+pub fn run_args<I, T>(args: I) -> Result<Outcome, CliError>
+where
+    I: IntoIterator<Item = T>,
+    T: Into<std::ffi::OsString> + Clone,
+{
+    let cli = Cli::try_parse_from(args).map_err(|e| CliError::Usage(e.to_string().trim_end().trim_start_matches("error: ").to_string()))?;
+    execute(&cli)
+}
+
+/// The configuration and graph-name suffix `titanc new` builds for these arguments.
+pub fn new_config(a: &NewArgs) -> Result<(LlamaConfig, &'static str), CliError> {
+    if !FAMILIES.contains(&a.family.to_ascii_lowercase().as_str()) {
+        return Err(FrontendError::UnknownFamily(a.family.clone()).into());
+    }
+    let (mut cfg, name) = match (a.preset, &a.from_hf) {
+        (Some(p), None) => (LlamaConfig::preset(p), p.name()),
+        (None, Some(path)) => (load_hf_config(path)?, "custom"),
+        _ => return Err(CliError::Usage("give exactly one of --preset and --from-hf".into())),
+    };
+    a.overrides.to_overrides().apply(&mut cfg);
+    cfg.validate()?;
+    Ok((cfg, name))
+}
+
+fn cmd_new(a: &NewArgs) -> Result<Outcome, CliError> {
+    let (cfg, name) = new_config(a)?;
+    let g = build_llama3(&cfg, name)?;
+    let mut out = Outcome::default();
+    if a.summary {
+        out.stderr = model_stats(&g)?.to_string();
+    }
+    emit(a.output.as_deref(), print_graph(&g), &mut out)?;
+    Ok(out)
+}
+
+impl LowerArgs {
+    /// TorchTitan's defaults with the given flags applied, checked for sane ranges.
+    pub fn train_options(&self) -> Result<TrainOptions, CliError> {
+        let mut o = TrainOptions::default();
+        let bad = |m: String| Err(CliError::Usage(m));
+        if let Some(lr) = self.lr {
+            if !(lr.is_finite() && lr > 0.0) {
+                return bad(format!("--lr {lr} must be a positive number such as 8e-4"));
+            }
+            o.lr = lr;
+        }
+        if let Some(w) = self.warmup_steps {
+            o.warmup_steps = w;
+        }
+        if let Some(d) = self.decay_steps {
+            o.decay_steps = d;
+        }
+        if let Some(d) = &self.decay {
+            o.decay = match d.as_str() {
+                "cosine" => DecayKind::Cosine,
+                "linear" => DecayKind::Linear,
+                "constant" => DecayKind::Constant,
+                other => return bad(format!("unknown --decay `{other}`; choose one of: cosine, linear, constant")),
+            };
+        }
+        if let Some(r) = self.min_lr_ratio {
+            if !(0.0..=1.0).contains(&r) {
+                return bad(format!("--min-lr-ratio {r} must be between 0 and 1"));
+            }
+            o.min_lr_ratio = r;
+        }
+        for (flag, v, dst) in [("--beta1", self.beta1, &mut o.beta1), ("--beta2", self.beta2, &mut o.beta2)] {
+            if let Some(v) = v {
+                if !(0.0..1.0).contains(&v) {
+                    return bad(format!("{flag} {v} must be at least 0 and below 1, e.g. 0.9 or 0.95"));
+                }
+                *dst = v;
+            }
+        }
+        if let Some(e) = self.eps {
+            if !(e.is_finite() && e > 0.0) {
+                return bad(format!("--eps {e} must be a positive number such as 1e-8"));
+            }
+            o.eps = e;
+        }
+        if let Some(w) = self.weight_decay {
+            if !(w.is_finite() && w >= 0.0) {
+                return bad(format!("--weight-decay {w} must be 0 or more, e.g. 0.1"));
+            }
+            o.weight_decay = w;
+        }
+        if let Some(m) = self.max_norm {
+            if !(m.is_finite() && m >= 0.0) {
+                return bad(format!("--max-norm {m} must be 0 (no clipping) or a positive number such as 1.0"));
+            }
+            o.max_norm = if m == 0.0 { None } else { Some(m) };
+        }
+        Ok(o)
+    }
+}
+
+fn cmd_lower(a: &LowerArgs) -> Result<Outcome, CliError> {
+    if !LOWER_TARGETS.contains(&a.to.as_str()) {
+        return Err(CliError::Usage(format!("unknown lowering target `{}`; choose one of: {}", a.to, LOWER_TARGETS.join(", "))));
+    }
+    let opts = a.train_options()?;
+    let g = load_graph(&a.file)?;
+    let lowered = lower_to_train(&g, &opts)?;
+    let errors = titan_ir::verify::verify(&lowered);
+    if !errors.is_empty() {
+        let errors = errors.iter().map(|e| format!("  {e}")).collect::<Vec<_>>().join("\n");
+        return Err(CliError::Internal { what: "the training graph".into(), errors });
+    }
+    let mut out = Outcome::default();
+    emit(a.output.as_deref(), print_graph(&lowered), &mut out)?;
+    Ok(out)
+}
+
+fn cmd_verify(file: &Path) -> Result<Outcome, CliError> {
+    let g = load_graph(file)?;
+    let nodes = g.main.order.len();
+    let blocks = g.blocks.len();
+    let plural = |n: usize, w: &str| if n == 1 { format!("{n} {w}") } else { format!("{n} {w}s") };
+    Ok(Outcome { stdout: format!("ok: {} in main, {}\n", plural(nodes, "node"), plural(blocks, "block")), stderr: String::new() })
+}
+
+fn cmd_fmt(a: &FmtArgs) -> Result<Outcome, CliError> {
+    let g = load_graph(&a.file)?;
+    let mut out = Outcome::default();
+    emit(a.output.as_deref(), print_graph(&g), &mut out)?;
+    Ok(out)
+}
+
+fn cmd_stats(file: &Path) -> Result<Outcome, CliError> {
+    let g = load_graph(file)?;
+    Ok(Outcome { stdout: model_stats(&g)?.to_string(), stderr: String::new() })
+}
+
+/// Read, parse and verify a graph file; every problem comes back rendered with its location.
+pub fn load_graph(path: &Path) -> Result<Graph, CliError> {
+    Ok(titan_ir::parse::parse_file(path)?)
+}
+
+/// Write `text` to `path`, or hand it to stdout.
+fn emit(path: Option<&Path>, text: String, out: &mut Outcome) -> Result<(), CliError> {
+    match path {
+        Some(p) => std::fs::write(p, text).map_err(|e| CliError::Write { file: p.display().to_string(), message: e.to_string() }),
+        None => {
+            out.stdout = text;
+            Ok(())
+        }
+    }
+}

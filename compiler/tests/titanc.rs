@@ -1,0 +1,137 @@
+//! End-to-end tests of the `titanc` binary: exit codes, files, and errors without panics.
+
+use std::path::PathBuf;
+use std::process::{Command, Output};
+
+fn titanc(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_titanc")).args(args).output().expect("titanc runs")
+}
+
+fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+/// A fresh scratch directory for one test.
+fn scratch(test: &str) -> PathBuf {
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("titanc-{test}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("create scratch dir");
+    dir
+}
+
+fn assert_no_panic(out: &Output) {
+    let err = text(&out.stderr);
+    assert!(!err.contains("panicked") && !err.contains("RUST_BACKTRACE"), "titanc panicked:\n{err}");
+}
+
+#[test]
+fn new_then_verify_and_fmt() {
+    let dir = scratch("new");
+    let model = dir.join("model.ir");
+    let m = model.to_str().unwrap();
+    let out = titanc(&["new", "llama3", "--preset", "debug", "-o", m]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(out.stdout.is_empty(), "-o writes the file, not stdout");
+    let written = std::fs::read_to_string(&model).unwrap();
+    assert!(written.starts_with("graph @llama3_debug {"), "{written}");
+
+    let out = titanc(&["verify", m]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_eq!(text(&out.stdout), "ok: 5 nodes in main, 1 block\n");
+
+    let out = titanc(&["fmt", m]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_eq!(text(&out.stdout), written, "fmt of printed IR is the identity");
+
+    let out = titanc(&["stats", m]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(text(&out.stdout).contains("parameters:"), "{}", text(&out.stdout));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn new_prints_to_stdout_and_summary_to_stderr() {
+    let out = titanc(&["new", "llama3", "--preset", "8b", "--summary"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(text(&out.stdout).starts_with("graph @llama3_8b {"));
+    assert!(text(&out.stderr).contains("8,030,261,248"), "{}", text(&out.stderr));
+}
+
+#[test]
+fn malformed_file_reports_location_and_exits_1() {
+    let dir = scratch("bad");
+    // A syntax error (unknown op) and a typing error (declared type disagrees), both on line 4.
+    let files = [
+        ("syntax.ir", "graph @g {\n  func @main {\n    input %x : f32[4]\n    %y = frobnicate(%x) : f32[4]\n    output loss = %y\n  }\n}\n"),
+        ("types.ir", "graph @g {\n  func @main {\n    input %x : f32[4]\n    %y = exp(%x) : f32[5]\n    output loss = %y\n  }\n}\n"),
+    ];
+    for (name, src) in files {
+        let bad = dir.join(name);
+        std::fs::write(&bad, src).unwrap();
+        for cmd in ["verify", "fmt", "stats"] {
+            let out = titanc(&[cmd, bad.to_str().unwrap()]);
+            assert_eq!(out.status.code(), Some(1), "{cmd} {name}: {}", text(&out.stderr));
+            assert_no_panic(&out);
+            let err = text(&out.stderr);
+            assert!(err.contains(&format!("{name}:4:")), "{cmd}: expected {name}:4:col in\n{err}");
+            assert!(out.stdout.is_empty());
+        }
+        let out = titanc(&["lower", bad.to_str().unwrap(), "--to", "train"]);
+        assert_eq!(out.status.code(), Some(1));
+        assert_no_panic(&out);
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn user_errors_exit_1_without_panicking() {
+    let cases: &[(&[&str], &str)] = &[
+        (&["new", "llama3", "--preset", "debug", "--n-heads", "6"], "n_heads=6 does not divide dim=64"),
+        (&["new", "llama4", "--preset", "debug"], "choose one of: llama3"),
+        (&["new", "llama3", "--from-hf", "no/such/config.json"], "cannot read `no/such/config.json`"),
+        (&["new", "llama3", "--preset", "8b", "--from-hf", "x.json"], "cannot be used with"),
+        (&["new", "llama3", "--preset", "7b"], "unknown preset `7b`"),
+        (&["verify", "no/such/model.ir"], "no/such/model.ir"),
+        (&["lower", "no/such/model.ir", "--to", "serve"], "choose one of: train"),
+        (&["new", "llama3", "--preset", "debug", "--seq-len", "99999999999999"], "seq_len=99999999999999 is too large"),
+    ];
+    for (args, needle) in cases {
+        let out = titanc(args);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {}", text(&out.stderr));
+        assert_no_panic(&out);
+        assert!(text(&out.stderr).contains(needle), "{args:?}: expected `{needle}` in\n{}", text(&out.stderr));
+    }
+}
+
+#[test]
+fn lower_to_train_runs_or_reports_an_error() {
+    let dir = scratch("lower");
+    let model = dir.join("model.ir");
+    let m = model.to_str().unwrap();
+    assert!(titanc(&["new", "llama3", "--preset", "debug", "-o", m]).status.success());
+    let train = dir.join("train.ir");
+    let out = titanc(&["lower", m, "--to", "train", "--lr", "1e-3", "--max-norm", "0", "-o", train.to_str().unwrap()]);
+    assert_no_panic(&out);
+    if out.status.success() {
+        // The lowered graph is valid IR.
+        let v = titanc(&["verify", train.to_str().unwrap()]);
+        assert!(v.status.success(), "{}", text(&v.stderr));
+        let lowered = std::fs::read_to_string(&train).unwrap();
+        assert!(lowered.contains("adamw(") && lowered.contains("lr = 0.001"), "{lowered}");
+        // Stats want the model graph: the training step keeps weights as state.
+        let s = titanc(&["stats", train.to_str().unwrap()]);
+        assert_eq!(s.status.code(), Some(1));
+        assert!(text(&s.stderr).contains("run stats on the model graph"), "{}", text(&s.stderr));
+    } else {
+        assert_eq!(out.status.code(), Some(1));
+        assert!(text(&out.stderr).starts_with("error: "), "{}", text(&out.stderr));
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn help_succeeds() {
+    let out = titanc(&["--help"]);
+    assert!(out.status.success());
+    assert!(text(&out.stdout).contains("lower"));
+}

@@ -1,0 +1,312 @@
+//! Vector-Jacobian products of every differentiable op, emitted as IR ops.
+
+use titan_ir::{BinaryOp, Builder, DType, Op, ReduceKind, RopeConfig, TensorType, UnaryOp, Value};
+
+use crate::util::{flatten_leading, scalar};
+
+/// Which primal values a rule reads: inputs by position, results by position.
+pub struct Needs {
+    pub inputs: Vec<bool>,
+    pub results: Vec<bool>,
+}
+
+fn needs(n_in: usize, n_out: usize, inputs: &[usize], results: &[usize]) -> Needs {
+    Needs { inputs: (0..n_in).map(|i| inputs.contains(&i)).collect(), results: (0..n_out).map(|i| results.contains(&i)).collect() }
+}
+
+/// The primal values the VJP of `op` reads (so a block saves only those for the backward).
+pub fn vjp_needs(op: &Op, n_in: usize, n_out: usize) -> Needs {
+    match op {
+        Op::Embedding | Op::Gather => needs(n_in, n_out, &[if matches!(op, Op::Embedding) { 0 } else { 1 }], &[]),
+        Op::ScatterAdd => needs(n_in, n_out, &[0], &[]),
+        Op::Linear | Op::RmsNorm { .. } | Op::CrossEntropy | Op::Matmul { .. } => needs(n_in, n_out, &[0, 1], &[]),
+        Op::Attention { .. } => needs(n_in, n_out, &[0, 1, 2], &[0, 1]),
+        Op::Unary(u) => match u {
+            UnaryOp::Neg => needs(n_in, n_out, &[], &[]),
+            UnaryOp::Log | UnaryOp::Silu | UnaryOp::Square => needs(n_in, n_out, &[0], &[]),
+            UnaryOp::Abs => needs(n_in, n_out, &[0], &[0]),
+            _ => needs(n_in, n_out, &[], &[0]),
+        },
+        Op::Binary(bo) => match bo {
+            BinaryOp::Add | BinaryOp::Sub => needs(n_in, n_out, &[], &[]),
+            BinaryOp::Mul => needs(n_in, n_out, &[0, 1], &[]),
+            BinaryOp::Div => needs(n_in, n_out, &[1], &[0]),
+            BinaryOp::Pow => needs(n_in, n_out, &[0, 1], &[0]),
+            _ => needs(n_in, n_out, &[], &[]),
+        },
+        _ => needs(n_in, n_out, &[], &[]),
+    }
+}
+
+/// Inputs of a VJP: primal values (where [`vjp_needs`] asked for them), primal types, and the
+/// cotangents of the results.
+pub struct VjpArgs<'a> {
+    pub x: &'a [Option<Value>],
+    pub y: &'a [Option<Value>],
+    pub x_ty: &'a [TensorType],
+    pub y_ty: &'a [TensorType],
+    pub dy: &'a [Option<Value>],
+}
+
+impl VjpArgs<'_> {
+    fn x(&self, i: usize) -> Value {
+        self.x[i].expect("invariant: vjp_needs lists every primal input a rule reads")
+    }
+    fn y(&self, i: usize) -> Value {
+        self.y[i].expect("invariant: vjp_needs lists every primal result a rule reads")
+    }
+}
+
+fn un(b: &mut Builder, u: UnaryOp, x: Value) -> Result<Value, String> {
+    b.push1(Op::Unary(u), &[x])
+}
+
+fn bin(b: &mut Builder, op: BinaryOp, x: Value, y: Value) -> Result<Value, String> {
+    b.push1(Op::Binary(op), &[x, y])
+}
+
+/// Sum `g` (shaped like the result) down to a rank-0 operand's shape when it was broadcast.
+fn unbroadcast(b: &mut Builder, g: Value, operand: &TensorType) -> Result<Value, String> {
+    let rank = b.ty(g).rank();
+    if operand.rank() == 0 && rank > 0 {
+        b.push1(Op::Reduce { kind: ReduceKind::Sum, axes: (0..rank).collect() }, &[g])
+    } else {
+        Ok(g)
+    }
+}
+
+/// Emit the VJP of one node. Returns one cotangent per input (`None`: no gradient flows).
+pub fn vjp(op: &Op, a: &VjpArgs, b: &mut Builder) -> Result<Vec<Option<Value>>, String> {
+    let dims = b.ctx.dims;
+    let none = |n: usize| vec![None; n];
+    // Most rules need the cotangent of result 0.
+    let dy0 = a.dy.first().copied().flatten();
+    Ok(match op {
+        Op::Embedding => {
+            let Some(dy) = dy0 else { return Ok(none(2)) };
+            let table = b.push_typed(Op::ScatterAdd, &[a.x(0), dy], a.x_ty[1].clone())?;
+            vec![None, Some(table)]
+        }
+        Op::Gather => {
+            let Some(dy) = dy0 else { return Ok(none(2)) };
+            let table = b.push_typed(Op::ScatterAdd, &[a.x(1), dy], a.x_ty[0].clone())?;
+            vec![Some(table), None]
+        }
+        Op::ScatterAdd => {
+            let Some(dy) = dy0 else { return Ok(none(2)) };
+            vec![None, Some(b.push1(Op::Gather, &[dy, a.x(0)])?)]
+        }
+        Op::Linear => {
+            let Some(dy) = dy0 else { return Ok(none(2)) };
+            let (x, w) = (a.x(0), a.x(1));
+            let dx = b.push1(Op::Matmul { transpose_a: false, transpose_b: false }, &[dy, w])?;
+            let (x2, dy2) = if a.x_ty[0].rank() == 2 {
+                (x, dy)
+            } else {
+                let x2 = b.push_typed(Op::Reshape, &[x], flatten_leading(&a.x_ty[0], dims)?)?;
+                let dy_ty = b.ty(dy).clone();
+                let dy2 = b.push_typed(Op::Reshape, &[dy], flatten_leading(&dy_ty, dims)?)?;
+                (x2, dy2)
+            };
+            let dw = b.push1(Op::Matmul { transpose_a: true, transpose_b: false }, &[dy2, x2])?;
+            vec![Some(dx), Some(dw)]
+        }
+        Op::RmsNorm { eps } => {
+            let Some(dy) = dy0 else { return Ok(none(2)) };
+            let r = b.push(Op::RmsNormBwd { eps: *eps }, &[a.x(0), a.x(1), dy])?;
+            vec![Some(r[0]), Some(r[1])]
+        }
+        Op::Rope(cfg) => {
+            let Some(dy) = dy0 else { return Ok(none(1)) };
+            let inv = RopeConfig { inverse: !cfg.inverse, ..*cfg };
+            vec![Some(b.push1(Op::Rope(inv), &[dy])?)]
+        }
+        Op::Attention { causal, scale } => {
+            if a.dy.get(1).copied().flatten().is_some() {
+                return Err("differentiating through attention's logsumexp result is not supported yet".into());
+            }
+            let Some(d_out) = dy0 else { return Ok(none(3)) };
+            let r = b.push(Op::AttentionBwd { causal: *causal, scale: *scale }, &[a.x(0), a.x(1), a.x(2), a.y(0), a.y(1), d_out])?;
+            vec![Some(r[0]), Some(r[1]), Some(r[2])]
+        }
+        Op::CrossEntropy => {
+            let Some(dl) = dy0 else { return Ok(none(2)) };
+            vec![Some(b.push1(Op::CrossEntropyBwd, &[a.x(0), a.x(1), dl])?), None]
+        }
+        Op::Unary(u) => {
+            let Some(dy) = dy0 else { return Ok(none(1)) };
+            let dt = a.x_ty[0].dtype;
+            let dx = match u {
+                UnaryOp::Neg => un(b, UnaryOp::Neg, dy)?,
+                UnaryOp::Exp => bin(b, BinaryOp::Mul, dy, a.y(0))?,
+                UnaryOp::Log => bin(b, BinaryOp::Div, dy, a.x(0))?,
+                UnaryOp::Sqrt => {
+                    let q = bin(b, BinaryOp::Div, dy, a.y(0))?;
+                    let half = scalar(b, 0.5, dt)?;
+                    bin(b, BinaryOp::Mul, q, half)?
+                }
+                UnaryOp::Rsqrt => {
+                    // d/dx x^-1/2 = -1/2 y^3
+                    let y = a.y(0);
+                    let y2 = un(b, UnaryOp::Square, y)?;
+                    let y3 = bin(b, BinaryOp::Mul, y2, y)?;
+                    let c = scalar(b, -0.5, dt)?;
+                    let s = bin(b, BinaryOp::Mul, y3, c)?;
+                    bin(b, BinaryOp::Mul, dy, s)?
+                }
+                UnaryOp::Recip => {
+                    let y2 = un(b, UnaryOp::Square, a.y(0))?;
+                    let t = bin(b, BinaryOp::Mul, dy, y2)?;
+                    un(b, UnaryOp::Neg, t)?
+                }
+                UnaryOp::Sigmoid => {
+                    let y = a.y(0);
+                    let one = scalar(b, 1.0, dt)?;
+                    let om = bin(b, BinaryOp::Sub, one, y)?;
+                    let s = bin(b, BinaryOp::Mul, y, om)?;
+                    bin(b, BinaryOp::Mul, dy, s)?
+                }
+                UnaryOp::Silu => bin(b, BinaryOp::SiluGrad, a.x(0), dy)?,
+                UnaryOp::Tanh => {
+                    let y2 = un(b, UnaryOp::Square, a.y(0))?;
+                    let one = scalar(b, 1.0, dt)?;
+                    let s = bin(b, BinaryOp::Sub, one, y2)?;
+                    bin(b, BinaryOp::Mul, dy, s)?
+                }
+                UnaryOp::Abs => {
+                    // sign(x) = x / max(|x|, tiny): 0 at 0
+                    let tiny = scalar(b, 1e-30, dt)?;
+                    let den = bin(b, BinaryOp::Max, a.y(0), tiny)?;
+                    let sign = bin(b, BinaryOp::Div, a.x(0), den)?;
+                    bin(b, BinaryOp::Mul, dy, sign)?
+                }
+                UnaryOp::Square => {
+                    let two = scalar(b, 2.0, dt)?;
+                    let t = bin(b, BinaryOp::Mul, a.x(0), two)?;
+                    bin(b, BinaryOp::Mul, dy, t)?
+                }
+            };
+            vec![Some(dx)]
+        }
+        Op::Binary(bo) => {
+            let Some(dy) = dy0 else { return Ok(none(2)) };
+            let (ta, tb) = (&a.x_ty[0], &a.x_ty[1]);
+            let (da, db) = match bo {
+                BinaryOp::Add => (dy, dy),
+                BinaryOp::Sub => (dy, un(b, UnaryOp::Neg, dy)?),
+                BinaryOp::Mul => (bin(b, BinaryOp::Mul, dy, a.x(1))?, bin(b, BinaryOp::Mul, dy, a.x(0))?),
+                BinaryOp::Div => {
+                    let da = bin(b, BinaryOp::Div, dy, a.x(1))?;
+                    let t = bin(b, BinaryOp::Mul, dy, a.y(0))?;
+                    let t = bin(b, BinaryOp::Div, t, a.x(1))?;
+                    (da, un(b, UnaryOp::Neg, t)?)
+                }
+                BinaryOp::Pow => {
+                    // d/da = b * y / a ; d/db = y * log(a)
+                    let t = bin(b, BinaryOp::Mul, a.y(0), a.x(1))?;
+                    let t = bin(b, BinaryOp::Div, t, a.x(0))?;
+                    let da = bin(b, BinaryOp::Mul, dy, t)?;
+                    let la = un(b, UnaryOp::Log, a.x(0))?;
+                    let t = bin(b, BinaryOp::Mul, a.y(0), la)?;
+                    (da, bin(b, BinaryOp::Mul, dy, t)?)
+                }
+                BinaryOp::Max | BinaryOp::Min | BinaryOp::SiluGrad => {
+                    return Err(format!("differentiating `{}` is not supported yet", bo.name()));
+                }
+            };
+            vec![Some(unbroadcast(b, da, ta)?), Some(unbroadcast(b, db, tb)?)]
+        }
+        Op::Cast => {
+            let Some(dy) = dy0 else { return Ok(none(1)) };
+            if a.x_ty[0].dtype.is_int() {
+                return Ok(none(1));
+            }
+            vec![Some(b.push_typed(Op::Cast, &[dy], a.x_ty[0].clone())?)]
+        }
+        Op::Reshape => {
+            let Some(dy) = dy0 else { return Ok(none(1)) };
+            vec![Some(b.push_typed(Op::Reshape, &[dy], a.x_ty[0].clone())?)]
+        }
+        Op::Transpose { perm } => {
+            let Some(dy) = dy0 else { return Ok(none(1)) };
+            let mut inv = vec![0; perm.len()];
+            for (i, &p) in perm.iter().enumerate() {
+                inv[p] = i;
+            }
+            vec![Some(b.push1(Op::Transpose { perm: inv }, &[dy])?)]
+        }
+        Op::Reduce { kind, axes } => {
+            let Some(dy) = dy0 else { return Ok(none(1)) };
+            let x_ty = &a.x_ty[0];
+            let keep: Vec<usize> = (0..x_ty.rank()).filter(|i| !axes.contains(i)).collect();
+            let g = match kind {
+                ReduceKind::Sum => dy,
+                ReduceKind::Mean => {
+                    let n: u64 = axes
+                        .iter()
+                        .map(|&ax| titan_ir::shape::resolve_dim(&x_ty.shape[ax], dims).ok_or_else(|| format!("unbound dimension `{}`", x_ty.shape[ax])))
+                        .product::<Result<u64, String>>()?;
+                    let c = scalar(b, 1.0 / n as f64, x_ty.dtype)?;
+                    bin(b, BinaryOp::Mul, dy, c)?
+                }
+                ReduceKind::Max => return Err("differentiating `reduce_max` is not supported yet".into()),
+            };
+            vec![Some(b.push_typed(Op::Broadcast { dims: keep }, &[g], x_ty.clone())?)]
+        }
+        Op::Broadcast { dims: map } => {
+            let Some(dy) = dy0 else { return Ok(none(1)) };
+            let x_ty = &a.x_ty[0];
+            let out_ty = &a.y_ty[0];
+            let mut axes = Vec::new();
+            for o in 0..out_ty.rank() {
+                match map.iter().position(|&m| m == o) {
+                    None => axes.push(o),
+                    Some(i) => {
+                        let xi = titan_ir::shape::resolve_dim(&x_ty.shape[i], dims);
+                        let oi = titan_ir::shape::resolve_dim(&out_ty.shape[o], dims);
+                        if xi == Some(1) && oi != Some(1) {
+                            axes.push(o);
+                        }
+                    }
+                }
+            }
+            let r = if axes.is_empty() { dy } else { b.push1(Op::Reduce { kind: ReduceKind::Sum, axes }, &[dy])? };
+            vec![Some(b.push_typed(Op::Reshape, &[r], x_ty.clone())?)]
+        }
+        Op::Matmul { transpose_a: ta, transpose_b: tb } => {
+            let Some(dy) = dy0 else { return Ok(none(2)) };
+            let (ra, rb) = (a.x_ty[0].rank(), a.x_ty[1].rank());
+            let (x, w) = (a.x(0), a.x(1));
+            let mm = |b: &mut Builder, ta: bool, tb: bool, l: Value, r: Value| b.push1(Op::Matmul { transpose_a: ta, transpose_b: tb }, &[l, r]);
+            let da = if !*ta {
+                mm(b, false, !*tb, dy, w)?
+            } else if ra == 2 || rb > 2 {
+                mm(b, *tb, true, w, dy)?
+            } else {
+                return Err("differentiating a transposed batched matmul with a shared 2-d rhs is not supported yet".into());
+            };
+            let db = if rb > 2 || ra == 2 {
+                if *tb { mm(b, true, *ta, dy, x)? } else { mm(b, !*ta, false, x, dy)? }
+            } else if !*ta {
+                // 2-d rhs shared across the batch: flatten the batch into rows.
+                let x2 = b.push_typed(Op::Reshape, &[x], flatten_leading(&a.x_ty[0], dims)?)?;
+                let dy_ty = b.ty(dy).clone();
+                let dy2 = b.push_typed(Op::Reshape, &[dy], flatten_leading(&dy_ty, dims)?)?;
+                if *tb { mm(b, true, false, dy2, x2)? } else { mm(b, true, false, x2, dy2)? }
+            } else {
+                return Err("differentiating a transposed batched matmul with a shared 2-d rhs is not supported yet".into());
+            };
+            vec![Some(da), Some(db)]
+        }
+        Op::Constant { .. } => vec![],
+        Op::RmsNormBwd { .. } | Op::AttentionBwd { .. } | Op::CrossEntropyBwd | Op::LrSchedule(_) | Op::AdamW(_) => {
+            return Err(format!("differentiating `{}` is not supported", op.name()));
+        }
+        Op::Repeat { .. } => return Err("invariant: repeat is differentiated by the region driver".into()),
+    })
+}
+
+/// Whether gradients flow into values of this dtype.
+pub fn differentiable(dt: DType) -> bool {
+    dt.is_float()
+}

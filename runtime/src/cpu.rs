@@ -1,0 +1,210 @@
+//! The CPU backend: runs a training-step graph on the reference interpreter, keeping the
+//! state buffers (master weights, AdamW moments) between steps.
+
+use std::time::Instant;
+
+use titan_ir::interp::{Interpreter, Precision, Tensor};
+use titan_ir::{ArgKind, DType, Graph, ParamInfo};
+
+use crate::RuntimeError;
+use crate::data::Batch;
+use crate::init::init_values;
+
+/// What the runtime feeds to each argument of `main`.
+#[derive(Clone, Debug, PartialEq)]
+enum Feed {
+    Tokens,
+    Targets,
+    Step,
+    State(ParamInfo),
+}
+
+/// The metrics of one training step.
+#[derive(Clone, Debug, PartialEq)]
+pub struct StepMetrics {
+    pub step: u64,
+    pub loss: f64,
+    pub grad_norm: f64,
+    pub lr: f64,
+    pub tokens_per_s: f64,
+}
+
+/// Runs steps of a training graph on the CPU reference interpreter.
+pub struct CpuTrainer<'g> {
+    graph: &'g Graph,
+    interp: Interpreter<'g>,
+    feeds: Vec<Feed>,
+    /// Current value of every argument (inputs are overwritten each step).
+    args: Vec<Tensor<f32>>,
+    /// For each `update`, the argument it writes.
+    update_args: Vec<usize>,
+    /// Positions of `loss`, `grad_norm`, `lr` among the outputs.
+    out_loss: usize,
+    out_grad_norm: Option<usize>,
+    out_lr: Option<usize>,
+    batch: usize,
+    seq: usize,
+    vocab: usize,
+    step: u64,
+}
+
+fn resolve(graph: &Graph, v: titan_ir::Value) -> Result<Vec<usize>, RuntimeError> {
+    graph.main.ty(v).resolve(&graph.dims).map_err(RuntimeError::Graph)
+}
+
+impl<'g> CpuTrainer<'g> {
+    /// Prepare a training graph: check its interface and initialize every state buffer from
+    /// its `init` attribute with `seed`.
+    pub fn new(graph: &'g Graph, seed: u64) -> Result<CpuTrainer<'g>, RuntimeError> {
+        let main = &graph.main;
+        let mut feeds = Vec::new();
+        let mut args = Vec::new();
+        let (mut batch, mut seq) = (0, 0);
+        for a in &main.args {
+            let ty = main.ty(a.value);
+            let shape = resolve(graph, a.value)?;
+            let name = main.value(a.value).name.clone().unwrap_or_default();
+            match &a.kind {
+                ArgKind::Input => {
+                    let feed = match name.as_str() {
+                        "tokens" => Feed::Tokens,
+                        "targets" => Feed::Targets,
+                        "step" => Feed::Step,
+                        other => {
+                            return Err(RuntimeError::Graph(format!(
+                                "input `%{other}` is not one titan-run feeds (tokens, targets, step); is this a training graph from `titanc lower --to train`?"
+                            )));
+                        }
+                    };
+                    if matches!(feed, Feed::Tokens | Feed::Targets) {
+                        if shape.len() != 2 || !ty.dtype.is_int() {
+                            return Err(RuntimeError::Graph(format!("input `%{name}` must be an integer [batch, seq] tensor, found {ty}")));
+                        }
+                        (batch, seq) = (shape[0], shape[1]);
+                    }
+                    if feed == Feed::Step && (!shape.is_empty() || !ty.dtype.is_int()) {
+                        return Err(RuntimeError::Graph(format!("input `%step` must be an integer scalar, found {ty}")));
+                    }
+                    args.push(Tensor::zeros(ty.dtype, shape));
+                    feeds.push(feed);
+                }
+                ArgKind::State(p) | ArgKind::Param(p) => {
+                    if ty.dtype.is_int() {
+                        return Err(RuntimeError::Graph(format!("state `{}` has an integer type {ty}; titan-run initializes float state only", p.name)));
+                    }
+                    let (layers, per_layer) = if p.is_stacked() {
+                        let l = shape.first().copied().ok_or_else(|| RuntimeError::Graph(format!("stacked parameter `{}` must have a leading layer dim", p.name)))?;
+                        (l, shape[1..].iter().product())
+                    } else {
+                        (1, shape.iter().product())
+                    };
+                    let values = init_values(p.init, layers, per_layer, seed, &|l| p.layer_name(l)).map_err(|e| RuntimeError::Graph(format!("initializing `{}`: {e}", p.name)))?;
+                    let mut t = Tensor::from_vec(DType::F32, shape, values).map_err(RuntimeError::Graph)?;
+                    if ty.dtype != DType::F32 {
+                        // Parameters stored in a low-precision dtype start from rounded values.
+                        if let Some(xs) = t.floats_mut() {
+                            for x in xs.iter_mut() {
+                                *x = titan_ir::interp::round_to_dtype(*x, ty.dtype);
+                            }
+                        }
+                        t.dtype = ty.dtype;
+                    }
+                    args.push(t);
+                    feeds.push(Feed::State(p.clone()));
+                }
+                ArgKind::Block => return Err(RuntimeError::Graph("main has a block argument".into())),
+            }
+        }
+        for f in [Feed::Tokens, Feed::Targets, Feed::Step] {
+            if !feeds.contains(&f) {
+                return Err(RuntimeError::Graph(format!("the graph has no `{f:?}` input; is this a training graph from `titanc lower --to train`?").to_lowercase()));
+            }
+        }
+        let mut update_args = Vec::new();
+        for u in &main.updates {
+            let i = main.args.iter().position(|a| a.value == u.state).ok_or_else(|| RuntimeError::Graph("an update targets a value that is not an argument".into()))?;
+            update_args.push(i);
+        }
+        let out = |name: &str| main.outputs.iter().position(|o| o.name.as_deref() == Some(name));
+        let out_loss = out("loss").ok_or_else(|| RuntimeError::Graph("the graph has no `loss` output".into()))?;
+        let vocab = graph.meta_i64("vocab_size").map(|v| v as usize).unwrap_or(256);
+        Ok(CpuTrainer {
+            graph,
+            interp: Interpreter::new(graph, Precision::Emulate),
+            feeds,
+            args,
+            update_args,
+            out_loss,
+            out_grad_norm: out("grad_norm"),
+            out_lr: out("lr"),
+            batch,
+            seq,
+            vocab,
+            step: 0,
+        })
+    }
+
+    pub fn batch_size(&self) -> usize {
+        self.batch
+    }
+
+    pub fn seq_len(&self) -> usize {
+        self.seq
+    }
+
+    pub fn vocab_size(&self) -> usize {
+        self.vocab
+    }
+
+    pub fn graph(&self) -> &Graph {
+        self.graph
+    }
+
+    /// Steps taken so far.
+    pub fn steps_done(&self) -> u64 {
+        self.step
+    }
+
+    /// The state buffers by checkpoint name (stacked ones carry `{i}`).
+    pub fn states(&self) -> impl Iterator<Item = (&ParamInfo, &Tensor<f32>)> {
+        self.feeds.iter().zip(&self.args).filter_map(|(f, t)| match f {
+            Feed::State(p) => Some((p, t)),
+            _ => None,
+        })
+    }
+
+    /// Run one training step on `batch`.
+    pub fn step(&mut self, batch: &Batch) -> Result<StepMetrics, RuntimeError> {
+        let n = self.batch * self.seq;
+        if batch.tokens.len() != n || batch.targets.len() != n {
+            return Err(RuntimeError::Data(format!("a batch has {} tokens, the graph takes batch {} x seq {}", batch.tokens.len(), self.batch, self.seq)));
+        }
+        if let Some(&t) = batch.tokens.iter().chain(&batch.targets).find(|&&t| t < 0 || t as usize >= self.vocab) {
+            return Err(RuntimeError::Data(format!("token id {t} is outside the vocabulary of {} entries", self.vocab)));
+        }
+        self.step += 1;
+        for (f, t) in self.feeds.iter().zip(self.args.iter_mut()) {
+            let (dtype, shape) = (t.dtype, t.shape.clone());
+            match f {
+                Feed::Tokens => *t = Tensor::from_ints(dtype, shape, batch.tokens.clone()).map_err(RuntimeError::Data)?,
+                Feed::Targets => *t = Tensor::from_ints(dtype, shape, batch.targets.clone()).map_err(RuntimeError::Data)?,
+                Feed::Step => *t = Tensor::from_ints(dtype, shape, vec![self.step as i64]).map_err(RuntimeError::Data)?,
+                Feed::State(_) => {}
+            }
+        }
+        let start = Instant::now();
+        let result = self.interp.run(&self.args)?;
+        let secs = start.elapsed().as_secs_f64();
+        for (&i, t) in self.update_args.iter().zip(result.updates) {
+            self.args[i] = t;
+        }
+        let scalar = |i: usize| -> f64 { result.outputs.get(i).map(|t| t.to_f64_vec().first().copied().unwrap_or(f64::NAN)).unwrap_or(f64::NAN) };
+        Ok(StepMetrics {
+            step: self.step,
+            loss: scalar(self.out_loss),
+            grad_norm: self.out_grad_norm.map_or(f64::NAN, scalar),
+            lr: self.out_lr.map_or(f64::NAN, scalar),
+            tokens_per_s: n as f64 / secs.max(1e-9),
+        })
+    }
+}
