@@ -3,6 +3,7 @@
 //! function over the graph returning statistics.
 
 pub mod autodiff;
+pub mod cse;
 pub mod dce;
 pub mod mixed_precision;
 pub mod optimizer;

@@ -77,6 +77,7 @@ pub struct TrainStats {
     pub saved_per_layer: usize,
     pub backward_nodes: usize,
     pub dead_nodes_removed: usize,
+    pub duplicates_merged: usize,
 }
 
 /// Build the training-step graph of `model`: inputs `tokens`, `targets`, `step`; outputs
@@ -98,9 +99,10 @@ pub fn lower_to_train_with_stats(model: &Graph, opts: &TrainOptions) -> Result<(
     let mp = crate::mixed_precision::master_weights(&mut g).map_err(fail("mixed-precision"))?;
     let (grads, ad) = crate::autodiff::differentiate_main(&mut g, "loss").map_err(fail("autodiff"))?;
     crate::optimizer::append_adamw(&mut g, &grads, opts).map_err(fail("adamw"))?;
+    let merged = crate::cse::cse(&mut g);
     let removed = crate::dce::dce(&mut g);
     g.canonicalize();
     g.name = format!("{}_train", model.name);
     g.meta.entries.push(("step".into(), AttrValue::Str("train".into())));
-    Ok((g, TrainStats { params: mp.params, saved_per_layer: ad.saved_per_layer, backward_nodes: ad.backward_nodes, dead_nodes_removed: removed }))
+    Ok((g, TrainStats { params: mp.params, saved_per_layer: ad.saved_per_layer, backward_nodes: ad.backward_nodes, dead_nodes_removed: removed, duplicates_merged: merged }))
 }

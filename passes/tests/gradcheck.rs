@@ -109,6 +109,7 @@ fn check(name: &str, inputs: Vec<Input>, n_diff_results: usize, make: &dyn Fn(&m
     for (k, &(i, _)) in arg_grads.iter().enumerate() {
         let analytic = base.outputs[1 + k].to_f64_vec();
         let n = analytic.len();
+        let mut largest = 0f64;
         let picks: Vec<usize> = if n <= 24 { (0..n).collect() } else { (0..24).map(|_| rng.random_range(0..n)).collect() };
         for j in picks {
             let orig = args[i].floats().expect("float input")[j];
@@ -124,7 +125,9 @@ fn check(name: &str, inputs: Vec<Input>, n_diff_results: usize, make: &dyn Fn(&m
                 "{name}: d loss / d x{i}[{j}]: analytic {a} vs numeric {numeric}"
             );
             checked += 1;
+            largest = largest.max(numeric.abs());
         }
+        assert!(largest > 1e-6, "{name}: every sampled gradient of x{i} is zero; the check would prove nothing");
     }
     assert!(checked > 0, "{name}: nothing checked");
 }
