@@ -318,6 +318,19 @@ pub fn infer_types(op: &Op, inputs: &[&TensorType], declared: Option<&[TensorTyp
             }
             out
         }
+        Op::Kernel { body, .. } => {
+            let region = ctx.blocks.get(body.index()).ok_or_else(|| format!("kernel names block #{} which does not exist", body.0))?;
+            if inputs.len() != region.args.len() {
+                return Err(format!("kernel passes {} operands to @{} which takes {}", inputs.len(), region.name, region.args.len()));
+            }
+            for (i, (inp, arg)) in inputs.iter().zip(&region.args).enumerate() {
+                let arg_ty = region.ty(arg.value);
+                if !inp.same_as(arg_ty, dims) {
+                    return Err(format!("kernel: operand {i} is {inp}, @{} expects {arg_ty}", region.name));
+                }
+            }
+            region.outputs.iter().map(|o| region.ty(o.value).clone()).collect()
+        }
     };
     if let Some(decl) = declared {
         if decl.len() != out.len() {

@@ -1,6 +1,7 @@
 //! titan's graph IR: types, ops, graphs, the text format, the verifier and the reference
 //! interpreter (the executable spec every backend is compared against).
 
+pub mod artifact;
 pub mod attr;
 pub mod diag;
 pub mod dtype;
@@ -17,7 +18,7 @@ pub mod verify;
 pub use attr::{AttrValue, Attrs};
 pub use dtype::DType;
 pub use graph::{Arg, ArgKind, BlockId, Builder, Graph, Init, Node, NodeId, Output, ParamInfo, Region, Update, Value, ValueData, ValueDef};
-pub use op::{AdamWConfig, BinaryOp, DecayKind, LrSchedule, Op, ReduceKind, RopeConfig, RopeLayout, RopeScaling, UnaryOp};
+pub use op::{AdamWConfig, BinaryOp, DecayKind, KernelKind, LrSchedule, Op, ReduceKind, RopeConfig, RopeLayout, RopeScaling, UnaryOp};
 pub use placement::Placement;
 pub use shape::{Dim, DimTable, TensorType};
 pub use parse::{RegionSpans, SourceMap, parse, parse_and_verify, parse_file};

@@ -93,6 +93,50 @@ pub struct AdamWConfig {
     pub weight_decay: f64,
 }
 
+/// What executes a `kernel` node's body on the GPU.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum KernelKind {
+    /// A generated kernel: pointwise ops, broadcasts and row reductions fused together.
+    Fused,
+    /// One `matmul` or `linear`, run as a cuBLASLt GEMM.
+    Gemm,
+    /// One `attention` (forward), a generated FlashAttention-style kernel.
+    Attention,
+    /// One `attention_bwd`.
+    AttentionBwd,
+    /// One `embedding` or `gather`: rows of a table.
+    Gather,
+    /// One `scatter_add`: rows summed into a zeroed table.
+    ScatterAdd,
+    /// Several `adamw` updates in one multi-tensor launch.
+    Optimizer,
+}
+
+impl KernelKind {
+    pub const ALL: [KernelKind; 7] = [
+        KernelKind::Fused,
+        KernelKind::Gemm,
+        KernelKind::Attention,
+        KernelKind::AttentionBwd,
+        KernelKind::Gather,
+        KernelKind::ScatterAdd,
+        KernelKind::Optimizer,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            KernelKind::Fused => "fused",
+            KernelKind::Gemm => "gemm",
+            KernelKind::Attention => "attention",
+            KernelKind::AttentionBwd => "attention_bwd",
+            KernelKind::Gather => "gather",
+            KernelKind::ScatterAdd => "scatter_add",
+            KernelKind::Optimizer => "optimizer",
+        }
+    }
+}
+
 /// Every operation of the IR. Shapes and dtypes of results are described in `infer.rs`.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Op {
@@ -152,6 +196,9 @@ pub enum Op {
     /// Results: the final carried values, then the block's other outputs stacked per layer.
     /// `reverse` walks layers from `count - 1` down to 0.
     Repeat { block: BlockId, count: u32, carry: u32, stacked: u32, reverse: bool },
+    /// One kernel launch: run `body` (a block outlined by the fusion pass) on the inputs.
+    /// Inputs bind the body's arguments in order; results are the body's outputs.
+    Kernel { body: BlockId, kind: KernelKind },
 }
 
 impl UnaryOp {
@@ -284,6 +331,7 @@ impl Op {
             Op::LrSchedule(_) => "lr_schedule",
             Op::AdamW(_) => "adamw",
             Op::Repeat { .. } => "repeat",
+            Op::Kernel { .. } => "kernel",
         }
     }
 
@@ -300,7 +348,7 @@ impl Op {
             Op::Binary(_) | Op::Matmul { .. } | Op::Gather | Op::ScatterAdd => 2,
             Op::Constant { .. } => 0,
             Op::AdamW(_) => 6,
-            Op::Repeat { .. } => return None,
+            Op::Repeat { .. } | Op::Kernel { .. } => return None,
         })
     }
 
@@ -309,7 +357,7 @@ impl Op {
         Some(match self {
             Op::Attention { .. } | Op::RmsNormBwd { .. } => 2,
             Op::AttentionBwd { .. } | Op::AdamW(_) => 3,
-            Op::Repeat { .. } => return None,
+            Op::Repeat { .. } | Op::Kernel { .. } => return None,
             _ => 1,
         })
     }
@@ -381,6 +429,7 @@ impl Op {
                 ("stacked", i(u64::from(*stacked))),
                 ("reverse", b(*reverse)),
             ],
+            Op::Kernel { body, kind } => vec![("body", AttrValue::Symbol(block_name(*body))), ("kind", word(kind.name()))],
         };
         Attrs::new(e.into_iter().map(|(k, v)| (k.to_string(), v)).collect())
     }
@@ -478,6 +527,18 @@ impl Op {
                 let stacked = small(&mut a, "stacked")?;
                 let reverse = a.take_bool("reverse")?;
                 Op::Repeat { block, count, carry, stacked, reverse }
+            }
+            "kernel" => {
+                let body = match a.take_required("body")? {
+                    AttrValue::Symbol(s) => block_id(&s).ok_or_else(|| format!("no block named `@{s}`"))?,
+                    other => return Err(format!("attribute `body` must be a block reference `@name`, found {}", other.kind())),
+                };
+                let kind_name = a.take_ident("kind")?;
+                let kind = KernelKind::ALL.into_iter().find(|k| k.name() == kind_name).ok_or_else(|| {
+                    let all: Vec<&str> = KernelKind::ALL.iter().map(|k| k.name()).collect();
+                    format!("unknown kernel kind `{kind_name}`; expected one of {}", all.join(", "))
+                })?;
+                Op::Kernel { body, kind }
             }
             other => {
                 if let Some(u) = UnaryOp::ALL.into_iter().find(|u| u.name() == other) {

@@ -114,13 +114,11 @@ impl Names {
         let mut names: Vec<Option<String>> = vec![None; r.values.len()];
         let mut next = 0usize;
         let mut assign = |v: Value| {
-            if let Some(slot) = names.get_mut(v.index()) {
-                if slot.is_none() {
-                    *slot = Some(match &r.values[v.index()].name {
-                        Some(n) => format!("%{n}"),
-                        None => format!("%{next}"),
-                    });
-                }
+            if let Some(slot @ None) = names.get_mut(v.index()) {
+                *slot = Some(match &r.values[v.index()].name {
+                    Some(n) => format!("%{n}"),
+                    None => format!("%{next}"),
+                });
             }
             next += 1;
         };
@@ -307,12 +305,17 @@ impl<'g> Checker<'g> {
         let ctx = InferCtx { dims: &self.g.dims, blocks: &self.g.blocks };
         for &(n, sound) in &live {
             let node = &r.nodes[n.index()];
-            if let Op::Repeat { block, .. } = node.op {
-                if matches!(rr, RegionRef::Block(_)) {
-                    self.err(Loc::Node(rr, n), "repeat inside a block is not supported yet; repeat blocks from func only");
+            if matches!(node.op, Op::Repeat { .. }) && matches!(rr, RegionRef::Block(_)) {
+                self.err(Loc::Node(rr, n), "repeat inside a block is not supported yet; repeat blocks from func only");
+                continue;
+            }
+            if let Some(b) = referenced_block(&node.op) {
+                if rr == RegionRef::Block(b) {
+                    self.err(Loc::Node(rr, n), format!("`{}` runs its own block {}; a block cannot run itself", node.op.name(), region_label(self.g, rr)));
                     continue;
                 }
-                if !self.block_sound(block) {
+                // Typing looks into the block's tables; a malformed block is reported on its own.
+                if !self.block_sound(b) {
                     continue;
                 }
             }
@@ -331,13 +334,20 @@ impl<'g> Checker<'g> {
             RegionRef::Block(_) => self.check_block(rr, r, &names),
         }
         for (i, a) in r.args.iter().enumerate() {
-            if let Some(p) = a.kind.param_info() {
-                if p.is_stacked() && valid(a.value) && r.values[a.value.index()].ty.rank() == 0 {
-                    self.err(
-                        Loc::Arg(rr, i),
-                        format!("`{}` is stacked per layer (its name `{}` contains `{{i}}`) so it needs rank >= 1, found {}", names.spell(a.value), p.name, r.values[a.value.index()].ty),
-                    );
-                }
+            if let Some(p) = a.kind.param_info()
+                && p.is_stacked()
+                && valid(a.value)
+                && r.values[a.value.index()].ty.rank() == 0
+            {
+                self.err(
+                    Loc::Arg(rr, i),
+                    format!(
+                        "`{}` is stacked per layer (its name `{}` contains `{{i}}`) so it needs rank >= 1, found {}",
+                        names.spell(a.value),
+                        p.name,
+                        r.values[a.value.index()].ty
+                    ),
+                );
             }
         }
     }
@@ -511,7 +521,10 @@ impl<'g> Checker<'g> {
                 ArgKind::Param(_) => "a param",
                 ArgKind::State(_) => "a state",
             };
-            self.err(Loc::Arg(rr, i), format!("`{}` is {kind}, but block arguments are bound by `repeat`; declare inputs, params and state in func", names.spell(a.value)));
+            self.err(
+                Loc::Arg(rr, i),
+                format!("`{}` is {kind}, but block arguments are bound by `repeat`; declare inputs, params and state in func", names.spell(a.value)),
+            );
         }
         if r.outputs.is_empty() {
             self.err(Loc::Region(rr), format!("{label} returns nothing; a block must return at least one value"));
@@ -527,17 +540,24 @@ impl<'g> Checker<'g> {
     }
 }
 
+/// The block an op runs, if any.
+fn referenced_block(op: &Op) -> Option<BlockId> {
+    match op {
+        Op::Repeat { block, .. } => Some(*block),
+        Op::Kernel { body, .. } => Some(*body),
+        _ => None,
+    }
+}
+
 /// Why `v` would not read back identically from the text format, if it would not.
 fn unprintable_attr(v: &AttrValue, depth: usize) -> Option<String> {
     if depth > 32 {
         return Some("it is nested more than 32 levels deep".into());
     }
     match v {
-        AttrValue::Ident(w) if !is_word(w) || matches!(w.as_str(), "true" | "false" | "inf" | "nan") => {
-            Some(format!("`{w}` is not a plain word"))
-        }
+        AttrValue::Ident(w) if !is_word(w) || matches!(w.as_str(), "true" | "false" | "inf" | "nan") => Some(format!("`{w}` is not a plain word")),
         AttrValue::Symbol(s) if !is_name(s) => Some(format!("`@{s}` is not a valid reference")),
-        AttrValue::Call(w, _) if !is_word(w) => Some(format!("`{w}` is not a plain word")),
+        AttrValue::Call(w, _) if !is_word(w) || matches!(w.as_str(), "true" | "false" | "inf" | "nan") => Some(format!("`{w}` is not a plain word")),
         AttrValue::List(items) | AttrValue::Call(_, items) => items.iter().find_map(|x| unprintable_attr(x, depth + 1)),
         _ => None,
     }
@@ -569,14 +589,228 @@ fn span_of(map: &SourceMap, loc: Loc) -> Option<Span> {
     }
 }
 
+fn loc_region(loc: Loc) -> Option<RegionRef> {
+    match loc {
+        Loc::Graph => None,
+        Loc::Region(r) | Loc::Arg(r, _) | Loc::Node(r, _) | Loc::Output(r, _) => Some(r),
+        Loc::Update(_) => Some(RegionRef::Main),
+    }
+}
+
+/// Replace canonical spellings `%N` of unnamed values by the spelling the source used.
+fn respell(message: &str, names: &[String]) -> String {
+    let mut out = String::with_capacity(message.len());
+    let mut rest = message;
+    while let Some(p) = rest.find('%') {
+        out.push_str(&rest[..p]);
+        let after = &rest[p + 1..];
+        let digits = after.chars().take_while(char::is_ascii_digit).count();
+        let whole = digits > 0 && !after[digits..].starts_with(|c: char| c.is_ascii_alphanumeric() || c == '_' || c == '.');
+        match after[..digits].parse::<usize>().ok().filter(|_| whole).and_then(|i| names.get(i)) {
+            Some(name) => {
+                out.push('%');
+                out.push_str(name);
+            }
+            None => {
+                out.push('%');
+                out.push_str(&after[..digits]);
+            }
+        }
+        rest = &after[digits..];
+    }
+    out.push_str(rest);
+    out
+}
+
 /// Turn verifier errors into diagnostics, in the same order. With the source map of the parsed
-/// text each points at its line; without one, the message starts with the location in words.
+/// text each points at its line and values are spelled as in the source; without one, the
+/// message starts with the location in words.
 pub fn to_diagnostics(errors: &[VerifyError], map: Option<&SourceMap>) -> Vec<Diagnostic> {
     errors
         .iter()
-        .map(|e| match map.and_then(|m| span_of(m, e.loc)) {
-            Some(span) => Diagnostic::new(e.message.clone(), Some(span)),
+        .map(|e| match map.and_then(|m| span_of(m, e.loc).map(|s| (m, s))) {
+            Some((m, span)) => {
+                let names = loc_region(e.loc).and_then(|r| spans_of(m, r)).map_or(&[][..], |s| &s.value_names[..]);
+                Diagnostic::new(respell(&e.message, names), Some(span))
+            }
             None => Diagnostic::new(e.to_string(), None),
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::attr::Attrs;
+    use crate::dtype::DType;
+    use crate::graph::{Builder, Init, Output, ParamInfo, Update};
+    use crate::op::{BinaryOp, UnaryOp};
+
+    fn f32s(shape: &[u64]) -> TensorType {
+        TensorType::fixed(DType::F32, shape)
+    }
+
+    fn messages(g: &Graph) -> Vec<String> {
+        verify(g).iter().map(ToString::to_string).collect()
+    }
+
+    fn has(msgs: &[String], needle: &str) -> bool {
+        msgs.iter().any(|m| m.contains(needle))
+    }
+
+    /// A valid graph: one block repeated twice over a stacked weight.
+    fn valid() -> Graph {
+        let mut g = Graph::new("ok");
+        g.dims.insert("n".into(), 4);
+        let mut blk = Region::new("layer");
+        let h = blk.add_arg(TensorType::new(DType::F32, vec![Dim::named("n")]), ArgKind::Block, Some("h"));
+        let w = blk.add_arg(f32s(&[4, 4]), ArgKind::Block, Some("w"));
+        let mut b = Builder::new(&mut blk, &g.dims, &g.blocks);
+        let x = b.push1(Op::Matmul { transpose_a: false, transpose_b: false }, &[w, w]).map_err(|e| e.to_string());
+        let y = b.push1(Op::Unary(UnaryOp::Neg), &[h]);
+        let (Ok(_), Ok(y)) = (x, y) else { panic!("valid block does not build") };
+        blk.outputs.push(Output { name: None, value: y });
+        g.add_block(blk);
+        let mut b = g.main_builder();
+        let x = b.region.add_arg(TensorType::new(DType::F32, vec![Dim::named("n")]), ArgKind::Input, Some("x"));
+        let info = ParamInfo { name: "layers.{i}.w".into(), init: Init::Zeros };
+        let ws = b.region.add_arg(f32s(&[2, 4, 4]), ArgKind::Param(info), Some("ws"));
+        let state = ParamInfo { name: "s".into(), init: Init::Ones };
+        let s = b.region.add_arg(TensorType::new(DType::F32, vec![Dim::named("n")]), ArgKind::State(state), Some("s"));
+        let op = Op::Repeat { block: BlockId(0), count: 2, carry: 1, stacked: 1, reverse: false };
+        let Ok(r) = b.push1(op, &[x, ws]) else { panic!("valid repeat does not build") };
+        let Ok(u) = b.push1(Op::Binary(BinaryOp::Add), &[s, r]) else { panic!("valid add does not build") };
+        b.region.outputs.push(Output { name: Some("y".into()), value: r });
+        b.region.updates.push(Update { state: s, value: u });
+        g
+    }
+
+    #[test]
+    fn valid_graph_has_no_errors() {
+        assert_eq!(messages(&valid()), Vec::<String>::new());
+    }
+
+    #[test]
+    fn dangling_ids_are_reported_not_indexed() {
+        let mut g = valid();
+        let big = Value(1000);
+        g.main.nodes[0].inputs.push(big);
+        g.main.order.push(NodeId(77));
+        g.main.outputs.push(Output { name: Some("z".into()), value: big });
+        g.main.updates.push(Update { state: big, value: big });
+        g.main.args[0].value = Value(999);
+        g.blocks[0].args[1].value = Value(555);
+        g.blocks[0].nodes[0].results.push(Value(444));
+        let m = messages(&g);
+        for needle in [
+            "argument 0 refers to value #999",
+            "operand 2 refers to value #1000",
+            "the program order lists node n77",
+            "output refers to value #1000",
+            "update target refers to value #1000",
+            "result 1 refers to value #444",
+        ] {
+            assert!(has(&m, needle), "missing {needle:?} in {m:#?}");
+        }
+        // A repeat of a malformed block is not type-checked (that would index its tables).
+        let mut g = valid();
+        g.blocks[0].outputs[0].value = Value(12345);
+        let m = messages(&g);
+        assert!(has(&m, "output refers to value #12345"), "{m:#?}");
+        let mut g = valid();
+        g.main.nodes[0].op = Op::Repeat { block: BlockId(9), count: 2, carry: 1, stacked: 1, reverse: false };
+        assert!(has(&messages(&g), "repeat names block #9 which does not exist"));
+    }
+
+    #[test]
+    fn liveness_order_and_cycles() {
+        let mut g = valid();
+        // The add of the update uses the repeat's result; drop the repeat from the order.
+        g.main.order.remove(0);
+        let m = messages(&g);
+        assert!(has(&m, "operand 1 is value #3, which is defined nowhere"), "{m:#?}");
+        assert!(has(&m, "output is value #3, which is defined nowhere"), "{m:#?}");
+
+        let mut g = valid();
+        g.main.order.reverse();
+        let m = messages(&g);
+        // Printed in this order the repeat result is numbered after the add result.
+        assert!(has(&m, "`%4` is used before its definition"), "{m:#?}");
+
+        let mut g = valid();
+        let r = g.main.nodes[0].results[0];
+        g.main.nodes[0].inputs[0] = r;
+        let m = messages(&g);
+        assert!(has(&m, "cycle through %3"), "{m:#?}");
+        assert!(!has(&m, "used before"), "{m:#?}");
+    }
+
+    #[test]
+    fn region_rules() {
+        let mut g = valid();
+        g.blocks[0].args[0].kind = ArgKind::Input;
+        g.blocks[0].outputs[0].name = Some("o".into());
+        let (s, v) = (g.blocks[0].args[0].value, g.blocks[0].args[0].value);
+        g.blocks[0].updates.push(Update { state: s, value: v });
+        g.main.args[0].kind = ArgKind::Block;
+        g.main.outputs[0].name = None;
+        g.main.args[1].kind = ArgKind::Param(ParamInfo { name: "w.{i}".into(), init: Init::Zeros });
+        g.main.values[1].ty = TensorType::scalar(DType::F32);
+        g.main.values[0].name = Some("12".into());
+        g.main.values[2].name = Some("s".into());
+        g.main.values[3].name = Some("s".into());
+        g.main.values[3].ty = TensorType::new(DType::F32, vec![Dim::named("unbound")]);
+        g.main.updates[0].state = g.main.args[1].value;
+        g.meta = Attrs::new(vec![("bad key".into(), AttrValue::Ident("true".into()))]);
+        g.blocks.push(Region::new("layer"));
+        let m = messages(&g);
+        for needle in [
+            "`%h` is an input, but block arguments are bound by `repeat`",
+            "block results are unnamed, found name `o`",
+            "@layer has 1 update(s); only func updates state",
+            "is a block argument, but func arguments are",
+            "func outputs must be named",
+            "needs rank >= 1, found f32[]",
+            "value name `12` cannot be written",
+            "duplicate value name `%s`",
+            "dimension `unbound` is not bound",
+            "update target `%ws` is a param",
+            "meta key `bad key` is not a word",
+            "`true` is not a plain word",
+            "duplicate block name `@layer`",
+            "returns nothing; a block must return at least one value",
+        ] {
+            assert!(has(&m, needle), "missing {needle:?} in {m:#?}");
+        }
+    }
+
+    #[test]
+    fn huge_types_are_reported_not_overflowed() {
+        let mut g = valid();
+        g.dims.insert("n".into(), u64::MAX);
+        let m = messages(&g);
+        assert!(has(&m, "is too large: its size in bytes does not fit in 64 bits"), "{m:#?}");
+    }
+
+    #[test]
+    fn diagnostics_without_source_map_name_the_place() {
+        let mut g = valid();
+        g.blocks[0].nodes[1].op = Op::Linear;
+        g.main.updates[0].value = g.main.args[0].value;
+        g.main.values[0].ty = f32s(&[3]);
+        let errors = verify(&g);
+        let diags = to_diagnostics(&errors, None);
+        let msgs: Vec<&str> = diags.iter().map(|d| d.message.as_str()).collect();
+        assert!(diags.iter().all(|d| d.span.is_none()));
+        assert!(msgs.iter().any(|m| m.starts_with("in @layer, node n1 (`linear`): `linear` takes 2 operands")), "{msgs:#?}");
+        assert!(msgs.iter().any(|m| m.starts_with("in @main, update 0: update of `%s`")), "{msgs:#?}");
+        assert!(msgs.iter().any(|m| m.starts_with("in @main, node n0 (`repeat`): repeat: operand 0 is f32[3]")), "{msgs:#?}");
+        assert_eq!(errors[0].to_string(), format!("{}: {}", errors[0].place, errors[0].message));
+    }
+
+    #[test]
+    fn respelling_uses_source_names() {
+        let names: Vec<String> = ["x", "0", "7", "a.b"].iter().map(|s| s.to_string()).collect();
+        assert_eq!(respell("cycle through %1, %2, %3 and %9, %1x, %?2", &names), "cycle through %0, %7, %a.b and %9, %1x, %?2");
+    }
 }

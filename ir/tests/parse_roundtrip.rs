@@ -8,6 +8,7 @@ use titan_ir::print::print_graph;
 use titan_ir::*;
 
 /// A graph exercising every op of the `Op` enum at least once, in printed (canonical) form.
+/// `@layer` runs a kernel whose body `@fused` is defined after it.
 pub const EVERY_OP: &str = r#"graph @every_op {
   meta {arch = "llama3", dim = 8, eps = 1e-5, big = 1e300, tiny = 0.1, neg = -0.0, flag = true, label = "a \"quoted\"\n\\ string\t\u{1}", list = [1, -2, 3.5, [inf, -inf]], init = normal(0.02), kind = cosine, ref = @layer}
   dims {batch = 2, seq = 4}
@@ -21,7 +22,13 @@ pub const EVERY_OP: &str = r#"graph @every_op {
     %8, %9 = attention(%6, %7, %5) {causal = true, scale = 0.5} : bf16[batch, seq, 2, 4], f32[batch, 2, seq]
     %10 = reshape(%8) : bf16[batch, seq, 8]
     %11 = add(%h, %10) : bf16[batch, seq, 8] #[Shard(0), Replicate]
-    return %11, %9
+    %12 = kernel(%11) {body = @fused, kind = fused} : bf16[batch, seq, 8]
+    return %12, %9
+  }
+
+  block @fused(%a: bf16[batch, seq, 8]) {
+    %1 = exp(%a) : bf16[batch, seq, 8]
+    return %1
   }
 
   func @main {
@@ -84,6 +91,7 @@ pub const EVERY_OP: &str = r#"graph @every_op {
     %62 = lr_schedule(%step) {lr = 0.001, warmup_steps = 0, decay_steps = 5, decay = linear, min_lr_ratio = 0.0} : f32[]
     %63 = lr_schedule(%step) {lr = 0.001, warmup_steps = 2, decay_steps = 0, decay = constant, min_lr_ratio = 1.0} : f32[]
     %64, %65, %66 = adamw(%master, %60, %m, %v, %lr, %step) {beta1 = 0.9, beta2 = 0.95, eps = 1e-8, weight_decay = 0.1} : f32[16, 8], f32[16, 8], f32[16, 8]
+    %67 = kernel(%14) {body = @fused, kind = fused} : bf16[batch, seq, 8]
     output loss = %loss
     output lse = %lse
     output stats = %42
@@ -96,6 +104,7 @@ pub const EVERY_OP: &str = r#"graph @every_op {
     output dv = %58
     output lr2 = %62
     output lr3 = %63
+    output k = %67
     update %master <- %64
     update %m <- %65
     update %v <- %66
@@ -172,8 +181,7 @@ pub mod generator {
     fn string() -> impl Strategy<Value = String> {
         prop_oneof![
             vec(any::<char>(), 0..10).prop_map(String::from_iter),
-            vec(prop_oneof![Just('"'), Just('\\'), Just('\n'), Just('\t'), Just('\u{0}'), Just('{'), Just('é'), Just('a')], 0..10)
-                .prop_map(String::from_iter),
+            vec(prop_oneof![Just('"'), Just('\\'), Just('\n'), Just('\t'), Just('\u{0}'), Just('{'), Just('é'), Just('a')], 0..10).prop_map(String::from_iter),
         ]
     }
 
@@ -187,10 +195,7 @@ pub mod generator {
             "[A-Za-z0-9_.]{1,8}".prop_map(AttrValue::Symbol),
         ];
         leaf.prop_recursive(3, 16, 4, |inner| {
-            prop_oneof![
-                vec(inner.clone(), 0..4).prop_map(AttrValue::List),
-                (word(), vec(inner, 0..4)).prop_map(|(n, a)| AttrValue::Call(n, a)),
-            ]
+            prop_oneof![vec(inner.clone(), 0..4).prop_map(AttrValue::List), (word(), vec(inner, 0..4)).prop_map(|(n, a)| AttrValue::Call(n, a)),]
         })
     }
 
@@ -208,9 +213,8 @@ pub mod generator {
     }
 
     pub fn recipe() -> impl Strategy<Value = Recipe> {
-        let block = ("[a-z][a-z0-9_.]{0,6}", 1u32..4, any::<bool>(), any::<bool>(), any::<bool>()).prop_map(
-            |(name, layers, reverse, stack_norm, extra_output)| BlockRecipe { name, layers, reverse, stack_norm, extra_output },
-        );
+        let block = ("[a-z][a-z0-9_.]{0,6}", 1u32..4, any::<bool>(), any::<bool>(), any::<bool>())
+            .prop_map(|(name, layers, reverse, stack_norm, extra_output)| BlockRecipe { name, layers, reverse, stack_norm, extra_output });
         let step = (0u8..16, any::<u16>(), any::<u16>(), any::<u16>(), any::<u8>()).prop_map(|(kind, a, b, c, flags)| Step { kind, a, b, c, flags });
         let shape = ("[A-Za-z_][A-Za-z0-9_.]{0,8}", 1u64..5, 1u64..6, 1u64..5, any::<bool>(), 0u8..3);
         let body = (
@@ -271,9 +275,9 @@ pub mod generator {
                 1 | 12 => {
                     let op = Op::Binary(BinaryOp::ALL[s.b as usize % BinaryOp::ALL.len()]);
                     let y = pool[s.c as usize % pool.len()];
-                    if s.c % 4 == 0 {
+                    if s.c.is_multiple_of(4) {
                         let c = b.push_typed(Op::Constant { value: f64::from(s.b) / 8.0 }, &[], TensorType::scalar(tx.dtype));
-                        c.and_then(|c| if s.c % 8 == 0 { b.push(op, &[x, c]) } else { b.push(op, &[c, x]) })
+                        c.and_then(|c| if s.c.is_multiple_of(8) { b.push(op, &[x, c]) } else { b.push(op, &[c, x]) })
                     } else if b.ty(y).same_as(&tx, b.ctx.dims) {
                         b.push(op, &[x, y])
                     } else {
@@ -299,11 +303,8 @@ pub mod generator {
                 }
                 4 => {
                     let numel = tx.numel(b.ctx.dims).expect("generator binds every dim");
-                    let shape = if s.b % 2 == 0 {
-                        vec![Dim::Fixed(numel)]
-                    } else {
-                        std::iter::once(Dim::Fixed(1)).chain(tx.shape.iter().cloned()).collect()
-                    };
+                    let shape =
+                        if s.b.is_multiple_of(2) { vec![Dim::Fixed(numel)] } else { std::iter::once(Dim::Fixed(1)).chain(tx.shape.iter().cloned()).collect() };
                     b.push_typed(Op::Reshape, &[x], TensorType::new(tx.dtype, shape)).map(|v| vec![v])
                 }
                 5 if rank >= 2 => {
@@ -321,7 +322,7 @@ pub mod generator {
                 }
                 8 => {
                     let p = s.b as usize % (rank + 1);
-                    let new = if s.c % 2 == 0 { Dim::named("batch") } else { fixed(s.c, 3) };
+                    let new = if s.c.is_multiple_of(2) { Dim::named("batch") } else { fixed(s.c, 3) };
                     let mut shape = tx.shape.clone();
                     shape.insert(p, new);
                     let dims = (0..rank).map(|i| if i < p { i } else { i + 1 }).collect();
@@ -488,9 +489,30 @@ fn every_op_round_trips() {
     names.sort_unstable();
     names.dedup();
     let mut all: Vec<&str> = [
-        "embedding", "linear", "rmsnorm", "rope", "attention", "cross_entropy", "rmsnorm_bwd", "attention_bwd", "cross_entropy_bwd", "cast",
-        "reshape", "transpose", "broadcast", "matmul", "gather", "scatter_add", "constant", "lr_schedule", "adamw", "repeat", "reduce_sum",
-        "reduce_max", "reduce_mean",
+        "embedding",
+        "linear",
+        "rmsnorm",
+        "rope",
+        "attention",
+        "cross_entropy",
+        "rmsnorm_bwd",
+        "attention_bwd",
+        "cross_entropy_bwd",
+        "cast",
+        "reshape",
+        "transpose",
+        "broadcast",
+        "matmul",
+        "gather",
+        "scatter_add",
+        "constant",
+        "lr_schedule",
+        "adamw",
+        "repeat",
+        "reduce_sum",
+        "reduce_max",
+        "reduce_mean",
+        "kernel",
     ]
     .into_iter()
     .chain(UnaryOp::ALL.iter().map(|u| u.name()))
@@ -547,5 +569,8 @@ fn forward_references_are_sorted_stably() {
     };
     let order: Vec<String> = g.main.order.iter().map(|&n| g.main.node(n).op.name().to_string()).collect();
     assert_eq!(order, ["exp", "neg", "add"]);
-    assert_eq!(print_graph(&g), "graph @g {\n\n  func @main {\n    input %x : f32[2]\n    %b = exp(%x) : f32[2]\n    %a = neg(%x) : f32[2]\n    %c = add(%a, %b) : f32[2]\n    output c = %c\n  }\n}\n");
+    assert_eq!(
+        print_graph(&g),
+        "graph @g {\n\n  func @main {\n    input %x : f32[2]\n    %b = exp(%x) : f32[2]\n    %a = neg(%x) : f32[2]\n    %c = add(%a, %b) : f32[2]\n    output c = %c\n  }\n}\n"
+    );
 }

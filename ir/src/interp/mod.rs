@@ -237,6 +237,15 @@ impl<'g> Interpreter<'g> {
                         let rep = Repeat { block: block.index(), count: count as usize, carry: carry as usize, stacked: stacked as usize, reverse };
                         self.repeat(region, nid, &rep, &inputs, &result_types)?
                     }
+                    &Op::Kernel { body, .. } => {
+                        let block = self.graph.blocks.get(body.index()).ok_or_else(|| err(format!("kernel body #{} does not exist", body.0)))?;
+                        let wanted: Vec<Value> = block.outputs.iter().map(|o| o.value).collect();
+                        let args = inputs.iter().map(|t| Slot::Borrowed(*t)).collect();
+                        self.exec(block, &self.block_plans[body.index()], args, &wanted).map_err(|mut e| {
+                            e.message = format!("{} (in `kernel` node {nid} of @{})", e.message, region.name);
+                            e
+                        })?
+                    }
                     op => eval_op(op, &inputs, &result_types, &self.graph.dims, self.precision).map_err(err)?,
                 }
             };

@@ -187,6 +187,7 @@ fn dispatch<T: Real>(op: &Op, x: &[&Tensor<T>], rts: &[ResultType], precision: P
         Op::LrSchedule(s) => one(model::lr_schedule(x[0], s, rt)?),
         Op::AdamW(c) => model::adamw(x, c, rts),
         Op::Repeat { .. } => Err("`repeat` runs a block and is executed by the interpreter, not by eval_op".into()),
+        Op::Kernel { .. } => Err("`kernel` runs a block and is executed by the interpreter, not by eval_op".into()),
     }
 }
 

@@ -183,10 +183,7 @@ impl<'s> Lexer<'s> {
                     let name = self.take_while(is_name_char).to_string();
                     if name.is_empty() {
                         let what = if c == '%' { "value" } else { "block" };
-                        self.error(
-                            Span::new(start, self.pos),
-                            format!("expected a {what} name after `{c}`; names use letters, digits, `_` and `.`"),
-                        );
+                        self.error(Span::new(start, self.pos), format!("expected a {what} name after `{c}`; names use letters, digits, `_` and `.`"));
                         self.push(Tok::Error, start);
                     } else if c == '%' {
                         self.push(Tok::Value(name), start);
@@ -328,10 +325,7 @@ impl<'s> Lexer<'s> {
                         Some(other) => {
                             bad.get_or_insert((
                                 Span::new(here, self.pos + other.len_utf8()),
-                                format!(
-                                    "unknown escape `\\{}` in string; use `\\\"`, `\\\\`, `\\n`, `\\t` or `\\u{{...}}`",
-                                    other.escape_debug()
-                                ),
+                                format!("unknown escape `\\{}` in string; use `\\\"`, `\\\\`, `\\n`, `\\t` or `\\u{{...}}`", other.escape_debug()),
                             ));
                         }
                     }

@@ -13,6 +13,9 @@ use std::collections::{BinaryHeap, HashMap};
 use std::path::Path;
 use std::str::FromStr;
 
+use petgraph::algo::kosaraju_scc;
+use petgraph::graph::{DiGraph, NodeIndex};
+
 use crate::attr::{AttrValue, Attrs};
 use crate::diag::{Diagnostic, SourceError, Span, line_col};
 use crate::dtype::DType;
@@ -36,6 +39,9 @@ pub struct RegionSpans {
     pub outputs: Vec<Span>,
     /// Each `update` line.
     pub updates: Vec<Span>,
+    /// How each value was spelled in the source (without `%`), by value index, so messages can
+    /// use the user's numbering of unnamed values rather than the canonical one.
+    pub value_names: Vec<String>,
 }
 
 /// Where each part of a parsed graph came from in the source text.
@@ -89,7 +95,11 @@ struct ArgDraft {
 struct NodeDraft {
     results: Vec<String>,
     types: Vec<Typed>,
-    op: Op,
+    op_name: String,
+    op_span: Span,
+    /// The attributes until the op is built (once every block name is known).
+    attrs: Vec<AttrEntry>,
+    op: Option<Op>,
     inputs: Vec<(String, Span)>,
     span: Span,
 }
@@ -161,6 +171,8 @@ struct Parser<'s> {
     main: Option<RegionDraft>,
     /// A `func` keyword was seen (so a missing func is not reported again).
     saw_func: bool,
+    /// Token index where the current statement started.
+    stmt_start: usize,
 }
 
 fn is_ident(s: &str) -> bool {
@@ -205,10 +217,15 @@ impl<'s> Parser<'s> {
     }
 
     /// "expected X, found Y" at the next token (silent when that token is already an error).
+    /// When the statement ran off its line, the error points at the end of that line.
     fn unexpected(&mut self, what: &str) -> Fail {
         let t = self.peek().clone();
         if t.tok == Tok::Error {
             return Fail;
+        }
+        if t.line_start && self.pos > self.stmt_start {
+            let end = self.prev_end();
+            return self.error(Span::new(end, end), format!("expected {what}, found the end of the line"));
         }
         self.error(t.span, format!("expected {what}, found {}", describe(&t.tok)))
     }
@@ -263,11 +280,7 @@ impl<'s> Parser<'s> {
 
     /// After a statement: the line must end here (a `}` may follow on the same line).
     fn end_of_statement(&mut self) -> PResult<()> {
-        if self.peek().line_start || self.at(&Tok::RBrace) {
-            Ok(())
-        } else {
-            Err(self.unexpected("the end of the line"))
-        }
+        if self.peek().line_start || self.at(&Tok::RBrace) { Ok(()) } else { Err(self.unexpected("the end of the line")) }
     }
 
     // ---- whole file ----
@@ -287,6 +300,7 @@ impl<'s> Parser<'s> {
         }
         loop {
             let start = self.pos;
+            self.stmt_start = start;
             let t = self.peek().clone();
             let r = match &t.tok {
                 Tok::RBrace => {
@@ -355,7 +369,7 @@ impl<'s> Parser<'s> {
     }
 
     fn parse_block(&mut self) -> PResult<()> {
-        let start = self.pos;
+        let start = self.stmt_start;
         let kw = self.advance();
         let mut draft = RegionDraft::new(String::new(), false, kw.span);
         let header = self.parse_block_header(&mut draft);
@@ -448,6 +462,7 @@ impl<'s> Parser<'s> {
                 }
                 _ => {
                     let start = self.pos;
+                    self.stmt_start = start;
                     if self.parse_stmt(d).and_then(|()| self.end_of_statement()).is_err() {
                         self.skip_line(start);
                     }
@@ -567,28 +582,13 @@ impl<'s> Parser<'s> {
             let span = if types.len() > results.len() { Span::new(types_start, end) } else { results_span };
             return Err(self.error(span, msg));
         }
-        let spans: Vec<(String, Span)> = attrs.iter().map(|e| (e.key.clone(), e.value_span)).collect();
-        let attrs = Attrs::new(attrs.into_iter().map(|e| (e.key, e.value)).collect());
-        let names = &self.block_names;
-        let lookup = |s: &str| names.iter().position(|(n, _)| n == s).map(|i| BlockId(i as u32));
-        let op = match Op::from_parts(&op_name, attrs, &lookup) {
-            Ok(op) => op,
-            Err(msg) => {
-                // Point at the attribute the message is about, if any.
-                let span = spans
-                    .iter()
-                    .find(|(k, _)| msg.contains(&format!("attribute `{k}`")))
-                    .map_or(op_span, |(_, s)| *s);
-                return Err(self.error(span, msg));
-            }
-        };
         let idx = d.nodes.len();
         for r in &results {
             if let Some(def) = d.defs.get_mut(r) {
                 def.kind = DefKind::Node(idx);
             }
         }
-        d.nodes.push(NodeDraft { results, types, op, inputs, span: Span::new(start, end) });
+        d.nodes.push(NodeDraft { results, types, op_name, op_span, attrs, op: None, inputs, span: Span::new(start, end) });
         Ok(())
     }
 
@@ -700,12 +700,8 @@ impl<'s> Parser<'s> {
 
     /// Resolve the uses of a finished region: report undefined names.
     fn resolve(&mut self, d: &RegionDraft) {
-        let uses = d
-            .nodes
-            .iter()
-            .flat_map(|n| n.inputs.iter())
-            .chain(d.outputs.iter().map(|o| &o.value))
-            .chain(d.updates.iter().flat_map(|u| [&u.state, &u.value]));
+        let uses =
+            d.nodes.iter().flat_map(|n| n.inputs.iter()).chain(d.outputs.iter().map(|o| &o.value)).chain(d.updates.iter().flat_map(|u| [&u.state, &u.value]));
         let mut missing = Vec::new();
         for (name, span) in uses {
             if !d.defs.contains_key(name) {
@@ -729,9 +725,7 @@ impl<'s> Parser<'s> {
                 match t.tok {
                     Tok::Int(n) => {
                         self.advance();
-                        let n = u64::try_from(n).map_err(|_| {
-                            self.error(t.span, format!("dimension size `{n}` must be a non-negative 64-bit integer"))
-                        })?;
+                        let n = u64::try_from(n).map_err(|_| self.error(t.span, format!("dimension size `{n}` must be a non-negative 64-bit integer")))?;
                         shape.push(Dim::Fixed(n));
                     }
                     Tok::Ident(s) => {
@@ -871,6 +865,30 @@ impl<'s> Parser<'s> {
         Ok(items)
     }
 
+    /// Build every node's op now that all block names are known (blocks may refer to blocks
+    /// defined after them, e.g. kernel bodies).
+    fn build_ops(&mut self) {
+        let names: Vec<String> = self.block_names.iter().map(|(n, _)| n.clone()).collect();
+        let lookup = |s: &str| names.iter().position(|n| n == s).map(|i| BlockId(i as u32));
+        let mut errors = Vec::new();
+        for d in self.blocks.iter_mut().chain(self.main.as_mut()) {
+            for node in &mut d.nodes {
+                let entries = std::mem::take(&mut node.attrs);
+                let spans: Vec<(String, Span)> = entries.iter().map(|e| (e.key.clone(), e.value_span)).collect();
+                let attrs = Attrs::new(entries.into_iter().map(|e| (e.key, e.value)).collect());
+                match Op::from_parts(&node.op_name, attrs, &lookup) {
+                    Ok(op) => node.op = Some(op),
+                    Err(msg) => {
+                        // Point at the attribute the message is about, if any.
+                        let span = spans.iter().find(|(k, _)| msg.contains(&format!("attribute `{k}`"))).map_or(node.op_span, |(_, s)| *s);
+                        errors.push(Diagnostic::new(msg, Some(span)));
+                    }
+                }
+            }
+        }
+        self.diags.extend(errors);
+    }
+
     // ---- building the graph ----
 
     fn build(self) -> (Graph, SourceMap) {
@@ -892,31 +910,50 @@ impl<'s> Parser<'s> {
     }
 }
 
-/// The nodes of `d` in a stable topological order, or in text order if there is a cycle.
+/// The nodes of `d` in a stable topological order (by text position among the nodes that are
+/// ready). Nodes on a cycle stay together in text order, after everything they depend on, so the
+/// only edges against the order are the cycle's own and the verifier reports just the cycle.
 fn node_order(d: &RegionDraft) -> Vec<usize> {
     let n = d.nodes.len();
-    let mut users: Vec<Vec<usize>> = vec![Vec::new(); n];
-    let mut indegree = vec![0usize; n];
+    let mut dg: DiGraph<usize, ()> = DiGraph::with_capacity(n, 0);
+    let ix: Vec<NodeIndex> = (0..n).map(|i| dg.add_node(i)).collect();
     for (i, node) in d.nodes.iter().enumerate() {
         for (name, _) in &node.inputs {
             if let Some(Def { kind: DefKind::Node(j), .. }) = d.defs.get(name) {
-                users[*j].push(i);
-                indegree[i] += 1;
+                dg.add_edge(ix[*j], ix[i], ());
             }
         }
     }
-    let mut ready: BinaryHeap<Reverse<usize>> = (0..n).filter(|&i| indegree[i] == 0).map(Reverse).collect();
+    // Components (single nodes when acyclic), each with its members in text order.
+    let mut comps: Vec<Vec<usize>> = kosaraju_scc(&dg).into_iter().map(|c| c.into_iter().map(|x| x.index()).collect()).collect();
+    let mut comp_of = vec![0usize; n];
+    for (k, c) in comps.iter_mut().enumerate() {
+        c.sort_unstable();
+        for &m in c.iter() {
+            comp_of[m] = k;
+        }
+    }
+    let mut users: Vec<Vec<usize>> = vec![Vec::new(); comps.len()];
+    let mut indegree = vec![0usize; comps.len()];
+    for e in dg.raw_edges() {
+        let (a, b) = (comp_of[e.source().index()], comp_of[e.target().index()]);
+        if a != b {
+            users[a].push(b);
+            indegree[b] += 1;
+        }
+    }
+    let mut ready: BinaryHeap<Reverse<(usize, usize)>> = (0..comps.len()).filter(|&k| indegree[k] == 0).map(|k| Reverse((comps[k][0], k))).collect();
     let mut order = Vec::with_capacity(n);
-    while let Some(Reverse(i)) = ready.pop() {
-        order.push(i);
-        for &u in &users[i] {
+    while let Some(Reverse((_, k))) = ready.pop() {
+        order.extend_from_slice(&comps[k]);
+        for &u in &users[k] {
             indegree[u] -= 1;
             if indegree[u] == 0 {
-                ready.push(Reverse(u));
+                ready.push(Reverse((comps[u][0], u)));
             }
         }
     }
-    if order.len() == n { order } else { (0..n).collect() }
+    order
 }
 
 /// Turn a region draft without errors into a region: arguments first, then nodes in order.
@@ -941,12 +978,14 @@ fn lower(d: &RegionDraft) -> (Region, RegionSpans) {
         let v = r.add_arg(a.typed.ty.clone(), a.kind.clone(), value_name(&a.name).as_deref());
         r.values[v.index()].placement = a.typed.placement.clone();
         spans.args.push(a.span);
+        spans.value_names.push(a.name.clone());
     }
     for &i in &order {
         let node = &d.nodes[i];
         let inputs = node.inputs.iter().map(|(n, _)| id(n)).collect();
         let types = node.types.iter().map(|t| t.ty.clone()).collect();
-        let nid = r.add_node(node.op.clone(), inputs, types);
+        let op = node.op.clone().expect("invariant: a region is lowered only when all its ops were built");
+        let nid = r.add_node(op, inputs, types);
         let results = r.nodes[nid.index()].results.clone();
         for ((v, name), t) in results.iter().zip(&node.results).zip(&node.types) {
             let data = &mut r.values[v.index()];
@@ -954,6 +993,7 @@ fn lower(d: &RegionDraft) -> (Region, RegionSpans) {
             data.placement = t.placement.clone();
         }
         spans.nodes.push(node.span);
+        spans.value_names.extend(node.results.iter().cloned());
     }
     for o in &d.outputs {
         r.outputs.push(Output { name: o.name.clone(), value: id(&o.value.0) });
@@ -983,8 +1023,10 @@ pub fn parse(src: &str) -> Result<(Graph, SourceMap), Vec<Diagnostic>> {
         blocks: Vec::new(),
         main: None,
         saw_func: false,
+        stmt_start: 0,
     };
     p.parse_top();
+    p.build_ops();
     if p.diags.is_empty() {
         Ok(p.build())
     } else {
@@ -1013,11 +1055,9 @@ pub fn parse_file(path: &Path) -> Result<Graph, SourceError> {
     let file = path.display().to_string();
     match std::fs::read_to_string(path) {
         Ok(src) => parse_and_verify(&file, &src),
-        Err(e) => Err(SourceError {
-            file: file.clone(),
-            source_text: String::new(),
-            diagnostics: vec![Diagnostic::new(format!("cannot read `{file}`: {e}"), None)],
-        }),
+        Err(e) => {
+            Err(SourceError { file: file.clone(), source_text: String::new(), diagnostics: vec![Diagnostic::new(format!("cannot read `{file}`: {e}"), None)] })
+        }
     }
 }
 
@@ -1069,7 +1109,8 @@ mod tests {
         let src = "graph @g {\n  func @main {\n    %1 = nope(%x) : f32[]\n    %2 = neg(%y : f32[]\n    %3 = neg(%zz) : f33[]\n  }\n}\n";
         let diags = parse(src).err().unwrap_or_default();
         let lines: Vec<usize> = diags.iter().filter_map(|d| d.span).map(|s| line_col(src, s.start).0).collect();
-        assert_eq!(lines, [3, 4, 5], "{diags:?}");
+        // Line 3 has two independent errors: the unknown op and the undefined `%x`.
+        assert_eq!(lines, [3, 3, 4, 5], "{diags:?}");
     }
 
     #[test]

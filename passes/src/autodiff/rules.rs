@@ -303,6 +303,7 @@ pub fn vjp(op: &Op, a: &VjpArgs, b: &mut Builder) -> Result<Vec<Option<Value>>, 
             return Err(format!("differentiating `{}` is not supported", op.name()));
         }
         Op::Repeat { .. } => return Err("invariant: repeat is differentiated by the region driver".into()),
+        Op::Kernel { .. } => return Err("differentiating a fused graph (`kernel` nodes) is not supported; differentiate before fusion".into()),
     })
 }
 

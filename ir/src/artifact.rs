@@ -1,0 +1,304 @@
+//! The artifact: what `titanc build` writes and `titan-run` reads, the one serialized boundary
+//! between compiler and runtime. A directory holding `manifest.json` (this module's
+//! [`Manifest`]), `graph.ir` (the fused training graph whose blocks are the kernels' op groups)
+//! and `kernels/*.ptx`. `docs/artifact.md` documents every field.
+//!
+//! Everything here is deterministic: maps are `BTreeMap`, lists are in schedule order.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+use crate::dtype::DType;
+use crate::op::KernelKind;
+
+/// Bumped on every change a reader of an older version would misread.
+pub const FORMAT_VERSION: u32 = 1;
+pub const MANIFEST_FILE: &str = "manifest.json";
+/// The fused training graph; each kernel's `body` names one of its blocks.
+pub const GRAPH_FILE: &str = "graph.ir";
+pub const KERNEL_DIR: &str = "kernels";
+
+/// The GPU the PTX was generated for.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Target {
+    /// `sm_90a`.
+    pub arch: String,
+    /// PTX ISA version of the emitted files, e.g. `8.0`.
+    pub ptx_isa: String,
+}
+
+impl Target {
+    pub fn sm90a() -> Target {
+        Target { arch: "sm_90a".into(), ptx_isa: "8.0".into() }
+    }
+}
+
+/// One dimension of the device mesh (TorchTitan names: `dp_replicate`, `dp_shard`, `cp`, `tp`, `pp`).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MeshDim {
+    pub name: String,
+    pub size: u32,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Mesh {
+    pub world_size: u32,
+    /// Outermost first; empty on one device.
+    pub dims: Vec<MeshDim>,
+}
+
+/// What a buffer holds; decides its arena and how the runtime treats it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum BufferClass {
+    /// Fed by the runtime every step (`tokens`, `targets`, `step`).
+    Input,
+    /// fp32 master weights: persistent, initialized, checkpointed.
+    Param,
+    /// AdamW moments: persistent, checkpointed.
+    OptimizerState,
+    /// Gradients of parameters (from the backward to the optimizer).
+    Grad,
+    /// Everything else computed during the step (activations, compute copies, temporaries).
+    Activation,
+}
+
+/// Separate regions of device memory; each buffer lives at `offset` in its arena.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Arena {
+    Inputs,
+    Params,
+    OptimizerState,
+    Grads,
+    Activations,
+}
+
+/// A persistent buffer's checkpoint identity and initializer.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct StateInfo {
+    /// Checkpoint name; a stacked buffer names layers with `{i}`.
+    pub name: String,
+    /// The initializer as written in the IR (`normal(1.0)`, `zeros`, ...).
+    pub init: String,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Buffer {
+    pub id: u32,
+    /// The IR value it holds (`main.%x`, `layer.%12`), for reports and errors.
+    pub name: String,
+    pub dtype: DType,
+    /// Fully resolved shape.
+    pub shape: Vec<u64>,
+    /// `numel * dtype size`.
+    pub bytes: u64,
+    pub class: BufferClass,
+    pub arena: Arena,
+    /// Byte offset in the arena (aligned to 256).
+    pub offset: u64,
+    /// For `param`/`optimizer_state` buffers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub state: Option<StateInfo>,
+    /// For `input` buffers: `tokens`, `targets` or `step`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub feed: Option<String>,
+    /// Set when the step's named output (`loss`, `grad_norm`, `lr`) is read from this buffer.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub output: Option<String>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ArenaPlan {
+    pub arena: Arena,
+    /// Bytes to allocate (the arena's high-water mark).
+    pub bytes: u64,
+}
+
+/// The static memory plan of one rank.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MemoryPlan {
+    pub arenas: Vec<ArenaPlan>,
+    /// Sum over arenas: the predicted peak device memory of the step (excluding library workspaces).
+    pub peak_bytes: u64,
+    /// Activation bytes if nothing were reused (sum of all activation buffers), for the report.
+    pub activation_bytes_unplanned: u64,
+}
+
+/// cuBLASLt description of a GEMM: `C[m, n] = op(A) @ op(B)`, row-major, `batch` times with
+/// the given strides (elements). bf16/f16 in, fp32 accumulation.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GemmDesc {
+    pub m: u64,
+    pub n: u64,
+    pub k: u64,
+    pub batch: u64,
+    pub transpose_a: bool,
+    pub transpose_b: bool,
+    pub lda: u64,
+    pub ldb: u64,
+    pub ldc: u64,
+    pub stride_a: u64,
+    pub stride_b: u64,
+    pub stride_c: u64,
+    pub a_dtype: DType,
+    pub b_dtype: DType,
+    pub c_dtype: DType,
+    /// Always `f32` for now.
+    pub compute: DType,
+    /// `none` for now (bias/activation epilogues come with fusion into GEMMs).
+    pub epilogue: String,
+}
+
+/// Grid and block dimensions and dynamic shared memory of a generated kernel.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Launch {
+    pub grid: [u32; 3],
+    pub block: [u32; 3],
+    pub shared_bytes: u32,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Kernel {
+    pub id: u32,
+    /// Unique, e.g. `layer.k3_rmsnorm`.
+    pub name: String,
+    pub kind: KernelKind,
+    /// The block of `graph.ir` holding the op group (without `@`).
+    pub body: String,
+    /// PTX file relative to the artifact directory; absent for GEMMs (cuBLASLt) and for kinds
+    /// whose code generator is not built yet (the CPU backend still runs them).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ptx: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub entry: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub launch: Option<Launch>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gemm: Option<GemmDesc>,
+    /// Scratch the kernel needs (cross-block reductions); passed as the last pointer argument.
+    /// The runtime allocates it zeroed once; the kernel leaves it zeroed when it returns.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub workspace_bytes: u64,
+    /// Bytes the kernel reads and writes per launch (for the fusion report and rooflines).
+    pub bytes_read: u64,
+    pub bytes_written: u64,
+}
+
+/// A buffer operand of a schedule step.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum BufRef {
+    /// Slot `carry` of the enclosing loop: its input buffer this iteration (`out = false`) or
+    /// the buffer the next iteration reads (`out = true`).
+    Carry { carry: u32, out: bool },
+    /// Slice `i` along dim 0 of `buffer`, `i` the enclosing loop's layer index (`layer = true`),
+    /// or the whole buffer.
+    Buffer {
+        buffer: u32,
+        #[serde(default, skip_serializing_if = "is_false")]
+        layer: bool,
+    },
+}
+
+fn is_zero(x: &u64) -> bool {
+    *x == 0
+}
+
+fn is_false(b: &bool) -> bool {
+    !*b
+}
+
+/// One entry of a rank's schedule, executed in order on `stream`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "op", rename_all = "snake_case")]
+pub enum Step {
+    /// Launch kernel `kernel`: `inputs` bind its body's arguments, `outputs` its results.
+    Launch { kernel: u32, inputs: Vec<BufRef>, outputs: Vec<BufRef>, stream: u32 },
+    /// Copy `bytes` from `src` to `dst`.
+    Copy { src: BufRef, dst: BufRef, bytes: u64, stream: u32 },
+    /// Zero `bytes` of `dst`.
+    Memset { dst: BufRef, bytes: u64, stream: u32 },
+    /// Run `body` `count` times with layer index `i = 0..count` (or `count-1..=0` when
+    /// `reverse`). Iteration `t` (0-based, in execution order) reads carry slot `c` from
+    /// `carries[c][t % 2]` and writes it to `carries[c][(t + 1) % 2]`.
+    Loop { count: u32, reverse: bool, carries: Vec<[u32; 2]>, body: Vec<Step> },
+}
+
+/// The schedule of one rank.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct RankSchedule {
+    pub rank: u32,
+    pub steps: Vec<Step>,
+}
+
+/// Training facts the runtime logs with (tokens per step, FLOPs per token for MFU).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TrainingInfo {
+    pub batch: u64,
+    pub seq_len: u64,
+    pub vocab_size: u64,
+    pub tokens_per_step: u64,
+    /// `6 * N_non_embedding + 12 * n_layers * n_heads * head_dim * seq_len`.
+    pub flops_per_token: u64,
+}
+
+/// `manifest.json`. `format_version` is the first field so any reader can check it first.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Manifest {
+    pub format_version: u32,
+    pub titan_version: String,
+    /// Hex SHA-256 of the input IR text, the effective build options and the target.
+    pub content_hash: String,
+    pub target: Target,
+    /// The model graph's `meta` (dim, n_layers, ...), as JSON values.
+    pub model: BTreeMap<String, serde_json::Value>,
+    /// Named dims and their sizes (`batch`, `seq`).
+    pub dims: BTreeMap<String, u64>,
+    pub mesh: Mesh,
+    pub training: TrainingInfo,
+    pub buffers: Vec<Buffer>,
+    pub memory: MemoryPlan,
+    pub kernels: Vec<Kernel>,
+    /// One schedule per rank.
+    pub ranks: Vec<RankSchedule>,
+}
+
+/// Why an artifact cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum ArtifactError {
+    #[error("cannot read `{path}`: {message}")]
+    Io { path: String, message: String },
+    #[error("`{path}` is not a titan manifest: {message}")]
+    Malformed { path: String, message: String },
+    #[error("artifact format version {found} is not supported by this titan-run (reads version {expected}); rebuild it with this version's titanc")]
+    Version { found: u32, expected: u32 },
+    #[error("artifact was built for {found}, this runtime targets {expected}; rebuild with `titanc build --target {expected}`")]
+    Target { found: String, expected: String },
+    #[error("invalid artifact: {0}")]
+    Invalid(String),
+}
+
+impl Manifest {
+    /// Serialize deterministically (pretty JSON, trailing newline).
+    pub fn to_json(&self) -> String {
+        let mut s = serde_json::to_string_pretty(self).expect("invariant: a manifest always serializes");
+        s.push('\n');
+        s
+    }
+
+    /// Parse, checking `format_version` before anything else so an old or new artifact gets a
+    /// version error rather than a field error.
+    pub fn from_json(path: &str, text: &str) -> Result<Manifest, ArtifactError> {
+        let v: serde_json::Value = serde_json::from_str(text).map_err(|e| ArtifactError::Malformed { path: path.into(), message: e.to_string() })?;
+        let found = v.get("format_version").and_then(serde_json::Value::as_u64).ok_or_else(|| ArtifactError::Malformed {
+            path: path.into(),
+            message: "missing `format_version`".into(),
+        })?;
+        if found != u64::from(FORMAT_VERSION) {
+            return Err(ArtifactError::Version { found: found as u32, expected: FORMAT_VERSION });
+        }
+        serde_json::from_value(v).map_err(|e| ArtifactError::Malformed { path: path.into(), message: e.to_string() })
+    }
+}
