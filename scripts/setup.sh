@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Install what titan needs on a fresh Debian/Ubuntu machine (idempotent): a Rust toolchain
-# (>= 1.95) and a C compiler for build scripts. Later issues add LLVM/MLIR and ptxas here.
+# Install what titan needs on a fresh Debian 12 machine (idempotent): a Rust toolchain (>= 1.95),
+# LLVM/MLIR 22 for the kernel code generator (melior), lld for fast links, and ptxas (PyPI
+# `nvidia-cuda-nvcc`) to validate the emitted PTX. No GPU is needed.
 set -euo pipefail
 
 need_rust=1
@@ -23,7 +24,15 @@ apt_install() {
 }
 
 if command -v apt-get >/dev/null 2>&1; then
-    apt_install build-essential pkg-config ca-certificates curl
+    apt_install build-essential pkg-config ca-certificates curl python3-pip \
+        llvm-22-dev libmlir-22-dev mlir-22-tools libpolly-22-dev clang-22 lld-22 \
+        libzstd-dev libz3-dev libxml2-dev zlib1g-dev
+fi
+
+# ptxas for sm_90a, from PyPI; runs without a GPU.
+if ! python3 -c "import pathlib, nvidia; assert any(pathlib.Path(p, 'cu13/bin/ptxas').exists() or pathlib.Path(p, 'cuda_nvcc/bin/ptxas').exists() for p in nvidia.__path__)" >/dev/null 2>&1; then
+    python3 -m pip install --quiet --disable-pip-version-check nvidia-cuda-nvcc \
+        || python3 -m pip install --quiet --disable-pip-version-check --break-system-packages nvidia-cuda-nvcc
 fi
 
 if [ "$need_rust" -eq 1 ]; then

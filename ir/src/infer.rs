@@ -50,17 +50,18 @@ fn one_declared<'d>(op: &Op, declared: Option<&'d [TensorType]>) -> Result<&'d T
     }
 }
 
+/// Element count, `None` when a dim is unbound or the count overflows.
 fn numel(shape: &[Dim], dims: &DimTable) -> Option<u64> {
-    shape.iter().map(|d| resolve_dim(d, dims)).product()
+    shape.iter().try_fold(1u64, |acc, d| acc.checked_mul(resolve_dim(d, dims)?))
 }
 
 /// The result types of `op` applied to `inputs`. For ops whose result type is declared,
 /// `declared` is checked against the inputs and returned.
 pub fn infer_types(op: &Op, inputs: &[&TensorType], declared: Option<&[TensorType]>, ctx: &InferCtx) -> Result<Vec<TensorType>, String> {
-    if let Some(n) = op.arity() {
-        if inputs.len() != n {
-            return Err(format!("`{}` takes {n} operand{}, found {}", op.name(), if n == 1 { "" } else { "s" }, inputs.len()));
-        }
+    if let Some(n) = op.arity()
+        && inputs.len() != n
+    {
+        return Err(format!("`{}` takes {n} operand{}, found {}", op.name(), if n == 1 { "" } else { "s" }, inputs.len()));
     }
     let dims = ctx.dims;
     let out = match op {
@@ -148,9 +149,7 @@ pub fn infer_types(op: &Op, inputs: &[&TensorType], declared: Option<&[TensorTyp
             if a.dtype.is_int() {
                 return Err(format!("`{}` operands must be float tensors, found {a}", bo.name()));
             }
-            if same_shape(&a.shape, &b.shape, dims) {
-                vec![a.clone()]
-            } else if b.rank() == 0 {
+            if same_shape(&a.shape, &b.shape, dims) || b.rank() == 0 {
                 vec![a.clone()]
             } else if a.rank() == 0 {
                 vec![b.clone()]

@@ -81,14 +81,14 @@ impl TensorType {
             .collect()
     }
 
-    /// Number of elements, if every dimension is bound.
+    /// Number of elements, if every dimension is bound and the count fits in a u64.
     pub fn numel(&self, dims: &DimTable) -> Option<u64> {
-        self.shape.iter().map(|d| resolve_dim(d, dims)).product()
+        self.shape.iter().try_fold(1u64, |acc, d| acc.checked_mul(resolve_dim(d, dims)?))
     }
 
-    /// Bytes the value occupies, if every dimension is bound.
+    /// Bytes the value occupies, if every dimension is bound and the size fits in a u64.
     pub fn size_bytes(&self, dims: &DimTable) -> Option<u64> {
-        self.numel(dims).map(|n| n * self.dtype.size_bytes() as u64)
+        self.numel(dims)?.checked_mul(self.dtype.size_bytes() as u64)
     }
 
     /// Two types are the same when dtypes match and every dimension resolves to the same size.

@@ -49,7 +49,11 @@ pub struct VerifyError {
 impl VerifyError {
     /// An error at `loc` of `g`, with the location described in words.
     pub fn new(g: &Graph, loc: Loc, message: impl Into<String>) -> VerifyError {
-        VerifyError { loc, message: message.into(), place: describe_loc(g, loc) }
+        let names = match loc {
+            Loc::Arg(r, _) => Names::new(region_of(g, r)),
+            _ => Names { names: Vec::new() },
+        };
+        VerifyError { loc, message: message.into(), place: describe_loc(g, loc, &names) }
     }
 }
 
@@ -77,12 +81,13 @@ fn region_label(g: &Graph, r: RegionRef) -> String {
 }
 
 /// `in @layer, node n3 (`linear`)` and friends.
-fn describe_loc(g: &Graph, loc: Loc) -> String {
+/// `names` spells the values of the loc's region (only arguments need it).
+fn describe_loc(g: &Graph, loc: Loc, names: &Names) -> String {
     match loc {
         Loc::Graph => format!("in graph @{}", g.name),
         Loc::Region(r) => format!("in {}", region_label(g, r)),
         Loc::Arg(r, i) => {
-            let spelled = region_of(g, r).and_then(|reg| reg.args.get(i)).map(|a| Names::new(region_of(g, r)).spell(a.value));
+            let spelled = region_of(g, r).and_then(|reg| reg.args.get(i)).map(|a| names.spell(a.value));
             match spelled {
                 Some(s) => format!("in {}, argument {i} (`{s}`)", region_label(g, r)),
                 None => format!("in {}, argument {i}", region_label(g, r)),
@@ -152,11 +157,18 @@ struct Checker<'g> {
     errors: Vec<VerifyError>,
     /// Named dims already reported as unbound (once per graph).
     unbound_reported: HashSet<String>,
+    /// Value spellings per region, for describing locations.
+    names: HashMap<RegionRef, Names>,
 }
 
 impl<'g> Checker<'g> {
     fn err(&mut self, loc: Loc, message: impl Into<String>) {
-        self.errors.push(VerifyError::new(self.g, loc, message));
+        let g = self.g;
+        let place = match loc_region(loc) {
+            Some(r) => describe_loc(g, loc, self.names.entry(r).or_insert_with(|| Names::new(region_of(g, r)))),
+            None => describe_loc(g, loc, &Names { names: Vec::new() }),
+        };
+        self.errors.push(VerifyError { loc, message: message.into(), place });
     }
 
     /// Whether every argument and result of block `b` points into its value table (so the
@@ -565,7 +577,7 @@ fn unprintable_attr(v: &AttrValue, depth: usize) -> Option<String> {
 
 /// Check every rule on `g` and return every problem found (empty when the graph is valid).
 pub fn verify(g: &Graph) -> Vec<VerifyError> {
-    let mut c = Checker { g, errors: Vec::new(), unbound_reported: HashSet::new() };
+    let mut c = Checker { g, errors: Vec::new(), unbound_reported: HashSet::new(), names: HashMap::new() };
     c.check_graph();
     c.errors
 }

@@ -574,3 +574,20 @@ fn forward_references_are_sorted_stably() {
         "graph @g {\n\n  func @main {\n    input %x : f32[2]\n    %b = exp(%x) : f32[2]\n    %a = neg(%x) : f32[2]\n    %c = add(%a, %b) : f32[2]\n    output c = %c\n  }\n}\n"
     );
 }
+
+#[test]
+fn docs_example_round_trips() {
+    if included_elsewhere() {
+        return;
+    }
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/ir.md");
+    let doc = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("cannot read {}: {e}", path.display()));
+    // The first fenced block of the document is a complete graph.
+    let block = doc.split("```").nth(1).unwrap_or_default();
+    let src: String = block.lines().skip(1).filter(|l| !l.trim_start().starts_with("//")).map(|l| format!("{l}\n")).collect();
+    let g = match parse_and_verify("docs/ir.md", &src) {
+        Ok(g) => g,
+        Err(e) => panic!("{e}"),
+    };
+    assert_eq!(print_graph(&g), src, "the docs example is not in canonical form");
+}

@@ -17,7 +17,7 @@ use petgraph::algo::kosaraju_scc;
 use petgraph::graph::{DiGraph, NodeIndex};
 
 use crate::attr::{AttrValue, Attrs};
-use crate::diag::{Diagnostic, SourceError, Span, line_col};
+use crate::diag::{Diagnostic, SourceError, Span};
 use crate::dtype::DType;
 use crate::graph::{ArgKind, BlockId, Graph, Init, Output, ParamInfo, Region, Update, Value};
 use crate::op::Op;
@@ -156,8 +156,9 @@ struct AttrEntry {
     value_span: Span,
 }
 
-struct Parser<'s> {
-    src: &'s str,
+struct Parser {
+    /// Byte offset where each line starts.
+    line_starts: Vec<usize>,
     toks: Vec<Token>,
     pos: usize,
     diags: Vec<Diagnostic>,
@@ -185,7 +186,7 @@ fn value_name(s: &str) -> Option<String> {
     if s.chars().all(|c| c.is_ascii_digit()) { None } else { Some(s.to_string()) }
 }
 
-impl<'s> Parser<'s> {
+impl Parser {
     fn peek(&self) -> &Token {
         &self.toks[self.pos.min(self.toks.len() - 1)]
     }
@@ -207,8 +208,9 @@ impl<'s> Parser<'s> {
         if self.pos == 0 { 0 } else { self.toks[self.pos - 1].span.end }
     }
 
+    /// 1-based line of `span`, by binary search over the line starts.
     fn line_of(&self, span: Span) -> usize {
-        line_col(self.src, span.start).0
+        self.line_starts.partition_point(|&start| start <= span.start)
     }
 
     fn error(&mut self, span: Span, msg: impl Into<String>) -> Fail {
@@ -384,21 +386,25 @@ impl<'s> Parser<'s> {
             let msg = format!("block `@{}` is defined after func @{}; define blocks before func", draft.name, main.name);
             self.error(draft.header, msg);
         }
-        if header.is_err() {
-            // Resume inside the body when the header line ends with `{`.
-            self.skip_line(start);
-            let opened = self.pos > 0 && self.toks[self.pos - 1].tok == Tok::LBrace;
-            self.block_names.push((draft.name.clone(), draft.header));
-            if opened {
-                self.parse_body(&mut draft);
-            }
-            self.blocks.push(draft);
-            return Ok(());
-        }
         self.block_names.push((draft.name.clone(), draft.header));
-        self.parse_body(&mut draft);
+        if header.is_ok() || self.recover_into_body(start) {
+            self.parse_body(&mut draft);
+        }
         self.blocks.push(draft);
         Ok(())
+    }
+
+    /// After a broken region header: skip its line, and tell whether the following lines look
+    /// like the region's body (the header ended with `{`, or the next line is no top-level item).
+    fn recover_into_body(&mut self, start: usize) -> bool {
+        self.skip_line(start);
+        let opened = self.pos > 0 && self.toks[self.pos - 1].tok == Tok::LBrace;
+        let item = match self.peek_tok() {
+            Tok::Ident(w) => matches!(w.as_str(), "meta" | "dims" | "block" | "func"),
+            Tok::RBrace | Tok::Eof => true,
+            _ => false,
+        };
+        opened || !item
     }
 
     fn parse_block_header(&mut self, d: &mut RegionDraft) -> PResult<()> {
@@ -426,16 +432,22 @@ impl<'s> Parser<'s> {
     }
 
     fn parse_func(&mut self) -> PResult<()> {
+        let start = self.stmt_start;
         let kw = self.advance();
-        let (name, span) = self.expect_symbol("the function name `@main`")?;
-        let header = Span::new(kw.span.start, span.end);
-        self.expect(Tok::LBrace, "`{`")?;
-        self.end_of_statement()?;
-        let mut draft = RegionDraft::new(name, true, header);
+        let mut draft = RegionDraft::new("main".to_string(), true, kw.span);
+        let header = (|| -> PResult<()> {
+            let (name, span) = self.expect_symbol("the function name `@main`")?;
+            draft.name = name;
+            draft.header = Span::new(kw.span.start, span.end);
+            self.expect(Tok::LBrace, "`{`")?;
+            self.end_of_statement()
+        })();
         if self.main.is_some() {
-            self.error(header, "duplicate func; a graph has exactly one");
+            self.error(draft.header, "duplicate func; a graph has exactly one");
         }
-        self.parse_body(&mut draft);
+        if header.is_ok() || self.recover_into_body(start) {
+            self.parse_body(&mut draft);
+        }
         if self.main.is_none() {
             self.main = Some(draft);
         }
@@ -1011,7 +1023,7 @@ fn lower(d: &RegionDraft) -> (Region, RegionSpans) {
 pub fn parse(src: &str) -> Result<(Graph, SourceMap), Vec<Diagnostic>> {
     let (toks, lex_diags) = lex(src);
     let mut p = Parser {
-        src,
+        line_starts: std::iter::once(0).chain(src.match_indices('\n').map(|(i, _)| i + 1)).collect(),
         toks,
         pos: 0,
         diags: lex_diags,
@@ -1082,6 +1094,7 @@ pub(crate) fn is_name(s: &str) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::diag::line_col;
 
     const SMALL: &str = "graph @g {
   dims {n = 4}
