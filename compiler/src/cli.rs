@@ -4,13 +4,16 @@
 use std::path::{Path, PathBuf};
 
 use clap::{ArgGroup, Args, Parser, Subcommand};
+use titan_ir::artifact::Target;
 use titan_ir::diag::SourceError;
 use titan_ir::print::print_graph;
 use titan_ir::{DType, DecayKind, Graph};
-use titan_passes::{PassError, TrainOptions, lower_to_train};
+use titan_passes::{DumpAfter, PassError, PipelineOptions, TrainOptions, lower_to_train};
 
 use crate::FrontendError;
+use crate::build::{BuildError, BuildOptions, TARGETS, build_artifact};
 use crate::hf::load_hf_config;
+use crate::job_config::{JobConfig, JobConfigError};
 use crate::llama::{LlamaConfig, LlamaOverrides, Preset, build_llama3};
 use crate::stats::model_stats;
 
@@ -39,6 +42,8 @@ pub enum Command {
     Fmt(FmtArgs),
     /// Print parameter counts and training FLOPs per token of a model graph
     Stats(FileArgs),
+    /// Compile a model graph into an artifact directory for titan-run (`titanc build model.ir -o DIR`)
+    Build(BuildArgs),
 }
 
 #[derive(Debug, Args)]
@@ -171,6 +176,99 @@ pub struct LowerArgs {
     pub output: Option<PathBuf>,
 }
 
+/// The training flags of `titanc build` (the same as `titanc lower`'s); they override the job config.
+#[derive(Debug, Default, Clone, Args)]
+pub struct TrainFlags {
+    /// Peak learning rate [default: 8e-4]
+    #[arg(long, allow_hyphen_values = true)]
+    pub lr: Option<f64>,
+    /// Linear warmup steps [default: 200]
+    #[arg(long)]
+    pub warmup_steps: Option<u64>,
+    /// Decay steps after warmup [default: 800, or training.steps - warmup with a job config]
+    #[arg(long)]
+    pub decay_steps: Option<u64>,
+    /// Decay shape: cosine, linear or constant [default: linear]
+    #[arg(long)]
+    pub decay: Option<String>,
+    /// Final learning rate as a fraction of the peak [default: 0]
+    #[arg(long, allow_hyphen_values = true)]
+    pub min_lr_ratio: Option<f64>,
+    /// AdamW beta1 [default: 0.9]
+    #[arg(long, allow_hyphen_values = true)]
+    pub beta1: Option<f64>,
+    /// AdamW beta2 [default: 0.95]
+    #[arg(long, allow_hyphen_values = true)]
+    pub beta2: Option<f64>,
+    /// AdamW epsilon [default: 1e-8]
+    #[arg(long, allow_hyphen_values = true)]
+    pub eps: Option<f64>,
+    /// AdamW weight decay [default: 0.1]
+    #[arg(long, allow_hyphen_values = true)]
+    pub weight_decay: Option<f64>,
+    /// Clip the global gradient norm to this value; 0 disables clipping [default: 1.0]
+    #[arg(long, allow_hyphen_values = true)]
+    pub max_norm: Option<f64>,
+}
+
+impl TrainFlags {
+    /// The training options: these flags where given, else the job config's values, else
+    /// titanc's defaults; flag values are checked like `titanc lower`'s.
+    pub fn resolve(&self, job: Option<&JobConfig>) -> Result<TrainOptions, CliError> {
+        let j = match job {
+            Some(j) => j.train_settings(self.warmup_steps)?,
+            None => Default::default(),
+        };
+        let decay_name = |d: DecayKind| match d {
+            DecayKind::Constant => "constant",
+            DecayKind::Linear => "linear",
+            DecayKind::Cosine => "cosine",
+        };
+        let merged = LowerArgs {
+            file: PathBuf::new(),
+            to: LOWER_TARGETS[0].into(),
+            lr: self.lr.or(j.lr),
+            warmup_steps: self.warmup_steps.or(j.warmup_steps),
+            decay_steps: self.decay_steps.or(j.decay_steps),
+            decay: self.decay.clone().or_else(|| j.decay.map(|d| decay_name(d).to_string())),
+            min_lr_ratio: self.min_lr_ratio.or(j.min_lr_ratio),
+            beta1: self.beta1.or(j.beta1),
+            beta2: self.beta2.or(j.beta2),
+            eps: self.eps.or(j.eps),
+            weight_decay: self.weight_decay.or(j.weight_decay),
+            max_norm: self.max_norm.or(j.max_norm),
+            output: None,
+        };
+        merged.train_options()
+    }
+}
+
+#[derive(Debug, Args)]
+pub struct BuildArgs {
+    /// The model graph file (from `titanc new`)
+    pub file: PathBuf,
+    /// The artifact directory to write (replaced if it holds an older artifact)
+    #[arg(short, long, value_name = "DIR")]
+    pub output: PathBuf,
+    /// A TorchTitan-style job config (TOML); command-line flags override its values
+    #[arg(long, value_name = "TOML")]
+    pub job_config: Option<PathBuf>,
+    #[command(flatten)]
+    pub train: TrainFlags,
+    /// Print the IR after this pass (or after every pass with `all`) to stderr
+    #[arg(long, value_name = "PASS")]
+    pub dump_after: Option<String>,
+    /// Show the time of every pass in the summary
+    #[arg(long)]
+    pub timings: bool,
+    /// Print the fusion report (kernels and memory traffic before and after fusion)
+    #[arg(long)]
+    pub report: bool,
+    /// GPU architecture to generate code for; only sm_90a (H100/H200)
+    #[arg(long, default_value = "sm_90a")]
+    pub target: String,
+}
+
 #[derive(Debug, Args)]
 pub struct FileArgs {
     /// The graph file
@@ -209,6 +307,10 @@ pub enum CliError {
     Usage(String),
     #[error("cannot write `{file}`: {message}")]
     Write { file: String, message: String },
+    #[error(transparent)]
+    Build(#[from] BuildError),
+    #[error(transparent)]
+    JobConfig(#[from] JobConfigError),
     /// A pass produced a graph that does not verify: a compiler bug, not a user error.
     #[error("internal error: {what} does not verify (please report it):\n{errors}")]
     Internal { what: String, errors: String },
@@ -239,6 +341,7 @@ pub fn execute(cli: &Cli) -> Result<Outcome, CliError> {
         Command::Verify(a) => cmd_verify(&a.file),
         Command::Fmt(a) => cmd_fmt(a),
         Command::Stats(a) => cmd_stats(&a.file),
+        Command::Build(a) => cmd_build(a),
     }
 }
 
@@ -375,6 +478,48 @@ fn cmd_fmt(a: &FmtArgs) -> Result<Outcome, CliError> {
 fn cmd_stats(file: &Path) -> Result<Outcome, CliError> {
     let g = load_graph(file)?;
     Ok(Outcome { stdout: model_stats(&g)?.to_string(), stderr: String::new() })
+}
+
+impl BuildArgs {
+    /// The build options these arguments (and the job config, if any) ask for.
+    pub fn build_options(&self, job: Option<&JobConfig>) -> Result<BuildOptions, CliError> {
+        let train = self.train.resolve(job)?;
+        let dump_after = match self.dump_after.as_deref() {
+            None => DumpAfter::None,
+            Some("all") => DumpAfter::All,
+            Some(pass) => {
+                titan_passes::lookup_passes(&[pass])?;
+                DumpAfter::Pass(pass.to_string())
+            }
+        };
+        let target = match self.target.as_str() {
+            "sm_90a" => Target::sm90a(),
+            other => {
+                return Err(CliError::Usage(format!("unsupported --target `{other}`; titan generates code for {} (H100/H200)", TARGETS.join(", "))));
+            }
+        };
+        Ok(BuildOptions { train, pipeline: PipelineOptions { verify_each: false, dump_after, timings: self.timings }, target, report: self.report })
+    }
+}
+
+fn cmd_build(a: &BuildArgs) -> Result<Outcome, CliError> {
+    let file = a.file.display().to_string();
+    let text = std::fs::read_to_string(&a.file).map_err(|e| FrontendError::Io { file: file.clone(), message: e.to_string() })?;
+    let model = titan_ir::parse::parse_and_verify(&file, &text)?;
+    let job = a.job_config.as_deref().map(JobConfig::load).transpose()?;
+    if let Some(j) = &job {
+        j.check_model(&model)?;
+    }
+    let opts = a.build_options(job.as_ref())?;
+    let summary = build_artifact(&model, &text, &opts, &a.output)?;
+    let mut out = Outcome { stdout: summary.to_string(), stderr: String::new() };
+    for (pass, ir) in &summary.pipeline.dumps {
+        out.stderr.push_str(&format!("// ---- IR after `{pass}` ----\n{ir}"));
+    }
+    for note in job.iter().flat_map(JobConfig::notes) {
+        out.stdout.push_str(&format!("note: {note}\n"));
+    }
+    Ok(out)
 }
 
 /// Read, parse and verify a graph file; every problem comes back rendered with its location.

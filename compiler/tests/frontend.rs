@@ -355,3 +355,29 @@ fn cli_lower_options_map_to_train_options() {
     assert_eq!((o.lr, o.max_norm, o.decay, o.warmup_steps), (3e-4, None, titan_ir::DecayKind::Cosine, 10));
     assert_eq!(o.beta2, 0.95, "unset flags keep TorchTitan's defaults");
 }
+
+#[test]
+fn cli_build_flags_override_the_job_config() {
+    use clap::Parser;
+    use titan_compiler::JobConfig;
+    use titan_compiler::cli::{Cli, Command};
+    let job = JobConfig::parse(
+        "job.toml",
+        "[optimizer]\nlr = 3e-3\nweight_decay = 0.01\n[lr_scheduler]\nwarmup_steps = 10\ndecay_type = \"cosine\"\n[training]\nsteps = 200\nmax_norm = 0\n",
+    )
+    .unwrap();
+    let options = |args: &[&str]| {
+        let cli = Cli::try_parse_from(args).unwrap();
+        let Command::Build(a) = &cli.command else { panic!("expected build") };
+        a.build_options(Some(&job)).unwrap().train
+    };
+    let o = options(&["titanc", "build", "m.ir", "-o", "out"]);
+    assert_eq!((o.lr, o.weight_decay, o.warmup_steps, o.decay_steps, o.max_norm), (3e-3, 0.01, 10, 190, None));
+    assert_eq!(o.decay, titan_ir::DecayKind::Cosine);
+    assert_eq!(o.beta1, 0.9, "keys the file leaves out keep titanc's defaults");
+    // Flags win; --warmup-steps also moves the decay derived from training.steps.
+    let o = options(&["titanc", "build", "m.ir", "-o", "out", "--lr", "1e-3", "--warmup-steps", "50", "--max-norm", "2"]);
+    assert_eq!((o.lr, o.warmup_steps, o.decay_steps, o.max_norm), (1e-3, 50, 150, Some(2.0)));
+    let o = options(&["titanc", "build", "m.ir", "-o", "out", "--decay-steps", "7", "--decay", "linear"]);
+    assert_eq!((o.decay_steps, o.decay), (7, titan_ir::DecayKind::Linear));
+}

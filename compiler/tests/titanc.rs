@@ -135,3 +135,72 @@ fn help_succeeds() {
     assert!(out.status.success());
     assert!(text(&out.stdout).contains("lower"));
 }
+
+fn workspace_file(rel: &str) -> String {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..").join(rel).to_str().unwrap().to_string()
+}
+
+#[test]
+fn build_writes_an_artifact_and_prints_the_peak() {
+    let dir = scratch("build");
+    let out_dir = dir.join("debug");
+    let o = out_dir.to_str().unwrap();
+    let model = workspace_file("examples/llama3-debug.ir");
+    let out = titanc(&["build", &model, "-o", o]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let summary = text(&out.stdout);
+    assert!(summary.contains("predicted peak memory: rank 0:"), "{summary}");
+    assert!(summary.contains("kernels:") && summary.contains("gemm"), "{summary}");
+    for f in ["manifest.json", "graph.ir"] {
+        assert!(out_dir.join(f).is_file(), "{f} missing");
+    }
+    assert!(out_dir.join("kernels").is_dir());
+    // The fused graph is valid IR.
+    let v = titanc(&["verify", out_dir.join("graph.ir").to_str().unwrap()]);
+    assert!(v.status.success(), "{}", text(&v.stderr));
+
+    // With the example job config, timings and the fusion report; building again replaces it.
+    let job = workspace_file("examples/job/debug.toml");
+    let out = titanc(&["build", &model, "-o", o, "--job-config", &job, "--timings", "--report", "--lr", "2e-3"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let summary = text(&out.stdout);
+    for needle in ["passes:", "fuse", "fusion report", "note: ", "--steps 200"] {
+        assert!(summary.contains(needle), "expected `{needle}` in\n{summary}");
+    }
+    let out = titanc(&["build", &model, "-o", o, "--dump-after", "fuse"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(text(&out.stderr).contains("// ---- IR after `fuse` ----\ngraph @llama3_debug_train {"), "{}", text(&out.stderr));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn build_errors_say_what_to_change() {
+    let dir = scratch("build-errors");
+    let model = workspace_file("examples/llama3-debug.ir");
+    let o = dir.join("out");
+    let o = o.to_str().unwrap();
+    let job = dir.join("job.toml");
+    std::fs::write(&job, "[activation_checkpoint]\nmode = \"full\"\n").unwrap();
+    let j8b = workspace_file("examples/job/llama3_8b.toml");
+    let cases: &[(&[&str], &str)] = &[
+        (&["build", &model, "-o", o, "--target", "sm_80"], "unsupported --target `sm_80`"),
+        (&["build", &model, "-o", o, "--dump-after", "fusion"], "unknown pass `fusion`"),
+        (
+            &["build", &model, "-o", o, "--job-config", job.to_str().unwrap()],
+            "activation checkpointing (`activation_checkpoint.mode = \"full\"`) is not supported yet",
+        ),
+        (&["build", &model, "-o", o, "--job-config", &j8b], "regenerate the model with `titanc new ... --batch-size 1`"),
+        (&["build", &model, "-o", o, "--job-config", "no/such/job.toml"], "cannot read `no/such/job.toml`"),
+        (&["build", "no/such/model.ir", "-o", o], "cannot read `no/such/model.ir`"),
+        (&["build", &model, "-o", o, "--beta2", "1.5"], "--beta2 1.5 must be at least 0 and below 1"),
+        (&["build", &model], "--output <DIR>"),
+    ];
+    for (args, needle) in cases {
+        let out = titanc(args);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {}", text(&out.stderr));
+        assert_no_panic(&out);
+        assert!(text(&out.stderr).contains(needle), "{args:?}: expected `{needle}` in\n{}", text(&out.stderr));
+        assert!(!dir.join("out").exists(), "{args:?} left a partial artifact");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

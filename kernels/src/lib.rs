@@ -1,4 +1,131 @@
-//! Lowering of fused kernel groups to MLIR (melior) and PTX for sm_90a.
+//! Kernel codegen: lowers the op groups the fusion pass outlines (`kernel` node bodies) to MLIR's
+//! GPU dialect and, through melior and the NVVM pipeline, to sm_90a PTX. No GPU is needed.
 //!
-//! Nothing lives here yet: kernel codegen arrives with the compile-pipeline issue. The crate
-//! exists so the workspace has its final shape and `runtime` can be checked never to depend on it.
+//! Kernel ABI: one global pointer per body argument (in order), then one per body output (in
+//! order), then the workspace pointer when `workspace_bytes > 0`. Tensors are row-major and
+//! contiguous in their IR dtype (rank-0 values are one-element buffers); every buffer is aligned to
+//! at least `min(16, largest power of two dividing its byte size)`. The workspace is zero when the
+//! kernel starts and the kernel leaves it zero. Arithmetic is f32; every bf16/f16 op result is
+//! rounded to its dtype where the reference interpreter rounds it.
+
+mod emit;
+mod fused;
+mod gather;
+mod math;
+mod optimizer;
+mod pipeline;
+mod ptxas;
+mod scatter;
+mod values;
+
+use titan_ir::artifact::Launch;
+use titan_ir::{BlockId, Graph, KernelKind};
+
+pub use ptxas::{PtxasReport, find_ptxas, ptxas_check};
+
+/// A generated kernel.
+#[derive(Clone, Debug, PartialEq)]
+pub struct CompiledKernel {
+    /// The PTX entry (the kernel name with characters PTX does not allow replaced by `_`).
+    pub entry: String,
+    pub ptx: String,
+    /// The `gpu.module` before lowering, for snapshots and debugging.
+    pub mlir: String,
+    pub launch: Launch,
+    /// Zeroed scratch the kernel needs; passed as the last pointer.
+    pub workspace_bytes: u64,
+}
+
+/// Why a kernel could not be generated.
+#[derive(Debug, thiserror::Error)]
+pub enum KernelError {
+    /// The body is valid IR but has a pattern this code generator does not handle (yet).
+    #[error("kernel `{kernel}` ({kind}): {message}")]
+    Unsupported { kernel: String, kind: &'static str, message: String },
+    /// The body does not match what its kind promises (a fusion bug).
+    #[error("kernel `{kernel}` ({kind}) has an invalid body: {message}")]
+    InvalidBody { kernel: String, kind: &'static str, message: String },
+    /// MLIR rejected the generated module or its lowering failed (a code generator bug).
+    #[error("kernel codegen bug, the MLIR {stage} step failed (report it with the kernel's body): {message}")]
+    Mlir { stage: String, message: String },
+    /// `ptxas` is missing or rejected the PTX.
+    #[error("{0}")]
+    Ptxas(String),
+}
+
+/// What a generator produces before lowering.
+pub(crate) struct Generated {
+    pub(crate) mlir: String,
+    pub(crate) block: u32,
+    pub(crate) grid: u32,
+    pub(crate) workspace_bytes: u64,
+}
+
+/// Internal generator errors, given the kernel's name and kind by [`compile_kernel`].
+#[derive(Debug)]
+pub(crate) enum GenError {
+    Unsupported(String),
+    Invalid(String),
+}
+
+pub(crate) type GenResult<T> = Result<T, GenError>;
+
+pub(crate) fn unsupported<T>(msg: impl Into<String>) -> GenResult<T> {
+    Err(GenError::Unsupported(msg.into()))
+}
+
+pub(crate) fn invalid<T>(msg: impl Into<String>) -> GenResult<T> {
+    Err(GenError::Invalid(msg.into()))
+}
+
+/// The PTX entry name for a kernel name: `[A-Za-z0-9_]`, not starting with a digit.
+pub fn entry_name(name: &str) -> String {
+    let mut s: String = name.chars().map(|c| if c.is_ascii_alphanumeric() || c == '_' { c } else { '_' }).collect();
+    if s.is_empty() || s.starts_with(|c: char| c.is_ascii_digit()) {
+        s.insert_str(0, "k_");
+    }
+    s
+}
+
+/// Generate the kernel for `body` (a block of `graph`) of kind `kind`. `None` for kinds with no
+/// generated code: `gemm` runs on cuBLASLt, `attention`/`attention_bwd` kernels are not built yet.
+pub fn compile_kernel(graph: &Graph, body: BlockId, kind: KernelKind, name: &str) -> Result<Option<CompiledKernel>, KernelError> {
+    let kind_name = kind.name();
+    let wrap = |e: GenError| match e {
+        GenError::Unsupported(message) => KernelError::Unsupported { kernel: name.to_string(), kind: kind_name, message },
+        GenError::Invalid(message) => KernelError::InvalidBody { kernel: name.to_string(), kind: kind_name, message },
+    };
+    let Some(region) = graph.blocks.get(body.index()) else {
+        return Err(wrap(GenError::Invalid(format!("body block #{} does not exist", body.0))));
+    };
+    let entry = entry_name(name);
+    let generated = match kind {
+        KernelKind::Gemm | KernelKind::Attention | KernelKind::AttentionBwd => return Ok(None),
+        KernelKind::Fused => fused::generate(graph, region, &entry),
+        KernelKind::Gather => gather::generate(graph, region, &entry),
+        KernelKind::ScatterAdd => scatter::generate(graph, region, &entry),
+        KernelKind::Optimizer => optimizer::generate(graph, region, &entry),
+    }
+    .map_err(wrap)?;
+    let ptx = pipeline::to_ptx(&generated.mlir)?;
+    Ok(Some(CompiledKernel {
+        entry,
+        ptx,
+        mlir: generated.mlir,
+        launch: Launch { grid: [generated.grid, 1, 1], block: [generated.block, 1, 1], shared_bytes: 0 },
+        workspace_bytes: generated.workspace_bytes,
+    }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn entry_names_are_ptx_identifiers() {
+        assert_eq!(entry_name("layer.k3"), "layer_k3");
+        assert_eq!(entry_name("3x"), "k_3x");
+        assert_eq!(entry_name(""), "k_");
+        assert_eq!(entry_name("main.k12_rmsnorm"), "main_k12_rmsnorm");
+    }
+}

@@ -1,7 +1,7 @@
 //! Lowering of a model graph to the training-step graph: fp32 master weights, forward,
 //! backward (autodiff, each block once), gradient clipping and AdamW.
 
-use titan_ir::{AttrValue, DecayKind, Graph};
+use titan_ir::{AttrValue, DecayKind, Graph, Region};
 
 use crate::PassError;
 
@@ -61,10 +61,10 @@ impl TrainOptions {
         if !(0.0..=1.0).contains(&self.min_lr_ratio) {
             return bad(format!("min_lr_ratio must be in [0, 1], found {}", self.min_lr_ratio));
         }
-        if let Some(m) = self.max_norm {
-            if !(m.is_finite() && m > 0.0) {
-                return bad(format!("max_norm must be positive (omit it to disable clipping), found {m}"));
-            }
+        if let Some(m) = self.max_norm
+            && !(m.is_finite() && m > 0.0)
+        {
+            return bad(format!("max_norm must be positive (omit it to disable clipping), found {m}"));
         }
         Ok(())
     }
@@ -82,27 +82,47 @@ pub struct TrainStats {
 
 /// Build the training-step graph of `model`: inputs `tokens`, `targets`, `step`; outputs
 /// `loss`, `grad_norm`, `lr`; every parameter an fp32 master with AdamW moments, updated in place.
+/// Runs [`TRAIN_PIPELINE`](crate::pipeline::TRAIN_PIPELINE) through the pass manager.
 pub fn lower_to_train(model: &Graph, opts: &TrainOptions) -> Result<Graph, PassError> {
     lower_to_train_with_stats(model, opts).map(|(g, _)| g)
 }
 
 pub fn lower_to_train_with_stats(model: &Graph, opts: &TrainOptions) -> Result<(Graph, TrainStats), PassError> {
-    opts.validate()?;
-    let fail = |pass: &'static str| move |message: String| {
-        if message.contains("not supported yet") {
-            PassError::Unsupported { pass, what: message.replace(" is not supported yet", "").replace(" (not supported yet)", "") }
-        } else {
-            PassError::Failed { pass, message }
-        }
+    let passes = crate::pipeline::lookup_passes(&crate::pipeline::TRAIN_PIPELINE)?;
+    let (g, report) = run_on_copy(model, opts, &passes, &crate::pipeline::PipelineOptions::default())?;
+    let count = |pass: &str, counter: &str| report.stats(pass).and_then(|s| s.get(counter)).unwrap_or(0) as usize;
+    let stats = TrainStats {
+        params: count("master-weights", "params"),
+        saved_per_layer: count("autodiff", "saved_per_layer"),
+        backward_nodes: count("autodiff", "backward_nodes"),
+        dead_nodes_removed: count("dce", "removed"),
+        duplicates_merged: count("cse", "merged"),
     };
+    Ok((g, stats))
+}
+
+/// Validate `opts`, copy `model` as `<name>_train` (meta `step = "train"`) and run `passes` on it.
+pub(crate) fn run_on_copy(
+    model: &Graph,
+    opts: &TrainOptions,
+    passes: &[crate::pipeline::PassInfo],
+    popts: &crate::pipeline::PipelineOptions,
+) -> Result<(Graph, crate::pipeline::PipelineReport), PassError> {
+    opts.validate()?;
     let mut g = model.clone();
-    let mp = crate::mixed_precision::master_weights(&mut g).map_err(fail("mixed-precision"))?;
-    let (grads, ad) = crate::autodiff::differentiate_main(&mut g, "loss").map_err(fail("autodiff"))?;
-    crate::optimizer::append_adamw(&mut g, &grads, opts).map_err(fail("adamw"))?;
-    let merged = crate::cse::cse(&mut g);
-    let removed = crate::dce::dce(&mut g);
-    g.canonicalize();
     g.name = format!("{}_train", model.name);
     g.meta.entries.push(("step".into(), AttrValue::Str("train".into())));
-    Ok((g, TrainStats { params: mp.params, saved_per_layer: ad.saved_per_layer, backward_nodes: ad.backward_nodes, dead_nodes_removed: removed, duplicates_merged: merged }))
+    let report = crate::pipeline::run_pipeline(&mut g, passes, opts, popts)?;
+    Ok((g, report))
+}
+
+/// The `main` output through which the `autodiff` pass hands the gradient of argument `arg`
+/// to the `adamw` pass: `d_<argument name>`, every character other than a letter, digit or
+/// `_` replaced by `_` (`%layers.wq` -> `d_layers_wq`), or `d_arg<arg>` for an unnamed argument.
+pub fn grad_output_name(main: &Region, arg: usize) -> String {
+    let name = main.args.get(arg).and_then(|a| main.value(a.value).name.as_deref());
+    match name {
+        Some(n) => format!("d_{}", n.chars().map(|c| if c.is_ascii_alphanumeric() || c == '_' { c } else { '_' }).collect::<String>()),
+        None => format!("d_arg{arg}"),
+    }
 }

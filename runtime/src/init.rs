@@ -30,7 +30,7 @@ pub fn init_values(init: Init, layers: usize, per_layer: usize, seed: u64, name_
                 out.extend((0..per_layer).map(|_| d.sample(&mut rng) as f32));
             }
             Init::TruncNormal { std, lo, hi, depth_scaled } => {
-                if !(lo < hi) {
+                if lo.partial_cmp(&hi) != Some(std::cmp::Ordering::Less) {
                     return Err(format!("trunc_normal bounds must satisfy lo < hi, found [{lo}, {hi}]"));
                 }
                 let std = if depth_scaled { std / (2.0 * (l as f64 + 1.0)).sqrt() } else { std };

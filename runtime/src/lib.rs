@@ -1,15 +1,21 @@
-//! The runtime: loads a training step and executes it. For now the CPU backend runs the
-//! training-step graph on the reference interpreter; the artifact loader and the CUDA backend
-//! come with later issues.
+//! The runtime: loads a training step and executes it. The main path is an artifact directory
+//! (`titanc build`): [`Artifact::load`] reads and checks it and [`CpuArtifactTrainer`] executes
+//! its schedule over its memory plan on the CPU reference interpreter. Graph mode
+//! ([`CpuTrainer`]) runs an unfused training graph `.ir` whole, the reference both are compared
+//! against. The CUDA backend comes with the next issue.
 //!
 //! **Architecture Invariant:** this crate never depends on `titan-passes`, `titan-kernels` or MLIR.
 
-pub mod cpu;
+pub mod artifact;
+pub mod backend;
 pub mod data;
 pub mod init;
+pub mod log;
 
-pub use cpu::{CpuTrainer, StepMetrics};
+pub use artifact::{Artifact, KNOWN_TARGETS, format_bytes};
+pub use backend::{CpuArtifactTrainer, CpuTrainer, StepMetrics, Trainer};
 pub use data::{BUNDLED_CORPUS, Batch, Batcher, byte_tokens};
+pub use log::format_step;
 
 /// Why a run could not proceed.
 #[derive(Debug, thiserror::Error)]
@@ -18,11 +24,11 @@ pub enum RuntimeError {
     Graph(String),
     #[error("data: {0}")]
     Data(String),
+    /// The backend cannot run this artifact here (too little memory, a multi-rank schedule).
+    #[error("{0}")]
+    Backend(String),
+    #[error(transparent)]
+    Artifact(#[from] titan_ir::artifact::ArtifactError),
     #[error(transparent)]
     Interp(#[from] titan_ir::interp::InterpError),
-}
-
-/// Format one step's metrics as the per-step log line.
-pub fn format_step(m: &StepMetrics) -> String {
-    format!("step {:>5} | loss {:>8.4} | grad_norm {:>8.4} | lr {:.3e} | {:>9.0} tok/s", m.step, m.loss, m.grad_norm, m.lr, m.tokens_per_s)
 }

@@ -110,13 +110,16 @@ impl PrimalMap for BlockPrimals {
     }
 }
 
+/// Emits the VJP of one `repeat` node: `(builder, node, result cotangents) -> input cotangents`.
+type RepeatVjp<'a> = dyn FnMut(&mut Builder, NodeId, &[Option<Value>]) -> Result<Vec<Option<Value>>, String> + 'a;
+
 /// Walk `primal`'s nodes in reverse, emitting VJPs through `b`. `repeat_vjp` handles repeat nodes.
 fn backprop(
     primal: &Region,
     b: &mut Builder,
     cot: &mut Cotangents,
     pm: &mut dyn PrimalMap,
-    repeat_vjp: &mut dyn FnMut(&mut Builder, NodeId, &[Option<Value>]) -> Result<Vec<Option<Value>>, String>,
+    repeat_vjp: &mut RepeatVjp<'_>,
 ) -> Result<(), String> {
     for &n in primal.order.iter().rev() {
         let node = primal.node(n);
@@ -136,10 +139,10 @@ fn backprop(
             vjp(&node.op, &args, b).map_err(|e| format!("backward of node {n} (`{}`): {e}", node.op.name()))?
         };
         for (&input, g) in node.inputs.iter().zip(dx) {
-            if let Some(g) = g {
-                if differentiable(primal.ty(input).dtype) {
-                    cot.add(b, input, g)?;
-                }
+            if let Some(g) = g
+                && differentiable(primal.ty(input).dtype)
+            {
+                cot.add(b, input, g)?;
             }
         }
     }
@@ -267,7 +270,7 @@ pub fn differentiate_main(g: &mut Graph, loss_output: &str) -> Result<(Vec<Optio
     let order = g.main.order.clone();
     for n in order {
         let Op::Repeat { block, count, carry, stacked, .. } = g.main.node(n).op.clone() else { continue };
-        if !done.contains_key(&block) {
+        if let std::collections::hash_map::Entry::Vacant(slot) = done.entry(block) {
             let grad = differentiate_block(g, block, carry as usize, stacked as usize)?;
             stats.blocks_differentiated += 1;
             stats.saved_per_layer += grad.saved.len();
@@ -276,7 +279,7 @@ pub fn differentiate_main(g: &mut Graph, loss_output: &str) -> Result<(Vec<Optio
                 fwd.outputs.push(titan_ir::Output { name: None, value: s });
             }
             let bwd_id = g.add_block(grad.bwd.clone());
-            done.insert(block, (bwd_id, grad));
+            slot.insert((bwd_id, grad));
         }
         let (bwd_block, grad) = done[&block].clone();
         let n_results = g.main.node(n).results.len();
@@ -313,9 +316,8 @@ pub fn differentiate_main(g: &mut Graph, loss_output: &str) -> Result<(Vec<Optio
         };
         let (nc, ns) = (carry as usize, stacked as usize);
         let mut carry_in = Vec::new();
-        for i in 0..nc {
-            let r = node.results[i];
-            carry_in.push(match dy[i] {
+        for (&r, &d) in node.results.iter().zip(dy).take(nc) {
+            carry_in.push(match d {
                 Some(v) => v,
                 None => zeros(b, primal.ty(r))?,
             });
@@ -325,9 +327,8 @@ pub fn differentiate_main(g: &mut Graph, loss_output: &str) -> Result<(Vec<Optio
             carry_in.push(zeros(b, primal.ty(inp))?);
         }
         let mut stacked_in = Vec::new();
-        for i in nc..rg.n_results {
-            let r = node.results[i];
-            stacked_in.push(match dy[i] {
+        for (&r, &d) in node.results.iter().zip(dy).take(rg.n_results).skip(nc) {
+            stacked_in.push(match d {
                 Some(v) => v,
                 None => zeros(b, primal.ty(r))?,
             });

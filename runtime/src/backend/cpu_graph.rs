@@ -1,5 +1,6 @@
-//! The CPU backend: runs a training-step graph on the reference interpreter, keeping the
-//! state buffers (master weights, AdamW moments) between steps.
+//! Graph mode: runs an unfused training-step graph (`titanc lower --to train`) whole on the
+//! reference interpreter, keeping the state buffers (master weights, AdamW moments) between
+//! steps. The reference the artifact backend is compared against.
 
 use std::time::Instant;
 
@@ -7,6 +8,7 @@ use titan_ir::interp::{Interpreter, Precision, Tensor};
 use titan_ir::{ArgKind, DType, Graph, ParamInfo};
 
 use crate::RuntimeError;
+use crate::backend::{StepMetrics, Trainer, check_batch};
 use crate::data::Batch;
 use crate::init::init_values;
 
@@ -17,16 +19,6 @@ enum Feed {
     Targets,
     Step,
     State(ParamInfo),
-}
-
-/// The metrics of one training step.
-#[derive(Clone, Debug, PartialEq)]
-pub struct StepMetrics {
-    pub step: u64,
-    pub loss: f64,
-    pub grad_norm: f64,
-    pub lr: f64,
-    pub tokens_per_s: f64,
 }
 
 /// Runs steps of a training graph on the CPU reference interpreter.
@@ -93,12 +85,16 @@ impl<'g> CpuTrainer<'g> {
                         return Err(RuntimeError::Graph(format!("state `{}` has an integer type {ty}; titan-run initializes float state only", p.name)));
                     }
                     let (layers, per_layer) = if p.is_stacked() {
-                        let l = shape.first().copied().ok_or_else(|| RuntimeError::Graph(format!("stacked parameter `{}` must have a leading layer dim", p.name)))?;
+                        let l = shape
+                            .first()
+                            .copied()
+                            .ok_or_else(|| RuntimeError::Graph(format!("stacked parameter `{}` must have a leading layer dim", p.name)))?;
                         (l, shape[1..].iter().product())
                     } else {
                         (1, shape.iter().product())
                     };
-                    let values = init_values(p.init, layers, per_layer, seed, &|l| p.layer_name(l)).map_err(|e| RuntimeError::Graph(format!("initializing `{}`: {e}", p.name)))?;
+                    let values = init_values(p.init, layers, per_layer, seed, &|l| p.layer_name(l))
+                        .map_err(|e| RuntimeError::Graph(format!("initializing `{}`: {e}", p.name)))?;
                     let mut t = Tensor::from_vec(DType::F32, shape, values).map_err(RuntimeError::Graph)?;
                     if ty.dtype != DType::F32 {
                         // Parameters stored in a low-precision dtype start from rounded values.
@@ -117,12 +113,18 @@ impl<'g> CpuTrainer<'g> {
         }
         for f in [Feed::Tokens, Feed::Targets, Feed::Step] {
             if !feeds.contains(&f) {
-                return Err(RuntimeError::Graph(format!("the graph has no `{f:?}` input; is this a training graph from `titanc lower --to train`?").to_lowercase()));
+                return Err(RuntimeError::Graph(
+                    format!("the graph has no `{f:?}` input; is this a training graph from `titanc lower --to train`?").to_lowercase(),
+                ));
             }
         }
         let mut update_args = Vec::new();
         for u in &main.updates {
-            let i = main.args.iter().position(|a| a.value == u.state).ok_or_else(|| RuntimeError::Graph("an update targets a value that is not an argument".into()))?;
+            let i = main
+                .args
+                .iter()
+                .position(|a| a.value == u.state)
+                .ok_or_else(|| RuntimeError::Graph("an update targets a value that is not an argument".into()))?;
             update_args.push(i);
         }
         let out = |name: &str| main.outputs.iter().position(|o| o.name.as_deref() == Some(name));
@@ -175,13 +177,8 @@ impl<'g> CpuTrainer<'g> {
 
     /// Run one training step on `batch`.
     pub fn step(&mut self, batch: &Batch) -> Result<StepMetrics, RuntimeError> {
+        check_batch(batch, self.batch, self.seq, self.vocab)?;
         let n = self.batch * self.seq;
-        if batch.tokens.len() != n || batch.targets.len() != n {
-            return Err(RuntimeError::Data(format!("a batch has {} tokens, the graph takes batch {} x seq {}", batch.tokens.len(), self.batch, self.seq)));
-        }
-        if let Some(&t) = batch.tokens.iter().chain(&batch.targets).find(|&&t| t < 0 || t as usize >= self.vocab) {
-            return Err(RuntimeError::Data(format!("token id {t} is outside the vocabulary of {} entries", self.vocab)));
-        }
         self.step += 1;
         for (f, t) in self.feeds.iter().zip(self.args.iter_mut()) {
             let (dtype, shape) = (t.dtype, t.shape.clone());
@@ -205,6 +202,33 @@ impl<'g> CpuTrainer<'g> {
             grad_norm: self.out_grad_norm.map_or(f64::NAN, scalar),
             lr: self.out_lr.map_or(f64::NAN, scalar),
             tokens_per_s: n as f64 / secs.max(1e-9),
+            peak_bytes: None,
         })
+    }
+}
+
+impl Trainer for CpuTrainer<'_> {
+    fn step(&mut self, batch: &Batch) -> Result<StepMetrics, RuntimeError> {
+        CpuTrainer::step(self, batch)
+    }
+
+    fn batch_size(&self) -> usize {
+        self.batch
+    }
+
+    fn seq_len(&self) -> usize {
+        self.seq
+    }
+
+    fn vocab_size(&self) -> usize {
+        self.vocab
+    }
+
+    fn steps_done(&self) -> u64 {
+        self.step
+    }
+
+    fn states(&self) -> Result<Vec<(String, Tensor<f32>)>, RuntimeError> {
+        Ok(CpuTrainer::states(self).map(|(p, t)| (p.name.clone(), t.clone())).collect())
     }
 }

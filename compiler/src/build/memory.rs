@@ -1,0 +1,908 @@
+//! The static memory plan: which buffer holds every value of the kernel graph, and where each
+//! buffer lives in its arena.
+//!
+//! # Storage
+//!
+//! [`assign_storage`] gives every value that needs bytes a [`BufRef`]:
+//!
+//! - `main` arguments: `input`s (class `Input`, with their `feed` name) and `state`s (fp32
+//!   masters are `Param`, the AdamW moments `.exp_avg`/`.exp_avg_sq` are `OptimizerState`).
+//! - `kernel` results of `main`: one buffer each, except an `update %p <- %v` whose `%v` is
+//!   written in place into `%p`'s buffer (AdamW is elementwise); when that is not safe (`%p` is
+//!   read after `%v` is computed) the schedule copies `%v` into `%p` at the end of the step.
+//! - `reshape` results are views: the same [`BufRef`] as their source (a layer slice stays a
+//!   layer slice).
+//! - `repeat`: each carried value gets two buffers, the loop's ping-pong slots (the carried
+//!   operand's own buffer serves as slot 0 when nothing reads it after the loop starts, else it
+//!   is copied in); the final carried result is slot `count % 2`. Each stacked result gets a
+//!   buffer with the leading `count` dimension; stacked results that are views of one block
+//!   value share one buffer.
+//! - Inside the repeated block: carried arguments/outputs are `Carry` slots, stacked arguments
+//!   and outputs `layer` slices of the main buffers, other arguments the main buffers
+//!   themselves. A kernel result that is (a view of) a block output is written straight into
+//!   the output's slot or slice; an output that is a block argument, or a value already
+//!   written to another destination, is copied there after it is computed. Every other block
+//!   value is a temporary of the loop, reused by every iteration.
+//!
+//! Classes: `Grad` for the `main` values the optimizer kernel reads as gradients, traced back
+//! through pointwise kernels and views to the GEMM, `scatter_add` and backward-`repeat` results
+//! that produce them; `Activation` for everything else computed in the step.
+//!
+//! # Placement
+//!
+//! [`place`] linearizes the schedule (a loop's body once, inside the loop's span) and gives each
+//! buffer a lifetime: the first and last step that touch it. A loop's temporaries live within
+//! the steps of an iteration; any other buffer a loop touches lives across the whole loop;
+//! buffers holding a step output live to the end. `Inputs`, `Params` and `OptimizerState` are
+//! packed in buffer order; `Grads` and `Activations` are placed by a best-fit heap simulation
+//! over the lifetimes (buffers in order of first use, larger first; a buffer is freed after
+//! its last use; the smallest free hole that fits wins, else the heap grows). Offsets and
+//! sizes are 256-byte aligned.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+
+use titan_ir::artifact::{Arena, ArenaPlan, BufRef, Buffer, BufferClass, MemoryPlan, StateInfo, Step};
+use titan_ir::print::ValueNames;
+use titan_ir::{ArgKind, DType, Graph, KernelKind, NodeId, Op, Region, Value, ValueDef};
+
+use super::BuildError;
+
+/// Alignment of every buffer offset and size.
+pub const ALIGN: u64 = 256;
+
+/// The arenas in manifest order.
+pub const ARENAS: [Arena; 5] = [Arena::Inputs, Arena::Params, Arena::OptimizerState, Arena::Grads, Arena::Activations];
+
+/// The arena of a class.
+pub fn arena_of(class: BufferClass) -> Arena {
+    match class {
+        BufferClass::Input => Arena::Inputs,
+        BufferClass::Param => Arena::Params,
+        BufferClass::OptimizerState => Arena::OptimizerState,
+        BufferClass::Grad => Arena::Grads,
+        BufferClass::Activation => Arena::Activations,
+    }
+}
+
+pub fn arena_name(a: Arena) -> &'static str {
+    match a {
+        Arena::Inputs => "inputs",
+        Arena::Params => "params",
+        Arena::OptimizerState => "optimizer_state",
+        Arena::Grads => "grads",
+        Arena::Activations => "activations",
+    }
+}
+
+/// A copy the schedule must perform.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CopyOp {
+    pub src: BufRef,
+    pub dst: BufRef,
+    pub bytes: u64,
+}
+
+/// Storage of one `repeat` node's block.
+#[derive(Clone, Debug, Default)]
+pub struct LoopStorage {
+    /// Index of this loop among the loops of the schedule (in `main` order).
+    pub index: u32,
+    /// The two slot buffers of each carried value.
+    pub carries: Vec<[u32; 2]>,
+    /// Copies into slot 0 before the loop (a carried operand still read after the loop starts).
+    pub copies_before: Vec<CopyOp>,
+    /// Per value of the block.
+    pub values: Vec<Option<BufRef>>,
+    /// Copies at the start of the body (outputs that are block arguments).
+    pub copies_at_start: Vec<CopyOp>,
+    /// Copies right after the kernel node that computes their source.
+    pub copies_after: HashMap<NodeId, Vec<CopyOp>>,
+}
+
+/// Where every value of the kernel graph lives.
+#[derive(Clone, Debug, Default)]
+pub struct Storage {
+    /// Buffers with `offset` 0 until [`place`] runs.
+    pub buffers: Vec<Buffer>,
+    /// The loop whose temporary a buffer is (`None` for `main` buffers), by buffer id.
+    pub scope: Vec<Option<u32>>,
+    /// Per value of `main`.
+    pub main: Vec<Option<BufRef>>,
+    /// Per `repeat` node of `main`.
+    pub loops: HashMap<NodeId, LoopStorage>,
+    /// Copies at the end of the step (updates and outputs that could not be placed in place).
+    pub final_copies: Vec<CopyOp>,
+}
+
+/// The inclusive range of schedule positions during which a buffer's bytes are in use.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Lifetime {
+    pub start: u32,
+    pub end: u32,
+}
+
+impl Lifetime {
+    pub fn overlaps(&self, o: &Lifetime) -> bool {
+        self.start <= o.end && o.start <= self.end
+    }
+}
+
+pub(crate) fn internal(message: impl Into<String>) -> BuildError {
+    BuildError::Internal(message.into())
+}
+
+/// The resolved shape of a type; an unbound dimension is an error naming the value.
+pub(crate) fn shape_of(g: &Graph, r: &Region, v: Value) -> Result<Vec<u64>, BuildError> {
+    let d = r.values.get(v.index()).ok_or_else(|| internal(format!("@{} has no value {v}", r.name)))?;
+    d.ty.resolve(&g.dims)
+        .map(|s| s.into_iter().map(|x| x as u64).collect())
+        .map_err(|e| BuildError::Invalid(format!("value {v} of @{} has an {e}; bind it in the graph's `dims`", r.name)))
+}
+
+pub(crate) fn bytes_of(dtype: DType, shape: &[u64]) -> u64 {
+    shape.iter().product::<u64>().saturating_mul(dtype.size_bytes() as u64)
+}
+
+fn align(x: u64) -> u64 {
+    x.div_ceil(ALIGN).saturating_mul(ALIGN)
+}
+
+fn layer_bytes(b: &Buffer) -> u64 {
+    match b.shape.first() {
+        Some(&n) if n > 0 => b.bytes / n,
+        _ => 0,
+    }
+}
+
+/// Bytes a reference covers: a whole buffer, or one layer's slice of it.
+pub fn ref_bytes(buffers: &[Buffer], carries: &[[u32; 2]], r: BufRef) -> u64 {
+    match r {
+        BufRef::Buffer { buffer, layer } => buffers.get(buffer as usize).map_or(0, |b| if layer { layer_bytes(b) } else { b.bytes }),
+        BufRef::Carry { carry, .. } => carries.get(carry as usize).and_then(|c| buffers.get(c[0] as usize)).map_or(0, |b| b.bytes),
+    }
+}
+
+/// Follows `reshape` chains to the value that owns the bytes.
+fn root(r: &Region, mut v: Value) -> Value {
+    loop {
+        match r.values.get(v.index()).map(|d| d.def) {
+            Some(ValueDef::Result { node, .. }) => match r.nodes.get(node.index()) {
+                Some(n) if matches!(n.op, Op::Reshape) && !n.inputs.is_empty() => v = n.inputs[0],
+                _ => return v,
+            },
+            _ => return v,
+        }
+    }
+}
+
+/// Body argument indices that the body value `start` is computed from through pointwise ops,
+/// casts and views, following only operands of the result's shape (not scalar factors).
+fn trace_pointwise(g: &Graph, body: &Region, start: Value) -> Vec<usize> {
+    let mut out = Vec::new();
+    let mut stack = vec![start];
+    let mut seen = HashSet::new();
+    while let Some(v) = stack.pop() {
+        if !seen.insert(v) {
+            continue;
+        }
+        match body.values.get(v.index()).map(|d| d.def) {
+            Some(ValueDef::Arg(i)) => out.push(i as usize),
+            Some(ValueDef::Result { node, .. }) => {
+                let Some(n) = body.nodes.get(node.index()) else { continue };
+                if !(n.op.is_pointwise() || matches!(n.op, Op::Reshape)) {
+                    continue;
+                }
+                let numel = body.ty(v).numel(&g.dims);
+                let rank = body.ty(v).rank();
+                for &i in &n.inputs {
+                    let t = body.ty(i);
+                    if t.numel(&g.dims) == numel && (t.rank() > 0 || rank == 0) {
+                        stack.push(i);
+                    }
+                }
+            }
+            None => {}
+        }
+    }
+    out.sort_unstable();
+    out.dedup();
+    out
+}
+
+/// The `main` values holding parameter gradients (see the module documentation).
+pub fn grad_values(g: &Graph) -> HashSet<Value> {
+    let main = &g.main;
+    let mut work = Vec::new();
+    for n in &main.order {
+        let node = main.node(*n);
+        let Op::Kernel { body, kind: KernelKind::Optimizer } = node.op else { continue };
+        let Some(b) = g.blocks.get(body.index()) else { continue };
+        for bn in &b.order {
+            let bnode = b.node(*bn);
+            if let (Op::AdamW(_), Some(&grad)) = (&bnode.op, bnode.inputs.get(1)) {
+                for i in trace_pointwise(g, b, grad) {
+                    if let Some(&v) = node.inputs.get(i) {
+                        work.push(v);
+                    }
+                }
+            }
+        }
+    }
+    let mut grads = HashSet::new();
+    while let Some(v) = work.pop() {
+        let Some(ValueDef::Result { node, index }) = main.values.get(v.index()).map(|d| d.def) else { continue };
+        if !grads.insert(v) {
+            continue;
+        }
+        let n = main.node(node);
+        match n.op {
+            Op::Reshape => work.extend(n.inputs.first().copied()),
+            Op::Kernel { body, kind: KernelKind::Fused } => {
+                let Some(b) = g.blocks.get(body.index()) else { continue };
+                let Some(out) = b.outputs.get(index as usize) else { continue };
+                for i in trace_pointwise(g, b, out.value) {
+                    work.extend(n.inputs.get(i).copied());
+                }
+            }
+            _ => {}
+        }
+    }
+    grads
+}
+
+/// Union-find over `main` values: views share their source's group; stacked results of one
+/// `repeat` that are views of the same block value share a group (and a buffer).
+struct Groups {
+    parent: Vec<usize>,
+}
+
+impl Groups {
+    fn find(&mut self, mut x: usize) -> usize {
+        while self.parent[x] != x {
+            self.parent[x] = self.parent[self.parent[x]];
+            x = self.parent[x];
+        }
+        x
+    }
+
+    fn union(&mut self, a: usize, b: usize) {
+        let (ra, rb) = (self.find(a), self.find(b));
+        if ra != rb {
+            self.parent[ra.max(rb)] = ra.min(rb);
+        }
+    }
+}
+
+/// For each stacked result of a `repeat` (index into its results), the earlier stacked result
+/// whose buffer it shares, if both are views of one block value.
+fn shared_stacked(g: &Graph, node: &titan_ir::Node) -> Vec<Option<usize>> {
+    let mut out = vec![None; node.results.len()];
+    let Op::Repeat { block, carry, .. } = node.op else { return out };
+    let Some(b) = g.blocks.get(block.index()) else { return out };
+    let mut first: HashMap<Value, usize> = HashMap::new();
+    for (j, o) in b.outputs.iter().enumerate().skip(carry as usize) {
+        let r = root(b, o.value);
+        // An output rooted at a block argument is copied per layer; keep it separate.
+        if matches!(b.values.get(r.index()).map(|d| d.def), Some(ValueDef::Arg(_))) {
+            continue;
+        }
+        match first.get(&r) {
+            Some(&k) if j < out.len() => out[j] = Some(k),
+            _ => {
+                first.insert(r, j);
+            }
+        }
+    }
+    out
+}
+
+struct Builder<'g> {
+    g: &'g Graph,
+    grads: HashSet<Value>,
+    s: Storage,
+    names: ValueNames,
+}
+
+impl Builder<'_> {
+    fn label(&self, region: &Region, names: &ValueNames, v: Value) -> String {
+        format!("{}.{}", region.name, names.get(v))
+    }
+
+    fn add(&mut self, name: String, dtype: DType, shape: Vec<u64>, class: BufferClass, scope: Option<u32>) -> u32 {
+        let id = self.s.buffers.len() as u32;
+        let bytes = bytes_of(dtype, &shape);
+        self.s.buffers.push(Buffer { id, name, dtype, shape, bytes, class, arena: arena_of(class), offset: 0, state: None, feed: None, output: None });
+        self.s.scope.push(scope);
+        id
+    }
+
+    fn add_value(&mut self, v: Value, scope: Option<u32>) -> Result<u32, BuildError> {
+        let main = &self.g.main;
+        let class = if self.grads.contains(&v) { BufferClass::Grad } else { BufferClass::Activation };
+        let shape = shape_of(self.g, main, v)?;
+        let name = self.label(main, &self.names, v);
+        Ok(self.add(name, main.ty(v).dtype, shape, class, scope))
+    }
+
+    fn main_ref(&self, v: Value) -> Result<BufRef, BuildError> {
+        self.s.main.get(v.index()).copied().flatten().ok_or_else(|| internal(format!("main value {} is used before it has storage", self.names.get(v))))
+    }
+
+    fn main_buffer(&self, v: Value) -> Result<u32, BuildError> {
+        match self.main_ref(v)? {
+            BufRef::Buffer { buffer, layer: false } => Ok(buffer),
+            other => Err(internal(format!("main value {} has storage {other:?}, not a whole buffer", self.names.get(v)))),
+        }
+    }
+}
+
+/// Give every value of the kernel graph `g` its storage (see the module documentation).
+pub fn assign_storage(g: &Graph) -> Result<Storage, BuildError> {
+    let main = &g.main;
+    let mut b = Builder { g, grads: grad_values(g), s: Storage::default(), names: ValueNames::new(main) };
+    b.s.main = vec![None; main.values.len()];
+
+    // Positions in main's order; outputs and updates read at the end.
+    let end = main.order.len();
+    let mut pos_of = HashMap::new();
+    for (p, n) in main.order.iter().enumerate() {
+        pos_of.insert(*n, p);
+    }
+    let mut groups = Groups { parent: (0..main.values.len()).collect() };
+    for n in &main.order {
+        let node = main.node(*n);
+        match &node.op {
+            Op::Reshape => {
+                if let (Some(&src), Some(&dst)) = (node.inputs.first(), node.results.first()) {
+                    groups.union(src.index(), dst.index());
+                }
+            }
+            Op::Repeat { .. } => {
+                for (j, share) in shared_stacked(g, node).into_iter().enumerate() {
+                    if let Some(k) = share {
+                        groups.union(node.results[k].index(), node.results[j].index());
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+    let mut last_use: HashMap<usize, usize> = HashMap::new();
+    let mut touch = |groups: &mut Groups, v: Value, p: usize| {
+        let r = groups.find(v.index());
+        let e = last_use.entry(r).or_insert(p);
+        *e = (*e).max(p);
+    };
+    for (p, n) in main.order.iter().enumerate() {
+        for &v in &main.node(*n).inputs {
+            touch(&mut groups, v, p);
+        }
+    }
+    for o in &main.outputs {
+        touch(&mut groups, o.value, end);
+    }
+    for u in &main.updates {
+        touch(&mut groups, u.value, end);
+        touch(&mut groups, u.state, end);
+    }
+    let used_after = |groups: &mut Groups, v: Value, p: usize| last_use.get(&groups.find(v.index())).is_some_and(|&l| l > p);
+
+    // Arguments.
+    for (i, a) in main.args.iter().enumerate() {
+        let v = a.value;
+        let shape = shape_of(g, main, v)?;
+        let dtype = main.ty(v).dtype;
+        let name = b.label(main, &b.names, v);
+        let id = match &a.kind {
+            ArgKind::Input => {
+                let id = b.add(name, dtype, shape, BufferClass::Input, None);
+                b.s.buffers[id as usize].feed = Some(main.value(v).name.clone().unwrap_or_else(|| format!("input{i}")));
+                id
+            }
+            ArgKind::State(info) | ArgKind::Param(info) => {
+                let optimizer = info.name.ends_with(".exp_avg") || info.name.ends_with(".exp_avg_sq");
+                let class = if optimizer { BufferClass::OptimizerState } else { BufferClass::Param };
+                let id = b.add(name, dtype, shape, class, None);
+                b.s.buffers[id as usize].state = Some(StateInfo { name: info.name.clone(), init: info.init.to_attr().to_string() });
+                id
+            }
+            ArgKind::Block => return Err(internal("`main` has a block argument")),
+        };
+        b.s.main[v.index()] = Some(BufRef::Buffer { buffer: id, layer: false });
+    }
+
+    // In-place updates: `%v` is written into `%p`'s buffer when `%v` is a kernel result and
+    // nothing reads `%p` after that kernel.
+    let mut in_place: HashMap<Value, Value> = HashMap::new();
+    let mut late_updates = Vec::new();
+    for u in &main.updates {
+        let ok = match main.values.get(u.value.index()).map(|d| d.def) {
+            Some(ValueDef::Result { node, .. }) => {
+                let is_kernel = matches!(main.node(node).op, Op::Kernel { .. });
+                let p = pos_of.get(&node).copied().unwrap_or(end);
+                let state_read_after =
+                    main.order.iter().skip(p + 1).any(|n| main.node(*n).inputs.iter().any(|&i| groups.find(i.index()) == groups.find(u.state.index())))
+                        || main.outputs.iter().any(|o| groups.find(o.value.index()) == groups.find(u.state.index()));
+                is_kernel && !state_read_after && !in_place.contains_key(&u.value) && groups.find(u.value.index()) == u.value.index()
+            }
+            _ => false,
+        };
+        if ok {
+            in_place.insert(u.value, u.state);
+        } else {
+            late_updates.push(u.clone());
+        }
+    }
+
+    let mut loop_index = 0u32;
+    for (p, n) in main.order.iter().enumerate() {
+        let node = main.node(*n);
+        match &node.op {
+            Op::Kernel { .. } => {
+                for &r in &node.results {
+                    let rf = match in_place.get(&r) {
+                        Some(&state) => b.main_ref(state)?,
+                        None => BufRef::Buffer { buffer: b.add_value(r, None)?, layer: false },
+                    };
+                    b.s.main[r.index()] = Some(rf);
+                }
+            }
+            Op::Reshape => {
+                let (Some(&src), Some(&dst)) = (node.inputs.first(), node.results.first()) else {
+                    return Err(internal("`reshape` without operand or result"));
+                };
+                let rf = b.main_ref(src)?;
+                b.s.main[dst.index()] = Some(rf);
+            }
+            Op::Repeat { block, count, carry, stacked, .. } => {
+                let ls = assign_loop(&mut b, &mut groups, &used_after, *n, node, p, *block, *count, *carry, *stacked, loop_index)?;
+                loop_index += 1;
+                b.s.loops.insert(*n, ls);
+            }
+            other => {
+                return Err(internal(format!("`{}` in `main` of the kernel graph; the fusion pass should have put it into a kernel", other.name())));
+            }
+        }
+    }
+
+    for u in late_updates {
+        let src = b.main_ref(u.value)?;
+        let dst = b.main_ref(u.state)?;
+        let bytes = ref_bytes(&b.s.buffers, &[], dst);
+        b.s.final_copies.push(CopyOp { src, dst, bytes });
+    }
+    for o in &main.outputs {
+        let Some(name) = &o.name else { continue };
+        let id = b.main_buffer(o.value)?;
+        if b.s.buffers[id as usize].output.is_none() {
+            b.s.buffers[id as usize].output = Some(name.clone());
+        } else {
+            let copy = b.add_value(o.value, None)?;
+            b.s.buffers[copy as usize].name = format!("main.output.{name}");
+            b.s.buffers[copy as usize].output = Some(name.clone());
+            let bytes = b.s.buffers[id as usize].bytes;
+            b.s.final_copies.push(CopyOp { src: BufRef::Buffer { buffer: id, layer: false }, dst: BufRef::Buffer { buffer: copy, layer: false }, bytes });
+        }
+    }
+    Ok(b.s)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn assign_loop(
+    b: &mut Builder<'_>,
+    groups: &mut Groups,
+    used_after: &dyn Fn(&mut Groups, Value, usize) -> bool,
+    nid: NodeId,
+    node: &titan_ir::Node,
+    p: usize,
+    block: titan_ir::BlockId,
+    count: u32,
+    carry: u32,
+    stacked: u32,
+    index: u32,
+) -> Result<LoopStorage, BuildError> {
+    let g = b.g;
+    let main = &g.main;
+    let blk = g.blocks.get(block.index()).ok_or_else(|| internal(format!("repeat {nid} names a missing block")))?;
+    let (carry, stacked) = (carry as usize, stacked as usize);
+    if node.inputs.len() != blk.args.len() || node.results.len() != blk.outputs.len() || carry > node.results.len() || carry + stacked > node.inputs.len() {
+        return Err(internal(format!("repeat of @{} does not match the block's arguments and outputs", blk.name)));
+    }
+    let mut ls = LoopStorage { index, values: vec![None; blk.values.len()], ..LoopStorage::default() };
+    let mut claimed_slot0: HashSet<u32> = HashSet::new();
+
+    // Carried values: two slots each.
+    for c in 0..carry {
+        let operand = node.inputs[c];
+        let result = node.results[c];
+        let src = b.main_ref(operand)?;
+        let reuse = match src {
+            BufRef::Buffer { buffer, layer: false } => {
+                let buf = &b.s.buffers[buffer as usize];
+                let class_ok = matches!(buf.class, BufferClass::Activation) && buf.output.is_none();
+                let is_arg = matches!(main.values.get(operand.index()).map(|d| d.def), Some(ValueDef::Arg(_)));
+                let same_size = buf.bytes == bytes_of(main.ty(result).dtype, &shape_of(g, main, result)?);
+                // The loop must not read the operand any other way: iteration 1 overwrites slot 0.
+                let g_op = groups.find(operand.index());
+                let other_use = node.inputs.iter().enumerate().any(|(i, &v)| i != c && groups.find(v.index()) == g_op);
+                (class_ok && !is_arg && same_size && !other_use && !used_after(groups, operand, p) && claimed_slot0.insert(buffer)).then_some(buffer)
+            }
+            _ => None,
+        };
+        let slot0 = match reuse {
+            Some(id) => id,
+            None => {
+                let id = b.add_value(result, None)?;
+                b.s.buffers[id as usize].class = BufferClass::Activation;
+                b.s.buffers[id as usize].arena = Arena::Activations;
+                b.s.buffers[id as usize].name.push_str(".slot0");
+                let bytes = b.s.buffers[id as usize].bytes;
+                ls.copies_before.push(CopyOp { src, dst: BufRef::Buffer { buffer: id, layer: false }, bytes });
+                id
+            }
+        };
+        let slot1 = b.add_value(result, None)?;
+        b.s.buffers[slot1 as usize].class = BufferClass::Activation;
+        b.s.buffers[slot1 as usize].arena = Arena::Activations;
+        b.s.buffers[slot1 as usize].name.push_str(".slot1");
+        let slots = [slot0, slot1];
+        ls.carries.push(slots);
+        b.s.main[result.index()] = Some(BufRef::Buffer { buffer: slots[(count % 2) as usize], layer: false });
+    }
+
+    // Stacked results.
+    let shares = shared_stacked(g, node);
+    for (j, share) in shares.iter().enumerate().skip(carry) {
+        let r = node.results[j];
+        let rf = match *share {
+            Some(k) => b.main_ref(node.results[k])?,
+            None => BufRef::Buffer { buffer: b.add_value(r, None)?, layer: false },
+        };
+        b.s.main[r.index()] = Some(rf);
+    }
+
+    // Block arguments.
+    for (i, a) in blk.args.iter().enumerate() {
+        let rf = if i < carry {
+            BufRef::Carry { carry: i as u32, out: false }
+        } else if i < carry + stacked {
+            BufRef::Buffer { buffer: b.main_buffer(node.inputs[i])?, layer: true }
+        } else {
+            b.main_ref(node.inputs[i])?
+        };
+        ls.values[a.value.index()] = Some(rf);
+    }
+
+    // Block outputs: the first output rooted at a kernel result claims it; the rest copy.
+    let bnames = ValueNames::new(blk);
+    let out_ref = |j: usize| -> Result<BufRef, BuildError> {
+        if j < carry {
+            Ok(BufRef::Carry { carry: j as u32, out: true })
+        } else {
+            match b.s.main[node.results[j].index()] {
+                Some(BufRef::Buffer { buffer, .. }) => Ok(BufRef::Buffer { buffer, layer: true }),
+                _ => Err(internal("stacked result without a buffer")),
+            }
+        }
+    };
+    let mut claim: HashMap<Value, BufRef> = HashMap::new();
+    let mut pending: Vec<(Value, BufRef)> = Vec::new();
+    let mut seen_dst: Vec<BufRef> = Vec::new();
+    for (j, o) in blk.outputs.iter().enumerate() {
+        let dst = out_ref(j)?;
+        if seen_dst.contains(&dst) {
+            // A stacked output sharing an earlier one's buffer: already written.
+            continue;
+        }
+        seen_dst.push(dst);
+        let r = root(blk, o.value);
+        let is_arg = matches!(blk.values.get(r.index()).map(|d| d.def), Some(ValueDef::Arg(_)));
+        if !is_arg && !claim.contains_key(&r) {
+            claim.insert(r, dst);
+        } else {
+            pending.push((r, dst));
+        }
+    }
+
+    let scope = Some(index);
+    let mut producer: HashMap<Value, NodeId> = HashMap::new();
+    for n in &blk.order {
+        let bn = blk.node(*n);
+        match &bn.op {
+            Op::Kernel { .. } => {
+                for &r in &bn.results {
+                    producer.insert(r, *n);
+                    let rf = match claim.get(&r) {
+                        Some(&dst) => dst,
+                        None => {
+                            let shape = shape_of(g, blk, r)?;
+                            let name = format!("{}.{}", blk.name, bnames.get(r));
+                            BufRef::Buffer { buffer: b.add(name, blk.ty(r).dtype, shape, BufferClass::Activation, scope), layer: false }
+                        }
+                    };
+                    ls.values[r.index()] = Some(rf);
+                }
+            }
+            Op::Reshape => {
+                let (Some(&src), Some(&dst)) = (bn.inputs.first(), bn.results.first()) else {
+                    return Err(internal("`reshape` without operand or result"));
+                };
+                ls.values[dst.index()] = ls.values[src.index()];
+            }
+            other => {
+                return Err(internal(format!("`{}` in @{} of the kernel graph; the fusion pass should have put it into a kernel", other.name(), blk.name)));
+            }
+        }
+    }
+    for (r, dst) in pending {
+        let src = ls.values.get(r.index()).copied().flatten().ok_or_else(|| internal(format!("output of @{} has no storage", blk.name)))?;
+        let bytes = ref_bytes(&b.s.buffers, &ls.carries, dst);
+        let op = CopyOp { src, dst, bytes };
+        match producer.get(&r) {
+            Some(n) => ls.copies_after.entry(*n).or_default().push(op),
+            None => ls.copies_at_start.push(op),
+        }
+    }
+    Ok(ls)
+}
+
+/// Buffer ids a reference touches, and whether it is a loop carry slot.
+fn ref_buffers(r: &BufRef, carries: &[[u32; 2]]) -> Vec<u32> {
+    match *r {
+        BufRef::Buffer { buffer, .. } => vec![buffer],
+        BufRef::Carry { carry, .. } => carries.get(carry as usize).map(|c| c.to_vec()).unwrap_or_default(),
+    }
+}
+
+fn step_refs(s: &Step) -> Vec<BufRef> {
+    match s {
+        Step::Launch { inputs, outputs, .. } => inputs.iter().chain(outputs).copied().collect(),
+        Step::Copy { src, dst, .. } => vec![*src, *dst],
+        Step::Memset { dst, .. } => vec![*dst],
+        Step::Loop { .. } => vec![],
+    }
+}
+
+/// The lifetime of every buffer over the linearized `steps` (`None`: never touched).
+pub fn lifetimes(storage: &Storage, steps: &[Step]) -> Vec<Option<Lifetime>> {
+    let n = storage.buffers.len();
+    let mut lt: Vec<Option<Lifetime>> = vec![None; n];
+    let mut touch = |id: u32, at: u32| {
+        if let Some(slot) = lt.get_mut(id as usize) {
+            *slot = Some(match *slot {
+                None => Lifetime { start: at, end: at },
+                Some(l) => Lifetime { start: l.start.min(at), end: l.end.max(at) },
+            });
+        }
+    };
+    let mut pos = 0u32;
+    let mut loop_index = 0u32;
+    for s in steps {
+        match s {
+            Step::Loop { carries, body, .. } => {
+                let start = pos;
+                pos += 1;
+                let mut whole: Vec<u32> = carries.iter().flatten().copied().collect();
+                for bs in body {
+                    for r in step_refs(bs) {
+                        for id in ref_buffers(&r, carries) {
+                            if storage.scope.get(id as usize).copied().flatten() == Some(loop_index) {
+                                touch(id, pos);
+                            } else {
+                                whole.push(id);
+                            }
+                        }
+                    }
+                    pos += 1;
+                }
+                let end = pos.saturating_sub(1).max(start);
+                for id in whole {
+                    touch(id, start);
+                    touch(id, end);
+                }
+                loop_index += 1;
+            }
+            other => {
+                for r in step_refs(other) {
+                    for id in ref_buffers(&r, &[]) {
+                        touch(id, pos);
+                    }
+                }
+                pos += 1;
+            }
+        }
+    }
+    let last = pos.saturating_sub(1);
+    for (i, b) in storage.buffers.iter().enumerate() {
+        if b.output.is_some() {
+            let l = lt[i].get_or_insert(Lifetime { start: last, end: last });
+            l.end = last;
+        }
+    }
+    lt
+}
+
+/// Best-fit placement of buffers with lifetimes in one arena; returns the arena size.
+fn best_fit(buffers: &mut [Buffer], ids: &[usize], lt: &[Option<Lifetime>]) -> u64 {
+    let mut order: Vec<usize> = ids.to_vec();
+    let life = |i: usize| lt[i].unwrap_or(Lifetime { start: 0, end: 0 });
+    order.sort_by_key(|&i| (life(i).start, std::cmp::Reverse(align(buffers[i].bytes)), i));
+    // Free holes: offset -> size, adjacent holes merged; `top` is the heap's end.
+    let mut holes: BTreeMap<u64, u64> = BTreeMap::new();
+    let mut top = 0u64;
+    let mut high = 0u64;
+    // Live buffers ordered by end: (end, offset, size).
+    let mut live: Vec<(u32, u64, u64)> = Vec::new();
+    for i in order {
+        let l = life(i);
+        let size = align(buffers[i].bytes);
+        // Free everything whose last use is before this buffer's first.
+        live.sort_unstable();
+        let split = live.partition_point(|&(e, _, _)| e < l.start);
+        for (_, off, sz) in live.drain(..split) {
+            free(&mut holes, &mut top, off, sz);
+        }
+        if size == 0 {
+            buffers[i].offset = 0;
+            continue;
+        }
+        let best = holes.iter().filter(|&(_, &s)| s >= size).min_by_key(|&(&o, &s)| (s, o)).map(|(&o, &s)| (o, s));
+        let off = match best {
+            Some((o, s)) => {
+                holes.remove(&o);
+                if s > size {
+                    holes.insert(o + size, s - size);
+                }
+                o
+            }
+            None => match holes.iter().next_back().map(|(&o, &s)| (o, s)) {
+                // The last hole touches the top: grow the heap from there.
+                Some((o, s)) if o + s == top => {
+                    holes.remove(&o);
+                    top = o + size;
+                    o
+                }
+                _ => {
+                    let o = top;
+                    top += size;
+                    o
+                }
+            },
+        };
+        high = high.max(top);
+        buffers[i].offset = off;
+        live.push((l.end, off, size));
+    }
+    high
+}
+
+fn free(holes: &mut BTreeMap<u64, u64>, top: &mut u64, off: u64, size: u64) {
+    let mut start = off;
+    let mut len = size;
+    if let Some((&po, &ps)) = holes.range(..off).next_back()
+        && po + ps == off
+    {
+        holes.remove(&po);
+        start = po;
+        len += ps;
+    }
+    if let Some(&ns) = holes.get(&(off + size)) {
+        holes.remove(&(off + size));
+        len += ns;
+    }
+    if start + len == *top {
+        *top = start;
+    } else {
+        holes.insert(start, len);
+    }
+}
+
+/// Assign offsets to every buffer and size the arenas (see the module documentation).
+pub fn place(buffers: &mut [Buffer], lt: &[Option<Lifetime>]) -> MemoryPlan {
+    let mut arenas = Vec::new();
+    for a in ARENAS {
+        let ids: Vec<usize> = (0..buffers.len()).filter(|&i| buffers[i].arena == a).collect();
+        let bytes = match a {
+            Arena::Grads | Arena::Activations => best_fit(buffers, &ids, lt),
+            _ => {
+                let mut off = 0;
+                for &i in &ids {
+                    buffers[i].offset = off;
+                    off += align(buffers[i].bytes);
+                }
+                off
+            }
+        };
+        arenas.push(ArenaPlan { arena: a, bytes });
+    }
+    let peak_bytes = arenas.iter().map(|a| a.bytes).sum();
+    let activation_bytes_unplanned = buffers.iter().filter(|b| b.arena == Arena::Activations).map(|b| align(b.bytes)).sum();
+    MemoryPlan { arenas, peak_bytes, activation_bytes_unplanned }
+}
+
+/// Pairs of distinct buffers of one arena whose lifetimes overlap and whose bytes intersect
+/// (empty for a correct plan). Buffers without a lifetime count as live for the whole step in
+/// the packed arenas.
+pub fn overlapping_buffers(buffers: &[Buffer], lt: &[Option<Lifetime>]) -> Vec<(u32, u32)> {
+    let mut bad = Vec::new();
+    let always = Lifetime { start: 0, end: u32::MAX };
+    for a in ARENAS {
+        let mut ids: Vec<usize> = (0..buffers.len()).filter(|&i| buffers[i].arena == a && buffers[i].bytes > 0).collect();
+        ids.sort_by_key(|&i| buffers[i].offset);
+        for (k, &i) in ids.iter().enumerate() {
+            let end_i = buffers[i].offset + buffers[i].bytes;
+            for &j in &ids[k + 1..] {
+                if buffers[j].offset >= end_i {
+                    break;
+                }
+                let packed = !matches!(a, Arena::Grads | Arena::Activations);
+                let li = if packed { always } else { lt[i].unwrap_or(always) };
+                let lj = if packed { always } else { lt[j].unwrap_or(always) };
+                if li.overlaps(&lj) {
+                    bad.push((buffers[i].id, buffers[j].id));
+                }
+            }
+        }
+    }
+    bad
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn buf(id: u32, bytes: u64) -> Buffer {
+        Buffer {
+            id,
+            name: format!("b{id}"),
+            dtype: DType::F32,
+            shape: vec![bytes / 4],
+            bytes,
+            class: BufferClass::Activation,
+            arena: Arena::Activations,
+            offset: 0,
+            state: None,
+            feed: None,
+            output: None,
+        }
+    }
+
+    #[test]
+    fn best_fit_reuses_freed_holes() {
+        // b0 [0,1] 1 KiB, b1 [0,3] 256 B, b2 [2,3] 512 B fits into b0's hole; b3 [2,3] 1 KiB
+        // does not fit in what is left and grows the heap.
+        let mut bs = vec![buf(0, 1024), buf(1, 256), buf(2, 512), buf(3, 1024)];
+        let lt = vec![
+            Some(Lifetime { start: 0, end: 1 }),
+            Some(Lifetime { start: 0, end: 3 }),
+            Some(Lifetime { start: 2, end: 3 }),
+            Some(Lifetime { start: 2, end: 3 }),
+        ];
+        let plan = place(&mut bs, &lt);
+        assert!(overlapping_buffers(&bs, &lt).is_empty());
+        assert_eq!(bs[0].offset, 0);
+        assert_eq!(bs[1].offset, 1024);
+        // b3 (larger) is placed first at time 2 and takes b0's 1 KiB hole exactly; b2 grows.
+        assert_eq!(bs[3].offset, 0);
+        assert_eq!(bs[2].offset, 1280);
+        assert_eq!(plan.arenas[4].bytes, 1792);
+        assert_eq!(plan.activation_bytes_unplanned, 2816);
+        assert_eq!(plan.peak_bytes, 1792);
+    }
+
+    #[test]
+    fn a_buffer_dying_at_a_step_does_not_share_with_one_born_there() {
+        let mut bs = vec![buf(0, 256), buf(1, 256)];
+        let lt = vec![Some(Lifetime { start: 0, end: 1 }), Some(Lifetime { start: 1, end: 2 })];
+        place(&mut bs, &lt);
+        assert_ne!(bs[0].offset, bs[1].offset);
+        assert!(overlapping_buffers(&bs, &lt).is_empty());
+    }
+
+    #[test]
+    fn the_overlap_check_finds_a_bad_plan() {
+        let bs = vec![buf(0, 512), buf(1, 512)];
+        let lt = vec![Some(Lifetime { start: 0, end: 1 }), Some(Lifetime { start: 1, end: 2 })];
+        assert_eq!(overlapping_buffers(&bs, &lt), vec![(0, 1)]);
+    }
+}

@@ -1,0 +1,419 @@
+//! `titanc build`: compile a model graph into an artifact directory that `titan-run` executes.
+//!
+//! Phases: **pipeline** (verify the model, lower it to the training step and fuse it into the
+//! kernel graph with [`compile_train_graph`]), **plan** (the static memory plan, rank 0's
+//! schedule and the kernel table: [`memory`], [`schedule`], [`gemm`]), **codegen** (PTX for every
+//! generated kernel body, once per body, through `titan_kernels::compile_kernel`) and **write**
+//! ([`emit`]: `manifest.json`, `graph.ir`, `kernels/*.ptx` into a temporary directory renamed
+//! into place). `docs/artifact.md` describes the result.
+//!
+//! Building is deterministic: the same model text, options and target give byte-identical
+//! files, and `content_hash` (hex SHA-256 of the three) identifies them.
+
+pub mod emit;
+pub mod gemm;
+pub mod memory;
+pub mod schedule;
+#[cfg(test)]
+mod tests;
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use sha2::{Digest, Sha256};
+use titan_ir::artifact::{ArenaPlan, FORMAT_VERSION, KERNEL_DIR, Kernel, Manifest, MemoryPlan, Mesh, RankSchedule, Target, TrainingInfo};
+use titan_ir::attr::fmt_float;
+use titan_ir::{AttrValue, BlockId, Graph, KernelKind};
+use titan_kernels::KernelError;
+use titan_passes::fuse::FusionReport;
+use titan_passes::pipeline::BUILD_PIPELINE;
+use titan_passes::{PassError, PipelineOptions, PipelineReport, TrainOptions, compile_train_graph, fusion_report, lower_to_train};
+
+use self::memory::{Lifetime, Storage, bytes_of, shape_of};
+use self::schedule::Schedule;
+use crate::stats::model_stats;
+
+/// Targets `titanc build --target` accepts.
+pub const TARGETS: [&str; 1] = ["sm_90a"];
+
+/// Everything that decides what `titanc build` produces (besides the model).
+#[derive(Clone, Debug, PartialEq)]
+pub struct BuildOptions {
+    pub train: TrainOptions,
+    /// Verification, dumps and timings of the pass pipeline (they do not change the output).
+    pub pipeline: PipelineOptions,
+    pub target: Target,
+    /// Also compute the fusion report (one more lowering, without fusion, to compare with).
+    pub report: bool,
+}
+
+impl Default for BuildOptions {
+    fn default() -> BuildOptions {
+        BuildOptions { train: TrainOptions::default(), pipeline: PipelineOptions::default(), target: Target::sm90a(), report: false }
+    }
+}
+
+impl BuildOptions {
+    /// The options that decide the artifact's bytes, one `key = value` per line, floats printed
+    /// so they read back exactly. Part of the content hash.
+    pub fn canonical_text(&self) -> String {
+        let t = &self.train;
+        let decay = match t.decay {
+            titan_ir::DecayKind::Constant => "constant",
+            titan_ir::DecayKind::Linear => "linear",
+            titan_ir::DecayKind::Cosine => "cosine",
+        };
+        let max_norm = t.max_norm.map_or_else(|| "none".to_string(), fmt_float);
+        [
+            format!("titan_version = {}", env!("CARGO_PKG_VERSION")),
+            format!("format_version = {FORMAT_VERSION}"),
+            format!("pipeline = {}", BUILD_PIPELINE.join(",")),
+            format!("train.lr = {}", fmt_float(t.lr)),
+            format!("train.warmup_steps = {}", t.warmup_steps),
+            format!("train.decay_steps = {}", t.decay_steps),
+            format!("train.decay = {decay}"),
+            format!("train.min_lr_ratio = {}", fmt_float(t.min_lr_ratio)),
+            format!("train.beta1 = {}", fmt_float(t.beta1)),
+            format!("train.beta2 = {}", fmt_float(t.beta2)),
+            format!("train.eps = {}", fmt_float(t.eps)),
+            format!("train.weight_decay = {}", fmt_float(t.weight_decay)),
+            format!("train.max_norm = {max_norm}"),
+            format!("target.arch = {}", self.target.arch),
+            format!("target.ptx_isa = {}", self.target.ptx_isa),
+        ]
+        .iter()
+        .map(|l| format!("{l}\n"))
+        .collect()
+    }
+}
+
+/// Why a build failed.
+#[derive(Debug, thiserror::Error)]
+pub enum BuildError {
+    #[error(transparent)]
+    Pass(#[from] PassError),
+    /// A bad option or an input the build cannot handle; the message says what to change.
+    #[error("{0}")]
+    Invalid(String),
+    /// The kernel code generator failed; the message names the kernel.
+    #[error("code generation failed: {0}")]
+    Codegen(String),
+    #[error("cannot write the artifact `{path}`: {message}")]
+    Io { path: String, message: String },
+    #[error("`{path}` exists and is not a titan artifact (no manifest.json); choose another output directory or remove it")]
+    NotArtifact { path: String },
+    /// A compiler bug, not a user error.
+    #[error("internal error in titanc build (please report it): {0}")]
+    Internal(String),
+}
+
+/// Wall time of the build's phases.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Phases {
+    pub pipeline: Duration,
+    pub plan: Duration,
+    pub codegen: Duration,
+    pub write: Duration,
+    /// The extra unfused lowering of `--report` (zero without it).
+    pub report: Duration,
+}
+
+impl Phases {
+    pub fn total(&self) -> Duration {
+        self.pipeline + self.plan + self.codegen + self.write + self.report
+    }
+}
+
+/// What a build produced, for `titanc build` to print and the benchmark to tabulate.
+#[derive(Clone, Debug, PartialEq)]
+pub struct BuildSummary {
+    pub out_dir: PathBuf,
+    /// The fused graph's name (`llama3_debug_train`).
+    pub graph: String,
+    pub content_hash: String,
+    /// Kernels of the kernel table, by kind name.
+    pub kernels_by_kind: BTreeMap<&'static str, usize>,
+    pub kernels: usize,
+    pub ptx_files: usize,
+    pub launches_per_step: u64,
+    pub buffers: usize,
+    pub arenas: Vec<ArenaPlan>,
+    /// Predicted peak device memory of each rank.
+    pub peak_bytes_per_rank: Vec<u64>,
+    pub activation_bytes_unplanned: u64,
+    pub phases: Phases,
+    pub pipeline: PipelineReport,
+    pub fusion: Option<FusionReport>,
+}
+
+/// `1.50 GiB`.
+pub fn human_bytes(bytes: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut x = bytes as f64;
+    let mut u = 0;
+    while x >= 1024.0 && u + 1 < UNITS.len() {
+        x /= 1024.0;
+        u += 1;
+    }
+    if u == 0 { format!("{bytes} B") } else { format!("{x:.2} {}", UNITS[u]) }
+}
+
+fn secs(d: Duration) -> String {
+    format!("{:.3} s", d.as_secs_f64())
+}
+
+impl fmt::Display for BuildSummary {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(f, "built {} from @{} (content hash {})", self.out_dir.display(), self.graph, &self.content_hash[..self.content_hash.len().min(16)])?;
+        let kinds: Vec<String> = self.kernels_by_kind.iter().map(|(k, n)| format!("{n} {k}")).collect();
+        writeln!(f, "kernels:      {} ({}); {} PTX files; {} launches per step", self.kernels, kinds.join(", "), self.ptx_files, self.launches_per_step)?;
+        writeln!(f, "memory plan:  {} buffers", self.buffers)?;
+        for a in &self.arenas {
+            writeln!(f, "  {:<16} {:>12}", memory::arena_name(a.arena), human_bytes(a.bytes))?;
+        }
+        let planned = self.arenas.iter().find(|a| a.arena == titan_ir::artifact::Arena::Activations).map_or(0, |a| a.bytes);
+        writeln!(f, "  activations are {} planned, {} if no buffer were reused", human_bytes(planned), human_bytes(self.activation_bytes_unplanned))?;
+        for (rank, peak) in self.peak_bytes_per_rank.iter().enumerate() {
+            writeln!(f, "predicted peak memory: rank {rank}: {} ({peak} bytes, excluding library workspaces)", human_bytes(*peak))?;
+        }
+        let p = &self.phases;
+        let mut phases = format!("pipeline {}, plan {}, codegen {}, write {}", secs(p.pipeline), secs(p.plan), secs(p.codegen), secs(p.write));
+        if p.report > Duration::ZERO {
+            phases.push_str(&format!(", report {}", secs(p.report)));
+        }
+        writeln!(f, "build time:   {} ({phases})", secs(p.total()))?;
+        if self.pipeline.timings {
+            writeln!(f)?;
+            writeln!(f, "passes:")?;
+            write!(f, "{}", self.pipeline)?;
+        }
+        if let Some(r) = &self.fusion {
+            writeln!(f)?;
+            write!(f, "{r}")?;
+        }
+        Ok(())
+    }
+}
+
+/// The kernel graph with its memory plan and schedule (no code generated yet).
+#[derive(Clone, Debug)]
+pub struct Plan {
+    pub storage: Storage,
+    pub schedule: Schedule,
+    pub lifetimes: Vec<Option<Lifetime>>,
+    pub memory: MemoryPlan,
+}
+
+/// Memory plan and schedule of a kernel graph (the output of [`compile_train_graph`]).
+pub fn plan_kernel_graph(fused: &Graph) -> Result<Plan, BuildError> {
+    let mut storage = memory::assign_storage(fused)?;
+    let schedule = schedule::build_schedule(fused, &storage)?;
+    let lifetimes = memory::lifetimes(&storage, &schedule.steps);
+    let memory = memory::place(&mut storage.buffers, &lifetimes);
+    Ok(Plan { storage, schedule, lifetimes, memory })
+}
+
+/// An artifact in memory: the manifest, the fused graph's text and the PTX files.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Artifact {
+    pub manifest: Manifest,
+    pub graph_text: String,
+    /// `(path relative to the artifact directory, text)`.
+    pub ptx: Vec<(String, String)>,
+}
+
+/// Hex SHA-256 of the model text, the canonical options and the target, each length-prefixed.
+pub fn content_hash(model_text: &str, opts: &BuildOptions) -> String {
+    let mut h = Sha256::new();
+    h.update(b"titan artifact\n");
+    let target = format!("{} {}", opts.target.arch, opts.target.ptx_isa);
+    for (label, text) in [("model", model_text), ("options", opts.canonical_text().as_str()), ("target", target.as_str())] {
+        h.update(format!("{label} {}\n", text.len()).as_bytes());
+        h.update(text.as_bytes());
+        h.update(b"\n");
+    }
+    h.finalize().iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn meta_json(v: &AttrValue) -> serde_json::Value {
+    match v {
+        AttrValue::Bool(b) => serde_json::Value::Bool(*b),
+        AttrValue::Int(i) => serde_json::Value::from(*i),
+        AttrValue::Float(x) => serde_json::Number::from_f64(*x).map_or_else(|| serde_json::Value::String(fmt_float(*x)), serde_json::Value::Number),
+        AttrValue::Str(s) | AttrValue::Ident(s) | AttrValue::Symbol(s) => serde_json::Value::String(s.clone()),
+        AttrValue::List(items) => serde_json::Value::Array(items.iter().map(meta_json).collect()),
+        AttrValue::Call(..) => serde_json::Value::String(v.to_string()),
+    }
+}
+
+fn check_target(t: &Target) -> Result<(), BuildError> {
+    if *t != Target::sm90a() {
+        return Err(BuildError::Invalid(format!(
+            "target `{}` (PTX ISA {}) is not supported; titan generates code for {} (H100/H200): use `--target sm_90a`",
+            t.arch,
+            t.ptx_isa,
+            TARGETS.join(", ")
+        )));
+    }
+    Ok(())
+}
+
+/// Generated code of one kernel body.
+struct Code {
+    entry: String,
+    ptx: String,
+    launch: titan_ir::artifact::Launch,
+    workspace_bytes: u64,
+}
+
+/// Run the code generator on every body, in body order. Serial on purpose: MLIR registers
+/// passes and dialects in process-wide tables, and on this 2-core machine two generator threads
+/// were slower than one (lock contention inside MLIR/LLVM), so threads bought nothing but risk.
+fn codegen(fused: &Graph, bodies: &[(BlockId, KernelKind, String)]) -> Result<Vec<Option<Code>>, BuildError> {
+    bodies
+        .iter()
+        .map(|(body, kind, name)| match titan_kernels::compile_kernel(fused, *body, *kind, name) {
+            Ok(Some(c)) => Ok(Some(Code { entry: c.entry, ptx: c.ptx, launch: c.launch, workspace_bytes: c.workspace_bytes })),
+            Ok(None) => Ok(None),
+            Err(e @ (KernelError::Unsupported { .. } | KernelError::InvalidBody { .. })) => Err(BuildError::Codegen(e.to_string())),
+            Err(e) => Err(BuildError::Codegen(format!("kernel `{name}`: {e}"))),
+        })
+        .collect()
+}
+
+/// Compile `model` (whose source text is `model_text`) into an in-memory artifact; no files
+/// are touched. Returns the artifact and a summary without the write time.
+pub fn compile_artifact(model: &Graph, model_text: &str, opts: &BuildOptions) -> Result<(Artifact, BuildSummary), BuildError> {
+    compile(model, model_text, opts, true)
+}
+
+/// [`compile_artifact`], optionally without code generation (tests of the plan and schedule).
+fn compile(model: &Graph, model_text: &str, opts: &BuildOptions, generate_code: bool) -> Result<(Artifact, BuildSummary), BuildError> {
+    check_target(&opts.target)?;
+    let mut phases = Phases::default();
+
+    let t = Instant::now();
+    let errors = titan_ir::verify::verify(model);
+    if !errors.is_empty() {
+        let errors = errors.iter().map(|e| format!("  {e}")).collect::<Vec<_>>().join("\n");
+        return Err(BuildError::Invalid(format!("the model graph does not verify; fix these errors first:\n{errors}")));
+    }
+    let (fused, pipeline) = compile_train_graph(model, &opts.train, &opts.pipeline)?;
+    phases.pipeline = t.elapsed();
+
+    let fusion = if opts.report {
+        let t = Instant::now();
+        let unfused = lower_to_train(model, &opts.train)?;
+        let r = fusion_report(&unfused, &fused);
+        phases.report = t.elapsed();
+        Some(r)
+    } else {
+        None
+    };
+
+    let t = Instant::now();
+    let plan = plan_kernel_graph(&fused)?;
+    let mut bodies = Vec::with_capacity(plan.schedule.kernels.len());
+    for &(body, kind) in &plan.schedule.kernels {
+        let region = fused.blocks.get(body.index()).ok_or_else(|| BuildError::Internal(format!("kernel body #{} does not exist", body.0)))?;
+        bodies.push((body, kind, schedule::kernel_name(region)));
+    }
+    let mut kernels = Vec::with_capacity(bodies.len());
+    for (id, (body, kind, name)) in bodies.iter().enumerate() {
+        let region = &fused.blocks[body.index()];
+        let size = |vs: &mut dyn Iterator<Item = titan_ir::Value>| -> Result<u64, BuildError> {
+            let mut total = 0u64;
+            for v in vs {
+                total += bytes_of(region.ty(v).dtype, &shape_of(&fused, region, v)?);
+            }
+            Ok(total)
+        };
+        let bytes_read = size(&mut region.arg_values())?;
+        let bytes_written = size(&mut region.outputs.iter().map(|o| o.value))?;
+        let gemm = if *kind == KernelKind::Gemm { Some(gemm::gemm_desc(&fused, region)?) } else { None };
+        kernels.push(Kernel {
+            id: id as u32,
+            name: name.clone(),
+            kind: *kind,
+            body: region.name.clone(),
+            ptx: None,
+            entry: None,
+            launch: None,
+            gemm,
+            workspace_bytes: 0,
+            bytes_read,
+            bytes_written,
+        });
+    }
+    phases.plan = t.elapsed();
+
+    let t = Instant::now();
+    let code = if generate_code { codegen(&fused, &bodies)? } else { bodies.iter().map(|_| None).collect() };
+    let mut ptx = Vec::new();
+    for (k, c) in kernels.iter_mut().zip(code) {
+        let Some(c) = c else { continue };
+        let path = format!("{KERNEL_DIR}/{}.ptx", k.name);
+        k.ptx = Some(path.clone());
+        k.entry = Some(c.entry);
+        k.launch = Some(c.launch);
+        k.workspace_bytes = c.workspace_bytes;
+        ptx.push((path, c.ptx));
+    }
+    phases.codegen = t.elapsed();
+
+    let dims = fused.dims.clone();
+    let batch = dims.get("batch").copied().unwrap_or(0);
+    let seq_len = dims.get("seq").copied().unwrap_or(0);
+    let vocab_size = fused.meta_i64("vocab_size").and_then(|v| u64::try_from(v).ok()).unwrap_or(0);
+    let flops_per_token = model_stats(model).ok().and_then(|s| s.flops_per_token).map_or(0, |f| f.round() as u64);
+    let content_hash = content_hash(model_text, opts);
+    let mut kernels_by_kind = BTreeMap::new();
+    for k in &kernels {
+        *kernels_by_kind.entry(k.kind.name()).or_insert(0) += 1;
+    }
+    let manifest = Manifest {
+        format_version: FORMAT_VERSION,
+        titan_version: env!("CARGO_PKG_VERSION").to_string(),
+        content_hash: content_hash.clone(),
+        target: opts.target.clone(),
+        model: model.meta.entries.iter().map(|(k, v)| (k.clone(), meta_json(v))).collect(),
+        dims: dims.into_iter().collect(),
+        mesh: Mesh { world_size: 1, dims: vec![] },
+        training: TrainingInfo { batch, seq_len, vocab_size, tokens_per_step: batch * seq_len, flops_per_token },
+        buffers: plan.storage.buffers.clone(),
+        memory: plan.memory.clone(),
+        kernels,
+        ranks: vec![RankSchedule { rank: 0, steps: plan.schedule.steps.clone() }],
+    };
+    let summary = BuildSummary {
+        out_dir: PathBuf::new(),
+        graph: fused.name.clone(),
+        content_hash,
+        kernels_by_kind,
+        kernels: manifest.kernels.len(),
+        ptx_files: ptx.len(),
+        launches_per_step: plan.schedule.launches_per_step,
+        buffers: manifest.buffers.len(),
+        arenas: plan.memory.arenas.clone(),
+        peak_bytes_per_rank: vec![plan.memory.peak_bytes],
+        activation_bytes_unplanned: plan.memory.activation_bytes_unplanned,
+        phases,
+        pipeline,
+        fusion,
+    };
+    let graph_text = titan_ir::print::print_graph(&fused);
+    Ok((Artifact { manifest, graph_text, ptx }, summary))
+}
+
+/// Build the artifact of `model` into `out_dir` (see the module documentation). A failed build
+/// leaves `out_dir` as it was.
+pub fn build_artifact(model: &Graph, model_text: &str, opts: &BuildOptions, out_dir: &Path) -> Result<BuildSummary, BuildError> {
+    let (artifact, mut summary) = compile_artifact(model, model_text, opts)?;
+    let t = Instant::now();
+    emit::write_artifact(out_dir, &artifact)?;
+    summary.phases.write = t.elapsed();
+    summary.out_dir = out_dir.to_path_buf();
+    Ok(summary)
+}

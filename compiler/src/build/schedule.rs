@@ -1,0 +1,149 @@
+//! The schedule of rank 0 and the kernel table.
+//!
+//! Steps follow `main`'s order: a `kernel` node becomes a `Launch` (inputs bind the body's
+//! arguments, outputs its results, as [`BufRef`]s from the memory plan); a `repeat` becomes a
+//! `Loop` whose body launches the block's kernels with `Carry` and `layer` references; a
+//! `reshape` is a view and becomes nothing. `Copy` steps appear where the memory plan asks for
+//! them (a carried operand still read after its loop, block outputs that are block arguments
+//! or already written elsewhere, updates and outputs that could not be written in place), and
+//! a `Memset` zeroes the table before every `scatter_add` kernel (it sums rows into zeros).
+//!
+//! Every kernel body block is one entry of the kernel table, numbered in order of first launch.
+
+use std::collections::HashMap;
+
+use titan_ir::artifact::{BufRef, Step};
+use titan_ir::{BlockId, Graph, KernelKind, Node, Op, Region};
+
+use super::BuildError;
+use super::memory::{CopyOp, Storage, internal, ref_bytes};
+
+/// All steps run on stream 0 for now.
+pub const STREAM: u32 = 0;
+
+/// The schedule of one rank and the kernels it launches.
+#[derive(Clone, Debug, Default)]
+pub struct Schedule {
+    pub steps: Vec<Step>,
+    /// Kernel bodies in kernel-id order, with their kind.
+    pub kernels: Vec<(BlockId, KernelKind)>,
+    /// Launches per training step, counting each loop body `count` times.
+    pub launches_per_step: u64,
+}
+
+struct Table {
+    ids: HashMap<BlockId, u32>,
+    kernels: Vec<(BlockId, KernelKind)>,
+}
+
+impl Table {
+    fn id(&mut self, body: BlockId, kind: KernelKind) -> Result<u32, BuildError> {
+        if let Some(&id) = self.ids.get(&body) {
+            return match self.kernels[id as usize].1 == kind {
+                true => Ok(id),
+                false => Err(internal(format!("kernel body #{} is launched with two kinds", body.0))),
+            };
+        }
+        let id = self.kernels.len() as u32;
+        self.ids.insert(body, id);
+        self.kernels.push((body, kind));
+        Ok(id)
+    }
+}
+
+fn copy_step(c: &CopyOp) -> Step {
+    Step::Copy { src: c.src, dst: c.dst, bytes: c.bytes, stream: STREAM }
+}
+
+/// The steps of one `kernel` node: a memset of a `scatter_add`'s table, then the launch.
+fn launch(
+    table: &mut Table,
+    region: &Region,
+    node: &Node,
+    refs: &[Option<BufRef>],
+    storage: &Storage,
+    carries: &[[u32; 2]],
+    out: &mut Vec<Step>,
+) -> Result<(), BuildError> {
+    let Op::Kernel { body, kind } = node.op else { return Err(internal("not a kernel node")) };
+    let lookup = |v: titan_ir::Value| refs.get(v.index()).copied().flatten().ok_or_else(|| internal(format!("value {v} of @{} has no storage", region.name)));
+    let inputs = node.inputs.iter().map(|&v| lookup(v)).collect::<Result<Vec<_>, _>>()?;
+    let outputs = node.results.iter().map(|&v| lookup(v)).collect::<Result<Vec<_>, _>>()?;
+    if kind == KernelKind::ScatterAdd {
+        for &dst in &outputs {
+            out.push(Step::Memset { dst, bytes: ref_bytes(&storage.buffers, carries, dst), stream: STREAM });
+        }
+    }
+    out.push(Step::Launch { kernel: table.id(body, kind)?, inputs, outputs, stream: STREAM });
+    Ok(())
+}
+
+/// Rank 0's steps over the kernel graph `g` with the storage of the memory plan.
+pub fn build_schedule(g: &Graph, storage: &Storage) -> Result<Schedule, BuildError> {
+    let main = &g.main;
+    let mut table = Table { ids: HashMap::new(), kernels: Vec::new() };
+    let mut steps = Vec::new();
+    let mut launches = 0u64;
+    for n in &main.order {
+        let node = main.node(*n);
+        match &node.op {
+            Op::Kernel { .. } => {
+                launch(&mut table, main, node, &storage.main, storage, &[], &mut steps)?;
+                launches += 1;
+            }
+            Op::Reshape => {}
+            Op::Repeat { block, count, reverse, .. } => {
+                let ls = storage.loops.get(n).ok_or_else(|| internal(format!("repeat {n} has no loop storage")))?;
+                let blk = g.blocks.get(block.index()).ok_or_else(|| internal(format!("repeat {n} names a missing block")))?;
+                steps.extend(ls.copies_before.iter().map(copy_step));
+                let mut body: Vec<Step> = ls.copies_at_start.iter().map(copy_step).collect();
+                let mut body_launches = 0u64;
+                for bn in &blk.order {
+                    let bnode = blk.node(*bn);
+                    match bnode.op {
+                        Op::Kernel { .. } => {
+                            launch(&mut table, blk, bnode, &ls.values, storage, &ls.carries, &mut body)?;
+                            body_launches += 1;
+                            if let Some(copies) = ls.copies_after.get(bn) {
+                                body.extend(copies.iter().map(copy_step));
+                            }
+                        }
+                        Op::Reshape => {}
+                        ref other => return Err(internal(format!("`{}` in @{} of the kernel graph", other.name(), blk.name))),
+                    }
+                }
+                launches += body_launches * u64::from(*count);
+                steps.push(Step::Loop { count: *count, reverse: *reverse, carries: ls.carries.clone(), body });
+            }
+            other => return Err(internal(format!("`{}` in `main` of the kernel graph", other.name()))),
+        }
+    }
+    steps.extend(storage.final_copies.iter().map(copy_step));
+    Ok(Schedule { steps, kernels: table.kernels, launches_per_step: launches })
+}
+
+/// Ops that say nothing about what a kernel does (left out of its name).
+fn is_plumbing(op: &Op) -> bool {
+    matches!(op, Op::Reshape | Op::Broadcast { .. } | Op::Constant { .. } | Op::Cast | Op::Transpose { .. })
+}
+
+/// A kernel's name: its body block and up to three of its distinct ops, e.g. `layer.k3_rmsnorm`
+/// or `main.k9_square_reduce_sum`. Only `[A-Za-z0-9._]` so it is a file name.
+pub fn kernel_name(body: &Region) -> String {
+    let mut ops: Vec<&'static str> = Vec::new();
+    let mut plumbing: Vec<&'static str> = Vec::new();
+    for n in &body.order {
+        let op = &body.node(*n).op;
+        let list = if is_plumbing(op) { &mut plumbing } else { &mut ops };
+        if !list.contains(&op.name()) {
+            list.push(op.name());
+        }
+    }
+    let picked = if ops.is_empty() { plumbing } else { ops };
+    let mut name = body.name.clone();
+    for op in picked.iter().take(3) {
+        name.push('_');
+        name.push_str(op);
+    }
+    name.chars().map(|c| if c.is_ascii_alphanumeric() || c == '.' || c == '_' { c } else { '_' }).collect()
+}

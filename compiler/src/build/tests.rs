@@ -1,0 +1,365 @@
+//! Tests of the build: the memory plan (no overlapping live buffers, and a shadow execution of
+//! the schedule that checks every read sees the bytes its producer wrote), the plan summary
+//! snapshot, determinism and the atomic write.
+
+use std::collections::{HashMap, HashSet};
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+
+use titan_ir::artifact::{Arena, BufRef, BufferClass, Manifest, Step};
+use titan_ir::{Graph, KernelKind};
+use titan_passes::{PipelineOptions, TrainOptions, compile_train_graph};
+
+use super::memory::overlapping_buffers;
+use super::*;
+use crate::{LlamaConfig, Preset, build_llama3};
+
+fn model(p: Preset, n_layers: Option<u64>) -> Graph {
+    let mut cfg = LlamaConfig::preset(p);
+    if let Some(n) = n_layers {
+        cfg.n_layers = n;
+    }
+    build_llama3(&cfg, p.name()).unwrap_or_else(|e| panic!("{e}"))
+}
+
+fn kernel_graph(m: &Graph) -> Graph {
+    let popts = PipelineOptions { verify_each: true, ..PipelineOptions::default() };
+    compile_train_graph(m, &TrainOptions::default(), &popts).unwrap_or_else(|e| panic!("{e}")).0
+}
+
+fn debug_text() -> String {
+    std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/llama3-debug.ir")).unwrap_or_default()
+}
+
+/// A fresh scratch directory for one test.
+fn scratch(test: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("titan-build-{test}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap_or_else(|e| panic!("{e}"));
+    dir
+}
+
+/// Runs the schedule symbolically, unrolling loops, and reports every read that would not see
+/// the bytes its producer wrote: a read of a buffer (or layer slice) nothing wrote yet, or whose
+/// bytes another buffer overwrote since. This checks the memory plan and the Loop/carry/slice
+/// semantics of `docs/artifact.md` independently of how the planner computes lifetimes.
+fn shadow_execute(m: &Manifest) -> Vec<String> {
+    struct Sim<'m> {
+        m: &'m Manifest,
+        /// `(arena, start, end, buffer)` of every write, in order.
+        log: Vec<(Arena, u64, u64, u32)>,
+        /// Write-log index of the last write of `(buffer, layer)` (`None` = whole buffer).
+        last: HashMap<(u32, Option<u64>), usize>,
+        errors: Vec<String>,
+    }
+    impl Sim<'_> {
+        fn resolve(&self, r: BufRef, layer: u64, t: u64, carries: &[[u32; 2]]) -> (u32, Option<u64>) {
+            match r {
+                BufRef::Buffer { buffer, layer: true } => (buffer, Some(layer)),
+                BufRef::Buffer { buffer, layer: false } => (buffer, None),
+                BufRef::Carry { carry, out } => {
+                    let slot = ((t + u64::from(out)) % 2) as usize;
+                    (carries[carry as usize][slot], None)
+                }
+            }
+        }
+        fn range(&self, (b, l): (u32, Option<u64>)) -> (Arena, u64, u64) {
+            let buf = &self.m.buffers[b as usize];
+            match l {
+                None => (buf.arena, buf.offset, buf.offset + buf.bytes),
+                Some(i) => {
+                    let per = buf.bytes / buf.shape.first().copied().unwrap_or(1).max(1);
+                    (buf.arena, buf.offset + i * per, buf.offset + (i + 1) * per)
+                }
+            }
+        }
+        fn write(&mut self, key: (u32, Option<u64>)) {
+            let (a, s, e) = self.range(key);
+            self.last.insert(key, self.log.len());
+            self.log.push((a, s, e, key.0));
+        }
+        fn read(&mut self, key: (u32, Option<u64>), what: &str) {
+            let buf = &self.m.buffers[key.0 as usize];
+            let preset = matches!(buf.class, BufferClass::Input | BufferClass::Param | BufferClass::OptimizerState);
+            // The write this read depends on: of the slice, of the whole buffer, or (for a whole
+            // read) the earliest of all its slices.
+            let since = match key.1 {
+                Some(_) => self.last.get(&key).copied().max(self.last.get(&(key.0, None)).copied()),
+                None => self.last.get(&key).copied().or_else(|| {
+                    let n = buf.shape.first().copied().unwrap_or(0);
+                    let layers: Vec<usize> = (0..n).filter_map(|i| self.last.get(&(key.0, Some(i))).copied()).collect();
+                    (layers.len() as u64 == n && n > 0).then(|| layers.into_iter().min().unwrap_or(0))
+                }),
+            };
+            let since = match (since, preset) {
+                (Some(s), _) => s,
+                (None, true) => 0,
+                (None, false) => {
+                    self.errors.push(format!("{what} reads {} {:?} before anything wrote it", buf.name, key.1));
+                    return;
+                }
+            };
+            let (a, s, e) = self.range(key);
+            for &(wa, ws, we, wb) in &self.log[since..] {
+                if wa == a && wb != key.0 && ws < e && s < we {
+                    self.errors.push(format!("{what} reads {} {:?}, overwritten by {}", buf.name, key.1, self.m.buffers[wb as usize].name));
+                    return;
+                }
+            }
+        }
+        fn run(&mut self, steps: &[Step], layer: u64, t: u64, carries: &[[u32; 2]]) {
+            for s in steps {
+                match s {
+                    Step::Launch { kernel, inputs, outputs, .. } => {
+                        let name = &self.m.kernels[*kernel as usize].name;
+                        for &r in inputs {
+                            let k = self.resolve(r, layer, t, carries);
+                            self.read(k, &format!("{name} (layer {layer})"));
+                        }
+                        for &r in outputs {
+                            let k = self.resolve(r, layer, t, carries);
+                            self.write(k);
+                        }
+                    }
+                    Step::Copy { src, dst, .. } => {
+                        let k = self.resolve(*src, layer, t, carries);
+                        self.read(k, "copy");
+                        let k = self.resolve(*dst, layer, t, carries);
+                        self.write(k);
+                    }
+                    Step::Memset { dst, .. } => {
+                        let k = self.resolve(*dst, layer, t, carries);
+                        self.write(k);
+                    }
+                    Step::Loop { count, reverse, carries, body } => {
+                        for t in 0..u64::from(*count) {
+                            let i = if *reverse { u64::from(*count) - 1 - t } else { t };
+                            self.run(body, i, t, carries);
+                        }
+                    }
+                }
+            }
+        }
+    }
+    let mut sim = Sim { m, log: Vec::new(), last: HashMap::new(), errors: Vec::new() };
+    sim.run(&m.ranks[0].steps, 0, 0, &[]);
+    // The step's outputs must still be intact at the end.
+    for b in m.buffers.iter().filter(|b| b.output.is_some()) {
+        sim.read((b.id, None), "the step output");
+    }
+    sim.errors
+}
+
+/// The manifest without code generation (the plan and schedule do not depend on it).
+fn manifest_of(m: &Graph, text: &str) -> Manifest {
+    compile(m, text, &BuildOptions::default(), false).unwrap_or_else(|e| panic!("{e}")).0.manifest
+}
+
+#[test]
+fn live_buffers_never_share_bytes_debug_and_8b() {
+    for (p, layers) in [(Preset::Debug, None), (Preset::B8, Some(3))] {
+        let m = model(p, layers);
+        let plan = plan_kernel_graph(&kernel_graph(&m)).unwrap_or_else(|e| panic!("{e}"));
+        let bad = overlapping_buffers(&plan.storage.buffers, &plan.lifetimes);
+        assert!(bad.is_empty(), "{p}: live buffers share bytes: {bad:?}");
+        for b in &plan.storage.buffers {
+            assert_eq!(b.offset % memory::ALIGN, 0, "{p}: {} is not aligned", b.name);
+            let arena = plan.memory.arenas.iter().find(|a| a.arena == b.arena).map_or(0, |a| a.bytes);
+            assert!(b.offset + b.bytes <= arena, "{p}: {} ends past its arena", b.name);
+        }
+        assert_eq!(plan.memory.peak_bytes, plan.memory.arenas.iter().map(|a| a.bytes).sum::<u64>());
+        assert!(plan.memory.arenas.iter().find(|a| a.arena == Arena::Activations).map_or(0, |a| a.bytes) <= plan.memory.activation_bytes_unplanned);
+    }
+}
+
+#[test]
+fn shadow_execution_reads_what_was_written() {
+    for (p, layers) in [(Preset::Debug, None), (Preset::B8, Some(3))] {
+        let m = model(p, layers);
+        let manifest = manifest_of(&m, &titan_ir::print::print_graph(&m));
+        let errors = shadow_execute(&manifest);
+        assert!(errors.is_empty(), "{p}: {} bad reads, first: {:#?}", errors.len(), &errors[..errors.len().min(10)]);
+    }
+}
+
+#[test]
+fn shadow_execution_catches_a_clobbering_plan() {
+    let m = model(Preset::Debug, None);
+    let mut manifest = manifest_of(&m, "");
+    // Put every activation at offset 0: saved activations now overwrite each other.
+    for b in manifest.buffers.iter_mut().filter(|b| b.arena == Arena::Activations) {
+        b.offset = 0;
+    }
+    assert!(!shadow_execute(&manifest).is_empty());
+}
+
+/// Arena sizes, buffer count and the ten biggest buffers.
+fn plan_summary(manifest: &Manifest) -> String {
+    let mut s = String::new();
+    for a in &manifest.memory.arenas {
+        let _ = writeln!(s, "{:<16} {:>9}", memory::arena_name(a.arena), a.bytes);
+    }
+    let _ = writeln!(s, "peak_bytes       {:>9}", manifest.memory.peak_bytes);
+    let _ = writeln!(s, "unplanned acts   {:>9}", manifest.memory.activation_bytes_unplanned);
+    let _ = writeln!(s, "buffers          {:>9}", manifest.buffers.len());
+    let mut by_size: Vec<_> = manifest.buffers.iter().collect();
+    by_size.sort_by_key(|b| (std::cmp::Reverse(b.bytes), b.id));
+    for b in by_size.iter().take(10) {
+        let _ = writeln!(s, "{:>9}  {:<15} {:?} {:?}", b.bytes, format!("{:?}", b.class), b.shape, b.name);
+    }
+    s
+}
+
+#[test]
+fn debug_memory_plan_snapshot() {
+    let text = debug_text();
+    let m = titan_ir::parse::parse_and_verify("llama3-debug.ir", &text).unwrap_or_else(|e| panic!("{e}"));
+    insta::assert_snapshot!("debug_memory_plan", plan_summary(&manifest_of(&m, &text)));
+}
+
+#[test]
+fn manifest_describes_the_debug_step() {
+    let text = debug_text();
+    let m = titan_ir::parse::parse_and_verify("llama3-debug.ir", &text).unwrap_or_else(|e| panic!("{e}"));
+    let man = manifest_of(&m, &text);
+    let feeds: Vec<&str> = man.buffers.iter().filter_map(|b| b.feed.as_deref()).collect();
+    assert_eq!(feeds, ["tokens", "targets", "step"]);
+    let mut outputs: Vec<&str> = man.buffers.iter().filter_map(|b| b.output.as_deref()).collect();
+    outputs.sort_unstable();
+    assert_eq!(outputs, ["grad_norm", "loss", "lr"]);
+    let states = man.buffers.iter().filter(|b| b.state.is_some()).count();
+    assert_eq!(states, 36, "12 masters and 24 moments");
+    assert!(man.buffers.iter().any(|b| b.class == BufferClass::Grad));
+    assert_eq!((man.training.batch, man.training.seq_len, man.training.tokens_per_step, man.training.vocab_size), (8, 64, 512, 256));
+    assert_eq!(man.mesh.world_size, 1);
+    let loops: Vec<(u32, bool)> = man.ranks[0]
+        .steps
+        .iter()
+        .filter_map(|s| match s {
+            Step::Loop { count, reverse, .. } => Some((*count, *reverse)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(loops, [(2, false), (2, true)]);
+    for k in &man.kernels {
+        assert_eq!(k.gemm.is_some(), k.kind == KernelKind::Gemm, "{}", k.name);
+        assert!(k.name.starts_with(&k.body), "{} names its body {}", k.name, k.body);
+    }
+    // Every kernel body is launched, and every launch binds the body's arguments and results.
+    let (artifact, _) = compile_artifact(&m, &text, &BuildOptions::default()).unwrap_or_else(|e| panic!("{e}"));
+    for k in &artifact.manifest.kernels {
+        let generated = !matches!(k.kind, KernelKind::Gemm | KernelKind::Attention | KernelKind::AttentionBwd);
+        assert_eq!(k.ptx.is_some(), generated, "{}", k.name);
+        assert_eq!(k.entry.is_some() && k.launch.is_some(), generated, "{}", k.name);
+        if let Some(p) = &k.ptx {
+            assert_eq!(p, &format!("kernels/{}.ptx", k.name));
+            assert!(artifact.ptx.iter().any(|(f, text)| f == p && text.contains(".entry")), "{p} holds no entry");
+        }
+        let planned = man.kernels.iter().find(|x| x.id == k.id).unwrap_or_else(|| panic!("kernel {} missing", k.id));
+        assert_eq!(
+            (&planned.name, planned.kind, &planned.gemm, planned.bytes_read),
+            (&k.name, k.kind, &k.gemm, k.bytes_read),
+            "codegen changes only code fields"
+        );
+    }
+    assert_eq!(artifact.manifest.ranks, man.ranks);
+    assert_eq!(artifact.manifest.buffers, man.buffers);
+    let g = titan_ir::parse::parse_and_verify("graph.ir", &artifact.graph_text).unwrap_or_else(|e| panic!("graph.ir does not parse back: {e}"));
+    fn check(steps: &[Step], man: &Manifest, g: &Graph, seen: &mut HashSet<u32>) {
+        for s in steps {
+            match s {
+                Step::Launch { kernel, inputs, outputs, .. } => {
+                    let k = &man.kernels[*kernel as usize];
+                    let body = g.block_by_name(&k.body).map(|b| g.block(b)).unwrap_or_else(|| panic!("no block @{}", k.body));
+                    assert_eq!((inputs.len(), outputs.len()), (body.args.len(), body.outputs.len()), "{}", k.name);
+                    seen.insert(*kernel);
+                }
+                Step::Loop { body, .. } => check(body, man, g, seen),
+                _ => {}
+            }
+        }
+    }
+    let mut seen = HashSet::new();
+    check(&man.ranks[0].steps, &man, &g, &mut seen);
+    assert_eq!(seen.len(), man.kernels.len());
+}
+
+#[test]
+fn builds_are_byte_identical_and_hashed() {
+    let text = debug_text();
+    let m = titan_ir::parse::parse_and_verify("llama3-debug.ir", &text).unwrap_or_else(|e| panic!("{e}"));
+    let dir = scratch("determinism");
+    let (a, b) = (dir.join("a"), dir.join("b"));
+    let opts = BuildOptions::default();
+    let sa = build_artifact(&m, &text, &opts, &a).unwrap_or_else(|e| panic!("{e}"));
+    let sb = build_artifact(&m, &text, &opts, &b).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(sa.content_hash, sb.content_hash);
+    assert_eq!(sa.content_hash.len(), 64);
+    let files = |root: &Path| -> Vec<(PathBuf, Vec<u8>)> {
+        let mut out = Vec::new();
+        let mut stack = vec![root.to_path_buf()];
+        while let Some(d) = stack.pop() {
+            for e in std::fs::read_dir(&d).unwrap_or_else(|e| panic!("{e}")).flatten() {
+                let p = e.path();
+                if p.is_dir() {
+                    stack.push(p);
+                } else {
+                    out.push((p.strip_prefix(root).unwrap_or(&p).to_path_buf(), std::fs::read(&p).unwrap_or_default()));
+                }
+            }
+        }
+        out.sort();
+        out
+    };
+    let (fa, fb) = (files(&a), files(&b));
+    assert!(fa.len() >= 2 + sa.ptx_files, "manifest, graph and the PTX files: {:?}", fa.iter().map(|f| &f.0).collect::<Vec<_>>());
+    assert_eq!(fa.len(), fb.len());
+    for ((pa, ca), (pb, cb)) in fa.iter().zip(&fb) {
+        assert_eq!(pa, pb);
+        assert!(ca == cb, "{} differs between two builds", pa.display());
+    }
+    // Any effective option changes the hash; the model text does too.
+    let mut other = opts.clone();
+    other.train.lr = 1e-3;
+    assert_ne!(content_hash(&text, &other), sa.content_hash);
+    assert_ne!(content_hash(&format!("{text}\n"), &opts), sa.content_hash);
+    // The manifest reads back.
+    let json = std::fs::read_to_string(a.join(titan_ir::artifact::MANIFEST_FILE)).unwrap_or_default();
+    let back = Manifest::from_json("manifest.json", &json).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(back.content_hash, sa.content_hash);
+    assert!(json.starts_with("{\n  \"format_version\": 1,"), "format_version comes first");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn writes_are_atomic_and_never_clobber_other_directories() {
+    let text = debug_text();
+    let m = titan_ir::parse::parse_and_verify("llama3-debug.ir", &text).unwrap_or_else(|e| panic!("{e}"));
+    let dir = scratch("atomic");
+    let leftovers = |d: &Path| -> Vec<String> {
+        std::fs::read_dir(d)
+            .map(|r| r.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).filter(|n| n.starts_with('.')).collect())
+            .unwrap_or_default()
+    };
+    // A directory that is not an artifact is refused and left alone.
+    let user = dir.join("user");
+    std::fs::create_dir_all(&user).unwrap_or_else(|e| panic!("{e}"));
+    std::fs::write(user.join("notes.txt"), "mine").unwrap_or_else(|e| panic!("{e}"));
+    let e = build_artifact(&m, &text, &BuildOptions::default(), &user).err().map(|e| e.to_string()).unwrap_or_default();
+    assert!(e.contains("exists and is not a titan artifact"), "{e}");
+    assert_eq!(std::fs::read_to_string(user.join("notes.txt")).unwrap_or_default(), "mine");
+    // A failing build (unsupported target) leaves nothing behind.
+    let out = dir.join("out");
+    let bad = BuildOptions { target: titan_ir::artifact::Target { arch: "sm_80".into(), ptx_isa: "7.0".into() }, ..BuildOptions::default() };
+    let e = build_artifact(&m, &text, &bad, &out).err().map(|e| e.to_string()).unwrap_or_default();
+    assert!(e.contains("use `--target sm_90a`"), "{e}");
+    assert!(!out.exists());
+    // A previous artifact is replaced in one rename.
+    build_artifact(&m, &text, &BuildOptions::default(), &out).unwrap_or_else(|e| panic!("{e}"));
+    std::fs::write(out.join("stale.txt"), "old").unwrap_or_else(|e| panic!("{e}"));
+    build_artifact(&m, &text, &BuildOptions::default(), &out).unwrap_or_else(|e| panic!("{e}"));
+    assert!(!out.join("stale.txt").exists(), "the old artifact is replaced as a whole");
+    assert!(out.join("manifest.json").is_file());
+    assert!(leftovers(&dir).is_empty(), "temporary directories left: {:?}", leftovers(&dir));
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -1,0 +1,94 @@
+//! `gather` kernels: one `embedding(ids, table)` or `gather(table, ids)` node. A grid-stride
+//! loop over output vectors (16 bytes when the row length allows); an index outside the table
+//! produces a zero row instead of reading out of bounds (the reference interpreter reports an
+//! error there).
+
+use titan_ir::{Graph, Op, Region};
+
+use crate::emit::{Elem, Func, ICmp, Ty};
+use crate::values::{Body, storage, vec_align};
+use crate::{GenResult, Generated, invalid, unsupported};
+
+const BLOCK: u64 = 256;
+const GRID_CAP: u64 = 1056;
+
+pub(crate) fn generate(g: &Graph, r: &Region, entry: &str) -> GenResult<Generated> {
+    let b = Body::new(g, r)?;
+    let nodes: Vec<_> = b.nodes().collect();
+    let [node] = nodes.as_slice() else {
+        return unsupported(format!("a gather body must hold exactly one embedding or gather node, found {}", nodes.len()));
+    };
+    let (table, ids) = match node.op {
+        Op::Embedding => (node.inputs[1], node.inputs[0]),
+        Op::Gather => (node.inputs[0], node.inputs[1]),
+        _ => return invalid(format!("a gather body holds `{}`; expected embedding or gather", node.op.name())),
+    };
+    let out = node.results[0];
+    let [o] = r.outputs.as_slice() else {
+        return invalid("a gather body must have exactly one output");
+    };
+    if o.value != out {
+        return invalid("the gather body's output must be the gathered rows");
+    }
+    let (Some(ti), Some(ii)) = (b.arg_index(table), b.arg_index(ids)) else {
+        return invalid("the table and the indices of a gather must be body arguments");
+    };
+    let ts = &b.shape[table.index()];
+    let Some(&vocab) = ts.first() else {
+        return invalid("the gather table must have rank >= 1");
+    };
+    let row: u64 = ts[1..].iter().product();
+    let n_ids = b.numel(ids);
+    if row == 0 || n_ids == 0 {
+        return unsupported("gather of empty rows or no indices");
+    }
+    let st = storage(b.dtype(table))?;
+    let it = storage(b.dtype(ids))?;
+    if !matches!(it, Elem::I32 | Elem::I64) {
+        return invalid("gather indices must be i32 or i64");
+    }
+    let lanes = [8u32, 4, 2, 1].into_iter().find(|&v| row.is_multiple_of(u64::from(v)) && v * st.bytes() <= 16).unwrap_or(1);
+    let per_row = row / u64::from(lanes);
+    let total = n_ids * per_row;
+    let grid = total.div_ceil(BLOCK).clamp(1, GRID_CAP);
+    let na = r.args.len();
+    let mut f = Func::new(na + 1);
+    let (tp, ip, op) = (f.param(ti), f.param(ii), f.param(na));
+    let tid = f.thread_id();
+    let bid = f.block_id();
+    let tid64 = f.extui(tid, Elem::I64);
+    let bid64 = f.extui(bid, Elem::I64);
+    let bt = f.i64c(BLOCK as i64);
+    let start = f.muli(bid64, bt);
+    let start = f.addi(start, tid64);
+    let end = f.i64c(total as i64);
+    let step = f.i64c((grid * BLOCK) as i64);
+    let align = vec_align(st, lanes, b.numel(table)).min(vec_align(st, lanes, b.numel(out)));
+    let vt = Ty::lanes_of(st, lanes);
+    f.for_loop(start, end, step, &[], |f, v, _| {
+        let pr = f.i64c(per_row as i64);
+        let j = f.divui(v, pr);
+        let c = f.remui(v, pr);
+        let l = f.i64c(i64::from(lanes));
+        let c = f.muli(c, l);
+        let id = f.load_at(ip, j, Ty::S(it), it.bytes());
+        let id = f.as_i64(id);
+        let zero = f.i64c(0);
+        let nv = f.i64c(vocab as i64);
+        let ge = f.cmpi(ICmp::Sge, id, zero);
+        let lt = f.cmpi(ICmp::Slt, id, nv);
+        let ok = f.andi(ge, lt);
+        let safe = f.select(ok, id, zero);
+        let rl = f.i64c(row as i64);
+        let src = f.muli(safe, rl);
+        let src = f.addi(src, c);
+        let x = f.load_at(tp, src, vt, align);
+        let z = if st.is_float() { f.cf(0.0, vt) } else { f.ci(0, vt) };
+        let x = f.select(ok, x, z);
+        let dst = f.muli(j, rl);
+        let dst = f.addi(dst, c);
+        f.store_at(x, op, dst, align);
+        vec![]
+    });
+    Ok(Generated { mlir: f.finish(entry, BLOCK as u32, grid as u32), block: BLOCK as u32, grid: grid as u32, workspace_bytes: 0 })
+}

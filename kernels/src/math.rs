@@ -1,0 +1,307 @@
+//! Transcendental functions built from arith ops, `fma`/`rint`/`sqrt` intrinsics and bit
+//! manipulation, scalar or lane-wise on vectors. `convert-gpu-to-nvvm` lowers `math.exp` and
+//! friends to libdevice calls, which would make every build need CUDA's `libdevice.10.bc`; these
+//! expansions keep codegen self-contained and are accurate to about one ulp in f32 (f64 helpers
+//! are used where the reference interpreter computes in f64: RoPE angles, the learning-rate
+//! schedule and AdamW's bias corrections).
+
+use crate::emit::{Elem, FCmp, Func, ICmp, Val};
+
+/// `exp(x)` in f32: `x = k ln2 + r` (Cody-Waite), a degree-7 Taylor polynomial for `exp(r)`
+/// with `|r| <= ln2/2`, and `2^k` applied as two exact power-of-two factors.
+pub(crate) fn exp(f: &mut Func, x: Val) -> Val {
+    let t = x.ty;
+    let lo = f.cf(-104.0, t);
+    let hi = f.cf(89.0, t);
+    // maxnum/minnum turn NaN into a finite value here, so the integer path below is defined;
+    // NaN is restored at the end.
+    let xc = f.maxnumf(x, lo);
+    let xc = f.minnumf(xc, hi);
+    let log2e = f.cf(std::f64::consts::LOG2_E, t);
+    let y = f.mulf(xc, log2e);
+    let k = f.rint(y);
+    let nk = f.negf(k);
+    // ln 2 split so `k * ln2_hi` is exact for the k that occur.
+    let ln2_hi = f.cf(f64::from(f32::from_bits(0x3f31_7200)), t);
+    let ln2_lo = f.cf(f64::from(f32::from_bits(0x35bf_be8e)), t);
+    let r = f.fma(nk, ln2_hi, xc);
+    let r = f.fma(nk, ln2_lo, r);
+    // Horner: 1 + r (1 + r (1/2 + r (1/6 + ... + r / 5040)))
+    let coeffs = [1.0 / 5040.0, 1.0 / 720.0, 1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0];
+    let mut p = f.cf(f64::from(coeffs[0] as f32), t);
+    for &c in &coeffs[1..] {
+        let cc = f.cf(f64::from(c as f32), t);
+        p = f.fma(p, r, cc);
+    }
+    // 2^k = 2^k1 * 2^k2 with k1 = k >> 1: both factors stay normal for k in [-151, 129].
+    let ti = t.with_elem(Elem::I32);
+    let ki = f.fptosi(k, Elem::I32);
+    let one_i = f.ci(1, ti);
+    let k1 = f.shrsi(ki, one_i);
+    let k2 = f.subi(ki, k1);
+    let bias = f.ci(127, ti);
+    let sh = f.ci(23, ti);
+    let e1 = f.addi(k1, bias);
+    let e1 = f.shli(e1, sh);
+    let s1 = f.bitcast(e1, Elem::F32);
+    let e2 = f.addi(k2, bias);
+    let e2 = f.shli(e2, sh);
+    let s2 = f.bitcast(e2, Elem::F32);
+    let r = f.mulf(p, s1);
+    let r = f.mulf(r, s2);
+    let nan = f.cmpf(FCmp::Uno, x, x);
+    f.select(nan, x, r)
+}
+
+/// Natural log in f32: `x = 2^k m` with `m` in `[sqrt(1/2), sqrt(2))`, `log(m)` from the
+/// `atanh` series in `s = (m-1)/(m+1)` (fdlibm's coefficients), subnormals rescaled first.
+pub(crate) fn log(f: &mut Func, x: Val) -> Val {
+    let t = x.ty;
+    let ti = t.with_elem(Elem::I32);
+    let min_normal = f.cf(f64::from(f32::MIN_POSITIVE), t);
+    let sub = f.cmpf(FCmp::Olt, x, min_normal);
+    let scale = f.cf(8_388_608.0, t); // 2^23
+    let xs0 = f.mulf(x, scale);
+    let xs = f.select(sub, xs0, x);
+    let k_sub = f.ci(-23, ti);
+    let zero_i = f.ci(0, ti);
+    let ks = f.select(sub, k_sub, zero_i);
+    let ix = f.bitcast(xs, Elem::I32);
+    let off = f.ci(0x3f80_0000 - 0x3f35_04f3, ti);
+    let ix = f.addi(ix, off);
+    let sh = f.ci(23, ti);
+    let e = f.shrsi(ix, sh);
+    let bias = f.ci(127, ti);
+    let k = f.subi(e, bias);
+    let k = f.addi(k, ks);
+    let mant = f.ci(0x007f_ffff, ti);
+    let m = f.andi(ix, mant);
+    let base = f.ci(0x3f35_04f3, ti);
+    let m = f.addi(m, base);
+    let m = f.bitcast(m, Elem::F32);
+    let one = f.cf(1.0, t);
+    let two = f.cf(2.0, t);
+    let half = f.cf(0.5, t);
+    let fm = f.subf(m, one);
+    let den = f.addf(two, fm);
+    let s = f.divf(fm, den);
+    let z = f.mulf(s, s);
+    let w = f.mulf(z, z);
+    let lg1 = f.cf(f64::from(f32::from_bits(0x3f2a_aaaa)), t);
+    let lg2 = f.cf(f64::from(f32::from_bits(0x3ecc_cce1)), t);
+    let lg3 = f.cf(f64::from(f32::from_bits(0x3e91_e9ee)), t);
+    let lg4 = f.cf(f64::from(f32::from_bits(0x3e78_9e26)), t);
+    let t1 = f.fma(w, lg4, lg2);
+    let t1 = f.mulf(w, t1);
+    let t2 = f.fma(w, lg3, lg1);
+    let t2 = f.mulf(z, t2);
+    let r = f.addf(t2, t1);
+    let hfsq = f.mulf(half, fm);
+    let hfsq = f.mulf(hfsq, fm);
+    let dk = f.sitofp(k, Elem::F32);
+    let ln2_hi = f.cf(f64::from(f32::from_bits(0x3f31_7180)), t);
+    let ln2_lo = f.cf(f64::from(f32::from_bits(0x3717_f7d1)), t);
+    let a = f.addf(hfsq, r);
+    let a = f.mulf(s, a);
+    let b = f.mulf(dk, ln2_lo);
+    let a = f.addf(a, b);
+    let a = f.subf(a, hfsq);
+    let a = f.addf(a, fm);
+    let c = f.mulf(dk, ln2_hi);
+    let res = f.addf(a, c);
+    // Special values: +inf -> +inf, 0 -> -inf, negative or NaN -> NaN.
+    let inf = f.cf(f64::INFINITY, t);
+    let ninf = f.cf(f64::NEG_INFINITY, t);
+    let nan = f.cf(f64::NAN, t);
+    let zero = f.cf(0.0, t);
+    let is_inf = f.cmpf(FCmp::Oeq, x, inf);
+    let res = f.select(is_inf, inf, res);
+    let is_zero = f.cmpf(FCmp::Oeq, x, zero);
+    let res = f.select(is_zero, ninf, res);
+    let is_neg = f.cmpf(FCmp::Olt, x, zero);
+    let res = f.select(is_neg, nan, res);
+    let is_nan = f.cmpf(FCmp::Uno, x, x);
+    f.select(is_nan, x, res)
+}
+
+/// `sigmoid(x)` as the interpreter computes it: `1 / (1 + e^-x)` for `x >= 0`, `e^x / (1 + e^x)`
+/// otherwise (one exp of `-|x|`).
+pub(crate) fn sigmoid(f: &mut Func, x: Val) -> Val {
+    let t = x.ty;
+    let a = f.fabs(x);
+    let na = f.negf(a);
+    let e = exp(f, na);
+    let one = f.cf(1.0, t);
+    let den = f.addf(one, e);
+    let zero = f.cf(0.0, t);
+    let ge = f.cmpf(FCmp::Oge, x, zero);
+    // One division: the numerator picks the branch (1 for x >= 0, e^x otherwise).
+    let num = f.select(ge, one, e);
+    f.divf(num, den)
+}
+
+/// `exp(t) - 1` without cancellation: a Taylor polynomial for `|t| < 1/2`, `exp(t) - 1` beyond.
+pub(crate) fn expm1(f: &mut Func, t: Val) -> Val {
+    let ty = t.ty;
+    // t (1 + t/2 (1 + t/3 (1 + ... (1 + t/11)))): 11 terms reach f32 precision for |t| < 1/2.
+    let mut p = f.cf(1.0, ty);
+    for k in (2..=11).rev() {
+        let c = f.cf(1.0 / f64::from(k), ty);
+        let tk = f.mulf(t, c);
+        let one = f.cf(1.0, ty);
+        p = f.fma(tk, p, one);
+    }
+    let small = f.mulf(t, p);
+    let e = exp(f, t);
+    let one = f.cf(1.0, ty);
+    let big = f.subf(e, one);
+    let a = f.fabs(t);
+    let half = f.cf(0.5, ty);
+    let is_small = f.cmpf(FCmp::Olt, a, half);
+    f.select(is_small, small, big)
+}
+
+/// `tanh(x) = -expm1(-2|x|) / (2 + expm1(-2|x|))` with the sign of `x` (a few ulp everywhere).
+pub(crate) fn tanh(f: &mut Func, x: Val) -> Val {
+    let t = x.ty;
+    let a = f.fabs(x);
+    let m2 = f.cf(-2.0, t);
+    let y = f.mulf(a, m2);
+    let em = expm1(f, y);
+    let two = f.cf(2.0, t);
+    let den = f.addf(two, em);
+    let num = f.negf(em);
+    let r = f.divf(num, den);
+    let zero = f.cf(0.0, t);
+    let is_neg = f.cmpf(FCmp::Olt, x, zero);
+    let nr = f.negf(r);
+    f.select(is_neg, nr, r)
+}
+
+/// `a^b` like `f32::powf` for the cases that matter: `exp(b log|a|)`, with the sign of odd
+/// integer powers of negative bases, NaN for other negative bases, and `x^0 = 1^y = 1`.
+pub(crate) fn pow(f: &mut Func, a: Val, b: Val) -> Val {
+    let t = a.ty;
+    let abs = f.fabs(a);
+    let l = log(f, abs);
+    let y = f.mulf(b, l);
+    let r = exp(f, y);
+    let zero = f.cf(0.0, t);
+    let one = f.cf(1.0, t);
+    let half = f.cf(0.5, t);
+    let nan = f.cf(f64::NAN, t);
+    let rb = f.rint(b);
+    let is_int = f.cmpf(FCmp::Oeq, rb, b);
+    let hb = f.mulf(b, half);
+    let rhb = f.rint(hb);
+    let is_even = f.cmpf(FCmp::Oeq, rhb, hb);
+    let neg_r = f.negf(r);
+    let signed = f.select(is_even, r, neg_r);
+    let neg_res = f.select(is_int, signed, nan);
+    let a_neg = f.cmpf(FCmp::Olt, a, zero);
+    let r = f.select(a_neg, neg_res, r);
+    let b_zero = f.cmpf(FCmp::Oeq, b, zero);
+    let r = f.select(b_zero, one, r);
+    let a_one = f.cmpf(FCmp::Oeq, a, one);
+    f.select(a_one, one, r)
+}
+
+/// `(cos a, sin a)` in f64 for a scalar f64 `a`: reduction by `2 pi` (two-constant Cody-Waite
+/// with fma), then Taylor polynomials on `[-pi, pi]` accurate far below f32 resolution.
+pub(crate) fn sincos_f64(f: &mut Func, a: Val) -> (Val, Val) {
+    let t = a.ty;
+    let inv_2pi = f.cf(1.0 / std::f64::consts::TAU, t);
+    let q = f.mulf(a, inv_2pi);
+    let k = f.rint(q);
+    let nk = f.negf(k);
+    let tau_hi = f.cf(std::f64::consts::TAU, t);
+    let tau_lo = f.cf(2.449_293_598_294_706_4e-16, t);
+    let r = f.fma(nk, tau_hi, a);
+    let r = f.fma(nk, tau_lo, r);
+    let r2 = f.mulf(r, r);
+    // sin r = r (1 - r^2/3! + r^4/5! - ... - r^24/25!), cos r = 1 - r^2/2! + ... + r^26/26!
+    let mut sin_c = Vec::new();
+    let mut cos_c = Vec::new();
+    let mut fact = 1.0f64;
+    for n in 1..=27u32 {
+        fact *= f64::from(n);
+        let sign = if (n / 2) % 2 == 0 { 1.0 } else { -1.0 };
+        if n % 2 == 1 {
+            sin_c.push(sign / fact);
+        } else {
+            cos_c.push(sign / fact);
+        }
+    }
+    let horner = |f: &mut Func, cs: &[f64]| -> Val {
+        let mut p = f.cf(cs[cs.len() - 1], t);
+        for &c in cs[..cs.len() - 1].iter().rev() {
+            let cc = f.cf(c, t);
+            p = f.fma(p, r2, cc);
+        }
+        p
+    };
+    let sp = horner(f, &sin_c);
+    let sin = f.mulf(sp, r);
+    let mut cos_all = vec![1.0];
+    cos_all.extend(cos_c);
+    let cos = horner(f, &cos_all);
+    (cos, sin)
+}
+
+/// `cos(pi p)` in f64 for `p` in `[0, 1]`: `-sin(pi (p - 1/2))` by its Taylor series.
+pub(crate) fn cos_pi_f64(f: &mut Func, p: Val) -> Val {
+    let t = p.ty;
+    let half = f.cf(0.5, t);
+    let pi = f.cf(std::f64::consts::PI, t);
+    let d = f.subf(p, half);
+    let x = f.mulf(d, pi);
+    let x2 = f.mulf(x, x);
+    let mut cs = Vec::new();
+    let mut fact = 1.0f64;
+    for n in 1..=23u32 {
+        fact *= f64::from(n);
+        if n % 2 == 1 {
+            cs.push(if (n / 2) % 2 == 0 { 1.0 / fact } else { -1.0 / fact });
+        }
+    }
+    let mut acc = f.cf(cs[cs.len() - 1], t);
+    for &c in cs[..cs.len() - 1].iter().rev() {
+        let cc = f.cf(c, t);
+        acc = f.fma(acc, x2, cc);
+    }
+    let s = f.mulf(acc, x);
+    f.negf(s)
+}
+
+/// `base^n` in f64 for a constant `base` and an i64 `n >= 0`, by binary exponentiation over
+/// the 32 low bits of `n`.
+pub(crate) fn powi_f64(f: &mut Func, base: f64, n: Val) -> Val {
+    let one = f.f64c(1.0);
+    let b = f.f64c(base);
+    let lo = f.i64c(0);
+    let hi = f.i64c(32);
+    let st = f.i64c(1);
+    let out = f.for_loop(lo, hi, st, &[one, b], |f, i, c| {
+        let (acc, sq) = (c[0], c[1]);
+        let sh = f.shrui(n, i);
+        let one_i = f.i64c(1);
+        let bit = f.andi(sh, one_i);
+        let set = f.cmpi(ICmp::Ne, bit, lo);
+        let m = f.mulf(acc, sq);
+        let acc = f.select(set, m, acc);
+        let sq = f.mulf(sq, sq);
+        vec![acc, sq]
+    });
+    out[0]
+}
+
+/// `x` rounded to the storage precision of `e` and widened back to f32 (`e` = f32: identity).
+pub(crate) fn round_to(f: &mut Func, x: Val, e: Elem) -> Val {
+    match e {
+        Elem::BF16 | Elem::F16 => {
+            let n = f.truncf(x, e);
+            f.extf(n, Elem::F32)
+        }
+        _ => x,
+    }
+}

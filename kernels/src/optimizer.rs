@@ -1,0 +1,242 @@
+//! `optimizer` kernels: every `adamw` node of the step (with `lr_schedule` and the pointwise
+//! producers of the gradients: casts, the clip multiply) in one multi-tensor launch.
+//!
+//! A compile-time table splits each tensor into chunks of 4096 elements; chunk `c` of the
+//! launch belongs to the tensor whose range holds it (a comparison chain) and an
+//! `scf.index_switch` runs that tensor's code. CTAs walk the chunks grid-stride, so scalars
+//! (the learning rate, bias corrections in f64) are computed once per thread. The arithmetic
+//! follows the interpreter's AdamW operation by operation, so results match it bit for bit
+//! apart from the f64 `pow` of the bias corrections.
+
+use titan_ir::{AdamWConfig, Graph, Node, Op, Region};
+
+use crate::emit::{Elem, Func, ICmp, Ty, Val};
+use crate::values::{Body, Eval, Lay, narrow, storage, vec_align};
+use crate::{GenResult, Generated, invalid, math, unsupported};
+
+const BLOCK: u64 = 256;
+const GRID_CAP: u64 = 1056;
+/// Elements per chunk: 256 threads x 4 lanes x 4 items.
+const CHUNK: u64 = 4096;
+
+struct Tensor<'g> {
+    node: &'g Node,
+    cfg: AdamWConfig,
+    n: u64,
+    lanes: u32,
+    first_chunk: u64,
+}
+
+/// Per-node scalars: `(lr, 1 - b1^t, 1 - b2^t, 1 - lr wd)` as f32.
+struct Scalars {
+    lr: Val,
+    bc1: Val,
+    bc2: Val,
+    decay: Val,
+}
+
+pub(crate) fn generate(g: &Graph, r: &Region, entry: &str) -> GenResult<Generated> {
+    let b = Body::new(g, r)?;
+    let mut lay: Vec<Lay> = b.r.values.iter().map(|v| if v.ty.rank() == 0 { Lay::Scalar } else { Lay::Elem }).collect();
+    let mut tensors = Vec::new();
+    let mut chunks = 0u64;
+    for node in b.nodes() {
+        match &node.op {
+            Op::AdamW(cfg) => {
+                let p = node.inputs[0];
+                let n = b.numel(p);
+                if n == 0 {
+                    continue;
+                }
+                for &v in node.inputs[..4].iter().chain(&node.results) {
+                    lay[v.index()] = Lay::Elem;
+                }
+                let lanes = [4u32, 2, 1].into_iter().find(|&l| n.is_multiple_of(u64::from(l))).unwrap_or(1);
+                tensors.push(Tensor { node, cfg: *cfg, n, lanes, first_chunk: chunks });
+                chunks += n.div_ceil(CHUNK);
+            }
+            Op::LrSchedule(_) | Op::Unary(_) | Op::Binary(_) | Op::Cast | Op::Constant { .. } | Op::Reshape => {}
+            Op::Broadcast { .. } if b.numel(node.inputs[0]) == 1 => {}
+            other => {
+                return unsupported(format!(
+                    "`{}` in an optimizer kernel; only adamw, lr_schedule and pointwise gradient producers belong there",
+                    other.name()
+                ));
+            }
+        }
+    }
+    if tensors.is_empty() {
+        return invalid("an optimizer body needs at least one adamw node");
+    }
+    for o in &b.r.outputs {
+        let v = o.value;
+        let from_adamw = b.def(v).is_some_and(|(n, _)| matches!(n.op, Op::AdamW(_)));
+        if lay[v.index()] == Lay::Elem && !from_adamw {
+            return unsupported(format!("optimizer output {v} is not an adamw result; compute it in a fused kernel"));
+        }
+    }
+    if chunks > i32::MAX as u64 {
+        return unsupported("more than 2^31 optimizer chunks");
+    }
+    let grid = chunks.clamp(1, GRID_CAP);
+    let na = b.r.args.len();
+    let no = b.r.outputs.len();
+    let mut f = Func::new(na + no);
+    let args: Vec<Val> = (0..na).map(|i| f.param(i)).collect();
+    let outs: Vec<Val> = (0..no).map(|i| f.param(na + i)).collect();
+    let mut ev = Eval::new(&b, lay.clone(), args);
+    let tid = f.thread_id();
+    let bid = f.block_id();
+    let zero32 = f.i32c(0);
+    let t0 = f.cmpi(ICmp::Eq, tid, zero32);
+    let b0 = f.cmpi(ICmp::Eq, bid, zero32);
+    let first = f.andi(t0, b0);
+    // Uniform values first (nested regions use them), Scalar outputs from thread 0.
+    for node in b.nodes() {
+        for &res in node.inputs.iter().chain(&node.results) {
+            if lay[res.index()] == Lay::Scalar {
+                ev.uniform(&mut f, res)?;
+            }
+        }
+    }
+    for (oi, o) in b.r.outputs.iter().enumerate() {
+        if lay[o.value.index()] == Lay::Scalar {
+            let x = ev.uniform(&mut f, o.value)?;
+            let st = storage(b.dtype(o.value))?;
+            let ptr = outs[oi];
+            f.if_then(first, |f| {
+                let y = narrow(f, x, st);
+                let z = f.i64c(0);
+                f.store_at(y, ptr, z, st.bytes());
+            });
+        }
+    }
+    let mut scalars = Vec::new();
+    for t in &tensors {
+        scalars.push(node_scalars(&mut f, &mut ev, t.node, &t.cfg)?);
+    }
+    let tid64 = f.extui(tid, Elem::I64);
+    let bid64 = f.extui(bid, Elem::I64);
+    let end = f.i64c(chunks as i64);
+    let gstep = f.i64c(grid as i64);
+    f.try_for_loop(bid64, end, gstep, &[], |f, c, _| -> GenResult<Vec<Val>> {
+        // Which tensor holds chunk c: the number of tensor starts at or below it, minus one.
+        let mut k = f.i32c(0);
+        for t in &tensors[1..] {
+            let s = f.i64c(t.first_chunk as i64);
+            let ge = f.cmpi(ICmp::Uge, c, s);
+            let one = f.extui(ge, Elem::I32);
+            k = f.addi(k, one);
+        }
+        f.try_switch_values(k, tensors.len(), &[], |f, ti| {
+            tensor_chunk(f, &mut ev, &b, &outs, &tensors[ti], &scalars[ti], c, tid64)?;
+            Ok(vec![])
+        })
+    })?;
+    Ok(Generated { mlir: f.finish(entry, BLOCK as u32, grid as u32), block: BLOCK as u32, grid: grid as u32, workspace_bytes: 0 })
+}
+
+/// The scalars of one adamw node, in f64 where the interpreter uses f64.
+fn node_scalars(f: &mut Func, ev: &mut Eval, node: &Node, cfg: &AdamWConfig) -> GenResult<Scalars> {
+    let lr = ev.uniform(f, node.inputs[4])?;
+    let step = ev.uniform(f, node.inputs[5])?;
+    let step = f.as_i64(step);
+    let one_i = f.i64c(1);
+    let step = f.maxsi(step, one_i);
+    let one = f.f64c(1.0);
+    let p1 = math::powi_f64(f, cfg.beta1, step);
+    let p2 = math::powi_f64(f, cfg.beta2, step);
+    let bc1 = f.subf(one, p1);
+    let bc1 = f.truncf(bc1, Elem::F32);
+    let bc2 = f.subf(one, p2);
+    let bc2 = f.truncf(bc2, Elem::F32);
+    let wd = f.f32c(cfg.weight_decay as f32);
+    let one32 = f.f32c(1.0);
+    let lw = f.mulf(lr, wd);
+    let decay = f.subf(one32, lw);
+    Ok(Scalars { lr, bc1, bc2, decay })
+}
+
+/// One chunk of tensor `t`: each thread updates `CHUNK / (BLOCK * lanes)` vectors.
+#[allow(clippy::too_many_arguments)]
+fn tensor_chunk(f: &mut Func, ev: &mut Eval, b: &Body, outs: &[Val], t: &Tensor, s: &Scalars, c: Val, tid64: Val) -> GenResult<()> {
+    let lanes = t.lanes;
+    let per_thread = CHUNK / (BLOCK * u64::from(lanes));
+    let first = f.i64c(t.first_chunk as i64);
+    let local = f.subi(c, first);
+    let ch = f.i64c(CHUNK as i64);
+    let base = f.muli(local, ch);
+    let lo = f.i64c(0);
+    let hi = f.i64c(per_thread as i64);
+    let one = f.i64c(1);
+    f.try_for_loop(lo, hi, one, &[], |f, it, _| -> GenResult<Vec<Val>> {
+        let bt = f.i64c(BLOCK as i64);
+        let w = f.muli(it, bt);
+        let w = f.addi(w, tid64);
+        let l = f.i64c(i64::from(lanes));
+        let e = f.muli(w, l);
+        let e = f.addi(base, e);
+        let n = f.i64c(t.n as i64);
+        let inside = f.cmpi(ICmp::Slt, e, n);
+        f.try_if_then(inside, |f| {
+            let r = update(f, ev, b, outs, t, s, e);
+            ev.forget_items();
+            r
+        })?;
+        Ok(vec![])
+    })?;
+    Ok(())
+}
+
+/// AdamW on the `lanes` elements at `e`, as `interp::model::adamw` computes it.
+fn update(f: &mut Func, ev: &mut Eval, b: &Body, outs: &[Val], t: &Tensor, s: &Scalars, e: Val) -> GenResult<()> {
+    let lanes = t.lanes;
+    let pos = ev.pos(lanes, e, None);
+    let node = t.node;
+    let p = ev.lanes(f, node.inputs[0], &pos)?;
+    let g = ev.lanes(f, node.inputs[1], &pos)?;
+    let m = ev.lanes(f, node.inputs[2], &pos)?;
+    let v = ev.lanes(f, node.inputs[3], &pos)?;
+    let ty = Ty::lanes_of(Elem::F32, lanes);
+    let c = |f: &mut Func, x: f32| f.cf(f64::from(x), ty);
+    let b1 = t.cfg.beta1 as f32;
+    let b2 = t.cfg.beta2 as f32;
+    let b1v = c(f, b1);
+    let omb1 = c(f, 1.0 - b1);
+    let b2v = c(f, b2);
+    let omb2 = c(f, 1.0 - b2);
+    let eps = c(f, t.cfg.eps as f32);
+    let x1 = f.mulf(b1v, m);
+    let x2 = f.mulf(omb1, g);
+    let mi = f.addf(x1, x2);
+    let y1 = f.mulf(b2v, v);
+    let y2 = f.mulf(omb2, g);
+    let y2 = f.mulf(y2, g);
+    let vi = f.addf(y1, y2);
+    let bc1 = f.splat(s.bc1, lanes);
+    let bc2 = f.splat(s.bc2, lanes);
+    let mhat = f.divf(mi, bc1);
+    let vhat = f.divf(vi, bc2);
+    let decay = f.splat(s.decay, lanes);
+    let lr = f.splat(s.lr, lanes);
+    let pd = f.mulf(p, decay);
+    let num = f.mulf(lr, mhat);
+    let sq = f.sqrt(vhat);
+    let den = f.addf(sq, eps);
+    let q = f.divf(num, den);
+    let pn = f.subf(pd, q);
+    let results = [pn, mi, vi];
+    for (ri, &res) in node.results.iter().enumerate() {
+        for (oi, o) in b.r.outputs.iter().enumerate() {
+            if o.value != res {
+                continue;
+            }
+            let st = storage(b.dtype(res))?;
+            let x = math::round_to(f, results[ri], st);
+            let x = narrow(f, x, st);
+            let align = vec_align(st, lanes, t.n);
+            f.store_at(x, outs[oi], e, align);
+        }
+    }
+    Ok(())
+}

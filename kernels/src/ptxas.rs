@@ -1,0 +1,116 @@
+//! Validation of generated PTX with NVIDIA's `ptxas` (no GPU needed): assemble for sm_90a and
+//! report registers, spills, shared memory and stack from `-v`.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use crate::KernelError;
+
+/// What `ptxas -v` reports for one entry.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct PtxasReport {
+    pub registers: u32,
+    pub spill_stores: u64,
+    pub spill_loads: u64,
+    pub shared_bytes: u64,
+    pub stack_bytes: u64,
+}
+
+const INSTALL_HINT: &str = "install it with `pip install nvidia-cuda-nvcc` or point TITAN_PTXAS at a ptxas binary";
+
+fn is_file(p: &Path) -> bool {
+    p.is_file()
+}
+
+/// Find `ptxas`: `$TITAN_PTXAS`, then `ptxas` on `PATH`, then the one pip's `nvidia-cuda-nvcc`
+/// installs (`cu13/bin/ptxas` or `cuda_nvcc/bin/ptxas` under the `nvidia` package).
+pub fn find_ptxas() -> Option<PathBuf> {
+    if let Some(p) = std::env::var_os("TITAN_PTXAS") {
+        let p = PathBuf::from(p);
+        return is_file(&p).then_some(p);
+    }
+    if let Some(path) = std::env::var_os("PATH") {
+        for dir in std::env::split_paths(&path) {
+            let p = dir.join("ptxas");
+            if is_file(&p) {
+                return Some(p);
+            }
+        }
+    }
+    let out = Command::new("python3").args(["-c", "import nvidia, os; print(list(nvidia.__path__)[0])"]).output().ok()?;
+    if !out.status.success() {
+        return None;
+    }
+    let root = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
+    ["cu13/bin/ptxas", "cuda_nvcc/bin/ptxas"].iter().map(|rel| root.join(rel)).find(|p| is_file(p))
+}
+
+/// Assemble `ptx` for sm_90a with `ptxas -v` and report on `entry`. Errors carry ptxas's output.
+pub fn ptxas_check(ptx: &str, entry: &str) -> Result<PtxasReport, KernelError> {
+    let ptxas = find_ptxas().ok_or_else(|| KernelError::Ptxas(format!("ptxas not found; {INSTALL_HINT}")))?;
+    let dir = std::env::temp_dir();
+    let unique =
+        format!("titan-{}-{}-{}", std::process::id(), entry, std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos()));
+    let src = dir.join(format!("{unique}.ptx"));
+    let obj = dir.join(format!("{unique}.cubin"));
+    std::fs::write(&src, ptx).map_err(|e| KernelError::Ptxas(format!("cannot write `{}`: {e}", src.display())))?;
+    let out = Command::new(&ptxas).arg("-arch=sm_90a").arg("-v").arg(&src).arg("-o").arg(&obj).output();
+    let _ = std::fs::remove_file(&src);
+    let _ = std::fs::remove_file(&obj);
+    let out = out.map_err(|e| KernelError::Ptxas(format!("cannot run `{}`: {e}", ptxas.display())))?;
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    if !out.status.success() {
+        return Err(KernelError::Ptxas(format!("ptxas rejected the PTX of `{entry}`:\n{text}")));
+    }
+    parse_report(&text, entry).ok_or_else(|| KernelError::Ptxas(format!("no `-v` report for entry `{entry}` in ptxas output:\n{text}")))
+}
+
+/// The first number before `what` in `line` (`"0 bytes spill stores"` -> 0).
+fn number_before(line: &str, what: &str) -> Option<u64> {
+    let pos = line.find(what)?;
+    line[..pos].split(|c: char| !c.is_ascii_digit()).rfind(|s| !s.is_empty())?.parse().ok()
+}
+
+/// Read the `Function properties for <entry>` and `Used N registers` lines.
+fn parse_report(text: &str, entry: &str) -> Option<PtxasReport> {
+    let mut in_entry = false;
+    let mut r = PtxasReport::default();
+    let mut seen = false;
+    for line in text.lines() {
+        if line.contains("Function properties for") || line.contains("Compiling entry function") {
+            in_entry = line.trim_end().ends_with(&format!("for {entry}")) || line.contains(&format!("'{entry}'"));
+            continue;
+        }
+        if !in_entry {
+            continue;
+        }
+        if line.contains("bytes stack frame") {
+            r.stack_bytes = number_before(line, "bytes stack frame")?;
+            r.spill_stores = number_before(line, "bytes spill stores")?;
+            r.spill_loads = number_before(line, "bytes spill loads")?;
+        }
+        if line.contains("Used") && line.contains("registers") {
+            r.registers = u32::try_from(number_before(line, "registers")?).ok()?;
+            r.shared_bytes = number_before(line, "bytes smem").unwrap_or(0);
+            seen = true;
+        }
+    }
+    seen.then_some(r)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reports_are_parsed() {
+        let text = "ptxas info    : 32 bytes gmem\n\
+ptxas info    : Compiling entry function 'k' for 'sm_90a'\n\
+ptxas info    : Function properties for k\n\
+    8 bytes stack frame, 4 bytes spill stores, 12 bytes spill loads\n\
+ptxas info    : Used 14 registers, used 1 barriers, 256 bytes smem\n";
+        let r = parse_report(text, "k").expect("report");
+        assert_eq!(r, PtxasReport { registers: 14, spill_stores: 4, spill_loads: 12, shared_bytes: 256, stack_bytes: 8 });
+        assert!(parse_report(text, "other").is_none());
+    }
+}

@@ -1,0 +1,903 @@
+//! Kernel codegen end to end on hand-built bodies: MLIR snapshots of an RMSNorm and a SwiGLU
+//! kernel, and every generated kernel assembled by `ptxas` for sm_90a with no spills.
+
+use std::time::Instant;
+
+use titan_ir::{
+    AdamWConfig, ArgKind, BinaryOp, BlockId, Builder, DType, DecayKind, Graph, KernelKind, LrSchedule, Op, Output, ReduceKind, Region, RopeConfig, RopeLayout,
+    RopeScaling, TensorType, UnaryOp, Value,
+};
+use titan_kernels::{CompiledKernel, compile_kernel, find_ptxas, ptxas_check};
+
+fn bf16(shape: &[u64]) -> TensorType {
+    TensorType::fixed(DType::BF16, shape)
+}
+
+fn f32t(shape: &[u64]) -> TensorType {
+    TensorType::fixed(DType::F32, shape)
+}
+
+fn i32t(shape: &[u64]) -> TensorType {
+    TensorType::fixed(DType::I32, shape)
+}
+
+/// Build a body block: `args` are its argument types, `build` appends nodes and returns the
+/// outputs.
+fn body(g: &mut Graph, name: &str, args: &[TensorType], build: impl FnOnce(&mut Builder, &[Value]) -> Vec<Value>) -> BlockId {
+    let mut r = Region::new(name);
+    let vals: Vec<Value> = args.iter().map(|t| r.add_arg(t.clone(), ArgKind::Block, None)).collect();
+    let outs = {
+        let mut b = Builder::new(&mut r, &g.dims, &g.blocks);
+        build(&mut b, &vals)
+    };
+    r.outputs = outs.into_iter().map(|value| Output { name: None, value }).collect();
+    g.add_block(r)
+}
+
+fn graph() -> Graph {
+    let mut g = Graph::new("kernels");
+    g.dims.insert("batch".into(), 8);
+    g.dims.insert("seq".into(), 64);
+    g
+}
+
+fn push(b: &mut Builder, op: Op, inputs: &[Value]) -> Value {
+    b.push1(op, inputs).expect("the test body type-checks")
+}
+
+fn rmsnorm_body(g: &mut Graph) -> BlockId {
+    body(g, "rmsnorm", &[bf16(&[8, 64, 64]), bf16(&[64])], |b, a| vec![push(b, Op::RmsNorm { eps: 1e-5 }, &[a[0], a[1]])])
+}
+
+fn swiglu_body(g: &mut Graph) -> BlockId {
+    body(g, "swiglu", &[bf16(&[8, 64, 192]), bf16(&[8, 64, 192])], |b, a| {
+        let s = push(b, Op::Unary(UnaryOp::Silu), &[a[0]]);
+        vec![push(b, Op::Binary(BinaryOp::Mul), &[s, a[1]])]
+    })
+}
+
+fn compile(g: &Graph, id: BlockId, kind: KernelKind, name: &str) -> CompiledKernel {
+    match compile_kernel(g, id, kind, name) {
+        Ok(Some(k)) => k,
+        Ok(None) => panic!("{name}: no kernel generated"),
+        Err(e) => panic!("{name}: {e}"),
+    }
+}
+
+#[test]
+fn rmsnorm_mlir_snapshot() {
+    let mut g = graph();
+    let id = rmsnorm_body(&mut g);
+    let k = compile(&g, id, KernelKind::Fused, "layer.k0_rmsnorm");
+    assert_eq!(k.entry, "layer_k0_rmsnorm");
+    assert_eq!(k.launch.grid, [512, 1, 1]);
+    assert_eq!(k.launch.block, [32, 1, 1]);
+    assert_eq!(k.workspace_bytes, 0);
+    insta::assert_snapshot!("rmsnorm_fwd", k.mlir);
+}
+
+#[test]
+fn swiglu_mlir_snapshot() {
+    let mut g = graph();
+    let id = swiglu_body(&mut g);
+    let k = compile(&g, id, KernelKind::Fused, "layer.k1_swiglu");
+    insta::assert_snapshot!("swiglu_fwd", k.mlir);
+}
+
+#[test]
+fn kinds_without_generated_code_return_none() {
+    let mut g = graph();
+    let id = body(&mut g, "mm", &[bf16(&[8, 64, 64]), bf16(&[32, 64])], |b, a| vec![push(b, Op::Linear, &[a[0], a[1]])]);
+    for kind in [KernelKind::Gemm, KernelKind::Attention, KernelKind::AttentionBwd] {
+        assert!(compile_kernel(&g, id, kind, "k").expect("no error").is_none());
+    }
+}
+
+#[test]
+fn missing_and_malformed_bodies_are_errors() {
+    let mut g = graph();
+    let err = compile_kernel(&g, BlockId(7), KernelKind::Fused, "k").expect_err("no such block");
+    assert!(err.to_string().contains("body block #7 does not exist"), "{err}");
+    let id = body(&mut g, "bad", &[bf16(&[8, 64])], |b, a| vec![push(b, Op::Unary(UnaryOp::Exp), &[a[0]])]);
+    // Corrupt the result type behind the builder's back: the body no longer type-checks.
+    let v = g.blocks[id.index()].outputs[0].value;
+    g.blocks[id.index()].values[v.index()].ty = f32t(&[8, 64]);
+    let err = compile_kernel(&g, id, KernelKind::Fused, "bad").expect_err("ill-typed body");
+    assert!(err.to_string().contains("has an invalid body"), "{err}");
+}
+
+#[test]
+fn unsupported_bodies_are_reported() {
+    let mut g = graph();
+    let id = body(&mut g, "tr", &[bf16(&[8, 64])], |b, a| vec![push(b, Op::Transpose { perm: vec![1, 0] }, &[a[0]])]);
+    let err = compile_kernel(&g, id, KernelKind::Fused, "tr").expect_err("transpose is not fusable");
+    assert!(err.to_string().contains("`transpose` cannot be part of a fused kernel"), "{err}");
+}
+
+/// All the hand-built bodies, one per pattern the generators support.
+fn cases(g: &mut Graph) -> Vec<(&'static str, BlockId, KernelKind)> {
+    let mut v = Vec::new();
+    v.push(("rmsnorm_fwd", rmsnorm_body(g), KernelKind::Fused));
+    v.push(("swiglu_fwd", swiglu_body(g), KernelKind::Fused));
+    v.push((
+        "residual_rmsnorm",
+        body(g, "res_norm", &[bf16(&[8, 64, 64]), bf16(&[8, 64, 64]), bf16(&[64])], |b, a| {
+            let h = push(b, Op::Binary(BinaryOp::Add), &[a[0], a[1]]);
+            vec![h, push(b, Op::RmsNorm { eps: 1e-5 }, &[h, a[2]])]
+        }),
+        KernelKind::Fused,
+    ));
+    v.push((
+        "rmsnorm_fwd_8b",
+        body(g, "norm_8b", &[bf16(&[2, 1024, 4096]), bf16(&[2, 1024, 4096]), bf16(&[4096])], |b, a| {
+            let h = push(b, Op::Binary(BinaryOp::Add), &[a[0], a[1]]);
+            vec![h, push(b, Op::RmsNorm { eps: 1e-5 }, &[h, a[2]])]
+        }),
+        KernelKind::Fused,
+    ));
+    v.push((
+        "rmsnorm_fwd_70b",
+        body(g, "norm_70b", &[bf16(&[2, 1024, 8192]), bf16(&[8192])], |b, a| vec![push(b, Op::RmsNorm { eps: 1e-5 }, &[a[0], a[1]])]),
+        KernelKind::Fused,
+    ));
+    v.push((
+        "swiglu_bwd",
+        body(g, "swiglu_bwd", &[bf16(&[8, 64, 192]), bf16(&[8, 64, 192]), bf16(&[8, 64, 192]), bf16(&[8, 64, 192])], |b, a| {
+            // (dh, up, gate, pre-activation) -> (d_pre, d_up)
+            let d_gate = push(b, Op::Binary(BinaryOp::Mul), &[a[0], a[1]]);
+            let d_up = push(b, Op::Binary(BinaryOp::Mul), &[a[0], a[2]]);
+            vec![push(b, Op::Binary(BinaryOp::SiluGrad), &[a[3], d_gate]), d_up]
+        }),
+        KernelKind::Fused,
+    ));
+    let half = RopeConfig { theta: 500000.0, layout: RopeLayout::Half, scaling: None, inverse: false };
+    v.push(("rope_half", body(g, "rope_q", &[bf16(&[8, 64, 4, 16])], |b, a| vec![push(b, Op::Rope(half), &[a[0]])]), KernelKind::Fused));
+    let scaled = RopeConfig {
+        theta: 500000.0,
+        layout: RopeLayout::Interleaved,
+        scaling: Some(RopeScaling { factor: 8.0, low_freq_factor: 1.0, high_freq_factor: 4.0, original_max_position: 8192 }),
+        inverse: true,
+    };
+    v.push(("rope_interleaved_inverse", body(g, "rope_bwd", &[bf16(&[8, 64, 2, 16])], |b, a| vec![push(b, Op::Rope(scaled), &[a[0]])]), KernelKind::Fused));
+    let half_8b = RopeConfig { inverse: true, ..half };
+    v.push(("rope_half_8b", body(g, "rope_8b", &[bf16(&[2, 1024, 32, 128])], |b, a| vec![push(b, Op::Rope(half_8b), &[a[0]])]), KernelKind::Fused));
+    v.push((
+        "rmsnorm_bwd_add",
+        body(g, "norm_bwd", &[bf16(&[8, 64, 64]), bf16(&[64]), bf16(&[8, 64, 64]), bf16(&[8, 64, 64]), bf16(&[8, 64, 64])], |b, a| {
+            let dy = push(b, Op::Binary(BinaryOp::Add), &[a[2], a[3]]);
+            let r = b.push(Op::RmsNormBwd { eps: 1e-5 }, &[a[0], a[1], dy]).expect("rmsnorm_bwd");
+            vec![push(b, Op::Binary(BinaryOp::Add), &[a[4], r[0]]), r[1]]
+        }),
+        KernelKind::Fused,
+    ));
+    v.push((
+        "rmsnorm_bwd_8b",
+        body(g, "norm_bwd_8b", &[bf16(&[2, 1024, 4096]), bf16(&[4096]), bf16(&[2, 1024, 4096])], |b, a| {
+            b.push(Op::RmsNormBwd { eps: 1e-5 }, &[a[0], a[1], a[2]]).expect("rmsnorm_bwd")
+        }),
+        KernelKind::Fused,
+    ));
+    v.push(("cross_entropy", body(g, "ce", &[bf16(&[8, 64, 256]), i32t(&[8, 64])], |b, a| vec![push(b, Op::CrossEntropy, &[a[0], a[1]])]), KernelKind::Fused));
+    v.push((
+        "cross_entropy_bwd",
+        body(g, "ce_bwd", &[bf16(&[8, 64, 256]), i32t(&[8, 64])], |b, a| {
+            let one = b.push_typed(Op::Constant { value: 1.0 }, &[], f32t(&[])).expect("constant");
+            vec![push(b, Op::CrossEntropyBwd, &[a[0], a[1], one])]
+        }),
+        KernelKind::Fused,
+    ));
+    v.push((
+        "cross_entropy_fwd_bwd_vocab",
+        body(g, "ce_vocab", &[bf16(&[4, 512, 128256]), i32t(&[4, 512]), f32t(&[])], |b, a| {
+            let loss = push(b, Op::CrossEntropy, &[a[0], a[1]]);
+            vec![loss, push(b, Op::CrossEntropyBwd, &[a[0], a[1], a[2]])]
+        }),
+        KernelKind::Fused,
+    ));
+    v.push((
+        "cast_bf16_to_f32",
+        body(g, "cast_up", &[bf16(&[2, 192, 64])], |b, a| vec![b.push_typed(Op::Cast, &[a[0]], f32t(&[2, 192, 64])).expect("cast")]),
+        KernelKind::Fused,
+    ));
+    v.push((
+        "cast_f32_to_bf16",
+        body(g, "cast_down", &[f32t(&[256, 64])], |b, a| vec![b.push_typed(Op::Cast, &[a[0]], bf16(&[256, 64])).expect("cast")]),
+        KernelKind::Fused,
+    ));
+    v.push((
+        "grad_norm_sq",
+        body(g, "gnorm", &[bf16(&[2, 192, 64])], |b, a| {
+            let c = b.push_typed(Op::Cast, &[a[0]], f32t(&[2, 192, 64])).expect("cast");
+            let s = push(b, Op::Unary(UnaryOp::Square), &[c]);
+            vec![push(b, Op::Reduce { kind: ReduceKind::Sum, axes: vec![0, 1, 2] }, &[s])]
+        }),
+        KernelKind::Fused,
+    ));
+    v.push((
+        "scalar_chain",
+        body(g, "clip", &[f32t(&[]), f32t(&[])], |b, a| {
+            let n = push(b, Op::Unary(UnaryOp::Sqrt), &[a[0]]);
+            let eps = b.push_typed(Op::Constant { value: 1e-6 }, &[], f32t(&[])).expect("constant");
+            let one = b.push_typed(Op::Constant { value: 1.0 }, &[], f32t(&[])).expect("constant");
+            let s = push(b, Op::Binary(BinaryOp::Add), &[n, eps]);
+            let s = push(b, Op::Binary(BinaryOp::Add), &[s, a[1]]);
+            let q = push(b, Op::Binary(BinaryOp::Div), &[one, s]);
+            vec![n, push(b, Op::Binary(BinaryOp::Min), &[q, one])]
+        }),
+        KernelKind::Fused,
+    ));
+    v.push((
+        "softmax_rows",
+        body(g, "softmax", &[f32t(&[512, 256]), f32t(&[256])], |b, a| {
+            let m = push(b, Op::Reduce { kind: ReduceKind::Max, axes: vec![1] }, &[a[0]]);
+            let mb = b.push_typed(Op::Broadcast { dims: vec![0] }, &[m], f32t(&[512, 256])).expect("broadcast");
+            let x = push(b, Op::Binary(BinaryOp::Sub), &[a[0], mb]);
+            let e = push(b, Op::Unary(UnaryOp::Exp), &[x]);
+            let s = push(b, Op::Reduce { kind: ReduceKind::Sum, axes: vec![1] }, &[e]);
+            let sb = b.push_typed(Op::Broadcast { dims: vec![0] }, &[s], f32t(&[512, 256])).expect("broadcast");
+            let p = push(b, Op::Binary(BinaryOp::Div), &[e, sb]);
+            let wb = b.push_typed(Op::Broadcast { dims: vec![1] }, &[a[1]], f32t(&[512, 256])).expect("broadcast");
+            vec![push(b, Op::Binary(BinaryOp::Mul), &[p, wb]), s]
+        }),
+        KernelKind::Fused,
+    ));
+    v.push((
+        "column_sum",
+        body(g, "colsum", &[bf16(&[8, 64, 64])], |b, a| vec![push(b, Op::Reduce { kind: ReduceKind::Sum, axes: vec![0, 1] }, &[a[0]])]),
+        KernelKind::Fused,
+    ));
+    v.push((
+        "pointwise_math",
+        body(g, "math", &[f32t(&[8, 1000]), f32t(&[1000]), f32t(&[8, 1000])], |b, a| {
+            let x = push(b, Op::Unary(UnaryOp::Log), &[a[0]]);
+            let y = push(b, Op::Unary(UnaryOp::Tanh), &[x]);
+            let e = b.push_typed(Op::Broadcast { dims: vec![1] }, &[a[1]], f32t(&[8, 1000])).expect("broadcast");
+            let z = push(b, Op::Binary(BinaryOp::Pow), &[y, e]);
+            let r = push(b, Op::Unary(UnaryOp::Rsqrt), &[z]);
+            let s = push(b, Op::Unary(UnaryOp::Sigmoid), &[r]);
+            vec![push(b, Op::Binary(BinaryOp::Max), &[s, a[2]])]
+        }),
+        KernelKind::Fused,
+    ));
+    v.push(("embedding", body(g, "embed", &[i32t(&[8, 64]), bf16(&[256, 64])], |b, a| vec![push(b, Op::Embedding, &[a[0], a[1]])]), KernelKind::Gather));
+    v.push((
+        "embedding_8b",
+        body(g, "embed_8b", &[i32t(&[8, 8192]), bf16(&[128256, 4096])], |b, a| vec![push(b, Op::Embedding, &[a[0], a[1]])]),
+        KernelKind::Gather,
+    ));
+    v.push((
+        "scatter_add",
+        body(g, "scatter", &[i32t(&[8, 64]), bf16(&[8, 64, 64])], |b, a| {
+            vec![b.push_typed(Op::ScatterAdd, &[a[0], a[1]], bf16(&[256, 64])).expect("scatter_add")]
+        }),
+        KernelKind::ScatterAdd,
+    ));
+    v.push((
+        "scatter_add_8b",
+        body(g, "scatter_8b", &[i32t(&[8, 8192]), bf16(&[8, 8192, 4096])], |b, a| {
+            vec![b.push_typed(Op::ScatterAdd, &[a[0], a[1]], bf16(&[128256, 4096])).expect("scatter_add")]
+        }),
+        KernelKind::ScatterAdd,
+    ));
+    v.push(("grad_norm_clip", grad_norm_body(g, [&[2, 192, 64], &[64], &[256, 64]]), KernelKind::Fused));
+    v.push(("optimizer", optimizer_body(g), KernelKind::Optimizer));
+    v
+}
+
+/// The global gradient norm over three gradients of different shapes, the clip coefficient, and
+/// one gradient cast to f32: one flat kernel over three element domains.
+fn grad_norm_body(g: &mut Graph, shapes: [&[u64]; 3]) -> BlockId {
+    let args = [bf16(shapes[0]), bf16(shapes[1]), f32t(shapes[2])];
+    body(g, "gnorm_all", &args, |b, a| {
+        let mut total = None;
+        let mut casted = None;
+        for (i, &x) in a.iter().enumerate() {
+            let c = if i < 2 { b.push_typed(Op::Cast, &[x], f32t(shapes[i])).expect("cast") } else { x };
+            if i == 0 {
+                casted = Some(c);
+            }
+            let s = push(b, Op::Unary(UnaryOp::Square), &[c]);
+            let axes: Vec<usize> = (0..shapes[i].len()).collect();
+            let r = push(b, Op::Reduce { kind: ReduceKind::Sum, axes }, &[s]);
+            total = Some(match total {
+                None => r,
+                Some(t) => push(b, Op::Binary(BinaryOp::Add), &[t, r]),
+            });
+        }
+        let total = total.expect("three gradients");
+        let norm = push(b, Op::Unary(UnaryOp::Sqrt), &[total]);
+        let eps = b.push_typed(Op::Constant { value: 1e-6 }, &[], f32t(&[])).expect("constant");
+        let one = b.push_typed(Op::Constant { value: 1.0 }, &[], f32t(&[])).expect("constant");
+        let s = push(b, Op::Binary(BinaryOp::Add), &[norm, eps]);
+        let q = push(b, Op::Binary(BinaryOp::Div), &[one, s]);
+        let clip = push(b, Op::Binary(BinaryOp::Min), &[q, one]);
+        vec![norm, clip, casted.expect("first gradient")]
+    })
+}
+
+fn optimizer_body(g: &mut Graph) -> BlockId {
+    let shapes: [&[u64]; 3] = [&[256, 64], &[2, 64], &[2, 192, 64]];
+    let mut args = vec![i32t(&[]), f32t(&[])];
+    for s in shapes {
+        args.extend([f32t(s), bf16(s), f32t(s), f32t(s)]);
+    }
+    body(g, "opt", &args, |b, a| {
+        let sched = LrSchedule { lr: 8e-4, warmup_steps: 200, decay_steps: 800, decay: DecayKind::Cosine, min_lr_ratio: 0.1 };
+        let lr = push(b, Op::LrSchedule(sched), &[a[0]]);
+        let cfg = AdamWConfig { beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1 };
+        let mut outs = vec![lr];
+        for (i, s) in shapes.iter().enumerate() {
+            let (p, gr, m, v) = (a[2 + 4 * i], a[3 + 4 * i], a[4 + 4 * i], a[5 + 4 * i]);
+            let g32 = b.push_typed(Op::Cast, &[gr], f32t(s)).expect("cast");
+            let gc = push(b, Op::Binary(BinaryOp::Mul), &[g32, a[1]]);
+            outs.extend(b.push(Op::AdamW(cfg), &[p, gc, m, v, lr, a[0]]).expect("adamw"));
+        }
+        outs
+    })
+}
+
+#[test]
+fn every_kernel_assembles_without_spills() {
+    if find_ptxas().is_none() {
+        panic!("ptxas not found: install it with `pip install nvidia-cuda-nvcc` (or set TITAN_PTXAS); CI installs it, so this test does not skip");
+    }
+    let mut g = graph();
+    let cases = cases(&mut g);
+    let mut failures = Vec::new();
+    for (name, id, kind) in cases {
+        let t = Instant::now();
+        let k = match compile_kernel(&g, id, kind, name) {
+            Ok(Some(k)) => k,
+            Ok(None) => {
+                failures.push(format!("{name}: no kernel"));
+                continue;
+            }
+            Err(e) => {
+                failures.push(format!("{name}: {e}"));
+                continue;
+            }
+        };
+        let codegen = t.elapsed();
+        // `TITAN_DUMP_DIR=/tmp/k cargo test -p titan-kernels` keeps each kernel's MLIR and PTX.
+        if let Some(dir) = std::env::var_os("TITAN_DUMP_DIR") {
+            let dir = std::path::PathBuf::from(dir);
+            let written = std::fs::create_dir_all(&dir)
+                .and_then(|()| std::fs::write(dir.join(format!("{name}.mlir")), &k.mlir))
+                .and_then(|()| std::fs::write(dir.join(format!("{name}.ptx")), &k.ptx));
+            if let Err(e) = written {
+                failures.push(format!("{name}: cannot dump to {}: {e}", dir.display()));
+            }
+        }
+        match ptxas_check(&k.ptx, &k.entry) {
+            Ok(r) => {
+                println!(
+                    "{name}: {} registers, {} spill stores, {} spill loads, {} bytes smem (grid {}, block {}, workspace {} B, codegen {:.1} ms)",
+                    r.registers,
+                    r.spill_stores,
+                    r.spill_loads,
+                    r.shared_bytes,
+                    k.launch.grid[0],
+                    k.launch.block[0],
+                    k.workspace_bytes,
+                    codegen.as_secs_f64() * 1e3
+                );
+                if r.spill_stores > 0 || r.spill_loads > 0 {
+                    failures.push(format!("{name}: {} bytes spill stores, {} bytes spill loads", r.spill_stores, r.spill_loads));
+                }
+            }
+            Err(e) => failures.push(format!("{name}: {e}")),
+        }
+    }
+    assert!(failures.is_empty(), "kernels failed:\n{}", failures.join("\n"));
+}
+
+/// Deterministic pseudo-random numbers (splitmix64).
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in [lo, hi).
+    fn uniform(&mut self, lo: f64, hi: f64) -> f64 {
+        lo + (hi - lo) * ((self.next() >> 11) as f64 / (1u64 << 53) as f64)
+    }
+}
+
+fn dtype_name(d: DType) -> &'static str {
+    match d {
+        DType::F32 => "f32",
+        DType::BF16 => "bf16",
+        DType::F16 => "f16",
+        DType::I32 => "i32",
+        DType::I64 => "i64",
+        _ => "unsupported",
+    }
+}
+
+fn tensor_bytes(t: &titan_ir::interp::Tensor<f32>) -> Vec<u8> {
+    let mut out = Vec::new();
+    match &t.data {
+        titan_ir::interp::Data::Float(v) => {
+            for &x in v {
+                match t.dtype {
+                    DType::BF16 => out.extend_from_slice(&((x.to_bits() >> 16) as u16).to_le_bytes()),
+                    DType::F16 => out.extend_from_slice(&half_bits(x).to_le_bytes()),
+                    _ => out.extend_from_slice(&x.to_le_bytes()),
+                }
+            }
+        }
+        titan_ir::interp::Data::Int(v) => {
+            for &x in v {
+                match t.dtype {
+                    DType::I64 => out.extend_from_slice(&x.to_le_bytes()),
+                    _ => out.extend_from_slice(&(x as i32).to_le_bytes()),
+                }
+            }
+        }
+    }
+    out
+}
+
+/// f16 bits of a value already rounded to f16 (only used for dumping test data).
+fn half_bits(x: f32) -> u16 {
+    let b = x.to_bits();
+    let sign = ((b >> 16) & 0x8000) as u16;
+    let exp = ((b >> 23) & 0xff) as i32 - 127 + 15;
+    let man = ((b >> 13) & 0x3ff) as u16;
+    if x == 0.0 { sign } else { sign | ((exp.clamp(0, 31) as u16) << 10) | man }
+}
+
+/// Random arguments for a body: floats in `range` rounded to their dtype, integers in
+/// `[0, int_hi)`; `special` overrides arguments by index.
+fn random_args(g: &Graph, id: BlockId, rng: &mut Rng, range: (f64, f64), int_hi: i64) -> Vec<titan_ir::interp::Tensor<f32>> {
+    let r = g.block(id);
+    r.args
+        .iter()
+        .map(|a| {
+            let ty = r.ty(a.value);
+            let shape = ty.resolve(&g.dims).expect("bound dims");
+            let n: usize = shape.iter().product();
+            if ty.dtype.is_int() {
+                let v = (0..n).map(|_| (rng.next() % int_hi.max(1) as u64) as i64).collect();
+                titan_ir::interp::Tensor::from_ints(ty.dtype, shape, v).expect("ints")
+            } else {
+                let v = (0..n).map(|_| titan_ir::interp::round_to_dtype(rng.uniform(range.0, range.1) as f32, ty.dtype)).collect();
+                titan_ir::interp::Tensor::from_vec(ty.dtype, shape, v).expect("floats")
+            }
+        })
+        .collect()
+}
+
+/// A GPU validation case: name, body, kind, float input range, integer input bound, minimal
+/// fraction of elements within one ulp of the interpreter, largest relative error.
+type GpuCase = (&'static str, BlockId, KernelKind, (f64, f64), i64, f64, f64);
+
+/// GPU validation data: with `TITAN_GPU_DUMP=<dir>`, compile moderate-size kernels, run the
+/// reference interpreter on random inputs, and write PTX, inputs and expected outputs for
+/// `python3 kernels/tests/gpu_check.py <dir>` on a GPU machine. Without the variable it only
+/// checks that every case compiles (CI has no GPU).
+#[test]
+fn gpu_reference_dump() {
+    use titan_ir::interp::{Interpreter, Precision, Tensor};
+    let dir = std::env::var_os("TITAN_GPU_DUMP").map(std::path::PathBuf::from);
+    let mut g = graph();
+    // (name, body, kind, float range, int bound, min fraction within 1 ulp, max rel error)
+    let mut cases: Vec<GpuCase> = Vec::new();
+    let half = RopeConfig { theta: 500000.0, layout: RopeLayout::Half, scaling: None, inverse: false };
+    let scaled = RopeConfig {
+        theta: 500000.0,
+        layout: RopeLayout::Interleaved,
+        scaling: Some(RopeScaling { factor: 8.0, low_freq_factor: 1.0, high_freq_factor: 4.0, original_max_position: 64 }),
+        inverse: true,
+    };
+    cases.push(("rmsnorm_fwd", rmsnorm_body(&mut g), KernelKind::Fused, (-2.0, 2.0), 1, 0.99, 0.02));
+    cases.push(("swiglu_fwd", swiglu_body(&mut g), KernelKind::Fused, (-4.0, 4.0), 1, 0.999, 0.02));
+    cases.push((
+        "residual_rmsnorm_4100",
+        body(&mut g, "g_res_norm", &[bf16(&[3, 5, 4100]), bf16(&[3, 5, 4100]), bf16(&[4100])], |b, a| {
+            let h = push(b, Op::Binary(BinaryOp::Add), &[a[0], a[1]]);
+            vec![h, push(b, Op::RmsNorm { eps: 1e-5 }, &[h, a[2]])]
+        }),
+        KernelKind::Fused,
+        (-2.0, 2.0),
+        1,
+        0.99,
+        0.02,
+    ));
+    cases.push((
+        "rmsnorm_4096",
+        body(&mut g, "g_norm_4096", &[bf16(&[64, 4096]), bf16(&[4096])], |b, a| vec![push(b, Op::RmsNorm { eps: 1e-5 }, &[a[0], a[1]])]),
+        KernelKind::Fused,
+        (-2.0, 2.0),
+        1,
+        0.99,
+        0.02,
+    ));
+    cases.push((
+        "swiglu_bwd",
+        body(&mut g, "g_swiglu_bwd", &[bf16(&[8, 64, 192]), bf16(&[8, 64, 192]), bf16(&[8, 64, 192]), bf16(&[8, 64, 192])], |b, a| {
+            let d_gate = push(b, Op::Binary(BinaryOp::Mul), &[a[0], a[1]]);
+            let d_up = push(b, Op::Binary(BinaryOp::Mul), &[a[0], a[2]]);
+            vec![push(b, Op::Binary(BinaryOp::SiluGrad), &[a[3], d_gate]), d_up]
+        }),
+        KernelKind::Fused,
+        (-4.0, 4.0),
+        1,
+        0.999,
+        0.02,
+    ));
+    cases.push((
+        "rope_half",
+        body(&mut g, "g_rope", &[bf16(&[2, 64, 4, 16])], |b, a| vec![push(b, Op::Rope(half), &[a[0]])]),
+        KernelKind::Fused,
+        (-2.0, 2.0),
+        1,
+        0.999,
+        0.02,
+    ));
+    cases.push((
+        "rope_interleaved_scaled_inverse",
+        body(&mut g, "g_rope_i", &[bf16(&[2, 300, 2, 128])], |b, a| vec![push(b, Op::Rope(scaled), &[a[0]])]),
+        KernelKind::Fused,
+        (-2.0, 2.0),
+        1,
+        0.999,
+        0.02,
+    ));
+    cases.push((
+        "rope_half_128",
+        body(&mut g, "g_rope_128", &[f32t(&[1, 257, 8, 128])], |b, a| vec![push(b, Op::Rope(RopeConfig { inverse: true, ..half }), &[a[0]])]),
+        KernelKind::Fused,
+        (-2.0, 2.0),
+        1,
+        0.99,
+        1e-4,
+    ));
+    cases.push((
+        "rmsnorm_bwd_add",
+        body(&mut g, "g_norm_bwd", &[bf16(&[8, 64, 64]), bf16(&[64]), bf16(&[8, 64, 64]), bf16(&[8, 64, 64]), bf16(&[8, 64, 64])], |b, a| {
+            let dy = push(b, Op::Binary(BinaryOp::Add), &[a[2], a[3]]);
+            let r = b.push(Op::RmsNormBwd { eps: 1e-5 }, &[a[0], a[1], dy]).expect("rmsnorm_bwd");
+            vec![push(b, Op::Binary(BinaryOp::Add), &[a[4], r[0]]), r[1]]
+        }),
+        KernelKind::Fused,
+        (-2.0, 2.0),
+        1,
+        0.97,
+        0.01,
+    ));
+    cases.push((
+        "rmsnorm_bwd_4096",
+        body(&mut g, "g_norm_bwd_4096", &[bf16(&[600, 4096]), f32t(&[4096]), bf16(&[600, 4096])], |b, a| {
+            let w = b.push_typed(Op::Cast, &[a[1]], bf16(&[4096])).expect("cast");
+            let r = b.push(Op::RmsNormBwd { eps: 1e-5 }, &[a[0], w, a[2]]).expect("rmsnorm_bwd");
+            let dw = b.push_typed(Op::Cast, &[r[1]], f32t(&[4096])).expect("cast");
+            vec![r[0], dw]
+        }),
+        KernelKind::Fused,
+        (-2.0, 2.0),
+        1,
+        0.9,
+        0.01,
+    ));
+    cases.push((
+        "cross_entropy",
+        body(&mut g, "g_ce", &[bf16(&[8, 64, 256]), i32t(&[8, 64])], |b, a| vec![push(b, Op::CrossEntropy, &[a[0], a[1]])]),
+        KernelKind::Fused,
+        (-8.0, 8.0),
+        256,
+        0.0,
+        1e-5,
+    ));
+    cases.push((
+        "cross_entropy_bwd",
+        body(&mut g, "g_ce_bwd", &[bf16(&[8, 64, 256]), i32t(&[8, 64])], |b, a| {
+            let one = b.push_typed(Op::Constant { value: 1.0 }, &[], f32t(&[])).expect("constant");
+            vec![push(b, Op::CrossEntropyBwd, &[a[0], a[1], one])]
+        }),
+        KernelKind::Fused,
+        (-8.0, 8.0),
+        256,
+        0.99,
+        0.02,
+    ));
+    cases.push((
+        "cross_entropy_vocab",
+        body(&mut g, "g_ce_vocab", &[bf16(&[3, 128256]), i32t(&[3]), f32t(&[])], |b, a| {
+            let loss = push(b, Op::CrossEntropy, &[a[0], a[1]]);
+            vec![loss, push(b, Op::CrossEntropyBwd, &[a[0], a[1], a[2]])]
+        }),
+        KernelKind::Fused,
+        (-8.0, 8.0),
+        128256,
+        0.98,
+        0.02,
+    ));
+    cases.push((
+        "grad_norm_sq",
+        body(&mut g, "g_gnorm", &[bf16(&[3, 1000, 1000])], |b, a| {
+            let c = b.push_typed(Op::Cast, &[a[0]], f32t(&[3, 1000, 1000])).expect("cast");
+            let s = push(b, Op::Unary(UnaryOp::Square), &[c]);
+            let r = push(b, Op::Reduce { kind: ReduceKind::Sum, axes: vec![0, 1, 2] }, &[s]);
+            vec![r, push(b, Op::Unary(UnaryOp::Sqrt), &[r])]
+        }),
+        KernelKind::Fused,
+        (-1.0, 1.0),
+        1,
+        0.0,
+        1e-5,
+    ));
+    cases.push((
+        "scalar_chain",
+        body(&mut g, "g_clip", &[f32t(&[]), f32t(&[])], |b, a| {
+            let n = push(b, Op::Unary(UnaryOp::Sqrt), &[a[0]]);
+            let eps = b.push_typed(Op::Constant { value: 1e-6 }, &[], f32t(&[])).expect("constant");
+            let one = b.push_typed(Op::Constant { value: 1.0 }, &[], f32t(&[])).expect("constant");
+            let s = push(b, Op::Binary(BinaryOp::Add), &[n, eps]);
+            let s = push(b, Op::Binary(BinaryOp::Add), &[s, a[1]]);
+            let q = push(b, Op::Binary(BinaryOp::Div), &[one, s]);
+            vec![n, push(b, Op::Binary(BinaryOp::Min), &[q, one])]
+        }),
+        KernelKind::Fused,
+        (0.0, 3.0),
+        1,
+        1.0,
+        0.0,
+    ));
+    cases.push((
+        "softmax_rows",
+        body(&mut g, "g_softmax", &[f32t(&[512, 256]), f32t(&[256])], |b, a| {
+            let m = push(b, Op::Reduce { kind: ReduceKind::Max, axes: vec![1] }, &[a[0]]);
+            let mb = b.push_typed(Op::Broadcast { dims: vec![0] }, &[m], f32t(&[512, 256])).expect("broadcast");
+            let x = push(b, Op::Binary(BinaryOp::Sub), &[a[0], mb]);
+            let e = push(b, Op::Unary(UnaryOp::Exp), &[x]);
+            let s = push(b, Op::Reduce { kind: ReduceKind::Sum, axes: vec![1] }, &[e]);
+            let sb = b.push_typed(Op::Broadcast { dims: vec![0] }, &[s], f32t(&[512, 256])).expect("broadcast");
+            let p = push(b, Op::Binary(BinaryOp::Div), &[e, sb]);
+            let wb = b.push_typed(Op::Broadcast { dims: vec![1] }, &[a[1]], f32t(&[512, 256])).expect("broadcast");
+            vec![push(b, Op::Binary(BinaryOp::Mul), &[p, wb]), s]
+        }),
+        KernelKind::Fused,
+        (-5.0, 5.0),
+        1,
+        0.3,
+        1e-5,
+    ));
+    cases.push((
+        "column_mean",
+        body(&mut g, "g_colmean", &[bf16(&[8, 64, 64])], |b, a| vec![push(b, Op::Reduce { kind: ReduceKind::Mean, axes: vec![0, 1] }, &[a[0]])]),
+        KernelKind::Fused,
+        (-2.0, 2.0),
+        1,
+        0.97,
+        0.05,
+    ));
+    cases.push((
+        "pointwise_math",
+        body(&mut g, "g_math", &[f32t(&[8, 1000]), f32t(&[1000]), f32t(&[8, 1000])], |b, a| {
+            let x = push(b, Op::Unary(UnaryOp::Log), &[a[0]]);
+            let y = push(b, Op::Unary(UnaryOp::Tanh), &[x]);
+            let e = b.push_typed(Op::Broadcast { dims: vec![1] }, &[a[1]], f32t(&[8, 1000])).expect("broadcast");
+            let y = push(b, Op::Unary(UnaryOp::Abs), &[y]);
+            let z = push(b, Op::Binary(BinaryOp::Pow), &[y, e]);
+            let r = push(b, Op::Unary(UnaryOp::Rsqrt), &[z]);
+            let s = push(b, Op::Unary(UnaryOp::Sigmoid), &[r]);
+            let t = push(b, Op::Unary(UnaryOp::Exp), &[a[2]]);
+            vec![push(b, Op::Binary(BinaryOp::Max), &[s, a[2]]), x, y, z, t]
+        }),
+        KernelKind::Fused,
+        (0.01, 20.0),
+        1,
+        0.4,
+        1e-5,
+    ));
+    cases.push((
+        "embedding",
+        body(&mut g, "g_embed", &[i32t(&[8, 64]), bf16(&[256, 64])], |b, a| vec![push(b, Op::Embedding, &[a[0], a[1]])]),
+        KernelKind::Gather,
+        (-2.0, 2.0),
+        256,
+        1.0,
+        0.0,
+    ));
+    cases.push((
+        "scatter_add",
+        body(&mut g, "g_scatter", &[i32t(&[8, 64]), bf16(&[8, 64, 64])], |b, a| {
+            vec![b.push_typed(Op::ScatterAdd, &[a[0], a[1]], bf16(&[256, 64])).expect("scatter_add")]
+        }),
+        KernelKind::ScatterAdd,
+        (-2.0, 2.0),
+        256,
+        1.0,
+        0.0,
+    ));
+    cases.push((
+        "scatter_add_skewed",
+        body(&mut g, "g_scatter_skew", &[i32t(&[9000]), f32t(&[9000, 96])], |b, a| {
+            vec![b.push_typed(Op::ScatterAdd, &[a[0], a[1]], f32t(&[700, 96])).expect("scatter_add")]
+        }),
+        KernelKind::ScatterAdd,
+        (-2.0, 2.0),
+        700,
+        1.0,
+        0.0,
+    ));
+    cases.push((
+        "rmsnorm_long_rows",
+        body(&mut g, "g_norm_long", &[bf16(&[3, 40000]), bf16(&[40000])], |b, a| {
+            let y = push(b, Op::RmsNorm { eps: 1e-5 }, &[a[0], a[1]]);
+            let m = push(b, Op::Reduce { kind: ReduceKind::Max, axes: vec![1] }, &[a[0]]);
+            vec![y, m]
+        }),
+        KernelKind::Fused,
+        (-2.0, 2.0),
+        1,
+        0.99,
+        0.02,
+    ));
+    cases.push(("grad_norm_clip", grad_norm_body(&mut g, [&[3, 700, 1000], &[4096], &[1000, 100]]), KernelKind::Fused, (-0.01, 0.01), 1, 1.0, 0.0));
+    cases.push(("optimizer", optimizer_body(&mut g), KernelKind::Optimizer, (-1.0, 1.0), 1, 1.0, 0.0));
+    let mut rng = Rng(0x5EED);
+    let mut manifest = Vec::new();
+    for (name, id, kind, range, int_hi, min_within1, max_rel) in cases {
+        let k = compile(&g, id, kind, name);
+        let Some(dir) = &dir else { continue };
+        let mut args = random_args(&g, id, &mut rng, range, int_hi);
+        let region = g.block(id);
+        // Inputs with structure: a skewed index distribution, a positive step, AdamW's v >= 0.
+        if let ("scatter_add_skewed", titan_ir::interp::Data::Int(v)) = (name, &mut args[0].data) {
+            for (i, x) in v.iter_mut().enumerate() {
+                *x = if i % 9 < 5 {
+                    7
+                } else if i % 9 == 5 {
+                    300
+                } else {
+                    *x
+                };
+            }
+        }
+        if name == "optimizer" {
+            args[0] = Tensor::from_ints(DType::I32, Vec::<usize>::new(), vec![250]).expect("step");
+            for i in 0..3 {
+                if let Some(v) = args[5 + 4 * i].floats_mut() {
+                    v.iter_mut().for_each(|x| *x = x.abs() * 1e-3);
+                }
+            }
+        }
+        if name == "scalar_chain" {
+            args[1] = Tensor::from_vec(DType::F32, Vec::<usize>::new(), vec![0.25]).expect("scalar");
+        }
+        let outs = Interpreter::new(&g, Precision::Emulate).run_region(region, &args).unwrap_or_else(|e| panic!("{name}: interpreter: {e}"));
+        std::fs::create_dir_all(dir).expect("dump dir");
+        std::fs::write(dir.join(format!("{name}.ptx")), &k.ptx).expect("write");
+        let mut arg_json = Vec::new();
+        for (i, t) in args.iter().enumerate() {
+            let file = format!("{name}.a{i}.bin");
+            std::fs::write(dir.join(&file), tensor_bytes(t)).expect("write");
+            arg_json.push(format!("{{\"file\": \"{file}\", \"dtype\": \"{}\"}}", dtype_name(t.dtype)));
+        }
+        let mut out_json = Vec::new();
+        for (i, t) in outs.iter().enumerate() {
+            let file = format!("{name}.o{i}.bin");
+            std::fs::write(dir.join(&file), tensor_bytes(t)).expect("write");
+            out_json.push(format!("{{\"expected\": \"{file}\", \"dtype\": \"{}\", \"numel\": {}}}", dtype_name(t.dtype), t.numel()));
+        }
+        manifest.push(format!(
+            "{{\"name\": \"{name}\", \"ptx\": \"{name}.ptx\", \"entry\": \"{}\", \"grid\": {}, \"block\": {}, \"ws\": {}, \"min_within1\": {min_within1}, \"max_rel\": {max_rel}, \"max_rel_scalar\": {}, \"args\": [{}], \"outs\": [{}]}}",
+            k.entry,
+            k.launch.grid[0],
+            k.launch.block[0],
+            k.workspace_bytes,
+            // The interpreter sums millions of squares sequentially in f32 and drifts by ~1e-3
+            // (the GPU's tree order matches an f64 sum to ~1e-8).
+            if name.starts_with("grad_norm") { 3e-3 } else { 1e-3 },
+            arg_json.join(", "),
+            out_json.join(", ")
+        ));
+    }
+    if let Some(dir) = &dir {
+        std::fs::write(dir.join("cases.json"), format!("[\n{}\n]\n", manifest.join(",\n"))).expect("write manifest");
+        std::fs::write(dir.join("perf.json"), perf_manifest(dir)).expect("write perf manifest");
+    }
+}
+
+/// Llama-3-8B-sized kernels for `gpu_check.py <dir> perf` (PTX and buffer sizes only).
+fn perf_manifest(dir: &std::path::Path) -> String {
+    let mut g = graph();
+    let (t, d, ffn, v) = (16384u64, 4096u64, 14336u64, 128256u64);
+    let half = RopeConfig { theta: 500000.0, layout: RopeLayout::Half, scaling: None, inverse: false };
+    let cases: Vec<(&str, BlockId, KernelKind, i64)> = vec![
+        (
+            "perf_residual_rmsnorm",
+            body(&mut g, "p_norm", &[bf16(&[t, d]), bf16(&[t, d]), bf16(&[d])], |b, a| {
+                let h = push(b, Op::Binary(BinaryOp::Add), &[a[0], a[1]]);
+                vec![h, push(b, Op::RmsNorm { eps: 1e-5 }, &[h, a[2]])]
+            }),
+            KernelKind::Fused,
+            1,
+        ),
+        (
+            "perf_rmsnorm_bwd_add",
+            body(&mut g, "p_norm_bwd", &[bf16(&[t, d]), bf16(&[d]), bf16(&[t, d]), bf16(&[t, d])], |b, a| {
+                let r = b.push(Op::RmsNormBwd { eps: 1e-5 }, &[a[0], a[1], a[2]]).expect("rmsnorm_bwd");
+                vec![push(b, Op::Binary(BinaryOp::Add), &[a[3], r[0]]), r[1]]
+            }),
+            KernelKind::Fused,
+            1,
+        ),
+        (
+            "perf_rmsnorm_bwd_dx_only",
+            body(&mut g, "p_norm_bwd_dx", &[bf16(&[t, d]), bf16(&[d]), bf16(&[t, d]), bf16(&[t, d])], |b, a| {
+                let r = b.push(Op::RmsNormBwd { eps: 1e-5 }, &[a[0], a[1], a[2]]).expect("rmsnorm_bwd");
+                vec![push(b, Op::Binary(BinaryOp::Add), &[a[3], r[0]])]
+            }),
+            KernelKind::Fused,
+            1,
+        ),
+        (
+            "perf_swiglu_fwd",
+            body(&mut g, "p_swiglu", &[bf16(&[t, ffn]), bf16(&[t, ffn])], |b, a| {
+                let s = push(b, Op::Unary(UnaryOp::Silu), &[a[0]]);
+                vec![push(b, Op::Binary(BinaryOp::Mul), &[s, a[1]])]
+            }),
+            KernelKind::Fused,
+            1,
+        ),
+        ("perf_rope_q", body(&mut g, "p_rope", &[bf16(&[8, 2048, 32, 128])], |b, a| vec![push(b, Op::Rope(half), &[a[0]])]), KernelKind::Fused, 1),
+        (
+            "perf_cross_entropy_fwd_bwd",
+            body(&mut g, "p_ce", &[bf16(&[4096, v]), i32t(&[4096]), f32t(&[])], |b, a| {
+                let loss = push(b, Op::CrossEntropy, &[a[0], a[1]]);
+                vec![loss, push(b, Op::CrossEntropyBwd, &[a[0], a[1], a[2]])]
+            }),
+            KernelKind::Fused,
+            v as i64,
+        ),
+        (
+            "perf_embedding",
+            body(&mut g, "p_embed", &[i32t(&[t]), bf16(&[v, d])], |b, a| vec![push(b, Op::Embedding, &[a[0], a[1]])]),
+            KernelKind::Gather,
+            v as i64,
+        ),
+        (
+            "perf_scatter_add",
+            body(&mut g, "p_scatter", &[i32t(&[t]), bf16(&[t, d])], |b, a| {
+                vec![b.push_typed(Op::ScatterAdd, &[a[0], a[1]], bf16(&[v, d])).expect("scatter_add")]
+            }),
+            KernelKind::ScatterAdd,
+            v as i64,
+        ),
+        ("perf_grad_norm_clip", grad_norm_body(&mut g, [&[ffn, d], &[d], &[d, d]]), KernelKind::Fused, 1),
+    ];
+    let mut out = Vec::new();
+    for (name, id, kind, int_hi) in cases {
+        let k = compile(&g, id, kind, name);
+        std::fs::write(dir.join(format!("{name}.ptx")), &k.ptx).expect("write");
+        let r = g.block(id);
+        let mut bytes = 0u64;
+        let buf = |ty: &TensorType, bytes: &mut u64| {
+            let n = ty.numel(&g.dims).expect("bound");
+            *bytes += ty.size_bytes(&g.dims).expect("bound");
+            let hi = if ty.dtype.is_int() { format!(", \"int_hi\": {int_hi}") } else { String::new() };
+            format!("{{\"dtype\": \"{}\", \"numel\": {n}{hi}}}", dtype_name(ty.dtype))
+        };
+        let args: Vec<String> = r.args.iter().map(|a| buf(r.ty(a.value), &mut bytes)).collect();
+        let outs: Vec<String> = r.outputs.iter().map(|o| buf(r.ty(o.value), &mut bytes)).collect();
+        out.push(format!(
+            "{{\"name\": \"{name}\", \"ptx\": \"{name}.ptx\", \"entry\": \"{}\", \"grid\": {}, \"block\": {}, \"ws\": {}, \"bytes\": {bytes}, \"args\": [{}], \"outs\": [{}]}}",
+            k.entry,
+            k.launch.grid[0],
+            k.launch.block[0],
+            k.workspace_bytes,
+            args.join(", "),
+            outs.join(", ")
+        ));
+    }
+    format!("[\n{}\n]\n", out.join(",\n"))
+}

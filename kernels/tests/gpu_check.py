@@ -1,0 +1,233 @@
+#!/usr/bin/env python3
+"""Run kernels dumped by `TITAN_GPU_DUMP=<dir> cargo test -p titan-kernels --test codegen
+gpu_reference_dump` on a GPU and compare them with the reference interpreter's outputs.
+
+Usage: python3 kernels/tests/gpu_check.py <dir> [perf]   (needs only the CUDA driver, libcuda.so.1)
+`perf` times the kernels of <dir>/perf.json on device-filled inputs instead.
+
+Each kernel runs twice on the same inputs with one zeroed workspace: the second run checks
+that the kernel left the workspace zeroed and that results are bitwise reproducible.
+"""
+import ctypes
+import json
+import math
+import os
+import struct
+import sys
+
+cu = ctypes.CDLL("libcuda.so.1")
+
+
+def check(rc, what):
+    if rc != 0:
+        name = ctypes.c_char_p()
+        cu.cuGetErrorName(rc, ctypes.byref(name))
+        raise RuntimeError(f"{what} failed: {rc} {name.value}")
+
+
+SIZES = {"f32": 4, "bf16": 2, "f16": 2, "i32": 4, "i64": 8}
+
+
+def decode(raw, dtype):
+    if dtype == "f32":
+        return list(struct.unpack(f"<{len(raw)//4}f", raw))
+    if dtype == "bf16":
+        return [struct.unpack("<f", struct.pack("<I", h << 16))[0] for h in struct.unpack(f"<{len(raw)//2}H", raw)]
+    if dtype == "f16":
+        return list(struct.unpack(f"<{len(raw)//2}e", raw))
+    if dtype == "i32":
+        return list(struct.unpack(f"<{len(raw)//4}i", raw))
+    if dtype == "i64":
+        return list(struct.unpack(f"<{len(raw)//8}q", raw))
+    raise ValueError(dtype)
+
+
+def ulp(dtype):
+    return {"f32": 2.0**-23, "bf16": 2.0**-7, "f16": 2.0**-10}.get(dtype, 0.0)
+
+
+def compare(got, exp, dtype):
+    n = len(exp)
+    exact = within1 = nan_bad = 0
+    worst = 0.0
+    worst_i = -1
+    u = ulp(dtype)
+    finite = [e for e in exp if not isinstance(e, int) and math.isfinite(e)]
+    # Errors are relative to max(|e|, rms of the output): sums that cancel to ~0 (column sums,
+    # gradients) are judged at the scale of the tensor, not of the near-zero element.
+    rms = math.sqrt(sum(e * e for e in finite) / len(finite)) if finite else 0.0
+    for i, (g, e) in enumerate(zip(got, exp)):
+        if isinstance(e, int):
+            exact += g == e
+            continue
+        if math.isnan(e) or math.isnan(g):
+            if math.isnan(e) and math.isnan(g):
+                exact += 1
+            else:
+                nan_bad += 1
+            continue
+        if g == e:
+            exact += 1
+            within1 += 1
+            continue
+        scale = max(abs(e), 1e-30)
+        rel = abs(g - e) / max(scale, rms)
+        # one unit in the last place of the dtype at e's magnitude
+        if abs(g - e) <= u * 2.0 ** math.floor(math.log2(scale)) * 1.0001:
+            within1 += 1
+        if rel > worst:
+            worst, worst_i = rel, i
+    return n, exact, within1, nan_bad, worst, worst_i
+
+
+def main(d):
+    cases = json.load(open(os.path.join(d, "cases.json")))
+    check(cu.cuInit(0), "cuInit")
+    dev = ctypes.c_int()
+    check(cu.cuDeviceGet(ctypes.byref(dev), 0), "cuDeviceGet")
+    ctx = ctypes.c_void_p()
+    check(cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "ctx")
+    check(cu.cuCtxSetCurrent(ctx), "set ctx")
+    ok_all = True
+    for c in cases:
+        ptx = open(os.path.join(d, c["ptx"]), "rb").read() + b"\0"
+        mod = ctypes.c_void_p()
+        rc = cu.cuModuleLoadData(ctypes.byref(mod), ctypes.c_char_p(ptx))
+        if rc != 0:
+            print(f"{c['name']}: module load failed ({rc})")
+            ok_all = False
+            continue
+        fn = ctypes.c_void_p()
+        check(cu.cuModuleGetFunction(ctypes.byref(fn), mod, c["entry"].encode()), "get function")
+        ptrs = []
+        host_args = []
+        for a in c["args"]:
+            raw = open(os.path.join(d, a["file"]), "rb").read()
+            p = ctypes.c_uint64()
+            check(cu.cuMemAlloc_v2(ctypes.byref(p), max(len(raw), 16)), "alloc")
+            check(cu.cuMemcpyHtoD_v2(p, raw, len(raw)), "h2d")
+            ptrs.append(p)
+        outs = []
+        for o in c["outs"]:
+            nbytes = o["numel"] * SIZES[o["dtype"]]
+            p = ctypes.c_uint64()
+            check(cu.cuMemAlloc_v2(ctypes.byref(p), max(nbytes, 16)), "alloc")
+            check(cu.cuMemsetD8_v2(p, 0xFF, nbytes), "memset")
+            ptrs.append(p)
+            outs.append((p, nbytes, o))
+        ws = None
+        if c["ws"] > 0:
+            ws = ctypes.c_uint64()
+            check(cu.cuMemAlloc_v2(ctypes.byref(ws), c["ws"]), "alloc ws")
+            check(cu.cuMemsetD8_v2(ws, 0, c["ws"]), "memset ws")
+            ptrs.append(ws)
+        params = (ctypes.c_void_p * len(ptrs))(*[ctypes.cast(ctypes.pointer(p), ctypes.c_void_p) for p in ptrs])
+        results = []
+        for run in range(2):
+            check(cu.cuLaunchKernel(fn, c["grid"], 1, 1, c["block"], 1, 1, 0, None, params, None), "launch")
+            rc = cu.cuCtxSynchronize()
+            if rc != 0:
+                print(f"{c['name']}: kernel failed ({rc})")
+                return False
+            got = []
+            for p, nbytes, o in outs:
+                buf = ctypes.create_string_buffer(nbytes)
+                check(cu.cuMemcpyDtoH_v2(buf, p, nbytes), "d2h")
+                got.append(buf.raw)
+            results.append(got)
+            if ws is not None:
+                buf = ctypes.create_string_buffer(c["ws"])
+                check(cu.cuMemcpyDtoH_v2(buf, ws, c["ws"]), "d2h ws")
+                if any(buf.raw):
+                    print(f"{c['name']}: run {run}: workspace not zero after the kernel")
+                    ok_all = False
+        same = results[0] == results[1]
+        line = [f"{c['name']}:"]
+        if not same:
+            line.append("NOT REPRODUCIBLE")
+            ok_all = False
+        for (p, nbytes, o), raw in zip(outs, results[0]):
+            got = decode(raw, o["dtype"])
+            exp = decode(open(os.path.join(d, o["expected"]), "rb").read(), o["dtype"])
+            n, exact, within1, nan_bad, worst, wi = compare(got, exp, o["dtype"])
+            frac1 = within1 / n if n else 1.0
+            line.append(f"[{o['dtype']}x{n}: exact {exact/n:.4f}, <=1ulp {frac1:.4f}, nan-mismatch {nan_bad}, max rel {worst:.2e}" + (f" at {wi} got {got[wi]} want {exp[wi]}" if wi >= 0 else "") + "]")
+            # Scalars are sums over many elements in another order: judged by relative error.
+            tol = 0.0 if n == 1 else c.get("min_within1", 0.99)
+            max_rel = c.get("max_rel_scalar", 1e-3) if n == 1 else c.get("max_rel", 0.05)
+            if nan_bad or frac1 < tol or worst > max_rel:
+                ok_all = False
+                line.append("FAIL")
+        print(" ".join(line), flush=True)
+        for p in ptrs:
+            cu.cuMemFree_v2(p)
+        cu.cuModuleUnload(mod)
+    print("ALL OK" if ok_all else "SOME FAILED")
+    return ok_all
+
+
+
+def perf(d):
+    """Time kernels listed in perf.json on device-filled inputs; print achieved bandwidth."""
+    import random
+
+    cases = json.load(open(os.path.join(d, "perf.json")))
+    check(cu.cuInit(0), "cuInit")
+    dev = ctypes.c_int()
+    check(cu.cuDeviceGet(ctypes.byref(dev), 0), "cuDeviceGet")
+    ctx = ctypes.c_void_p()
+    check(cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "ctx")
+    check(cu.cuCtxSetCurrent(ctx), "set ctx")
+    rng = random.Random(1)
+    for c in cases:
+        ptx = open(os.path.join(d, c["ptx"]), "rb").read() + b"\0"
+        mod = ctypes.c_void_p()
+        check(cu.cuModuleLoadData(ctypes.byref(mod), ctypes.c_char_p(ptx)), "load " + c["name"])
+        fn = ctypes.c_void_p()
+        check(cu.cuModuleGetFunction(ctypes.byref(fn), mod, c["entry"].encode()), "get function")
+        ptrs = []
+        for a in c["args"] + c["outs"]:
+            nbytes = a["numel"] * SIZES[a["dtype"]]
+            p = ctypes.c_uint64()
+            check(cu.cuMemAlloc_v2(ctypes.byref(p), max(nbytes, 16)), "alloc")
+            if "int_hi" in a:
+                vals = [rng.randrange(a["int_hi"]) for _ in range(a["numel"])]
+                raw = struct.pack(f"<{len(vals)}i", *vals)
+                check(cu.cuMemcpyHtoD_v2(p, raw, len(raw)), "h2d")
+            elif a["dtype"] in ("bf16", "f16"):
+                check(cu.cuMemsetD16_v2(p, 0x3C00, a["numel"]), "fill")
+            else:
+                check(cu.cuMemsetD32_v2(p, 0x3C000000, a["numel"] * SIZES[a["dtype"]] // 4), "fill")
+            ptrs.append(p)
+        if c["ws"] > 0:
+            ws = ctypes.c_uint64()
+            check(cu.cuMemAlloc_v2(ctypes.byref(ws), c["ws"]), "alloc ws")
+            check(cu.cuMemsetD8_v2(ws, 0, c["ws"]), "memset ws")
+            ptrs.append(ws)
+        params = (ctypes.c_void_p * len(ptrs))(*[ctypes.cast(ctypes.pointer(p), ctypes.c_void_p) for p in ptrs])
+        start, stop = ctypes.c_void_p(), ctypes.c_void_p()
+        check(cu.cuEventCreate(ctypes.byref(start), 0), "event")
+        check(cu.cuEventCreate(ctypes.byref(stop), 0), "event")
+        for _ in range(3):
+            check(cu.cuLaunchKernel(fn, c["grid"], 1, 1, c["block"], 1, 1, 0, None, params, None), "launch")
+        iters = 20
+        check(cu.cuEventRecord(start, None), "record")
+        for _ in range(iters):
+            check(cu.cuLaunchKernel(fn, c["grid"], 1, 1, c["block"], 1, 1, 0, None, params, None), "launch")
+        check(cu.cuEventRecord(stop, None), "record")
+        check(cu.cuEventSynchronize(stop), "sync")
+        ms = ctypes.c_float()
+        check(cu.cuEventElapsedTime(ctypes.byref(ms), start, stop), "elapsed")
+        t = ms.value / iters
+        print(f"{c['name']}: {t*1e3:.1f} us, {c['bytes'] / (t * 1e-3) / 1e9:.0f} GB/s (grid {c['grid']}, block {c['block']})", flush=True)
+        for p in ptrs:
+            cu.cuMemFree_v2(p)
+        cu.cuModuleUnload(mod)
+
+
+if __name__ == "__main__" and len(sys.argv) > 2 and sys.argv[2] == "perf":
+    perf(sys.argv[1])
+    sys.exit(0)
+
+if __name__ == "__main__":
+    sys.exit(0 if main(sys.argv[1]) else 1)

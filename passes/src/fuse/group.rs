@@ -1,0 +1,547 @@
+//! Grouping: decides which nodes of one region run in which kernel, following the rules of
+//! the [module documentation](super). Builds nothing; [`super::outline`] turns the groups into
+//! kernel bodies.
+
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashSet};
+
+use titan_ir::{DimTable, KernelKind, NodeId, Op, Region, TensorType, Value, ValueDef};
+
+/// The iteration space of a fusible op, or of a group of them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Space {
+    /// Rank-0 computation: fits any group.
+    Scalar,
+    /// `elems` elements; `row` is the row length when a row op (rmsnorm, rope, cross
+    /// entropy, last-axis reduction) is part of the group.
+    Elems { elems: u64, row: Option<u64> },
+    /// Never shares a kernel (non-scalar constants, reductions over inner axes).
+    Alone,
+}
+
+impl Space {
+    /// The space of a group holding both, or `None` when they are incompatible.
+    pub fn join(self, other: Space) -> Option<Space> {
+        match (self, other) {
+            (Space::Alone, _) | (_, Space::Alone) => None,
+            (Space::Scalar, s) | (s, Space::Scalar) => Some(s),
+            (Space::Elems { elems: a, row: ra }, Space::Elems { elems: b, row: rb }) => {
+                let rows_agree = match (ra, rb) {
+                    (Some(x), Some(y)) => x == y,
+                    _ => true,
+                };
+                (a == b && rows_agree).then_some(Space::Elems { elems: a, row: ra.or(rb) })
+            }
+        }
+    }
+}
+
+/// What the fusion pass does with one node.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Class {
+    /// Stays a region-level node: `reshape` (a view), `repeat`, an existing `kernel`.
+    Keep,
+    /// A rank-0 `constant`: copied into every fused/optimizer kernel that reads it.
+    ScalarConstant,
+    /// The only op of a kernel of this kind.
+    Single(KernelKind),
+    /// Part of the region's one optimizer kernel (`adamw`, `lr_schedule`).
+    Optimizer,
+    /// Fusible into a `fused` kernel with this iteration space.
+    Fusible(Space),
+}
+
+fn numel(t: &TensorType, dims: &DimTable) -> Result<u64, String> {
+    t.numel(dims).ok_or_else(|| format!("a dimension of {t} is not bound; bind it in the graph's `dims`"))
+}
+
+fn last_dim(t: &TensorType, dims: &DimTable) -> Result<u64, String> {
+    match t.shape.last() {
+        Some(d) => titan_ir::shape::resolve_dim(d, dims).ok_or_else(|| format!("dimension `{d}` is not bound; bind it in the graph's `dims`")),
+        None => Ok(1),
+    }
+}
+
+/// How the pass treats `op` with these operand and result types.
+pub fn classify(op: &Op, ins: &[&TensorType], outs: &[&TensorType], dims: &DimTable) -> Result<Class, String> {
+    let out0 = outs.first().copied();
+    let out_elems = |i: usize| -> Result<u64, String> {
+        match outs.get(i) {
+            Some(t) => numel(t, dims),
+            None => Err(format!("`{}` has no result", op.name())),
+        }
+    };
+    let in0 = || ins.first().copied().ok_or_else(|| format!("`{}` has no operand", op.name()));
+    let rows_of = |t: &TensorType| -> Result<Class, String> { Ok(Class::Fusible(Space::Elems { elems: numel(t, dims)?, row: Some(last_dim(t, dims)?) })) };
+    Ok(match op {
+        Op::Reshape | Op::Repeat { .. } | Op::Kernel { .. } => Class::Keep,
+        Op::Linear | Op::Matmul { .. } => Class::Single(KernelKind::Gemm),
+        Op::Attention { .. } => Class::Single(KernelKind::Attention),
+        Op::AttentionBwd { .. } => Class::Single(KernelKind::AttentionBwd),
+        Op::Embedding | Op::Gather => Class::Single(KernelKind::Gather),
+        Op::ScatterAdd => Class::Single(KernelKind::ScatterAdd),
+        Op::AdamW(_) | Op::LrSchedule(_) => Class::Optimizer,
+        Op::Constant { .. } => {
+            if out0.is_some_and(|t| t.rank() == 0) {
+                Class::ScalarConstant
+            } else {
+                Class::Fusible(Space::Alone)
+            }
+        }
+        Op::Unary(_) | Op::Binary(_) | Op::Cast | Op::Broadcast { .. } | Op::Transpose { .. } => {
+            if out0.is_some_and(|t| t.rank() == 0) {
+                Class::Fusible(Space::Scalar)
+            } else {
+                Class::Fusible(Space::Elems { elems: out_elems(0)?, row: None })
+            }
+        }
+        Op::Reduce { axes, .. } => {
+            let x = in0()?;
+            if out0.is_some_and(|t| t.rank() == 0) {
+                // A full reduction: its result is complete only when the kernel ends.
+                Class::Fusible(Space::Elems { elems: numel(x, dims)?, row: None })
+            } else if axes.as_slice() == [x.rank().saturating_sub(1)] {
+                rows_of(x)?
+            } else {
+                Class::Fusible(Space::Alone)
+            }
+        }
+        Op::RmsNorm { .. } | Op::RmsNormBwd { .. } | Op::Rope(_) | Op::CrossEntropy | Op::CrossEntropyBwd => rows_of(in0()?)?,
+    })
+}
+
+/// The results of `op` that reduce across rows (or to a scalar): complete only when the
+/// whole kernel has run, so no op of the same kernel may read them.
+pub fn grid_reduced_results(op: &Op, ins: &[&TensorType], outs: &[&TensorType]) -> Vec<usize> {
+    match op {
+        Op::CrossEntropy => vec![0],
+        Op::RmsNormBwd { .. } => vec![1],
+        Op::Reduce { .. } if outs.first().is_some_and(|t| t.rank() == 0) && ins.first().is_some_and(|t| t.rank() > 0) => vec![0],
+        _ => vec![],
+    }
+}
+
+/// One kernel-to-be: its kind and members in program order.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Group {
+    pub kind: KernelKind,
+    pub members: Vec<NodeId>,
+    pub space: Space,
+    /// Whether other fusible ops may still join (only `fused` groups of a non-`Alone` space).
+    pub mergeable: bool,
+}
+
+/// A unit of the fused region's program: a kernel-to-be or a node left in place.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Unit {
+    Group(usize),
+    Keep(NodeId),
+}
+
+/// The result of grouping one region.
+#[derive(Clone, Debug)]
+pub struct Grouping {
+    pub groups: Vec<Group>,
+    /// The group of each node (`None`: kept in place, or a copied scalar constant).
+    pub group_of: Vec<Option<usize>>,
+    /// The region-level program after fusion, in a topological order.
+    pub units: Vec<Unit>,
+}
+
+/// Analysis tables of one region.
+struct Grouper<'r> {
+    region: &'r Region,
+    /// Position of each live node in the program order.
+    pos: Vec<Option<usize>>,
+    /// The live nodes reading each value, in program order (a node reading a value twice is listed once).
+    users: Vec<Vec<NodeId>>,
+    /// The node defining each value.
+    producer: Vec<Option<NodeId>>,
+    /// Whether a value is a region output or update.
+    escapes: Vec<bool>,
+    /// Whether a value reduces across rows ([`grid_reduced_results`]).
+    grid_reduced: Vec<bool>,
+    class: Vec<Option<Class>>,
+    groups: Vec<Option<Group>>,
+    group_of: Vec<Option<usize>>,
+}
+
+impl<'r> Grouper<'r> {
+    fn new(region: &'r Region, dims: &DimTable) -> Result<Grouper<'r>, String> {
+        let nv = region.values.len();
+        let nn = region.nodes.len();
+        let mut g = Grouper {
+            region,
+            pos: vec![None; nn],
+            users: vec![Vec::new(); nv],
+            producer: vec![None; nv],
+            escapes: vec![false; nv],
+            grid_reduced: vec![false; nv],
+            class: vec![None; nn],
+            groups: Vec::new(),
+            group_of: vec![None; nn],
+        };
+        let bad_value = |v: Value| format!("@{} refers to value #{} which does not exist", region.name, v.0);
+        for (p, &n) in region.order.iter().enumerate() {
+            let node = region.nodes.get(n.index()).ok_or_else(|| format!("@{} lists node {n} which does not exist", region.name))?;
+            g.pos[n.index()] = Some(p);
+            for &v in &node.inputs {
+                let us = g.users.get_mut(v.index()).ok_or_else(|| bad_value(v))?;
+                if us.last() != Some(&n) {
+                    us.push(n);
+                }
+            }
+            for &r in &node.results {
+                *g.producer.get_mut(r.index()).ok_or_else(|| bad_value(r))? = Some(n);
+            }
+            let ins: Vec<&TensorType> = node.inputs.iter().map(|&v| region.ty(v)).collect();
+            let outs: Vec<&TensorType> = node.results.iter().map(|&v| region.ty(v)).collect();
+            for i in grid_reduced_results(&node.op, &ins, &outs) {
+                if let Some(&r) = node.results.get(i) {
+                    g.grid_reduced[r.index()] = true;
+                }
+            }
+            g.class[n.index()] = Some(classify(&node.op, &ins, &outs, dims).map_err(|e| format!("@{}, node {n} (`{}`): {e}", region.name, node.op.name()))?);
+        }
+        for v in region.outputs.iter().map(|o| o.value).chain(region.updates.iter().map(|u| u.value)) {
+            *g.escapes.get_mut(v.index()).ok_or_else(|| bad_value(v))? = true;
+        }
+        Ok(g)
+    }
+
+    fn node_class(&self, n: NodeId) -> Option<Class> {
+        self.class.get(n.index()).copied().flatten()
+    }
+
+    fn is_scalar_constant(&self, v: Value) -> bool {
+        self.producer[v.index()].is_some_and(|p| self.node_class(p) == Some(Class::ScalarConstant))
+    }
+
+    fn new_group(&mut self, kind: KernelKind, members: Vec<NodeId>, space: Space) -> usize {
+        let id = self.groups.len();
+        for &m in &members {
+            self.group_of[m.index()] = Some(id);
+        }
+        let mergeable = kind == KernelKind::Fused && space != Space::Alone;
+        self.groups.push(Some(Group { kind, members, space, mergeable }));
+        id
+    }
+
+    fn group(&self, id: usize) -> &Group {
+        self.groups[id].as_ref().expect("invariant: only live groups are referenced")
+    }
+
+    /// Whether the set `members` is convex in the kernel graph: no path leaves it and comes
+    /// back through nodes outside it. A path entering another group continues from every member
+    /// of that group, since a kernel's outputs wait for all of its inputs.
+    fn convex(&self, inside: &dyn Fn(NodeId) -> bool, members: &[NodeId]) -> bool {
+        let mut seen: HashSet<NodeId> = HashSet::new();
+        let mut stack: Vec<NodeId> = Vec::new();
+        let push_users = |n: NodeId, stack: &mut Vec<NodeId>, seen: &mut HashSet<NodeId>| {
+            for &r in &self.region.nodes[n.index()].results {
+                for &u in &self.users[r.index()] {
+                    if seen.insert(u) {
+                        stack.push(u);
+                    }
+                }
+            }
+        };
+        for &m in members {
+            for &r in &self.region.nodes[m.index()].results {
+                for &u in &self.users[r.index()] {
+                    if !inside(u) && seen.insert(u) {
+                        stack.push(u);
+                    }
+                }
+            }
+        }
+        let mut expanded: HashSet<usize> = HashSet::new();
+        while let Some(x) = stack.pop() {
+            if inside(x) {
+                return false;
+            }
+            match self.group_of[x.index()] {
+                Some(g) => {
+                    if expanded.insert(g) {
+                        for &y in &self.group(g).members {
+                            seen.insert(y);
+                            push_users(y, &mut stack, &mut seen);
+                        }
+                    }
+                }
+                None => push_users(x, &mut stack, &mut seen),
+            }
+        }
+        true
+    }
+
+    /// Whether an op of one of the groups reads a row-crossing reduction made in the other.
+    fn reads_grid_reduced(&self, a: usize, b: usize) -> bool {
+        let crosses = |from: usize, to: usize| {
+            self.group(to).members.iter().any(|&m| {
+                self.region.nodes[m.index()]
+                    .inputs
+                    .iter()
+                    .any(|&v| self.grid_reduced[v.index()] && self.producer[v.index()].is_some_and(|p| self.group_of[p.index()] == Some(from)))
+            })
+        };
+        crosses(a, b) || crosses(b, a)
+    }
+
+    /// The space of `a` and `b` merged, if they may merge.
+    fn can_merge(&self, a: usize, b: usize) -> Option<Space> {
+        let (ga, gb) = (self.group(a), self.group(b));
+        if a == b || !ga.mergeable || !gb.mergeable {
+            return None;
+        }
+        let space = ga.space.join(gb.space)?;
+        if self.reads_grid_reduced(a, b) {
+            return None;
+        }
+        let members: Vec<NodeId> = ga.members.iter().chain(&gb.members).copied().collect();
+        let inside = |n: NodeId| matches!(self.group_of[n.index()], Some(g) if g == a || g == b);
+        self.convex(&inside, &members).then_some(space)
+    }
+
+    /// Move `b`'s members into `a`.
+    fn merge(&mut self, a: usize, b: usize, space: Space) {
+        let gb = self.groups[b].take().expect("invariant: merging a live group");
+        for &m in &gb.members {
+            self.group_of[m.index()] = Some(a);
+        }
+        let pos = &self.pos;
+        let ga = self.groups[a].as_mut().expect("invariant: merging into a live group");
+        ga.members.extend(gb.members);
+        ga.members.sort_by_key(|m| pos[m.index()]);
+        ga.space = space;
+    }
+
+    /// The optimizer group: every `adamw` and `lr_schedule`, plus the pointwise producers of
+    /// each gradient operand whose results only the group reads.
+    fn optimizer_group(&mut self) -> Result<(), String> {
+        let region = self.region;
+        let core: Vec<NodeId> = region.order.iter().copied().filter(|&n| self.node_class(n) == Some(Class::Optimizer)).collect();
+        if core.is_empty() {
+            return Ok(());
+        }
+        let mut inside: HashSet<NodeId> = core.iter().copied().collect();
+        let mut work: Vec<Value> = core
+            .iter()
+            .filter(|&&n| matches!(region.nodes[n.index()].op, Op::AdamW(_)))
+            .filter_map(|&n| region.nodes[n.index()].inputs.get(1).copied())
+            .collect();
+        while let Some(v) = work.pop() {
+            let Some(p) = self.producer[v.index()] else { continue };
+            let node = &region.nodes[p.index()];
+            let only_ours = node.results.iter().all(|r| !self.escapes[r.index()] && self.users[r.index()].iter().all(|u| inside.contains(u)));
+            let rank0 = region.ty(v).rank() == 0;
+            if inside.contains(&p) || rank0 || !node.op.is_pointwise() || !only_ours {
+                continue;
+            }
+            inside.insert(p);
+            work.extend(node.inputs.iter().copied().filter(|&i| region.ty(i).rank() > 0));
+        }
+        let mut members: Vec<NodeId> = inside.iter().copied().collect();
+        members.sort_by_key(|m| self.pos[m.index()]);
+        let contains = |n: NodeId| inside.contains(&n);
+        if !self.convex(&contains, &members) {
+            // Retry without the absorbed producers before giving up.
+            let core_set: HashSet<NodeId> = core.iter().copied().collect();
+            if !self.convex(&|n| core_set.contains(&n), &core) {
+                return Err(format!("@{}: the optimizer updates depend on each other through other ops (not supported yet)", region.name));
+            }
+            members = core;
+        }
+        self.new_group(KernelKind::Optimizer, members, Space::Alone);
+        Ok(())
+    }
+
+    /// Greedy merging in program order (module documentation, rules 1-5).
+    fn fuse_pointwise(&mut self) {
+        let region = self.region;
+        for &n in &region.order {
+            let Some(Class::Fusible(space)) = self.node_class(n) else { continue };
+            if self.group_of[n.index()].is_some() {
+                continue;
+            }
+            let mut cur = self.new_group(KernelKind::Fused, vec![n], space);
+            if space == Space::Alone {
+                continue;
+            }
+            let node = &region.nodes[n.index()];
+            // Producer -> consumer: join the groups that made the operands.
+            let mut joined = false;
+            let mut tried: Vec<usize> = Vec::new();
+            for &v in &node.inputs {
+                let Some(g) = self.producer[v.index()].and_then(|p| self.group_of[p.index()]) else { continue };
+                if g == cur || tried.contains(&g) {
+                    continue;
+                }
+                tried.push(g);
+                if let Some(s) = self.can_merge(g, cur) {
+                    self.merge(g, cur, s);
+                    cur = g;
+                    joined = true;
+                }
+            }
+            if joined {
+                continue;
+            }
+            // Siblings: join a group that already reads one of the same (non-scalar) tensors.
+            let mut siblings: Vec<usize> = Vec::new();
+            for &v in node.inputs.iter().filter(|&&v| region.ty(v).rank() > 0) {
+                for &u in &self.users[v.index()] {
+                    if let Some(g) = self.group_of[u.index()]
+                        && g != cur
+                        && !tried.contains(&g)
+                        && !siblings.contains(&g)
+                        && self.pos[u.index()] < self.pos[n.index()]
+                    {
+                        siblings.push(g);
+                    }
+                }
+            }
+            for g in siblings {
+                if let Some(s) = self.can_merge(g, cur) {
+                    self.merge(g, cur, s);
+                    break;
+                }
+            }
+        }
+    }
+
+    /// Whether group `g` gets its own copy of the scalar constants it reads.
+    fn copies_constants(&self, g: usize) -> bool {
+        matches!(self.group(g).kind, KernelKind::Fused | KernelKind::Optimizer)
+    }
+
+    /// A scalar constant read outside fused/optimizer kernels (or a region result) becomes a
+    /// one-op fused kernel.
+    fn materialize_constants(&mut self) {
+        let region = self.region;
+        for &n in &region.order {
+            if self.node_class(n) != Some(Class::ScalarConstant) {
+                continue;
+            }
+            let needed = region.nodes[n.index()]
+                .results
+                .iter()
+                .any(|r| self.escapes[r.index()] || self.users[r.index()].iter().any(|u| !self.group_of[u.index()].is_some_and(|g| self.copies_constants(g))));
+            if needed {
+                self.new_group(KernelKind::Fused, vec![n], Space::Alone);
+            }
+        }
+    }
+
+    /// Every gemm, attention, gather and scatter node gets a kernel of its own.
+    fn single_kernels(&mut self) {
+        for &n in &self.region.order {
+            if let Some(Class::Single(kind)) = self.node_class(n) {
+                self.new_group(kind, vec![n], Space::Alone);
+            }
+        }
+    }
+
+    /// Order the groups and kept nodes topologically, earliest first member first.
+    fn schedule(&self, live: &[usize]) -> Result<Vec<Unit>, String> {
+        let region = self.region;
+        let mut units: Vec<Unit> = live.iter().map(|&g| Unit::Group(g)).collect();
+        let mut unit_of: Vec<Option<usize>> = vec![None; region.nodes.len()];
+        for (u, &g) in live.iter().enumerate() {
+            for &m in &self.group(g).members {
+                unit_of[m.index()] = Some(u);
+            }
+        }
+        for &n in &region.order {
+            if self.node_class(n) == Some(Class::Keep) {
+                unit_of[n.index()] = Some(units.len());
+                units.push(Unit::Keep(n));
+            }
+        }
+        let members = |u: Unit| -> Vec<NodeId> {
+            match u {
+                Unit::Group(g) => self.group(g).members.clone(),
+                Unit::Keep(n) => vec![n],
+            }
+        };
+        let mut first = vec![usize::MAX; units.len()];
+        let mut indeg = vec![0usize; units.len()];
+        let mut succ: Vec<Vec<usize>> = vec![Vec::new(); units.len()];
+        for (u, &unit) in units.iter().enumerate() {
+            let copies = matches!(unit, Unit::Group(g) if self.copies_constants(g));
+            let mut preds: Vec<usize> = Vec::new();
+            for m in members(unit) {
+                first[u] = first[u].min(self.pos[m.index()].unwrap_or(usize::MAX));
+                for &v in &region.nodes[m.index()].inputs {
+                    if copies && self.is_scalar_constant(v) {
+                        continue;
+                    }
+                    let Some(p) = self.producer[v.index()] else { continue };
+                    match unit_of[p.index()] {
+                        Some(pu) if pu != u && !preds.contains(&pu) => preds.push(pu),
+                        Some(_) => {}
+                        None => return Err(format!("@{}: node {m} reads a value of node {p}, which is in no kernel", region.name)),
+                    }
+                }
+            }
+            indeg[u] = preds.len();
+            for p in preds {
+                succ[p].push(u);
+            }
+        }
+        let mut ready: BinaryHeap<Reverse<(usize, usize)>> = (0..units.len()).filter(|&u| indeg[u] == 0).map(|u| Reverse((first[u], u))).collect();
+        let mut out = Vec::with_capacity(units.len());
+        while let Some(Reverse((_, u))) = ready.pop() {
+            out.push(units[u]);
+            for &s in &succ[u] {
+                indeg[s] -= 1;
+                if indeg[s] == 0 {
+                    ready.push(Reverse((first[s], s)));
+                }
+            }
+        }
+        if out.len() != units.len() {
+            return Err(format!("@{}: the kernels would form a cycle (a bug in the convexity check)", region.name));
+        }
+        Ok(out)
+    }
+}
+
+/// Group the nodes of `region` into kernels.
+pub fn group_region(region: &Region, dims: &DimTable) -> Result<Grouping, String> {
+    let mut g = Grouper::new(region, dims)?;
+    g.optimizer_group()?;
+    g.fuse_pointwise();
+    g.single_kernels();
+    g.materialize_constants();
+    // Compact: keep live groups that produce something, in order of their first member.
+    let mut live: Vec<usize> = (0..g.groups.len()).filter(|&i| g.groups[i].is_some()).collect();
+    live.sort_by_key(|&i| g.group(i).members.first().and_then(|m| g.pos[m.index()]));
+    let units = g.schedule(&live)?;
+    let mut renumber = vec![None; g.groups.len()];
+    let mut groups = Vec::with_capacity(live.len());
+    let mut out_units = Vec::with_capacity(units.len());
+    for u in units {
+        match u {
+            Unit::Group(old) => {
+                renumber[old] = Some(groups.len());
+                out_units.push(Unit::Group(groups.len()));
+                groups.push(g.group(old).clone());
+            }
+            Unit::Keep(n) => out_units.push(Unit::Keep(n)),
+        }
+    }
+    let group_of = g.group_of.iter().map(|x| x.and_then(|old| renumber[old])).collect();
+    Ok(Grouping { groups, group_of, units: out_units })
+}
+
+/// Whether `v` is made by a rank-0 `constant` node of `region`.
+pub fn is_scalar_constant(region: &Region, v: Value) -> Option<NodeId> {
+    match region.values.get(v.index())?.def {
+        ValueDef::Result { node, .. } => {
+            let n = region.nodes.get(node.index())?;
+            (matches!(n.op, Op::Constant { .. }) && region.ty(v).rank() == 0).then_some(node)
+        }
+        ValueDef::Arg(_) => None,
+    }
+}

@@ -1,0 +1,193 @@
+//! Per-block fusion: groups the ops of every region (`main` and each block, each block once
+//! however many layers repeat it) into kernels, the torch.compile analogue. The result is the
+//! *kernel graph*: every region holds only `kernel` nodes, `reshape` nodes (views, left between
+//! kernels) and, in `main`, `repeat` nodes. Each kernel's body is a new block
+//! `@<region>.k<N>`, numbered in program order, whose arguments are the group's external
+//! inputs and whose results are the group's values read outside it (or region results).
+//!
+//! # Kernels
+//!
+//! - `gemm`: one `linear` or `matmul`. `attention`, `attention_bwd`: one node.
+//!   `gather`: one `embedding` or `gather`. `scatter_add`: one `scatter_add`.
+//! - `optimizer`: every `adamw` and `lr_schedule` of the region in one multi-tensor kernel,
+//!   plus the pointwise producers of each `adamw` gradient operand whose results nothing else
+//!   reads (the clip multiply `g * clip_coef`), so the gradient is read once, by the optimizer.
+//! - `fused`: connected groups of the fusible ops: unary, binary, `cast`, `broadcast`,
+//!   `transpose`, `constant`, `reduce_*`, `rmsnorm`, `rmsnorm_bwd`, `rope`, `cross_entropy`,
+//!   `cross_entropy_bwd`.
+//!
+//! # Fusion rules
+//!
+//! Every fusible op has an *iteration space*: its element count (of the result for pointwise
+//! ops and `broadcast`/`transpose`; of the input for reductions and row ops) and, for row ops
+//! (`rmsnorm*`, `rope`, `cross_entropy*`, a reduction over the last axis only), the row length
+//! (last dim; `head_dim` for rope). An op whose operands and result are rank 0 is *scalar*.
+//! Ops are visited in program order; each starts a group and then:
+//!
+//! 1. **Producer -> consumer.** It joins the group of each operand's producer (in operand
+//!    order), merging those groups, when the merge keeps the rules below.
+//! 2. **Siblings.** If it joined no producer, it may join one group that already reads one of
+//!    its non-scalar operands, so the shared tensor is read once (SwiGLU backward's two
+//!    multiplies of `dy`; `cross_entropy` and `cross_entropy_bwd` of the logits).
+//! 3. **Compatible spaces.** Two groups merge only if their element counts are equal and their
+//!    row lengths (where both have one) are equal. A scalar group fits any group.
+//! 4. **Convexity.** The merged group must have no path that leaves it and comes back through
+//!    other nodes or kernels; otherwise the kernel graph would have a cycle (the block's final
+//!    residual add is not fused into the earlier `[add, rmsnorm]` because the MLP's GEMMs
+//!    sit between them).
+//! 5. **Grid reductions end a kernel.** A value that reduces across rows (a reduction to a
+//!    scalar, `cross_entropy`'s loss, `rmsnorm_bwd`'s weight gradient) is complete only when
+//!    its kernel ends, so no op of the same kernel reads it. Each gradient's
+//!    `reduce_sum(square(g))` is therefore its own small group, and the scalar ops that add the
+//!    partial sums (and compute the clip coefficient) form one scalar kernel after them.
+//! 6. **Constants.** A rank-0 `constant` is copied into every fused or optimizer kernel that
+//!    reads it (no buffer); read by anything else it also becomes a one-op fused kernel. A
+//!    non-scalar constant is a fused kernel of its own (a fill). Reductions over inner axes are
+//!    kernels of their own.
+//! 7. `reshape` is never inside a kernel, so fusion does not cross views.
+//!
+//! Kernels are scheduled in a topological order, earliest first op first. The interpreter runs
+//! a kernel's body op by op, so the fused graph computes bit-identical results.
+//! Fusing a graph whose regions hold only kernels, views and repeats changes nothing.
+
+mod group;
+mod outline;
+mod report;
+
+use std::collections::HashSet;
+
+use titan_ir::{BlockId, Graph, KernelKind, Op, Region};
+
+pub use group::{Class, Space, classify};
+pub use report::{FusionReport, KernelInfo, RegionReport, fusion_report};
+
+use crate::PassError;
+
+/// What the fusion pass did.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct FuseStats {
+    /// Regions rewritten (a region already made of kernels is left alone).
+    pub regions: usize,
+    pub kernels: usize,
+    /// Kernels of kind `fused`.
+    pub fused_kernels: usize,
+    /// Ops moved into kernel bodies.
+    pub ops_outlined: usize,
+    /// Rank-0 constants copied into kernel bodies.
+    pub constants_copied: usize,
+}
+
+/// Whether a region is already a kernel region: only kernels, views and repeats.
+fn is_kernel_region(r: &Region) -> bool {
+    r.order.iter().all(|n| r.nodes.get(n.index()).is_some_and(|node| matches!(node.op, Op::Kernel { .. } | Op::Reshape | Op::Repeat { .. })))
+}
+
+/// The blocks that are bodies of `kernel` nodes.
+pub fn kernel_bodies(g: &Graph) -> HashSet<BlockId> {
+    std::iter::once(&g.main)
+        .chain(&g.blocks)
+        .flat_map(|r| r.order.iter().filter_map(|n| r.nodes.get(n.index())))
+        .filter_map(|node| match node.op {
+            Op::Kernel { body, .. } => Some(body),
+            _ => None,
+        })
+        .collect()
+}
+
+fn fail(message: String) -> PassError {
+    if message.contains("not supported yet") {
+        PassError::Unsupported { pass: "fuse", what: message.replace(" (not supported yet)", "") }
+    } else {
+        PassError::Failed { pass: "fuse", message }
+    }
+}
+
+/// Check the shape of a kernel graph: regions (other than kernel bodies) hold only `kernel`
+/// and `reshape` nodes, plus `repeat` in `main`; bodies hold no `kernel`, `reshape` or
+/// `repeat`; a `gemm`, `attention`, `attention_bwd`, `gather` or `scatter_add` kernel holds
+/// exactly its one op. Returns every violation.
+pub fn check_kernel_graph(g: &Graph) -> Vec<String> {
+    let bodies = kernel_bodies(g);
+    let mut errors = Vec::new();
+    let regions = std::iter::once((None, &g.main)).chain(g.blocks.iter().enumerate().map(|(i, b)| (Some(BlockId(i as u32)), b)));
+    for (id, r) in regions {
+        let is_body = id.is_some_and(|b| bodies.contains(&b));
+        for node in r.order.iter().filter_map(|n| r.nodes.get(n.index())) {
+            let op = &node.op;
+            let allowed = if is_body {
+                !matches!(op, Op::Kernel { .. } | Op::Reshape | Op::Repeat { .. })
+            } else {
+                matches!(op, Op::Kernel { .. } | Op::Reshape) || (id.is_none() && matches!(op, Op::Repeat { .. }))
+            };
+            if !allowed && is_body {
+                errors.push(format!("@{}: a kernel body cannot hold `{}`", r.name, op.name()));
+            } else if !allowed {
+                errors.push(format!("@{}: `{}` is outside any kernel; run the `fuse` pass", r.name, op.name()));
+            }
+            let Op::Kernel { body, kind } = *op else { continue };
+            let Some(b) = g.blocks.get(body.index()) else {
+                errors.push(format!("@{}: a kernel names block #{} which does not exist", r.name, body.0));
+                continue;
+            };
+            let ops: Vec<&Op> = b.order.iter().filter_map(|n| b.nodes.get(n.index())).map(|n| &n.op).collect();
+            let single = match kind {
+                KernelKind::Gemm => matches!(ops.as_slice(), [Op::Linear | Op::Matmul { .. }]),
+                KernelKind::Attention => matches!(ops.as_slice(), [Op::Attention { .. }]),
+                KernelKind::AttentionBwd => matches!(ops.as_slice(), [Op::AttentionBwd { .. }]),
+                KernelKind::Gather => matches!(ops.as_slice(), [Op::Embedding | Op::Gather]),
+                KernelKind::ScatterAdd => matches!(ops.as_slice(), [Op::ScatterAdd]),
+                KernelKind::Fused | KernelKind::Optimizer => true,
+            };
+            if !single {
+                let names: Vec<&str> = ops.iter().map(|o| o.name()).collect();
+                errors.push(format!("@{} is a `{}` kernel but holds {}", b.name, kind.name(), names.join(", ")));
+            }
+        }
+    }
+    errors
+}
+
+/// Fuse every region of `g` into kernels (see the module documentation). On error `g` is
+/// unchanged.
+pub fn fuse(g: &mut Graph) -> Result<FuseStats, PassError> {
+    let bodies = kernel_bodies(g);
+    let base = g.blocks.len() as u32;
+    let mut new_blocks: Vec<Region> = Vec::new();
+    let mut stats = FuseStats::default();
+    // `None` is main.
+    let mut rewritten: Vec<(Option<usize>, Region)> = Vec::new();
+    let targets = (0..g.blocks.len()).filter(|&i| !bodies.contains(&BlockId(i as u32))).map(Some).chain([None]);
+    for t in targets {
+        let region = match t {
+            Some(i) => &g.blocks[i],
+            None => &g.main,
+        };
+        if is_kernel_region(region) {
+            continue;
+        }
+        let grouping = group::group_region(region, &g.dims).map_err(fail)?;
+        let o = outline::outline(region, &grouping, base + new_blocks.len() as u32).map_err(fail)?;
+        stats.regions += 1;
+        stats.kernels += o.bodies.len();
+        stats.fused_kernels += o.region.nodes.iter().filter(|n| matches!(n.op, Op::Kernel { kind: KernelKind::Fused, .. })).count();
+        stats.ops_outlined += o.ops_outlined;
+        stats.constants_copied += o.constants_copied;
+        rewritten.push((t, o.region));
+        new_blocks.extend(o.bodies);
+    }
+    let mut names: HashSet<&str> = g.blocks.iter().map(|b| b.name.as_str()).collect();
+    if let Some(b) = new_blocks.iter().find(|b| !names.insert(b.name.as_str())) {
+        return Err(fail(format!("kernel body `@{}` would reuse the name of an existing block; rename that block", b.name)));
+    }
+    for (t, region) in rewritten {
+        match t {
+            Some(i) => g.blocks[i] = region,
+            None => g.main = region,
+        }
+    }
+    g.blocks.extend(new_blocks);
+    Ok(stats)
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,245 @@
+//! Unit tests of the fusion rules on small hand-built graphs; each fused graph is verified
+//! and run against the unfused one on the interpreter (results must be bit-identical).
+
+use titan_ir::interp::{Interpreter, Precision, Tensor};
+use titan_ir::{ArgKind, BinaryOp, Builder, DType, Graph, KernelKind, Op, Output, ReduceKind, Region, TensorType, UnaryOp, Value};
+
+use super::{FuseStats, check_kernel_graph, fuse};
+
+fn f32s(shape: &[u64]) -> TensorType {
+    TensorType::fixed(DType::F32, shape)
+}
+
+/// A graph whose `main` takes `n` f32[8, 8] inputs, built by `body`.
+fn graph(n: usize, body: impl FnOnce(&mut Builder, &[Value]) -> Result<Vec<Value>, String>) -> Graph {
+    let mut g = Graph::new("t");
+    let xs: Vec<Value> = (0..n).map(|i| g.main.add_arg(f32s(&[8, 8]), ArgKind::Input, Some(&format!("x{i}")))).collect();
+    let outs = {
+        let mut b = g.main_builder();
+        body(&mut b, &xs).expect("the test graph builds")
+    };
+    for (i, v) in outs.into_iter().enumerate() {
+        g.main.outputs.push(Output { name: Some(format!("out{i}")), value: v });
+    }
+    assert_eq!(verify(&g), Vec::<String>::new());
+    g
+}
+
+fn verify(g: &Graph) -> Vec<String> {
+    titan_ir::verify::verify(g).iter().map(ToString::to_string).collect()
+}
+
+/// Fuse a copy of `g`, check it verifies and computes bit-identical outputs on fixed inputs.
+fn fused(g: &Graph) -> (Graph, FuseStats) {
+    let mut f = g.clone();
+    let stats = fuse(&mut f).expect("fusion");
+    assert_eq!(verify(&f), Vec::<String>::new(), "{f}");
+    assert_eq!(check_kernel_graph(&f), Vec::<String>::new(), "{f}");
+    let args: Vec<Tensor<f32>> = g
+        .main
+        .args
+        .iter()
+        .enumerate()
+        .map(|(i, a)| {
+            let shape = g.main.ty(a.value).resolve(&g.dims).expect("fixed dims");
+            let n: usize = shape.iter().product();
+            Tensor::from_vec(DType::F32, shape, (0..n).map(|k| ((k * 7 + i * 3) % 11) as f32 / 11.0 - 0.4).collect()).expect("tensor")
+        })
+        .collect();
+    let want = Interpreter::new(g, Precision::Emulate).run(&args).expect("unfused runs");
+    let got = Interpreter::new(&f, Precision::Emulate).run(&args).expect("fused runs");
+    let bits = |t: &Tensor<f32>| t.floats().expect("floats").iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    for (k, (w, g)) in want.outputs.iter().zip(&got.outputs).enumerate() {
+        let (wb, gb) = (bits(w), bits(g));
+        assert_eq!(wb.len(), gb.len());
+        if let Some(i) = wb.iter().zip(&gb).position(|(a, b)| a != b) {
+            panic!("output {k} differs at element {i}: unfused {} vs fused {}", f32::from_bits(wb[i]), f32::from_bits(gb[i]));
+        }
+    }
+    (f, stats)
+}
+
+/// `(kind, ops of the body)` of every kernel of `main`, in order.
+fn kernels(g: &Graph) -> Vec<(KernelKind, Vec<&'static str>)> {
+    kernels_of(g, &g.main)
+}
+
+fn kernels_of<'g>(g: &'g Graph, r: &'g Region) -> Vec<(KernelKind, Vec<&'static str>)> {
+    r.order
+        .iter()
+        .filter_map(|&n| match r.node(n).op {
+            Op::Kernel { body, kind } => Some((kind, g.block(body).order.iter().map(|&m| g.block(body).node(m).op.name()).collect())),
+            Op::Reshape | Op::Repeat { .. } => None,
+            ref other => panic!("`{}` left outside kernels", other.name()),
+        })
+        .collect()
+}
+
+fn unary(b: &mut Builder, u: UnaryOp, x: Value) -> Result<Value, String> {
+    b.push1(Op::Unary(u), &[x])
+}
+
+fn binary(b: &mut Builder, o: BinaryOp, x: Value, y: Value) -> Result<Value, String> {
+    b.push1(Op::Binary(o), &[x, y])
+}
+
+fn matmul(b: &mut Builder, x: Value, y: Value) -> Result<Value, String> {
+    b.push1(Op::Matmul { transpose_a: false, transpose_b: true }, &[x, y])
+}
+
+use titan_ir::KernelKind::{Fused, Gemm};
+
+#[test]
+fn producer_consumer_chains_fuse() {
+    let g = graph(2, |b, x| {
+        let a = unary(b, UnaryOp::Exp, x[0])?;
+        let c = binary(b, BinaryOp::Mul, a, x[1])?;
+        Ok(vec![unary(b, UnaryOp::Neg, c)?])
+    });
+    let (f, stats) = fused(&g);
+    assert_eq!(kernels(&f), vec![(Fused, vec!["exp", "mul", "neg"])]);
+    assert_eq!((stats.regions, stats.kernels, stats.ops_outlined), (1, 1, 3));
+}
+
+/// `a = exp(x); add(a, matmul(a, x))`: joining the add to `a`'s kernel would make a cycle
+/// through the GEMM, so it is not merged (without the GEMM it would be).
+#[test]
+fn a_diamond_through_a_gemm_is_not_merged() {
+    let g = graph(2, |b, x| {
+        let a = unary(b, UnaryOp::Exp, x[0])?;
+        let m = matmul(b, a, x[1])?;
+        Ok(vec![binary(b, BinaryOp::Add, a, m)?])
+    });
+    let (f, _) = fused(&g);
+    assert_eq!(kernels(&f), vec![(Fused, vec!["exp"]), (Gemm, vec!["matmul"]), (Fused, vec!["add"])]);
+
+    let g = graph(2, |b, x| {
+        let a = unary(b, UnaryOp::Exp, x[0])?;
+        let m = unary(b, UnaryOp::Neg, a)?;
+        Ok(vec![binary(b, BinaryOp::Add, a, m)?])
+    });
+    assert_eq!(kernels(&fused(&g).0), vec![(Fused, vec!["exp", "neg", "add"])]);
+}
+
+/// A cycle that only shows between kernels: `a -> gemm -> b` and `c -> gemm -> d` with `b` and
+/// `c` in one kernel (siblings reading `s`). Joining `d` to `a`'s kernel is node-level convex
+/// but would make the kernels `{a, d}` and `{b, c}` depend on each other.
+#[test]
+fn a_cycle_through_another_kernel_is_not_merged() {
+    let g = graph(4, |b, x| {
+        let (s, y, w) = (x[1], x[2], x[3]);
+        let a = unary(b, UnaryOp::Exp, x[0])?;
+        let g1 = matmul(b, a, w)?;
+        let bb = binary(b, BinaryOp::Mul, g1, s)?;
+        let c = binary(b, BinaryOp::Mul, y, s)?;
+        let g2 = matmul(b, c, w)?;
+        let d = binary(b, BinaryOp::Add, a, g2)?;
+        Ok(vec![bb, d])
+    });
+    let (f, _) = fused(&g);
+    let ks = kernels(&f);
+    assert!(ks.contains(&(Fused, vec!["mul", "mul"])), "{ks:?}");
+    assert!(ks.contains(&(Fused, vec!["exp"])) && ks.contains(&(Fused, vec!["add"])), "{ks:?}");
+    assert_eq!(ks.len(), 5, "{ks:?}");
+}
+
+#[test]
+fn incompatible_iteration_spaces_stay_apart() {
+    let g = graph(1, |b, x| {
+        let a = unary(b, UnaryOp::Exp, x[0])?;
+        // A row reduction joins (same elements, rows of 8); the [8] result does not.
+        let r = b.push1(Op::Reduce { kind: ReduceKind::Sum, axes: vec![1] }, &[a])?;
+        Ok(vec![unary(b, UnaryOp::Sqrt, r)?])
+    });
+    assert_eq!(kernels(&fused(&g).0), vec![(Fused, vec!["exp", "reduce_sum"]), (Fused, vec!["sqrt"])]);
+}
+
+/// A full reduction's result is complete only after its kernel, so `x * sum(x^2)` takes two
+/// kernels even though the multiply has the same element count.
+#[test]
+fn a_full_reduction_is_not_read_in_its_own_kernel() {
+    let g = graph(1, |b, x| {
+        let sq = unary(b, UnaryOp::Square, x[0])?;
+        let s = b.push1(Op::Reduce { kind: ReduceKind::Sum, axes: vec![0, 1] }, &[sq])?;
+        let r = unary(b, UnaryOp::Rsqrt, s)?;
+        Ok(vec![binary(b, BinaryOp::Mul, x[0], r)?])
+    });
+    assert_eq!(kernels(&fused(&g).0), vec![(Fused, vec!["square", "reduce_sum"]), (Fused, vec!["rsqrt", "mul"])]);
+}
+
+/// A rank-0 constant read by two kernels is copied into both; read by a region output it also
+/// becomes a kernel of its own. A non-scalar constant is a fill kernel.
+#[test]
+fn scalar_constants_are_copied_into_each_kernel() {
+    let g = graph(2, |b, x| {
+        let k = b.push_typed(Op::Constant { value: 2.0 }, &[], TensorType::scalar(DType::F32))?;
+        let a = binary(b, BinaryOp::Mul, x[0], k)?;
+        let m = matmul(b, a, x[1])?;
+        let c = binary(b, BinaryOp::Mul, m, k)?;
+        let z = b.push_typed(Op::Constant { value: 0.5 }, &[], f32s(&[8, 8]))?;
+        let d = binary(b, BinaryOp::Add, c, z)?;
+        Ok(vec![d])
+    });
+    let (f, stats) = fused(&g);
+    assert_eq!(kernels(&f), vec![(Fused, vec!["constant", "mul"]), (Gemm, vec!["matmul"]), (Fused, vec!["constant"]), (Fused, vec!["constant", "mul", "add"])]);
+    assert_eq!(stats.constants_copied, 2);
+    // The fill is the non-scalar constant, read by the last kernel.
+    let fill =
+        f.main.order.iter().map(|&n| f.main.node(n)).find(|n| matches!(n.op, Op::Kernel { body, .. } if f.block(body).name == "main.k2")).expect("fill kernel");
+    assert_eq!(f.main.ty(fill.results[0]), &f32s(&[8, 8]));
+
+    let g = graph(1, |b, x| {
+        let k = b.push_typed(Op::Constant { value: 3.0 }, &[], TensorType::scalar(DType::F32))?;
+        Ok(vec![binary(b, BinaryOp::Mul, x[0], k)?, k])
+    });
+    assert_eq!(kernels(&fused(&g).0), vec![(Fused, vec!["constant"]), (Fused, vec!["constant", "mul"])]);
+}
+
+#[test]
+fn fusing_twice_changes_nothing() {
+    let g = graph(2, |b, x| {
+        let a = unary(b, UnaryOp::Exp, x[0])?;
+        let m = matmul(b, a, x[1])?;
+        let k = b.push_typed(Op::Constant { value: 2.0 }, &[], TensorType::scalar(DType::F32))?;
+        let c = binary(b, BinaryOp::Mul, m, k)?;
+        let v = b.push_typed(Op::Reshape, &[c], f32s(&[64]))?;
+        Ok(vec![unary(b, UnaryOp::Neg, v)?])
+    });
+    let (once, stats) = fused(&g);
+    assert_eq!(stats.kernels, 4);
+    let mut twice = once.clone();
+    let again = fuse(&mut twice).expect("fusing a kernel graph");
+    assert_eq!(again, FuseStats::default());
+    assert_eq!(twice, once);
+}
+
+/// Names of kernel bodies follow `@<region>.k<N>`, numbered per region in program order.
+#[test]
+fn kernel_bodies_are_named_after_their_region() {
+    let g = graph(1, |b, x| Ok(vec![unary(b, UnaryOp::Exp, x[0])?]));
+    let (f, _) = fused(&g);
+    let names: Vec<&str> = f.blocks.iter().map(|b| b.name.as_str()).collect();
+    assert_eq!(names, vec!["main.k0"]);
+    let mut clash = g.clone();
+    clash.add_block(Region::new("main.k0"));
+    let err = fuse(&mut clash).expect_err("a clashing block name");
+    assert!(err.to_string().contains("`@main.k0` would reuse the name of an existing block"), "{err}");
+}
+
+#[test]
+fn the_kernel_graph_check_reports_leftover_ops() {
+    let g = graph(2, |b, x| {
+        let m = matmul(b, x[0], x[1])?;
+        Ok(vec![unary(b, UnaryOp::Exp, m)?])
+    });
+    assert_eq!(
+        check_kernel_graph(&g),
+        ["@main: `matmul` is outside any kernel; run the `fuse` pass", "@main: `exp` is outside any kernel; run the `fuse` pass"]
+    );
+    let (mut f, _) = fused(&g);
+    // Turn the fused `exp` kernel into a `gemm` kernel: the check notices.
+    let exp_kernel = f.main.order.iter().copied().find(|&n| matches!(f.main.node(n).op, Op::Kernel { kind: Fused, .. })).expect("exp kernel");
+    let Op::Kernel { body, .. } = f.main.node(exp_kernel).op else { unreachable!("a kernel") };
+    f.main.nodes[exp_kernel.index()].op = Op::Kernel { body, kind: Gemm };
+    assert_eq!(check_kernel_graph(&f), ["@main.k1 is a `gemm` kernel but holds exp"]);
+}

@@ -1,0 +1,422 @@
+//! The pass manager: one table of named passes, and [`run_pipeline`], which runs a list of
+//! them in order, optionally verifying the graph after each one, timing each, and capturing the
+//! IR text after the passes `--dump-after` asks for.
+//!
+//! The training lowering (`titanc lower --to train`) is [`TRAIN_PIPELINE`]; `titanc build`
+//! runs [`BUILD_PIPELINE`] (the same passes, then `fuse`) through [`compile_train_graph`].
+
+use std::fmt;
+use std::time::{Duration, Instant};
+
+use titan_ir::{Graph, Output};
+
+use crate::PassError;
+use crate::train::{TrainOptions, grad_output_name};
+
+/// Counters a pass reports, in the order it reports them (`params 12, casts 12`).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct PassStats {
+    pub counters: Vec<(&'static str, u64)>,
+}
+
+impl PassStats {
+    pub fn new() -> PassStats {
+        PassStats::default()
+    }
+
+    /// Append a counter.
+    pub fn with(mut self, name: &'static str, value: u64) -> PassStats {
+        self.counters.push((name, value));
+        self
+    }
+
+    /// The value of counter `name`.
+    pub fn get(&self, name: &str) -> Option<u64> {
+        self.counters.iter().find(|(k, _)| *k == name).map(|&(_, v)| v)
+    }
+}
+
+impl fmt::Display for PassStats {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.counters.is_empty() {
+            return f.write_str("-");
+        }
+        let parts: Vec<String> = self.counters.iter().map(|(k, v)| format!("{k} {v}")).collect();
+        f.write_str(&parts.join(", "))
+    }
+}
+
+/// What every pass gets besides the graph.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PassContext {
+    pub train: TrainOptions,
+    /// The pipeline verifies after every pass; a pass may run extra internal checks.
+    pub verify_each: bool,
+}
+
+/// The signature of every pass in the table.
+pub type PassFn = fn(&mut Graph, &PassContext) -> Result<PassStats, PassError>;
+
+/// One entry of the pass table.
+#[derive(Clone, Copy, Debug)]
+pub struct PassInfo {
+    /// Kebab-case name used on the command line (`--dump-after cse`).
+    pub name: &'static str,
+    /// One line for `--help` and listings.
+    pub summary: &'static str,
+    pub run: PassFn,
+}
+
+static PASSES: [PassInfo; 6] = [
+    PassInfo { name: "master-weights", summary: "make every parameter an fp32 master `state` read through a compute-dtype cast", run: run_master_weights },
+    PassInfo { name: "autodiff", summary: "differentiate `loss` (each block once) and expose each gradient as output `d_<param>`", run: run_autodiff },
+    PassInfo { name: "adamw", summary: "consume the `d_<param>` outputs: global-norm clipping, lr schedule and AdamW updates", run: run_adamw },
+    PassInfo { name: "cse", summary: "merge identical nodes", run: run_cse },
+    PassInfo { name: "dce", summary: "drop nodes that reach no output or update, and renumber", run: run_dce },
+    PassInfo { name: "fuse", summary: "group every region's ops into kernels (gemm, attention, fused pointwise/row ops, optimizer)", run: run_fuse },
+];
+
+/// The passes of `titanc lower --to train`.
+pub const TRAIN_PIPELINE: [&str; 5] = ["master-weights", "autodiff", "adamw", "cse", "dce"];
+
+/// The passes of `titanc build`: the training lowering, then fusion.
+pub const BUILD_PIPELINE: [&str; 6] = ["master-weights", "autodiff", "adamw", "cse", "dce", "fuse"];
+
+/// Every pass, in the order of [`BUILD_PIPELINE`].
+pub fn pass_table() -> &'static [PassInfo] {
+    &PASSES
+}
+
+fn valid_names() -> String {
+    PASSES.iter().map(|p| p.name).collect::<Vec<_>>().join(", ")
+}
+
+/// The table entries of `names`, in order; an unknown name is an error listing the valid ones.
+pub fn lookup_passes(names: &[&str]) -> Result<Vec<PassInfo>, PassError> {
+    names
+        .iter()
+        .map(|&n| PASSES.iter().find(|p| p.name == n).copied().ok_or_else(|| PassError::UnknownPass { name: n.to_string(), valid: valid_names() }))
+        .collect()
+}
+
+/// After which passes to capture the IR text.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub enum DumpAfter {
+    #[default]
+    None,
+    /// After the pass of this name (it must be in the pipeline).
+    Pass(String),
+    All,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct PipelineOptions {
+    /// Verify the input and the graph after every pass (tests turn this on).
+    pub verify_each: bool,
+    pub dump_after: DumpAfter,
+    /// Show per-pass wall time when the report is printed (it is always measured).
+    pub timings: bool,
+}
+
+/// What one pass did.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PassRecord {
+    pub pass: &'static str,
+    pub stats: PassStats,
+    /// Wall time of the pass itself (not of verification or dumping).
+    pub wall: Duration,
+}
+
+/// What a pipeline run did: per-pass statistics and times, and the requested IR dumps.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct PipelineReport {
+    pub passes: Vec<PassRecord>,
+    /// `(pass, IR text after it)`, in pipeline order.
+    pub dumps: Vec<(&'static str, String)>,
+    /// Whether [`fmt::Display`] shows the time column.
+    pub timings: bool,
+}
+
+impl PipelineReport {
+    /// The statistics of the first run of `pass`.
+    pub fn stats(&self, pass: &str) -> Option<&PassStats> {
+        self.passes.iter().find(|r| r.pass == pass).map(|r| &r.stats)
+    }
+
+    /// The IR text captured after `pass`.
+    pub fn dump(&self, pass: &str) -> Option<&str> {
+        self.dumps.iter().find(|(p, _)| *p == pass).map(|(_, s)| s.as_str())
+    }
+
+    pub fn total_wall(&self) -> Duration {
+        self.passes.iter().map(|r| r.wall).sum()
+    }
+}
+
+impl fmt::Display for PipelineReport {
+    /// One line per pass: name, time (with `timings`), statistics.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let width = self.passes.iter().map(|r| r.pass.len()).chain([5]).max().unwrap_or(5);
+        let ms = |d: Duration| format!("{:>9.2} ms", d.as_secs_f64() * 1e3);
+        for r in &self.passes {
+            if self.timings {
+                writeln!(f, "{:<width$}  {}  {}", r.pass, ms(r.wall), r.stats)?;
+            } else {
+                writeln!(f, "{:<width$}  {}", r.pass, r.stats)?;
+            }
+        }
+        if self.timings {
+            writeln!(f, "{:<width$}  {}", "total", ms(self.total_wall()))?;
+        }
+        Ok(())
+    }
+}
+
+fn verify_messages(g: &Graph) -> Vec<String> {
+    titan_ir::verify::verify(g).iter().map(ToString::to_string).collect()
+}
+
+/// Run `passes` on `g` in order. With `verify_each` the input and the result of every pass are
+/// verified, and a failure names the pass that produced the invalid graph. `dump_after` must
+/// name a pass of `passes`.
+pub fn run_pipeline(g: &mut Graph, passes: &[PassInfo], train: &TrainOptions, popts: &PipelineOptions) -> Result<PipelineReport, PassError> {
+    if let DumpAfter::Pass(name) = &popts.dump_after {
+        lookup_passes(&[name.as_str()])?;
+        if !passes.iter().any(|p| p.name == name) {
+            let ran: Vec<&str> = passes.iter().map(|p| p.name).collect();
+            return Err(PassError::Failed {
+                pass: "pipeline",
+                message: format!("`--dump-after {name}`: this pipeline does not run `{name}`; it runs {}", ran.join(", ")),
+            });
+        }
+    }
+    let ctx = PassContext { train: train.clone(), verify_each: popts.verify_each };
+    if popts.verify_each {
+        let errors = verify_messages(g);
+        if !errors.is_empty() {
+            return Err(PassError::InvalidInput { errors });
+        }
+    }
+    let mut report = PipelineReport { timings: popts.timings, ..PipelineReport::default() };
+    for p in passes {
+        let start = Instant::now();
+        let stats = (p.run)(g, &ctx)?;
+        let wall = start.elapsed();
+        report.passes.push(PassRecord { pass: p.name, stats, wall });
+        if popts.verify_each {
+            let errors = verify_messages(g);
+            if !errors.is_empty() {
+                return Err(PassError::Verify { after: p.name, errors });
+            }
+        }
+        let dump = match &popts.dump_after {
+            DumpAfter::None => false,
+            DumpAfter::All => true,
+            DumpAfter::Pass(name) => name == p.name,
+        };
+        if dump {
+            report.dumps.push((p.name, titan_ir::print::print_graph(g)));
+        }
+    }
+    Ok(report)
+}
+
+/// The whole compile of `titanc build`: copy `model` as `<name>_train`, lower it to the training
+/// step and fuse it into kernels ([`BUILD_PIPELINE`]). Returns the kernel graph and the report.
+pub fn compile_train_graph(model: &Graph, opts: &TrainOptions, popts: &PipelineOptions) -> Result<(Graph, PipelineReport), PassError> {
+    let passes = lookup_passes(&BUILD_PIPELINE)?;
+    crate::train::run_on_copy(model, opts, &passes, popts)
+}
+
+/// Map a pass's `String` error to a [`PassError`] naming it.
+fn fail(pass: &'static str) -> impl Fn(String) -> PassError {
+    move |message: String| {
+        if message.contains("not supported yet") {
+            PassError::Unsupported { pass, what: message.replace(" is not supported yet", "").replace(" (not supported yet)", "") }
+        } else {
+            PassError::Failed { pass, message }
+        }
+    }
+}
+
+fn run_master_weights(g: &mut Graph, _: &PassContext) -> Result<PassStats, PassError> {
+    let s = crate::mixed_precision::master_weights(g).map_err(fail("master-weights"))?;
+    Ok(PassStats::new().with("params", s.params as u64).with("casts", s.casts as u64))
+}
+
+fn run_autodiff(g: &mut Graph, _: &PassContext) -> Result<PassStats, PassError> {
+    let err = fail("autodiff");
+    let (grads, s) = crate::autodiff::differentiate_main(g, "loss").map_err(&err)?;
+    let mut outputs = Vec::new();
+    for (i, grad) in grads.iter().enumerate() {
+        let Some(value) = *grad else { continue };
+        let name = grad_output_name(&g.main, i);
+        let taken = g.main.outputs.iter().chain(&outputs).any(|o: &Output| o.name.as_deref() == Some(name.as_str()));
+        if taken {
+            return Err(err(format!("the gradient of argument {i} would be output `{name}`, which already exists; rename the argument or that output")));
+        }
+        outputs.push(Output { name: Some(name), value });
+    }
+    let n = outputs.len() as u64;
+    g.main.outputs.extend(outputs);
+    Ok(PassStats::new()
+        .with("blocks_differentiated", s.blocks_differentiated as u64)
+        .with("saved_per_layer", s.saved_per_layer as u64)
+        .with("backward_nodes", s.backward_nodes as u64)
+        .with("gradients", n))
+}
+
+fn run_adamw(g: &mut Graph, ctx: &PassContext) -> Result<PassStats, PassError> {
+    let names: Vec<String> = (0..g.main.args.len()).map(|i| grad_output_name(&g.main, i)).collect();
+    let mut grads = vec![None; names.len()];
+    let mut found = 0;
+    g.main.outputs.retain(|o| match o.name.as_deref().and_then(|n| names.iter().position(|m| m == n)) {
+        Some(i) => {
+            grads[i] = Some(o.value);
+            found += 1;
+            false
+        }
+        None => true,
+    });
+    if found == 0 {
+        return Err(PassError::Failed { pass: "adamw", message: "`main` has no gradient outputs (`d_<param>`); run `autodiff` before `adamw`".into() });
+    }
+    let s = crate::optimizer::append_adamw(g, &grads, &ctx.train).map_err(fail("adamw"))?;
+    Ok(PassStats::new().with("params", s.params as u64).with("state_buffers", s.state_buffers as u64))
+}
+
+fn run_cse(g: &mut Graph, _: &PassContext) -> Result<PassStats, PassError> {
+    Ok(PassStats::new().with("merged", crate::cse::cse(g) as u64))
+}
+
+fn run_dce(g: &mut Graph, _: &PassContext) -> Result<PassStats, PassError> {
+    let removed = crate::dce::dce(g);
+    g.canonicalize();
+    Ok(PassStats::new().with("removed", removed as u64))
+}
+
+fn run_fuse(g: &mut Graph, ctx: &PassContext) -> Result<PassStats, PassError> {
+    let s = crate::fuse::fuse(g)?;
+    if ctx.verify_each {
+        let errors = crate::fuse::check_kernel_graph(g);
+        if !errors.is_empty() {
+            return Err(PassError::Failed { pass: "fuse", message: format!("the result is not a kernel graph: {}", errors.join("; ")) });
+        }
+    }
+    Ok(PassStats::new()
+        .with("regions", s.regions as u64)
+        .with("kernels", s.kernels as u64)
+        .with("fused_kernels", s.fused_kernels as u64)
+        .with("ops_outlined", s.ops_outlined as u64)
+        .with("constants_copied", s.constants_copied as u64))
+}
+
+#[cfg(test)]
+mod tests {
+    use titan_ir::{ArgKind, BinaryOp, DType, Init, Op, ParamInfo, ReduceKind, TensorType, Value};
+
+    use super::*;
+
+    /// `loss = sum(x * w)` with one parameter `w`.
+    fn model() -> Graph {
+        let mut g = Graph::new("tiny");
+        let x = g.main.add_arg(TensorType::fixed(DType::F32, &[4]), ArgKind::Input, Some("x"));
+        let w = g.main.add_arg(TensorType::fixed(DType::BF16, &[4]), ArgKind::Param(ParamInfo { name: "w".into(), init: Init::Ones }), Some("w"));
+        let mut b = g.main_builder();
+        let wf = b.push_typed(Op::Cast, &[w], TensorType::fixed(DType::F32, &[4])).expect("cast");
+        let y = b.push1(Op::Binary(BinaryOp::Mul), &[x, wf]).expect("mul");
+        let loss = b.push1(Op::Reduce { kind: ReduceKind::Sum, axes: vec![0] }, &[y]).expect("sum");
+        g.main.outputs.push(Output { name: Some("loss".into()), value: loss });
+        g
+    }
+
+    fn opts(verify_each: bool, dump_after: DumpAfter) -> PipelineOptions {
+        PipelineOptions { verify_each, dump_after, timings: true }
+    }
+
+    #[test]
+    fn the_table_runs_the_training_lowering() {
+        let passes = lookup_passes(&TRAIN_PIPELINE).expect("names");
+        let mut g = model();
+        let report = run_pipeline(&mut g, &passes, &TrainOptions::default(), &opts(true, DumpAfter::All)).expect("pipeline");
+        let ran: Vec<&str> = report.passes.iter().map(|r| r.pass).collect();
+        assert_eq!(ran, TRAIN_PIPELINE);
+        assert_eq!(report.dumps.len(), 5);
+        // Between autodiff and adamw the gradient is an output; adamw consumes it.
+        assert!(report.dump("autodiff").expect("dump").contains("output d_w = "));
+        assert!(!report.dump("adamw").expect("dump").contains("d_w"));
+        assert_eq!(report.stats("master-weights").map(ToString::to_string).as_deref(), Some("params 1, casts 1"));
+        assert_eq!(report.stats("adamw").and_then(|s| s.get("state_buffers")), Some(3));
+        let outputs: Vec<&str> = g.main.outputs.iter().filter_map(|o| o.name.as_deref()).collect();
+        assert_eq!(outputs, ["loss", "grad_norm", "lr"]);
+        let text = report.to_string();
+        assert!(text.contains(" ms  ") && text.starts_with("master-weights") && text.contains("\ntotal "), "{text}");
+        // `lower_to_train` is the same pipeline (plus the train name and meta).
+        let lowered = crate::lower_to_train(&model(), &TrainOptions::default()).expect("lowering");
+        g.name = lowered.name.clone();
+        g.meta = lowered.meta.clone();
+        assert_eq!(titan_ir::print::print_graph(&g), titan_ir::print::print_graph(&lowered));
+    }
+
+    #[test]
+    fn compile_fuses_after_lowering() {
+        let (g, report) = compile_train_graph(&model(), &TrainOptions::default(), &opts(true, DumpAfter::Pass("fuse".into()))).expect("compile");
+        assert_eq!(g.name, "tiny_train");
+        assert_eq!(report.dumps.len(), 1);
+        assert!(report.dump("fuse").expect("dump").contains("kind = optimizer"));
+        assert!(report.stats("fuse").and_then(|s| s.get("kernels")).is_some_and(|k| k > 0));
+    }
+
+    #[test]
+    fn dump_after_names_are_checked() {
+        let passes = lookup_passes(&TRAIN_PIPELINE).expect("names");
+        let err = run_pipeline(&mut model(), &passes, &TrainOptions::default(), &opts(false, DumpAfter::Pass("fusion".into()))).expect_err("unknown");
+        assert_eq!(err.to_string(), "unknown pass `fusion`; valid passes: master-weights, autodiff, adamw, cse, dce, fuse");
+        let err = run_pipeline(&mut model(), &passes, &TrainOptions::default(), &opts(false, DumpAfter::Pass("fuse".into()))).expect_err("not run");
+        assert!(err.to_string().contains("this pipeline does not run `fuse`; it runs master-weights, autodiff, adamw, cse, dce"), "{err}");
+        assert!(matches!(lookup_passes(&["cse", "nope"]), Err(PassError::UnknownPass { name, .. }) if name == "nope"));
+    }
+
+    fn breaks_the_graph(g: &mut Graph, _: &PassContext) -> Result<PassStats, PassError> {
+        g.main.outputs[0].value = Value(9999);
+        Ok(PassStats::new())
+    }
+
+    #[test]
+    fn verify_each_names_the_pass_that_broke_the_graph() {
+        let mut passes = lookup_passes(&["master-weights"]).expect("names");
+        passes.push(PassInfo { name: "break-it", summary: "test", run: breaks_the_graph });
+        let err = run_pipeline(&mut model(), &passes, &TrainOptions::default(), &opts(true, DumpAfter::None)).expect_err("broken");
+        match &err {
+            PassError::Verify { after, errors } => {
+                assert_eq!(*after, "break-it");
+                assert!(errors.iter().any(|e| e.contains("value #9999")), "{errors:?}");
+            }
+            other => panic!("expected a verify error, got {other}"),
+        }
+        // Without verification the broken graph goes through.
+        assert!(run_pipeline(&mut model(), &passes, &TrainOptions::default(), &opts(false, DumpAfter::None)).is_ok());
+        // An invalid input is reported as such, before any pass runs.
+        let mut bad = model();
+        bad.main.outputs[0].value = Value(777);
+        let err = run_pipeline(&mut bad, &passes, &TrainOptions::default(), &opts(true, DumpAfter::None)).expect_err("invalid input");
+        assert!(matches!(err, PassError::InvalidInput { .. }), "{err}");
+    }
+
+    #[test]
+    fn adamw_without_autodiff_says_what_to_run_first() {
+        let passes = lookup_passes(&["master-weights", "adamw"]).expect("names");
+        let err = run_pipeline(&mut model(), &passes, &TrainOptions::default(), &PipelineOptions::default()).expect_err("no gradients");
+        assert!(err.to_string().contains("run `autodiff` before `adamw`"), "{err}");
+    }
+
+    #[test]
+    fn every_pass_has_a_kebab_case_name_and_a_summary() {
+        for p in pass_table() {
+            assert!(p.name.chars().all(|c| c.is_ascii_lowercase() || c == '-'), "{}", p.name);
+            assert!(!p.summary.is_empty() && !p.summary.ends_with('.'), "{}", p.name);
+        }
+        let names: Vec<&str> = pass_table().iter().map(|p| p.name).collect();
+        assert_eq!(names, BUILD_PIPELINE);
+    }
+}

@@ -1,0 +1,450 @@
+//! Loading an artifact directory (`titanc build -o DIR`): `manifest.json` (format version checked
+//! first), the target, `graph.ir`, and the consistency of the memory plan and the schedule, so
+//! that a backend can execute the schedule without checking anything again. A corrupt or
+//! inconsistent artifact is an [`ArtifactError`], never a panic.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+
+use titan_ir::artifact::{Arena, ArtifactError, BufRef, Buffer, BufferClass, GRAPH_FILE, MANIFEST_FILE, Manifest, Step};
+use titan_ir::{BlockId, DType, Graph, Region};
+
+/// The GPU architectures this runtime executes artifacts for.
+pub const KNOWN_TARGETS: &[&str] = &["sm_90a"];
+
+/// What the runtime feeds to the input buffers each step.
+pub const FEEDS: [&str; 3] = ["tokens", "targets", "step"];
+
+/// The arena a buffer of each class must live in.
+pub fn arena_of(class: BufferClass) -> Arena {
+    match class {
+        BufferClass::Input => Arena::Inputs,
+        BufferClass::Param => Arena::Params,
+        BufferClass::OptimizerState => Arena::OptimizerState,
+        BufferClass::Grad => Arena::Grads,
+        BufferClass::Activation => Arena::Activations,
+    }
+}
+
+/// The manifest's spelling of an arena.
+pub fn arena_name(a: Arena) -> &'static str {
+    match a {
+        Arena::Inputs => "inputs",
+        Arena::Params => "params",
+        Arena::OptimizerState => "optimizer_state",
+        Arena::Grads => "grads",
+        Arena::Activations => "activations",
+    }
+}
+
+/// The manifest's spelling of a buffer class.
+pub fn class_name(c: BufferClass) -> &'static str {
+    match c {
+        BufferClass::Input => "input",
+        BufferClass::Param => "param",
+        BufferClass::OptimizerState => "optimizer_state",
+        BufferClass::Grad => "grad",
+        BufferClass::Activation => "activation",
+    }
+}
+
+/// A loaded, checked artifact.
+#[derive(Debug)]
+pub struct Artifact {
+    pub dir: PathBuf,
+    pub manifest: Manifest,
+    /// The fused training graph (`graph.ir`).
+    pub graph: Graph,
+    /// Buffer id -> index in `manifest.buffers`.
+    buffer_index: BTreeMap<u32, usize>,
+    /// Kernel id -> (index in `manifest.kernels`, its body block in `graph`).
+    kernel_index: BTreeMap<u32, (usize, BlockId)>,
+    /// Bytes of each arena.
+    arena_bytes: BTreeMap<Arena, u64>,
+}
+
+fn invalid(message: String) -> ArtifactError {
+    ArtifactError::Invalid(message)
+}
+
+/// The bytes of a `dtype` tensor of `shape`, or `None` on overflow.
+pub fn tensor_bytes(dtype: DType, shape: &[u64]) -> Option<u64> {
+    shape.iter().try_fold(dtype.size_bytes() as u64, |acc, &d| acc.checked_mul(d))
+}
+
+/// Where a schedule step sits, for error messages: `rank 0, step 4.2`.
+fn loc(rank: u32, path: &[usize]) -> String {
+    let p: Vec<String> = path.iter().map(|i| i.to_string()).collect();
+    format!("rank {rank}, step {}", p.join("."))
+}
+
+/// The enclosing loop of a schedule step during checking.
+struct LoopScope<'a> {
+    count: u32,
+    carries: &'a [[u32; 2]],
+}
+
+impl Artifact {
+    /// Read and check the artifact in `dir`.
+    pub fn load(dir: impl AsRef<Path>) -> Result<Artifact, ArtifactError> {
+        let dir = dir.as_ref();
+        let shown = dir.display().to_string();
+        if !dir.exists() {
+            return Err(ArtifactError::Io {
+                path: shown.clone(),
+                message: format!("no such directory; build the artifact first with `titanc build model.ir -o {shown}`"),
+            });
+        }
+        if !dir.is_dir() {
+            return Err(ArtifactError::Io {
+                path: shown,
+                message: "not a directory; pass the directory `titanc build -o DIR` wrote (or a training graph `.ir` file)".into(),
+            });
+        }
+        let manifest_path = dir.join(MANIFEST_FILE);
+        let manifest_shown = manifest_path.display().to_string();
+        let text = std::fs::read_to_string(&manifest_path).map_err(|e| ArtifactError::Io {
+            path: manifest_shown.clone(),
+            message: if e.kind() == std::io::ErrorKind::NotFound {
+                format!("not found, so `{shown}` is not a titan artifact; build one with `titanc build model.ir -o {shown}`")
+            } else {
+                e.to_string()
+            },
+        })?;
+        let manifest = Manifest::from_json(&manifest_shown, &text)?;
+        if !KNOWN_TARGETS.contains(&manifest.target.arch.as_str()) {
+            return Err(ArtifactError::Target { found: manifest.target.arch.clone(), expected: KNOWN_TARGETS[0].to_string() });
+        }
+        let graph_path = dir.join(GRAPH_FILE);
+        if !graph_path.is_file() {
+            return Err(ArtifactError::Io {
+                path: graph_path.display().to_string(),
+                message: "not found; the artifact is incomplete, rebuild it with `titanc build`".into(),
+            });
+        }
+        let graph = titan_ir::parse_file(&graph_path).map_err(|e| invalid(format!("`{}` does not parse: {e}", graph_path.display())))?;
+        let mut artifact =
+            Artifact { dir: dir.to_path_buf(), manifest, graph, buffer_index: BTreeMap::new(), kernel_index: BTreeMap::new(), arena_bytes: BTreeMap::new() };
+        artifact.check()?;
+        Ok(artifact)
+    }
+
+    /// The buffer with id `id` (checked to exist for every id the schedule names).
+    pub fn buffer(&self, id: u32) -> Option<&Buffer> {
+        self.buffer_index.get(&id).map(|&i| &self.manifest.buffers[i])
+    }
+
+    /// Index of buffer `id` in `manifest.buffers`.
+    pub fn buffer_pos(&self, id: u32) -> Option<usize> {
+        self.buffer_index.get(&id).copied()
+    }
+
+    /// The kernel with id `id` and the block of `graph.ir` holding its body.
+    pub fn kernel(&self, id: u32) -> Option<(&titan_ir::artifact::Kernel, &Region)> {
+        self.kernel_index.get(&id).map(|&(i, b)| (&self.manifest.kernels[i], self.graph.block(b)))
+    }
+
+    /// Index of kernel `id` in `manifest.kernels`.
+    pub fn kernel_pos(&self, id: u32) -> Option<usize> {
+        self.kernel_index.get(&id).map(|&(i, _)| i)
+    }
+
+    /// Bytes of `arena` in the memory plan (0 when the plan has none).
+    pub fn arena_bytes(&self, arena: Arena) -> u64 {
+        self.arena_bytes.get(&arena).copied().unwrap_or(0)
+    }
+
+    /// The buffer the step's named output (`loss`, `grad_norm`, `lr`) is read from.
+    pub fn output_buffer(&self, name: &str) -> Option<&Buffer> {
+        self.manifest.buffers.iter().find(|b| b.output.as_deref() == Some(name))
+    }
+
+    /// The input buffer fed with `feed` (`tokens`, `targets`, `step`).
+    pub fn feed_buffer(&self, feed: &str) -> Option<&Buffer> {
+        self.manifest.buffers.iter().find(|b| b.feed.as_deref() == Some(feed))
+    }
+
+    /// Number of schedule steps of rank 0, loops expanded.
+    pub fn launches_per_step(&self) -> u64 {
+        fn count(steps: &[Step]) -> u64 {
+            steps
+                .iter()
+                .map(|s| match s {
+                    Step::Launch { .. } => 1,
+                    Step::Loop { count: n, body, .. } => u64::from(*n).saturating_mul(count(body)),
+                    _ => 0,
+                })
+                .fold(0u64, u64::saturating_add)
+        }
+        self.manifest.ranks.first().map_or(0, |r| count(&r.steps))
+    }
+
+    /// Check everything a backend relies on.
+    fn check(&mut self) -> Result<(), ArtifactError> {
+        let m = &self.manifest;
+        for a in &m.memory.arenas {
+            if self.arena_bytes.insert(a.arena, a.bytes).is_some() {
+                return Err(invalid(format!("the memory plan lists the `{}` arena twice", arena_name(a.arena))));
+            }
+        }
+        let mut feeds = BTreeSet::new();
+        let mut outputs = BTreeSet::new();
+        for (i, b) in m.buffers.iter().enumerate() {
+            let what = format!("buffer {} (`{}`)", b.id, b.name);
+            if self.buffer_index.insert(b.id, i).is_some() {
+                return Err(invalid(format!("buffer id {} is used twice", b.id)));
+            }
+            let bytes = tensor_bytes(b.dtype, &b.shape).ok_or_else(|| invalid(format!("{what}: its shape {:?} overflows", b.shape)))?;
+            if bytes != b.bytes {
+                return Err(invalid(format!("{what}: {} bytes declared, its type {}{:?} needs {bytes}", b.bytes, b.dtype, b.shape)));
+            }
+            let want = arena_of(b.class);
+            if b.arena != want {
+                return Err(invalid(format!(
+                    "{what}: a `{}` buffer must live in the `{}` arena, found `{}`",
+                    class_name(b.class),
+                    arena_name(want),
+                    arena_name(b.arena)
+                )));
+            }
+            let arena =
+                self.arena_bytes.get(&b.arena).copied().ok_or_else(|| invalid(format!("{what}: the memory plan has no `{}` arena", arena_name(b.arena))))?;
+            match b.offset.checked_add(b.bytes) {
+                Some(end) if end <= arena => {}
+                _ => {
+                    return Err(invalid(format!(
+                        "{what}: bytes {}..{} lie outside its arena of {arena} bytes; the memory plan is inconsistent, rebuild with `titanc build`",
+                        b.offset,
+                        b.offset.saturating_add(b.bytes)
+                    )));
+                }
+            }
+            match (&b.feed, b.class) {
+                (Some(f), BufferClass::Input) => {
+                    if !FEEDS.contains(&f.as_str()) {
+                        return Err(invalid(format!("{what}: feed `{f}` is not one titan-run provides (tokens, targets, step)")));
+                    }
+                    if !feeds.insert(f.clone()) {
+                        return Err(invalid(format!("two input buffers are fed `{f}`")));
+                    }
+                    let ok = if f == "step" { b.shape.is_empty() } else { b.shape.len() == 2 };
+                    if !b.dtype.is_int() || !ok {
+                        return Err(invalid(format!(
+                            "{what}: the `{f}` input must be an integer {}, found {}{:?}",
+                            if f == "step" { "scalar" } else { "[batch, seq] tensor" },
+                            b.dtype,
+                            b.shape
+                        )));
+                    }
+                }
+                (None, BufferClass::Input) => return Err(invalid(format!("{what}: an input buffer must name its feed (tokens, targets or step)"))),
+                (Some(_), _) => return Err(invalid(format!("{what}: only input buffers are fed"))),
+                (None, _) => {}
+            }
+            if matches!(b.class, BufferClass::Param | BufferClass::OptimizerState) {
+                let s = b.state.as_ref().ok_or_else(|| invalid(format!("{what}: a persistent buffer needs its `state` (checkpoint name and init)")))?;
+                if !b.dtype.is_float() {
+                    return Err(invalid(format!("{what}: state `{}` has an integer type; titan-run initializes float state only", s.name)));
+                }
+                if s.name.contains("{i}") && b.shape.is_empty() {
+                    return Err(invalid(format!("{what}: the stacked state `{}` needs a leading layer dim", s.name)));
+                }
+            }
+            if let Some(o) = &b.output {
+                if !outputs.insert(o.clone()) {
+                    return Err(invalid(format!("two buffers hold the output `{o}`")));
+                }
+                if b.shape.iter().product::<u64>() == 0 {
+                    return Err(invalid(format!("{what}: the output `{o}` buffer is empty")));
+                }
+            }
+        }
+        for f in FEEDS {
+            if !feeds.contains(f) {
+                return Err(invalid(format!("no input buffer is fed `{f}`; is this a training-step artifact?")));
+            }
+        }
+        if !outputs.contains("loss") {
+            return Err(invalid("no buffer holds the `loss` output; is this a training-step artifact?".into()));
+        }
+        for (i, k) in m.kernels.iter().enumerate() {
+            let block = self.graph.block_by_name(&k.body).ok_or_else(|| {
+                invalid(format!(
+                    "kernel {} (`{}`): its body `@{}` is not a block of {GRAPH_FILE}; rebuild the artifact with `titanc build`",
+                    k.id, k.name, k.body
+                ))
+            })?;
+            if self.kernel_index.insert(k.id, (i, block)).is_some() {
+                return Err(invalid(format!("kernel id {} is used twice", k.id)));
+            }
+        }
+        if m.ranks.is_empty() {
+            return Err(invalid("the artifact has no schedule (`ranks` is empty)".into()));
+        }
+        for r in &m.ranks {
+            let mut path = Vec::new();
+            self.check_steps(r.rank, &r.steps, &mut path, &mut Vec::new())?;
+        }
+        Ok(())
+    }
+
+    fn check_steps<'a>(&'a self, rank: u32, steps: &'a [Step], path: &mut Vec<usize>, scopes: &mut Vec<LoopScope<'a>>) -> Result<(), ArtifactError> {
+        for (i, step) in steps.iter().enumerate() {
+            path.push(i);
+            match step {
+                Step::Launch { kernel, inputs, outputs, .. } => {
+                    let (k, body) = self.kernel(*kernel).ok_or_else(|| invalid(format!("{}: kernel {kernel} does not exist", loc(rank, path))))?;
+                    let at = format!("{} (launch of `{}`)", loc(rank, path), k.name);
+                    if inputs.len() != body.args.len() || outputs.len() != body.outputs.len() {
+                        return Err(invalid(format!(
+                            "{at}: binds {} inputs and {} outputs, its body `@{}` takes {} arguments and returns {} values",
+                            inputs.len(),
+                            outputs.len(),
+                            body.name,
+                            body.args.len(),
+                            body.outputs.len()
+                        )));
+                    }
+                    let dims = &self.graph.dims;
+                    let arg_types = body.args.iter().map(|a| body.ty(a.value));
+                    let out_types = body.outputs.iter().map(|o| body.ty(o.value));
+                    for (j, (r, ty)) in inputs.iter().zip(arg_types).enumerate() {
+                        self.check_binding(&format!("{at}, input {j}"), r, ty, dims, scopes)?;
+                    }
+                    for (j, (r, ty)) in outputs.iter().zip(out_types).enumerate() {
+                        self.check_binding(&format!("{at}, output {j}"), r, ty, dims, scopes)?;
+                    }
+                }
+                Step::Copy { src, dst, bytes, .. } => {
+                    let at = loc(rank, path);
+                    for (what, r) in [("source", src), ("destination", dst)] {
+                        let v = self.check_ref(&format!("{at} (copy {what})"), r, scopes)?;
+                        if *bytes > v.bytes {
+                            return Err(invalid(format!("{at}: copies {bytes} bytes, its {what} holds {}", v.bytes)));
+                        }
+                    }
+                }
+                Step::Memset { dst, bytes, .. } => {
+                    let at = loc(rank, path);
+                    let v = self.check_ref(&format!("{at} (memset)"), dst, scopes)?;
+                    if *bytes > v.bytes {
+                        return Err(invalid(format!("{at}: zeroes {bytes} bytes, its destination holds {}", v.bytes)));
+                    }
+                }
+                Step::Loop { count, carries, body, .. } => {
+                    let at = loc(rank, path);
+                    for (c, pair) in carries.iter().enumerate() {
+                        let [a, b] =
+                            pair.map(|id| self.buffer(id).ok_or_else(|| invalid(format!("{at}: loop carry {c} names buffer {id}, which does not exist"))));
+                        let (a, b) = (a?, b?);
+                        if a.dtype != b.dtype || a.bytes != b.bytes {
+                            return Err(invalid(format!(
+                                "{at}: loop carry {c} ping-pongs between buffers of different types ({}{:?} and {}{:?})",
+                                a.dtype, a.shape, b.dtype, b.shape
+                            )));
+                        }
+                    }
+                    scopes.push(LoopScope { count: *count, carries });
+                    self.check_steps(rank, body, path, scopes)?;
+                    scopes.pop();
+                }
+            }
+            path.pop();
+        }
+        Ok(())
+    }
+
+    /// Check a kernel operand against the body's declared type: same dtype, same bytes.
+    fn check_binding(&self, at: &str, r: &BufRef, ty: &titan_ir::TensorType, dims: &titan_ir::DimTable, scopes: &[LoopScope<'_>]) -> Result<(), ArtifactError> {
+        let v = self.check_ref(at, r, scopes)?;
+        let shape = ty.resolve(dims).map_err(|e| invalid(format!("{at}: {e} in {GRAPH_FILE}")))?;
+        let shape: Vec<u64> = shape.into_iter().map(|d| d as u64).collect();
+        let want = tensor_bytes(ty.dtype, &shape).ok_or_else(|| invalid(format!("{at}: the type {ty} overflows")))?;
+        if v.dtype != ty.dtype || v.bytes != want {
+            return Err(invalid(format!("{at}: the kernel expects {ty} ({want} bytes), the schedule binds {}{:?} ({} bytes)", v.dtype, v.shape, v.bytes)));
+        }
+        Ok(())
+    }
+
+    /// Check a buffer reference in its loop scope and return the region it addresses.
+    fn check_ref(&self, at: &str, r: &BufRef, scopes: &[LoopScope<'_>]) -> Result<RefView, ArtifactError> {
+        match *r {
+            BufRef::Buffer { buffer, layer } => {
+                let b = self.buffer(buffer).ok_or_else(|| invalid(format!("{at}: buffer {buffer} does not exist")))?;
+                if !layer {
+                    return Ok(RefView { dtype: b.dtype, shape: b.shape.clone(), bytes: b.bytes });
+                }
+                let scope = scopes.last().ok_or_else(|| invalid(format!("{at}: a layer slice of buffer {buffer} (`{}`) outside any loop", b.name)))?;
+                if b.shape.first() != Some(&u64::from(scope.count)) {
+                    return Err(invalid(format!(
+                        "{at}: a layer slice of buffer {buffer} (`{}`, shape {:?}) in a loop of {} iterations; its dim 0 must be the loop count",
+                        b.name, b.shape, scope.count
+                    )));
+                }
+                let shape = b.shape[1..].to_vec();
+                let bytes = tensor_bytes(b.dtype, &shape).unwrap_or(0);
+                Ok(RefView { dtype: b.dtype, shape, bytes })
+            }
+            BufRef::Carry { carry, .. } => {
+                let scope = scopes.last().ok_or_else(|| invalid(format!("{at}: carry {carry} outside any loop")))?;
+                let ids =
+                    scope.carries.get(carry as usize).ok_or_else(|| invalid(format!("{at}: carry {carry}, the loop has {} carries", scope.carries.len())))?;
+                let b = self.buffer(ids[0]).ok_or_else(|| invalid(format!("{at}: carry {carry} names buffer {}, which does not exist", ids[0])))?;
+                Ok(RefView { dtype: b.dtype, shape: b.shape.clone(), bytes: b.bytes })
+            }
+        }
+    }
+}
+
+/// Type and size of what a [`BufRef`] addresses.
+struct RefView {
+    dtype: DType,
+    shape: Vec<u64>,
+    bytes: u64,
+}
+
+/// Format a byte count for logs: `512 B`, `12.3 KiB`, `4.56 MiB`, `79.2 GiB`.
+pub fn format_bytes(bytes: u64) -> String {
+    const UNITS: [&str; 4] = ["KiB", "MiB", "GiB", "TiB"];
+    if bytes < 1024 {
+        return format!("{bytes} B");
+    }
+    let mut x = bytes as f64 / 1024.0;
+    let mut unit = UNITS[0];
+    for u in &UNITS[1..] {
+        if x < 1024.0 {
+            break;
+        }
+        x /= 1024.0;
+        unit = u;
+    }
+    let digits = if x < 10.0 {
+        2
+    } else if x < 100.0 {
+        1
+    } else {
+        0
+    };
+    format!("{x:.digits$} {unit}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bytes_are_formatted_with_binary_units() {
+        assert_eq!(format_bytes(0), "0 B");
+        assert_eq!(format_bytes(1023), "1023 B");
+        assert_eq!(format_bytes(1536), "1.50 KiB");
+        assert_eq!(format_bytes(12 * 1024 * 1024 + 300 * 1024), "12.3 MiB");
+        assert_eq!(format_bytes(80 << 30), "80.0 GiB");
+        assert_eq!(format_bytes(300 << 30), "300 GiB");
+    }
+
+    #[test]
+    fn every_class_has_its_arena() {
+        assert_eq!(arena_of(BufferClass::Grad), Arena::Grads);
+        assert_eq!(arena_of(BufferClass::OptimizerState), Arena::OptimizerState);
+    }
+}

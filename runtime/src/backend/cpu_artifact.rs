@@ -1,0 +1,589 @@
+//! The CPU backend over an artifact: the reference executor of the schedule. One byte vector
+//! per arena, sized by the memory plan; every buffer lives at its offset in its real dtype
+//! encoding, so the plan is exercised for real (two live buffers that overlap corrupt each
+//! other and the results show it). Steps run in order: a `launch` decodes its input buffers,
+//! runs the kernel's body block of `graph.ir` on the interpreter (bf16 emulated) and encodes the
+//! results into its output buffers; `copy`, `memset` and `loop` (layer index and carry
+//! ping-pong) move bytes as documented in `titan_ir::artifact`.
+//!
+//! A body runs op by op with the interpreter's own `eval_op`, in the body's order: the same
+//! computation as [`Interpreter::run_region`] (which [`CpuArtifactTrainer::set_streaming`]
+//! switches back to), but each input is decoded at its first use and each output encoded as
+//! soon as it is computed, so the multi-tensor optimizer kernel of a large model holds one
+//! parameter's operands at a time rather than a second copy of the whole training state.
+//!
+//! The activation and gradient arenas are filled with NaN bytes before every step, as device
+//! memory holds garbage: a kernel reading a buffer nothing wrote this step poisons the loss.
+
+use std::rc::Rc;
+use std::time::Instant;
+
+use titan_ir::artifact::{Arena, BufRef, Buffer, BufferClass, Step};
+use titan_ir::interp::{Interpreter, Precision, Tensor, eval_op};
+use titan_ir::{ArgKind, DType, Op, Region, TensorType, ValueDef};
+
+use crate::RuntimeError;
+use crate::artifact::{Artifact, arena_name};
+use crate::backend::codec::{decode, encode, encode_floats, encode_ints};
+use crate::backend::{StepMetrics, Trainer, check_batch};
+use crate::data::Batch;
+use crate::init::init_values;
+
+/// The byte every element of a poisoned arena starts with: `0xff..` is NaN in every float
+/// format and -1 as an integer.
+const POISON: u8 = 0xff;
+
+const ARENAS: [Arena; 5] = [Arena::Inputs, Arena::Params, Arena::OptimizerState, Arena::Grads, Arena::Activations];
+
+fn slot(a: Arena) -> usize {
+    match a {
+        Arena::Inputs => 0,
+        Arena::Params => 1,
+        Arena::OptimizerState => 2,
+        Arena::Grads => 3,
+        Arena::Activations => 4,
+    }
+}
+
+fn bad(message: String) -> RuntimeError {
+    RuntimeError::Artifact(titan_ir::artifact::ArtifactError::Invalid(message))
+}
+
+/// Where a [`BufRef`] points this iteration: a byte range of one arena.
+#[derive(Clone, Copy, Debug)]
+struct View {
+    arena: usize,
+    start: usize,
+    len: usize,
+    dtype: DType,
+}
+
+/// The loop iteration a step runs in.
+#[derive(Clone, Copy)]
+struct Frame<'s> {
+    /// The layer index `i`.
+    layer: usize,
+    /// The iteration number in execution order, which picks the carry buffers.
+    t: usize,
+    carries: &'s [[u32; 2]],
+}
+
+/// How to run a kernel body op by op (see [`CpuArtifactTrainer::run_streaming`]), computed
+/// once per kernel.
+struct BodyPlan {
+    /// Value index -> the argument it is.
+    arg_of: Vec<Option<usize>>,
+    /// Value index -> how many node operands read it.
+    uses: Vec<u32>,
+    /// Value index -> the body outputs it is.
+    outputs_of: Vec<Vec<usize>>,
+    /// Arguments returned as outputs, decoded before anything is written.
+    eager_args: Vec<usize>,
+    /// Per node in program order: its declared result types.
+    result_types: Vec<Vec<TensorType>>,
+}
+
+impl BodyPlan {
+    /// `None` for a body the interpreter must run whole (nested `repeat`/`kernel` nodes) or
+    /// that refers to values or nodes that do not exist (the interpreter reports those).
+    fn new(body: &Region) -> Option<BodyPlan> {
+        let n = body.values.len();
+        let mut arg_of = vec![None; n];
+        for (i, a) in body.args.iter().enumerate() {
+            *arg_of.get_mut(a.value.index())? = Some(i);
+        }
+        let mut uses = vec![0u32; n];
+        let mut result_types = Vec::with_capacity(body.order.len());
+        for id in &body.order {
+            let node = body.nodes.get(id.index())?;
+            if matches!(node.op, Op::Repeat { .. } | Op::Kernel { .. }) {
+                return None;
+            }
+            for v in &node.inputs {
+                *uses.get_mut(v.index())? += 1;
+            }
+            let mut types = Vec::with_capacity(node.results.len());
+            for r in &node.results {
+                types.push(body.values.get(r.index())?.ty.clone());
+            }
+            result_types.push(types);
+        }
+        let mut outputs_of = vec![Vec::new(); n];
+        let mut eager_args = Vec::new();
+        for (o, out) in body.outputs.iter().enumerate() {
+            outputs_of.get_mut(out.value.index())?.push(o);
+            if let ValueDef::Arg(i) = body.values[out.value.index()].def {
+                eager_args.push(i as usize);
+            }
+        }
+        eager_args.sort_unstable();
+        eager_args.dedup();
+        if eager_args.iter().any(|&i| i >= body.args.len()) {
+            return None;
+        }
+        Some(BodyPlan { arg_of, uses, outputs_of, eager_args, result_types })
+    }
+}
+
+/// Time spent per kernel, summed over steps (for `--profile`).
+#[derive(Clone, Debug, Default)]
+pub struct KernelTime {
+    pub launches: u64,
+    pub seconds: f64,
+}
+
+/// Runs an artifact's schedule (rank 0) on the CPU.
+pub struct CpuArtifactTrainer<'a> {
+    artifact: &'a Artifact,
+    interp: Interpreter<'a>,
+    /// One byte vector per arena, indexed by [`slot`].
+    arenas: Vec<Vec<u8>>,
+    tokens: &'a Buffer,
+    targets: &'a Buffer,
+    step_buf: &'a Buffer,
+    loss: &'a Buffer,
+    grad_norm: Option<&'a Buffer>,
+    lr: Option<&'a Buffer>,
+    batch: usize,
+    seq: usize,
+    vocab: usize,
+    step: u64,
+    poison: bool,
+    /// Per kernel (in `manifest.kernels` order) when profiling.
+    profile: Option<Vec<KernelTime>>,
+    /// Per kernel (in `manifest.kernels` order): how to stream its body, if it can be.
+    plans: Rc<Vec<Option<BodyPlan>>>,
+    streaming: bool,
+}
+
+fn usize_of(x: u64, what: &str) -> Result<usize, RuntimeError> {
+    usize::try_from(x).map_err(|_| bad(format!("{what} ({x} bytes) does not fit this machine's address space")))
+}
+
+impl<'a> CpuArtifactTrainer<'a> {
+    /// Allocate the arenas of `artifact`'s memory plan and initialize every parameter and
+    /// optimizer-state buffer from `graph.ir`'s state arguments with `seed` (the same values
+    /// graph mode starts from).
+    pub fn new(artifact: &'a Artifact, seed: u64) -> Result<CpuArtifactTrainer<'a>, RuntimeError> {
+        let m = &artifact.manifest;
+        if m.ranks.len() != 1 || m.mesh.world_size > 1 {
+            return Err(RuntimeError::Backend(format!(
+                "the artifact has {} ranks (mesh world size {}); the cpu backend runs single-device artifacts, rebuild without a mesh",
+                m.ranks.len(),
+                m.mesh.world_size
+            )));
+        }
+        let mut arenas = Vec::with_capacity(ARENAS.len());
+        for a in ARENAS {
+            let bytes = usize_of(artifact.arena_bytes(a), &format!("the `{}` arena", arena_name(a)))?;
+            let mut v = Vec::new();
+            v.try_reserve_exact(bytes).map_err(|_| {
+                RuntimeError::Backend(format!("cannot allocate the `{}` arena of {bytes} bytes; this machine has too little memory", arena_name(a)))
+            })?;
+            v.resize(bytes, 0);
+            arenas.push(v);
+        }
+        let feed = |f: &str| artifact.feed_buffer(f).ok_or_else(|| bad(format!("no input buffer is fed `{f}`")));
+        let (tokens, targets, step_buf) = (feed("tokens")?, feed("targets")?, feed("step")?);
+        if tokens.shape != targets.shape {
+            return Err(bad(format!("the tokens buffer is {:?} and the targets buffer {:?}; they must match", tokens.shape, targets.shape)));
+        }
+        let t = &m.training;
+        let (batch, seq) = (usize_of(tokens.shape[0], "batch")?, usize_of(tokens.shape[1], "seq")?);
+        if (t.batch, t.seq_len) != (tokens.shape[0], tokens.shape[1]) {
+            return Err(bad(format!("the manifest trains batch {} x seq {}, its tokens buffer is {:?}", t.batch, t.seq_len, tokens.shape)));
+        }
+        let loss = artifact.output_buffer("loss").ok_or_else(|| bad("no buffer holds the `loss` output".into()))?;
+        let mut trainer = CpuArtifactTrainer {
+            artifact,
+            interp: Interpreter::new(&artifact.graph, Precision::Emulate),
+            arenas,
+            tokens,
+            targets,
+            step_buf,
+            loss,
+            grad_norm: artifact.output_buffer("grad_norm"),
+            lr: artifact.output_buffer("lr"),
+            batch,
+            seq,
+            vocab: usize_of(t.vocab_size, "vocab_size")?,
+            step: 0,
+            poison: true,
+            streaming: true,
+            profile: None,
+            plans: Rc::new(m.kernels.iter().map(|k| artifact.graph.block_by_name(&k.body).and_then(|b| BodyPlan::new(artifact.graph.block(b)))).collect()),
+        };
+        trainer.init_state(seed)?;
+        Ok(trainer)
+    }
+
+    /// Fill every persistent buffer from the state argument of `graph.ir`'s `main` with the
+    /// same checkpoint name.
+    fn init_state(&mut self, seed: u64) -> Result<(), RuntimeError> {
+        let graph = &self.artifact.graph;
+        for b in &self.artifact.manifest.buffers {
+            if !matches!(b.class, BufferClass::Param | BufferClass::OptimizerState) {
+                continue;
+            }
+            let Some(s) = &b.state else { return Err(bad(format!("buffer {} (`{}`) is persistent but has no `state`", b.id, b.name))) };
+            let arg = graph.main.args.iter().find(|a| a.kind.param_info().is_some_and(|p| p.name == s.name)).ok_or_else(|| {
+                bad(format!(
+                    "state buffer {} (`{}`) has no state argument named \"{}\" in graph.ir; rebuild the artifact with `titanc build`",
+                    b.id, b.name, s.name
+                ))
+            })?;
+            let (ArgKind::State(p) | ArgKind::Param(p)) = &arg.kind else { continue };
+            let ty = graph.main.ty(arg.value);
+            let shape = ty.resolve(&graph.dims).map_err(|e| bad(format!("state `{}` in graph.ir: {e}", s.name)))?;
+            if ty.dtype != b.dtype || shape.iter().map(|&d| d as u64).collect::<Vec<_>>() != b.shape {
+                return Err(bad(format!("state `{}` is {ty} in graph.ir but buffer {} is {}{:?}", s.name, b.id, b.dtype, b.shape)));
+            }
+            let (layers, per_layer) = if p.is_stacked() { (shape[0], shape[1..].iter().product()) } else { (1, shape.iter().product()) };
+            let values = init_values(p.init, layers, per_layer, seed, &|l| p.layer_name(l))
+                .map_err(|e| RuntimeError::Graph(format!("initializing `{}`: {e}", p.name)))?;
+            let v = self.whole(b)?;
+            encode_floats(&values, b.dtype, &mut self.arenas[v.arena][v.start..v.start + v.len]).map_err(|e| bad(format!("state `{}`: {e}", s.name)))?;
+        }
+        Ok(())
+    }
+
+    /// Turn the NaN poisoning of the activation and gradient arenas on or off (on by default).
+    pub fn set_poison(&mut self, on: bool) {
+        self.poison = on;
+    }
+
+    /// Run kernel bodies op by op with inputs decoded at first use and outputs encoded at once
+    /// (the default), or whole with [`Interpreter::run_region`]. Both give the same bits; the
+    /// streaming mode needs far less memory for multi-tensor optimizer kernels.
+    pub fn set_streaming(&mut self, on: bool) {
+        self.streaming = on;
+    }
+
+    /// Record the time spent in each kernel from now on.
+    pub fn enable_profile(&mut self) {
+        self.profile = Some(vec![KernelTime::default(); self.artifact.manifest.kernels.len()]);
+    }
+
+    /// Time per kernel (in `manifest.kernels` order), when profiling.
+    pub fn profile(&self) -> Option<&[KernelTime]> {
+        self.profile.as_deref()
+    }
+
+    pub fn artifact(&self) -> &Artifact {
+        self.artifact
+    }
+
+    /// The whole of buffer `b`.
+    fn whole(&self, b: &Buffer) -> Result<View, RuntimeError> {
+        let what = || format!("buffer {} (`{}`)", b.id, b.name);
+        let start = usize_of(b.offset, &what())?;
+        let len = usize_of(b.bytes, &what())?;
+        let arena = slot(b.arena);
+        if start.checked_add(len).is_none_or(|end| end > self.arenas[arena].len()) {
+            return Err(bad(format!("{} lies outside its arena", what())));
+        }
+        Ok(View { arena, start, len, dtype: b.dtype })
+    }
+
+    /// Resolve `r` in the loop iteration `frame`.
+    fn view(&self, r: &BufRef, frame: Option<Frame<'_>>) -> Result<View, RuntimeError> {
+        let buffer = |id: u32| self.artifact.buffer(id).ok_or_else(|| bad(format!("buffer {id} does not exist")));
+        match *r {
+            BufRef::Buffer { buffer: id, layer: false } => self.whole(buffer(id)?),
+            BufRef::Buffer { buffer: id, layer: true } => {
+                let b = buffer(id)?;
+                let f = frame.ok_or_else(|| bad(format!("a layer slice of buffer {id} outside any loop")))?;
+                let v = self.whole(b)?;
+                let layers = b.shape.first().map_or(0, |&d| d as usize);
+                if f.layer >= layers {
+                    return Err(bad(format!("layer {} of buffer {id}, which has {layers}", f.layer)));
+                }
+                let per = v.len / layers;
+                Ok(View { start: v.start + f.layer * per, len: per, ..v })
+            }
+            BufRef::Carry { carry, out } => {
+                let f = frame.ok_or_else(|| bad(format!("carry {carry} outside any loop")))?;
+                let pair = f.carries.get(carry as usize).ok_or_else(|| bad(format!("carry {carry} does not exist")))?;
+                self.whole(buffer(pair[(f.t + usize::from(out)) % 2])?)
+            }
+        }
+    }
+
+    fn bytes(&self, v: View) -> &[u8] {
+        &self.arenas[v.arena][v.start..v.start + v.len]
+    }
+
+    /// Decode a whole buffer.
+    fn read(&self, b: &Buffer) -> Result<Tensor<f32>, RuntimeError> {
+        let v = self.whole(b)?;
+        decode(self.bytes(v), b.dtype, b.shape.iter().map(|&d| d as usize).collect()).map_err(|e| bad(format!("buffer {} (`{}`): {e}", b.id, b.name)))
+    }
+
+    /// The first element of an output buffer.
+    fn scalar(&self, b: Option<&Buffer>) -> Result<f64, RuntimeError> {
+        match b {
+            Some(b) => Ok(self.read(b)?.to_f64_vec().first().copied().unwrap_or(f64::NAN)),
+            None => Ok(f64::NAN),
+        }
+    }
+
+    fn feed(&mut self, b: &Buffer, values: &[i64]) -> Result<(), RuntimeError> {
+        let v = self.whole(b)?;
+        encode_ints(values, b.dtype, &mut self.arenas[v.arena][v.start..v.start + v.len]).map_err(|e| RuntimeError::Data(format!("feeding `{}`: {e}", b.name)))
+    }
+
+    /// Execute `steps` in order.
+    fn exec(&mut self, steps: &[Step], frame: Option<Frame<'_>>) -> Result<(), RuntimeError> {
+        for step in steps {
+            match step {
+                Step::Launch { kernel, inputs, outputs, .. } => self.launch(*kernel, inputs, outputs, frame)?,
+                Step::Copy { src, dst, bytes, .. } => {
+                    let (s, d) = (self.view(src, frame)?, self.view(dst, frame)?);
+                    let n = usize_of(*bytes, "a copy")?;
+                    if n > s.len || n > d.len {
+                        return Err(bad(format!("a copy of {n} bytes between buffers of {} and {} bytes", s.len, d.len)));
+                    }
+                    if s.arena == d.arena {
+                        self.arenas[s.arena].copy_within(s.start..s.start + n, d.start);
+                    } else {
+                        let (lo, hi) = self.arenas.split_at_mut(s.arena.max(d.arena));
+                        let (src, dst) = if s.arena < d.arena { (&lo[s.arena], &mut hi[0]) } else { (&hi[0], &mut lo[d.arena]) };
+                        dst[d.start..d.start + n].copy_from_slice(&src[s.start..s.start + n]);
+                    }
+                }
+                Step::Memset { dst, bytes, .. } => {
+                    let d = self.view(dst, frame)?;
+                    let n = usize_of(*bytes, "a memset")?;
+                    if n > d.len {
+                        return Err(bad(format!("a memset of {n} bytes on a buffer of {} bytes", d.len)));
+                    }
+                    self.arenas[d.arena][d.start..d.start + n].fill(0);
+                }
+                Step::Loop { count, reverse, carries, body } => {
+                    let count = *count as usize;
+                    for t in 0..count {
+                        let layer = if *reverse { count - 1 - t } else { t };
+                        self.exec(body, Some(Frame { layer, t, carries }))?;
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn launch(&mut self, kernel: u32, inputs: &[BufRef], outputs: &[BufRef], frame: Option<Frame<'_>>) -> Result<(), RuntimeError> {
+        let artifact = self.artifact;
+        let pos = artifact.kernel_pos(kernel).ok_or_else(|| bad(format!("kernel {kernel} does not exist")))?;
+        let (k, body) = artifact.kernel(kernel).ok_or_else(|| bad(format!("kernel {kernel} does not exist")))?;
+        if inputs.len() != body.args.len() || outputs.len() != body.outputs.len() {
+            return Err(bad(format!("kernel `{}` is launched with {} inputs and {} outputs", k.name, inputs.len(), outputs.len())));
+        }
+        let ins = inputs.iter().map(|r| self.view(r, frame)).collect::<Result<Vec<_>, _>>()?;
+        let outs = outputs.iter().map(|r| self.view(r, frame)).collect::<Result<Vec<_>, _>>()?;
+        let start = self.profile.is_some().then(Instant::now);
+        let plans = Rc::clone(&self.plans);
+        let plan = plans.get(pos).ok_or_else(|| bad(format!("kernel `{}` has no execution plan", k.name)))?;
+        let result = match plan {
+            Some(plan) if self.streaming => self.run_streaming(body, plan, &ins, &outs),
+            _ => self.run_whole(body, &ins, &outs),
+        };
+        result.map_err(|e| match e {
+            RuntimeError::Interp(mut e) => {
+                e.message = format!("{} (kernel `{}`)", e.message, k.name);
+                RuntimeError::Interp(e)
+            }
+            RuntimeError::Artifact(titan_ir::artifact::ArtifactError::Invalid(m)) => bad(format!("kernel `{}`: {m}", k.name)),
+            other => other,
+        })?;
+        if let (Some(start), Some(p)) = (start, self.profile.as_mut())
+            && let Some(kt) = p.get_mut(pos)
+        {
+            kt.launches += 1;
+            kt.seconds += start.elapsed().as_secs_f64();
+        }
+        Ok(())
+    }
+
+    /// Decode argument `i` of `body` from `view`.
+    fn decode_arg(&self, body: &Region, i: usize, view: View) -> Result<Tensor<f32>, RuntimeError> {
+        let ty = body.ty(body.args[i].value);
+        if view.dtype != ty.dtype {
+            return Err(bad(format!("argument {i} is {ty}, the schedule binds a {} buffer", view.dtype)));
+        }
+        let shape = ty.resolve(&self.artifact.graph.dims).map_err(bad)?;
+        decode(self.bytes(view), ty.dtype, shape).map_err(|e| bad(format!("argument {i}: {e}")))
+    }
+
+    fn encode_out(&mut self, i: usize, t: &Tensor<f32>, view: View) -> Result<(), RuntimeError> {
+        if view.dtype != t.dtype {
+            return Err(bad(format!("result {i} is {}, the schedule binds a {} buffer", t.type_string(), view.dtype)));
+        }
+        encode(t, &mut self.arenas[view.arena][view.start..view.start + view.len]).map_err(|e| bad(format!("result {i}: {e}")))
+    }
+
+    /// Decode every input, run the body on the interpreter, encode every output.
+    fn run_whole(&mut self, body: &Region, ins: &[View], outs: &[View]) -> Result<(), RuntimeError> {
+        let args = ins.iter().enumerate().map(|(i, &v)| self.decode_arg(body, i, v)).collect::<Result<Vec<_>, _>>()?;
+        let results = self.interp.run_region(body, &args)?;
+        drop(args);
+        for (i, (t, &v)) in results.iter().zip(outs).enumerate() {
+            self.encode_out(i, t, v)?;
+        }
+        Ok(())
+    }
+
+    /// Run the body op by op like the interpreter (the same `eval_op` calls in the same order,
+    /// so the same bits), decoding each input at its first use, encoding each output as soon
+    /// as it is computed and dropping every value after its last use: a multi-tensor optimizer
+    /// kernel then holds one tensor's operands at a time instead of a copy of the whole model.
+    /// An output waits while it overlaps an input not yet decoded, which keeps in-place
+    /// updates exact.
+    fn run_streaming(&mut self, body: &Region, plan: &BodyPlan, ins: &[View], outs: &[View]) -> Result<(), RuntimeError> {
+        let dims = &self.artifact.graph.dims;
+        let mut env: Vec<Option<Tensor<f32>>> = (0..body.values.len()).map(|_| None).collect();
+        let mut uses = plan.uses.clone();
+        let mut done = vec![false; outs.len()];
+        let mut pending: Vec<usize> = Vec::new();
+        for &i in &plan.eager_args {
+            env[body.args[i].value.index()] = Some(self.decode_arg(body, i, ins[i])?);
+        }
+        let overlaps = |a: View, b: View| a.arena == b.arena && a.start < b.start + b.len && b.start < a.start + a.len;
+        for (n, node) in body.order.iter().map(|&id| &body.nodes[id.index()]).enumerate() {
+            for &v in &node.inputs {
+                if env[v.index()].is_none()
+                    && let Some(i) = plan.arg_of[v.index()]
+                {
+                    env[v.index()] = Some(self.decode_arg(body, i, ins[i])?);
+                }
+            }
+            let results = {
+                let mut operands = Vec::with_capacity(node.inputs.len());
+                for &v in &node.inputs {
+                    operands.push(env[v.index()].as_ref().ok_or_else(|| bad(format!("value {v} of @{} is used before it is defined", body.name)))?);
+                }
+                eval_op(&node.op, &operands, &plan.result_types[n], dims, Precision::Emulate).map_err(|m| titan_ir::interp::InterpError {
+                    region: body.name.clone(),
+                    node: Some(body.order[n]),
+                    op: Some(node.op.name()),
+                    message: m,
+                })?
+            };
+            for (r, t) in node.results.iter().zip(results) {
+                env[r.index()] = Some(t);
+                pending.extend(plan.outputs_of[r.index()].iter().copied());
+            }
+            for &v in &node.inputs {
+                uses[v.index()] = uses[v.index()].saturating_sub(1);
+            }
+            // Encode what no longer overlaps an input still to be decoded.
+            let waiting = |v: View| {
+                ins.iter().enumerate().any(|(i, &iv)| {
+                    let a = body.args[i].value.index();
+                    env[a].is_none() && uses[a] > 0 && overlaps(v, iv)
+                })
+            };
+            let mut still = Vec::new();
+            for &o in &pending {
+                if waiting(outs[o]) {
+                    still.push(o);
+                    continue;
+                }
+                if let Some(t) = env[body.outputs[o].value.index()].as_ref() {
+                    self.encode_out(o, t, outs[o])?;
+                    done[o] = true;
+                }
+            }
+            pending = still;
+            for &v in node.inputs.iter().chain(&node.results) {
+                let i = v.index();
+                if uses[i] == 0 && plan.outputs_of[i].iter().all(|&o| done[o]) {
+                    env[i] = None;
+                }
+            }
+        }
+        for o in 0..outs.len() {
+            if done[o] {
+                continue;
+            }
+            let v = body.outputs[o].value;
+            let t = match (env[v.index()].take(), plan.arg_of[v.index()]) {
+                (Some(t), _) => t,
+                (None, Some(i)) => self.decode_arg(body, i, ins[i])?,
+                (None, None) => return Err(bad(format!("output {o} of @{} is never defined", body.name))),
+            };
+            self.encode_out(o, &t, outs[o])?;
+            env[v.index()] = Some(t);
+        }
+        Ok(())
+    }
+
+    /// Run one training step on `batch`.
+    pub fn step(&mut self, batch: &Batch) -> Result<StepMetrics, RuntimeError> {
+        check_batch(batch, self.batch, self.seq, self.vocab)?;
+        self.step += 1;
+        let start = Instant::now();
+        if self.poison {
+            for a in [Arena::Grads, Arena::Activations] {
+                self.arenas[slot(a)].fill(POISON);
+            }
+        }
+        self.feed(self.tokens, &batch.tokens)?;
+        self.feed(self.targets, &batch.targets)?;
+        let step = i64::try_from(self.step).map_err(|_| RuntimeError::Data("the step counter overflowed".into()))?;
+        self.feed(self.step_buf, &[step])?;
+        let steps = &self.artifact.manifest.ranks[0].steps;
+        self.exec(steps, None)?;
+        let secs = start.elapsed().as_secs_f64();
+        Ok(StepMetrics {
+            step: self.step,
+            loss: self.scalar(Some(self.loss))?,
+            grad_norm: self.scalar(self.grad_norm)?,
+            lr: self.scalar(self.lr)?,
+            tokens_per_s: (self.batch * self.seq) as f64 / secs.max(1e-9),
+            peak_bytes: Some(self.artifact.manifest.memory.peak_bytes),
+        })
+    }
+
+    /// Every state buffer by checkpoint name, in manifest order.
+    pub fn states(&self) -> Result<Vec<(String, Tensor<f32>)>, RuntimeError> {
+        let mut out = Vec::new();
+        for b in &self.artifact.manifest.buffers {
+            if let (BufferClass::Param | BufferClass::OptimizerState, Some(s)) = (b.class, &b.state) {
+                out.push((s.name.clone(), self.read(b)?));
+            }
+        }
+        Ok(out)
+    }
+
+    /// Decode any buffer (for tests and debugging).
+    pub fn read_buffer(&self, id: u32) -> Result<Tensor<f32>, RuntimeError> {
+        let b = self.artifact.buffer(id).ok_or_else(|| bad(format!("buffer {id} does not exist")))?;
+        self.read(b)
+    }
+}
+
+impl Trainer for CpuArtifactTrainer<'_> {
+    fn step(&mut self, batch: &Batch) -> Result<StepMetrics, RuntimeError> {
+        CpuArtifactTrainer::step(self, batch)
+    }
+
+    fn batch_size(&self) -> usize {
+        self.batch
+    }
+
+    fn seq_len(&self) -> usize {
+        self.seq
+    }
+
+    fn vocab_size(&self) -> usize {
+        self.vocab
+    }
+
+    fn steps_done(&self) -> u64 {
+        self.step
+    }
+
+    fn states(&self) -> Result<Vec<(String, Tensor<f32>)>, RuntimeError> {
+        CpuArtifactTrainer::states(self)
+    }
+}

@@ -1,0 +1,54 @@
+//! Execution backends. Both run on the CPU reference interpreter:
+//! [`CpuArtifactTrainer`] executes an artifact's schedule over its memory plan (the main path,
+//! the reference for the CUDA backend), [`CpuTrainer`] runs an unfused training graph whole (the
+//! reference the artifact is compared against). The CUDA backend comes with the next issue.
+
+pub mod codec;
+pub mod cpu_artifact;
+pub mod cpu_graph;
+
+pub use cpu_artifact::CpuArtifactTrainer;
+pub use cpu_graph::CpuTrainer;
+
+use titan_ir::interp::Tensor;
+
+use crate::RuntimeError;
+use crate::data::Batch;
+
+/// The metrics of one training step.
+#[derive(Clone, Debug, PartialEq)]
+pub struct StepMetrics {
+    pub step: u64,
+    pub loss: f64,
+    pub grad_norm: f64,
+    pub lr: f64,
+    pub tokens_per_s: f64,
+    /// The memory plan's predicted peak device memory, when running an artifact.
+    pub peak_bytes: Option<u64>,
+}
+
+/// A backend that runs training steps and keeps the state between them.
+pub trait Trainer {
+    /// Run one training step on `batch`.
+    fn step(&mut self, batch: &Batch) -> Result<StepMetrics, RuntimeError>;
+    fn batch_size(&self) -> usize;
+    fn seq_len(&self) -> usize;
+    fn vocab_size(&self) -> usize;
+    /// Steps taken so far.
+    fn steps_done(&self) -> u64;
+    /// Every state buffer (master weights, AdamW moments) by checkpoint name (stacked ones
+    /// carry `{i}`), in its dtype.
+    fn states(&self) -> Result<Vec<(String, Tensor<f32>)>, RuntimeError>;
+}
+
+/// Check that `batch` fits a `[batch, seq]` step and a vocabulary of `vocab` entries.
+pub(crate) fn check_batch(batch: &Batch, b: usize, s: usize, vocab: usize) -> Result<(), RuntimeError> {
+    let n = b * s;
+    if batch.tokens.len() != n || batch.targets.len() != n {
+        return Err(RuntimeError::Data(format!("a batch has {} tokens, the step takes batch {b} x seq {s}", batch.tokens.len())));
+    }
+    if let Some(&t) = batch.tokens.iter().chain(&batch.targets).find(|&&t| t < 0 || t as usize >= vocab) {
+        return Err(RuntimeError::Data(format!("token id {t} is outside the vocabulary of {vocab} entries")));
+    }
+    Ok(())
+}

@@ -1,0 +1,11 @@
+//! End-to-end tests across crates, in ONE test binary: every test binary that reaches the
+//! compiler links LLVM statically, so they are modules of this crate rather than files of
+//! their own.
+
+mod artifact_cpu;
+mod block_gradcheck;
+mod example_files;
+mod fusion;
+mod ptx_presets;
+mod train_debug;
+mod train_graph;
