@@ -267,6 +267,48 @@ pub struct BuildArgs {
     /// GPU architecture to generate code for; only sm_90a (H100/H200)
     #[arg(long, default_value = "sm_90a")]
     pub target: String,
+    #[command(flatten)]
+    pub parallel: ParallelFlags,
+}
+
+/// TorchTitan's parallel degrees (they override `[parallelism]` of the job config).
+#[derive(Debug, Default, Clone, Args)]
+pub struct ParallelFlags {
+    /// Replicated data-parallel degree (DDP, or HSDP with --dp-shard)
+    #[arg(long, allow_hyphen_values = true)]
+    pub dp_replicate: Option<i64>,
+    /// Sharded data-parallel degree (FSDP); -1 fills the rest of the world
+    #[arg(long, allow_hyphen_values = true)]
+    pub dp_shard: Option<i64>,
+    /// Context-parallel degree
+    #[arg(long, allow_hyphen_values = true)]
+    pub cp: Option<i64>,
+    /// Tensor-parallel degree (with sequence parallelism)
+    #[arg(long, allow_hyphen_values = true)]
+    pub tp: Option<i64>,
+    /// Pipeline-parallel degree
+    #[arg(long, allow_hyphen_values = true)]
+    pub pp: Option<i64>,
+    /// Expert-parallel degree (borrows ranks of dp_shard*cp*tp)
+    #[arg(long, allow_hyphen_values = true)]
+    pub ep: Option<i64>,
+    /// Number of ranks the job runs on [default: the product of the degrees]
+    #[arg(long, allow_hyphen_values = true)]
+    pub world_size: Option<i64>,
+}
+
+impl ParallelFlags {
+    pub fn request(&self) -> crate::parallel::ParallelRequest {
+        crate::parallel::ParallelRequest {
+            dp_replicate: self.dp_replicate,
+            dp_shard: self.dp_shard,
+            cp: self.cp,
+            tp: self.tp,
+            pp: self.pp,
+            ep: self.ep,
+            world_size: self.world_size,
+        }
+    }
 }
 
 #[derive(Debug, Args)]
@@ -311,6 +353,8 @@ pub enum CliError {
     Build(#[from] BuildError),
     #[error(transparent)]
     JobConfig(#[from] JobConfigError),
+    #[error(transparent)]
+    Parallel(#[from] crate::parallel::ParallelError),
     /// A pass produced a graph that does not verify: a compiler bug, not a user error.
     #[error("internal error: {what} does not verify (please report it):\n{errors}")]
     Internal { what: String, errors: String },
@@ -510,6 +554,10 @@ fn cmd_build(a: &BuildArgs) -> Result<Outcome, CliError> {
     if let Some(j) = &job {
         j.check_model(&model)?;
     }
+    let request = a.parallel.request().over(job.as_ref().map(|j| j.parallelism).unwrap_or_default());
+    let dims = crate::parallel::ParallelDims::resolve(&request)?;
+    dims.check_model(&model)?;
+    dims.require_built()?;
     let opts = a.build_options(job.as_ref())?;
     let summary = build_artifact(&model, &text, &opts, &a.output)?;
     let mut out = Outcome { stdout: summary.to_string(), stderr: String::new() };

@@ -117,6 +117,8 @@ pub struct JobConfig {
     pub optimizer: OptimizerSection,
     pub lr_scheduler: LrSchedulerSection,
     pub training: TrainingSection,
+    /// `[parallelism]` degrees, unresolved (see `crate::parallel`).
+    pub parallelism: crate::parallel::ParallelRequest,
 }
 
 /// The training settings a job config sets, named like `titanc lower`'s flags; `None` where
@@ -396,17 +398,18 @@ impl JobConfig {
             return Err(exp.unsupported("async tensor parallelism (`experimental.enable_async_tensor_parallel = true`)".into(), "set it to false"));
         }
 
+        // Degrees are resolved and checked (against each other, the world size and the model)
+        // by `ParallelDims` when the build knows the model; here only their types.
         let par = section("parallelism");
-        for &k in SECTIONS[9].1 {
-            let Some(d) = par.int(k)? else { continue };
-            let resolved = if k == "data_parallel_shard_degree" && d == -1 { 1 } else { d };
-            if resolved < 1 {
-                return Err(par.invalid(format!("`parallelism.{k}` must be a positive degree (or -1 for data_parallel_shard_degree), found {d}")));
-            }
-            if resolved != 1 {
-                return Err(par.unsupported(format!("`parallelism.{k} = {d}` (titan builds for one GPU)"), "set it to 1"));
-            }
-        }
+        cfg.parallelism = crate::parallel::ParallelRequest {
+            dp_replicate: par.int("data_parallel_replicate_degree")?,
+            dp_shard: par.int("data_parallel_shard_degree")?,
+            cp: par.int("context_parallel_degree")?,
+            tp: par.int("tensor_parallel_degree")?,
+            pp: par.int("pipeline_parallel_degree")?,
+            ep: par.int("expert_parallel_degree")?,
+            world_size: None,
+        };
         Ok(cfg)
     }
 
@@ -653,7 +656,7 @@ expert_parallel_degree = 1
         assert_contains(&err("[lr_scheduler]\ndecay_type = \"step\"\n"), "choose \"linear\" or \"cosine\"");
         assert_contains(&err("[activation_checkpoint]\nmode = \"some\"\n"), "choose \"none\", \"selective\" or \"full\"");
         assert_contains(&err("[compile]\ncomponents = [\"model\", \"optimizer\"]\n"), "unknown `compile.components` entry \"optimizer\"");
-        assert_contains(&err("[parallelism]\ntensor_parallel_degree = 0\n"), "must be a positive degree");
+        assert_contains(&err("[parallelism]\ntensor_parallel_degree = 2.5\n"), "`parallelism.tensor_parallel_degree` must be an integer");
     }
 
     #[test]
@@ -668,12 +671,6 @@ expert_parallel_degree = 1
             ),
             ("[activation_checkpoint]\nmode = \"full\"\n", "is not supported yet"),
             ("[experimental]\nenable_async_tensor_parallel = true\n", "async tensor parallelism"),
-            (
-                "[parallelism]\ntensor_parallel_degree = 8\n",
-                "`parallelism.tensor_parallel_degree = 8` (titan builds for one GPU) is not supported yet; set it to 1",
-            ),
-            ("[parallelism]\ndata_parallel_shard_degree = 2\n", "`parallelism.data_parallel_shard_degree = 2`"),
-            ("[parallelism]\npipeline_parallel_degree = 2\n", "pipeline_parallel_degree"),
             ("[compile]\nenable = false\n", "`compile.enable = false` (running without fusion) is not supported yet"),
             ("[compile]\ncomponents = [\"model\"]\n", "leaving \"loss\" out of `compile.components` is not supported yet"),
             ("[optimizer]\nname = \"Adam\"\n", "`optimizer.name = \"Adam\"` is not supported yet; use \"AdamW\""),
@@ -682,6 +679,13 @@ expert_parallel_degree = 1
         for (text, expected) in cases {
             assert_contains(&err(text), expected);
         }
+    }
+
+    #[test]
+    fn parallelism_degrees_are_read_for_parallel_dims() {
+        let j = ok("[parallelism]\ndata_parallel_replicate_degree = 2\ndata_parallel_shard_degree = -1\ntensor_parallel_degree = 4\n");
+        let want = crate::parallel::ParallelRequest { dp_replicate: Some(2), dp_shard: Some(-1), tp: Some(4), ..Default::default() };
+        assert_eq!(j.parallelism, want);
     }
 
     #[test]

@@ -182,6 +182,8 @@ fn build_errors_say_what_to_change() {
     let job = dir.join("job.toml");
     std::fs::write(&job, "[activation_checkpoint]\nmode = \"full\"\n").unwrap();
     let j8b = workspace_file("examples/job/llama3_8b.toml");
+    let par = dir.join("par.toml");
+    std::fs::write(&par, "[parallelism]\npipeline_parallel_degree = 2\n").unwrap();
     let cases: &[(&[&str], &str)] = &[
         (&["build", &model, "-o", o, "--target", "sm_80"], "unsupported --target `sm_80`"),
         (&["build", &model, "-o", o, "--dump-after", "fusion"], "unknown pass `fusion`"),
@@ -194,6 +196,14 @@ fn build_errors_say_what_to_change() {
         (&["build", "no/such/model.ir", "-o", o], "cannot read `no/such/model.ir`"),
         (&["build", &model, "-o", o, "--beta2", "1.5"], "--beta2 1.5 must be at least 0 and below 1"),
         (&["build", &model], "--output <DIR>"),
+        // ParallelDims: invalid configs say what to change; valid ones not built yet say so.
+        (&["build", &model, "-o", o, "--tp", "3"], "tp=3 does not divide n_heads=4; choose tp in {1, 2, 4}"),
+        (&["build", &model, "-o", o, "--tp", "0"], "tp must be a degree >= 1, found 0"),
+        (&["build", &model, "-o", o, "--dp-shard", "2", "--world-size", "8"], "= 2 does not match world size 8"),
+        (&["build", &model, "-o", o, "--tp", "4", "--dp-shard", "-1", "--world-size", "6"], "world size 6 is not divisible by"),
+        (&["build", &model, "-o", o, "--tp", "2"], "tensor parallelism (tp=2) is not supported yet"),
+        (&["build", &model, "-o", o, "--dp-shard", "-1", "--world-size", "4"], "FSDP (sharded data parallelism) (dp_shard=4) is not supported yet"),
+        (&["build", &model, "-o", o, "--job-config", par.to_str().unwrap()], "pipeline parallelism (pp=2) is not supported yet"),
     ];
     for (args, needle) in cases {
         let out = titanc(args);
