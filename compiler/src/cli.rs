@@ -141,36 +141,8 @@ pub struct LowerArgs {
     /// What to lower to; only `train` for now
     #[arg(long, value_name = "TARGET")]
     pub to: String,
-    /// Peak learning rate [default: 8e-4]
-    #[arg(long, allow_hyphen_values = true)]
-    pub lr: Option<f64>,
-    /// Linear warmup steps [default: 200]
-    #[arg(long)]
-    pub warmup_steps: Option<u64>,
-    /// Decay steps after warmup [default: 800]
-    #[arg(long)]
-    pub decay_steps: Option<u64>,
-    /// Decay shape: cosine, linear or constant [default: linear]
-    #[arg(long)]
-    pub decay: Option<String>,
-    /// Final learning rate as a fraction of the peak [default: 0]
-    #[arg(long, allow_hyphen_values = true)]
-    pub min_lr_ratio: Option<f64>,
-    /// AdamW beta1 [default: 0.9]
-    #[arg(long, allow_hyphen_values = true)]
-    pub beta1: Option<f64>,
-    /// AdamW beta2 [default: 0.95]
-    #[arg(long, allow_hyphen_values = true)]
-    pub beta2: Option<f64>,
-    /// AdamW epsilon [default: 1e-8]
-    #[arg(long, allow_hyphen_values = true)]
-    pub eps: Option<f64>,
-    /// AdamW weight decay [default: 0.1]
-    #[arg(long, allow_hyphen_values = true)]
-    pub weight_decay: Option<f64>,
-    /// Clip the global gradient norm to this value; 0 disables clipping [default: 1.0]
-    #[arg(long, allow_hyphen_values = true)]
-    pub max_norm: Option<f64>,
+    #[command(flatten)]
+    pub train: TrainFlags,
     /// Write the IR to FILE instead of stdout
     #[arg(short, long, value_name = "FILE")]
     pub output: Option<PathBuf>,
@@ -224,9 +196,7 @@ impl TrainFlags {
             DecayKind::Linear => "linear",
             DecayKind::Cosine => "cosine",
         };
-        let merged = LowerArgs {
-            file: PathBuf::new(),
-            to: LOWER_TARGETS[0].into(),
+        let merged = TrainFlags {
             lr: self.lr.or(j.lr),
             warmup_steps: self.warmup_steps.or(j.warmup_steps),
             decay_steps: self.decay_steps.or(j.decay_steps),
@@ -237,9 +207,8 @@ impl TrainFlags {
             eps: self.eps.or(j.eps),
             weight_decay: self.weight_decay.or(j.weight_decay),
             max_norm: self.max_norm.or(j.max_norm),
-            output: None,
         };
-        merged.train_options()
+        merged.checked()
     }
 }
 
@@ -429,6 +398,13 @@ fn cmd_new(a: &NewArgs) -> Result<Outcome, CliError> {
 impl LowerArgs {
     /// TorchTitan's defaults with the given flags applied, checked for sane ranges.
     pub fn train_options(&self) -> Result<TrainOptions, CliError> {
+        self.train.checked()
+    }
+}
+
+impl TrainFlags {
+    /// TorchTitan's defaults with these flags applied, checked for sane ranges.
+    pub fn checked(&self) -> Result<TrainOptions, CliError> {
         let mut o = TrainOptions::default();
         let bad = |m: String| Err(CliError::Usage(m));
         if let Some(lr) = self.lr {

@@ -63,7 +63,7 @@ pub enum ParallelError {
 }
 
 fn divisors(n: u64) -> String {
-    let ds: Vec<String> = (1..=n).filter(|d| n % d == 0).map(|d| d.to_string()).collect();
+    let ds: Vec<String> = (1..=n).filter(|d| n.is_multiple_of(*d)).map(|d| d.to_string()).collect();
     if ds.len() > 12 {
         let head = ds[..10].join(", ");
         return format!("{{{head}, ...}}");

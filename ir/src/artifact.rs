@@ -75,6 +75,40 @@ pub enum Arena {
     Activations,
 }
 
+/// The arena a buffer of each class lives in.
+pub fn arena_of(class: BufferClass) -> Arena {
+    match class {
+        BufferClass::Input => Arena::Inputs,
+        BufferClass::Param => Arena::Params,
+        BufferClass::OptimizerState => Arena::OptimizerState,
+        BufferClass::Grad => Arena::Grads,
+        BufferClass::Activation => Arena::Activations,
+    }
+}
+
+/// The manifest's spelling of an arena.
+pub fn arena_name(a: Arena) -> &'static str {
+    match a {
+        Arena::Inputs => "inputs",
+        Arena::Params => "params",
+        Arena::OptimizerState => "optimizer_state",
+        Arena::Grads => "grads",
+        Arena::Activations => "activations",
+    }
+}
+
+/// `1.50 GiB` (binary units, `decimals` digits after the point; plain bytes below 1 KiB).
+pub fn human_bytes(bytes: u64, decimals: usize) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut x = bytes as f64;
+    let mut u = 0;
+    while x >= 1024.0 && u + 1 < UNITS.len() {
+        x /= 1024.0;
+        u += 1;
+    }
+    if u == 0 { format!("{bytes} B") } else { format!("{x:.decimals$} {}", UNITS[u]) }
+}
+
 /// A persistent buffer's checkpoint identity and initializer.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct StateInfo {

@@ -15,27 +15,8 @@ pub const KNOWN_TARGETS: &[&str] = &["sm_90a"];
 /// What the runtime feeds to the input buffers each step.
 pub const FEEDS: [&str; 3] = ["tokens", "targets", "step"];
 
-/// The arena a buffer of each class must live in.
-pub fn arena_of(class: BufferClass) -> Arena {
-    match class {
-        BufferClass::Input => Arena::Inputs,
-        BufferClass::Param => Arena::Params,
-        BufferClass::OptimizerState => Arena::OptimizerState,
-        BufferClass::Grad => Arena::Grads,
-        BufferClass::Activation => Arena::Activations,
-    }
-}
+pub use titan_ir::artifact::{arena_name, arena_of};
 
-/// The manifest's spelling of an arena.
-pub fn arena_name(a: Arena) -> &'static str {
-    match a {
-        Arena::Inputs => "inputs",
-        Arena::Params => "params",
-        Arena::OptimizerState => "optimizer_state",
-        Arena::Grads => "grads",
-        Arena::Activations => "activations",
-    }
-}
 
 /// The manifest's spelling of a buffer class.
 pub fn class_name(c: BufferClass) -> &'static str {

@@ -2,20 +2,22 @@
 //! (`titanc build`): [`Artifact::load`] reads and checks it and [`CpuArtifactTrainer`] executes
 //! its schedule over its memory plan on the CPU reference interpreter. Graph mode
 //! ([`CpuTrainer`]) runs an unfused training graph `.ir` whole, the reference both are compared
-//! against. The CUDA backend comes with the next issue.
+//! against. `backend::cuda` runs the same schedule on one GPU (cudarc: driver, cuBLASLt for GEMMs,
+//! a CUDA graph per step after warm-up); it refuses artifacts with kernels that have no GPU code.
 //!
 //! **Architecture Invariant:** this crate never depends on `titan-passes`, `titan-kernels` or MLIR.
 
 pub mod artifact;
 pub mod backend;
+pub mod checkpoint;
 pub mod data;
 pub mod init;
 pub mod log;
 
 pub use artifact::{Artifact, KNOWN_TARGETS, format_bytes};
 pub use backend::{CpuArtifactTrainer, CpuTrainer, StepMetrics, Trainer};
-pub use data::{BUNDLED_CORPUS, Batch, Batcher, byte_tokens};
-pub use log::format_step;
+pub use data::{BUNDLED_CORPUS, Batch, Batcher, DataFormat, byte_tokens};
+pub use log::{LogContext, format_step, format_step_with};
 
 /// Why a run could not proceed.
 #[derive(Debug, thiserror::Error)]

@@ -1,6 +1,6 @@
-//! What `titan-run` prints: the per-step log line (stdout), the start-up summary and, for long
-//! runs on a terminal, a progress bar on stderr (hidden when stderr is not a terminal, so logs
-//! and tests stay clean).
+//! What `titan-run` prints: the per-step log line in TorchTitan's shape (stdout), the `--metrics`
+//! JSON lines, the start-up summary and, for long runs on a terminal, a progress bar on stderr
+//! (hidden when stderr is not a terminal, so logs and tests stay clean).
 
 use std::io::IsTerminal;
 use std::time::Duration;
@@ -13,23 +13,158 @@ use crate::backend::StepMetrics;
 /// Runs of at least this many steps get a progress bar.
 pub const LONG_RUN_STEPS: u64 = 10;
 
-/// The per-step log line: step, loss, grad norm, learning rate, throughput and, for an
-/// artifact, the memory plan's predicted peak.
+/// Peak dense bf16 throughput of an H100/H200 SXM in TFLOP/s, the MFU denominator (as
+/// TorchTitan uses).
+pub const PEAK_BF16_TFLOPS: f64 = 989.0;
+
+/// Device memory of one H200 in bytes (141 GB), the denominator of the memory percentage.
+pub const H200_MEMORY_BYTES: u64 = 141_000_000_000;
+
+/// What the per-step line needs beyond the step's own metrics.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct LogContext {
+    /// Model FLOPs per token (`6 N + 12 L H Dh T`); without it the line has no tflops or mfu.
+    pub flops_per_token: Option<u64>,
+    /// The device's memory in bytes when the backend runs on a GPU: the peak is printed as a
+    /// percentage of it. `None` on the CPU backend, where the peak is the plan's prediction.
+    pub device_memory_bytes: Option<u64>,
+}
+
+impl LogContext {
+    /// Model TFLOP/s at `tokens_per_s`.
+    pub fn tflops(&self, tokens_per_s: f64) -> Option<f64> {
+        self.flops_per_token.map(|f| f as f64 * tokens_per_s / 1e12)
+    }
+
+    /// Model FLOPs utilization in percent of [`PEAK_BF16_TFLOPS`].
+    pub fn mfu_percent(&self, tokens_per_s: f64) -> Option<f64> {
+        self.tflops(tokens_per_s).map(|t| 100.0 * t / PEAK_BF16_TFLOPS)
+    }
+}
+
+/// `21345.4` as `21,345`.
+pub fn with_commas(x: f64) -> String {
+    if !x.is_finite() {
+        return format!("{x}");
+    }
+    let s = format!("{:.0}", x.abs());
+    let mut out = String::with_capacity(s.len() + s.len() / 3 + 1);
+    if x < -0.5 {
+        out.push('-');
+    }
+    for (i, c) in s.chars().enumerate() {
+        if i > 0 && (s.len() - i).is_multiple_of(3) {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    out
+}
+
+/// The per-step log line in TorchTitan's shape without FLOPs (see [`format_step_with`]).
 pub fn format_step(m: &StepMetrics) -> String {
-    let tps = m.tokens_per_s;
-    // Keep a few significant digits for slow steps (a large model on the CPU backend).
-    let digits = if tps >= 100.0 {
-        0
-    } else if tps >= 1.0 {
-        2
-    } else {
-        4
-    };
-    let mut line = format!("step {:>5} | loss {:>8.4} | grad_norm {:>8.4} | lr {:.3e} | {tps:>9.digits$} tok/s", m.step, m.loss, m.grad_norm, m.lr);
+    format_step_with(m, &LogContext::default())
+}
+
+/// The per-step log line in TorchTitan's shape:
+/// `step: 10  loss:  2.4521  grad_norm:  0.4300  memory: 5.42MiB(3.83%)  tps: 21,345  tflops: 0.01  mfu: 0.00%`.
+/// Memory is the memory plan's predicted peak: as a share of the device on a GPU, marked
+/// `(predicted)` on the CPU backend; absent in graph mode. tflops and mfu need FLOPs per token.
+/// Slow steps (under 100 tokens/s) keep a few decimals of tps.
+pub fn format_step_with(m: &StepMetrics, ctx: &LogContext) -> String {
+    let mut line = format!("step: {:>2}  loss: {:>7.4}  grad_norm: {:>7.4}", m.step, m.loss, m.grad_norm);
     if let Some(p) = m.peak_bytes {
-        line.push_str(&format!(" | peak mem {:>9}", format_bytes(p)));
+        let mem = format_bytes(p).replace(' ', "");
+        match ctx.device_memory_bytes {
+            Some(total) if total > 0 => line.push_str(&format!("  memory: {mem}({:.2}%)", 100.0 * p as f64 / total as f64)),
+            _ => line.push_str(&format!("  memory: {mem}(predicted)")),
+        }
+    }
+    let tps = m.tokens_per_s;
+    if tps >= 100.0 || !tps.is_finite() {
+        line.push_str(&format!("  tps: {}", with_commas(tps)));
+    } else if tps >= 1.0 {
+        line.push_str(&format!("  tps: {tps:.2}"));
+    } else {
+        line.push_str(&format!("  tps: {tps:.4}"));
+    }
+    if let (Some(t), Some(mfu)) = (ctx.tflops(tps), ctx.mfu_percent(tps)) {
+        line.push_str(&format!("  tflops: {t:.2}  mfu: {mfu:.2}%"));
     }
     line
+}
+
+/// One line of `--metrics FILE.jsonl`: a step's metrics as a JSON object. Unknown values
+/// (no FLOPs count, no measured peak, a graph without a `grad_norm` output) are `null`.
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+pub struct MetricsRecord {
+    pub step: u64,
+    pub loss: f64,
+    pub grad_norm: Option<f64>,
+    pub lr: Option<f64>,
+    pub tokens_per_s: f64,
+    pub tflops: Option<f64>,
+    pub mfu: Option<f64>,
+    pub predicted_peak_bytes: Option<u64>,
+    pub measured_peak_bytes: Option<u64>,
+    /// Seconds since the run started (after loading and initialization).
+    pub wall_s: f64,
+}
+
+impl MetricsRecord {
+    /// The record of step `m`; `mfu` is in percent, like the log line.
+    pub fn new(m: &StepMetrics, ctx: &LogContext, measured_peak_bytes: Option<u64>, wall_s: f64) -> MetricsRecord {
+        let finite = |x: f64| x.is_finite().then_some(x);
+        MetricsRecord {
+            step: m.step,
+            loss: m.loss,
+            grad_norm: finite(m.grad_norm),
+            lr: finite(m.lr),
+            tokens_per_s: m.tokens_per_s,
+            tflops: ctx.tflops(m.tokens_per_s),
+            mfu: ctx.mfu_percent(m.tokens_per_s),
+            predicted_peak_bytes: m.peak_bytes,
+            measured_peak_bytes,
+            wall_s,
+        }
+    }
+}
+
+/// Appends one JSON object per step to a `.jsonl` file.
+pub struct MetricsWriter {
+    out: std::io::BufWriter<std::fs::File>,
+    path: String,
+}
+
+/// Why the metrics file cannot be written.
+#[derive(Debug, thiserror::Error)]
+#[error("cannot write metrics file `{path}`: {message}; pass a writable --metrics path")]
+pub struct MetricsError {
+    pub path: String,
+    pub message: String,
+}
+
+impl MetricsWriter {
+    /// Create (or truncate) `path`; with `append`, keep what it holds (a resumed run).
+    pub fn create(path: &std::path::Path, append: bool) -> Result<MetricsWriter, MetricsError> {
+        let name = path.display().to_string();
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .write(true)
+            .append(append)
+            .truncate(!append)
+            .open(path)
+            .map_err(|e| MetricsError { path: name.clone(), message: e.to_string() })?;
+        Ok(MetricsWriter { out: std::io::BufWriter::new(file), path: name })
+    }
+
+    /// Write one record as a line, flushed so a crashed run keeps its steps.
+    pub fn write(&mut self, r: &MetricsRecord) -> Result<(), MetricsError> {
+        use std::io::Write;
+        let err = |e: String| MetricsError { path: self.path.clone(), message: e };
+        let line = serde_json::to_string(r).map_err(|e| err(e.to_string()))?;
+        writeln!(self.out, "{line}").and_then(|()| self.out.flush()).map_err(|e| err(e.to_string()))
+    }
 }
 
 /// The predicted peak memory with its split over arenas, printed once at start.
@@ -93,11 +228,43 @@ mod tests {
     }
 
     #[test]
-    fn step_line_has_every_metric() {
-        assert_eq!(format_step(&metrics(None)), "step     3 | loss   2.5000 | grad_norm   0.7500 | lr 3.000e-3 |      1234 tok/s");
-        assert_eq!(format_step(&metrics(Some(3 << 20))).rsplit(" | ").next(), Some("peak mem  3.00 MiB"));
+    fn step_line_has_torchtitans_shape() {
+        assert_eq!(format_step(&metrics(None)), "step:  3  loss:  2.5000  grad_norm:  0.7500  tps: 1,234");
+        let ctx = LogContext { flops_per_token: Some(8_000_000_000), device_memory_bytes: None };
+        let m = StepMetrics { tokens_per_s: 21345.4, peak_bytes: Some(3 << 20), ..metrics(None) };
+        assert_eq!(
+            format_step_with(&m, &ctx),
+            "step:  3  loss:  2.5000  grad_norm:  0.7500  memory: 3.00MiB(predicted)  tps: 21,345  tflops: 170.76  mfu: 17.27%"
+        );
+        let gpu = LogContext { device_memory_bytes: Some(H200_MEMORY_BYTES), ..ctx };
+        assert!(format_step_with(&m, &gpu).contains("memory: 3.00MiB(0.00%)"), "{}", format_step_with(&m, &gpu));
         let slow = StepMetrics { tokens_per_s: 0.15, ..metrics(None) };
-        assert!(format_step(&slow).ends_with("|    0.1500 tok/s"), "{}", format_step(&slow));
+        assert!(format_step(&slow).ends_with("tps: 0.1500"), "{}", format_step(&slow));
+        assert_eq!(with_commas(1234567.0), "1,234,567");
+        assert_eq!(with_commas(12.0), "12");
+    }
+
+    #[test]
+    fn metrics_records_are_json_lines() {
+        let path = std::env::temp_dir().join(format!("titan-metrics-{}.jsonl", std::process::id()));
+        let ctx = LogContext { flops_per_token: Some(1_000_000), device_memory_bytes: None };
+        let m = StepMetrics { grad_norm: f64::NAN, ..metrics(Some(1024)) };
+        {
+            let mut w = MetricsWriter::create(&path, false).expect("create");
+            w.write(&MetricsRecord::new(&m, &ctx, None, 0.5)).expect("write");
+            w.write(&MetricsRecord::new(&m, &LogContext::default(), Some(7), 1.0)).expect("write");
+        }
+        let text = std::fs::read_to_string(&path).expect("read");
+        let _ = std::fs::remove_file(&path);
+        let lines: Vec<serde_json::Value> = text.lines().map(|l| serde_json::from_str(l).expect("json")).collect();
+        assert_eq!(lines.len(), 2);
+        assert_eq!(lines[0]["step"], 3);
+        assert_eq!(lines[0]["grad_norm"], serde_json::Value::Null);
+        assert_eq!(lines[0]["predicted_peak_bytes"], 1024);
+        assert!((lines[0]["tflops"].as_f64().unwrap() - 1234.4e-6).abs() < 1e-12);
+        assert_eq!(lines[1]["mfu"], serde_json::Value::Null);
+        assert_eq!(lines[1]["measured_peak_bytes"], 7);
+        assert_eq!(lines[1]["wall_s"], 1.0);
     }
 
     #[test]

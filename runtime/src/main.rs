@@ -6,8 +6,10 @@ use std::process::ExitCode;
 
 use anyhow::{Context, Result, bail};
 use clap::Parser;
-use titan_runtime::log::{Progress, memory_summary};
-use titan_runtime::{Artifact, Batcher, CpuArtifactTrainer, CpuTrainer, Trainer, byte_tokens, format_step};
+use titan_runtime::checkpoint::{self, TrainerState};
+use titan_runtime::data::{check_vocab, load_tokens};
+use titan_runtime::log::{H200_MEMORY_BYTES, MetricsRecord, MetricsWriter, Progress, memory_summary};
+use titan_runtime::{Artifact, Batcher, CpuArtifactTrainer, CpuTrainer, DataFormat, LogContext, Trainer, byte_tokens, format_step_with};
 
 /// Run training steps of a titan artifact or training graph.
 #[derive(Parser, Debug)]
@@ -16,19 +18,45 @@ struct Cli {
     /// An artifact directory (`titanc build model.ir -o DIR`), or a training-step graph `.ir`
     /// file (`titanc lower model.ir --to train`) to run unfused in graph mode.
     path: PathBuf,
-    /// Number of training steps.
+    /// Total number of training steps (a resumed run continues up to it).
     #[arg(long, default_value_t = 100)]
     steps: u64,
-    /// Text file tokenized byte by byte; the bundled corpus when omitted.
+    /// Data file: text tokenized byte by byte, or pre-tokenized tokens (see --data-format); the
+    /// bundled corpus when omitted.
     #[arg(long)]
     data: Option<PathBuf>,
-    /// Seed for parameter initialization and batch sampling.
-    #[arg(long, default_value_t = 0)]
-    seed: u64,
+    /// How --data encodes its tokens: `auto` (llm.c when the file starts with its magic, else
+    /// text), `text` (bytes), `u16` / `u32` (raw little-endian arrays, nanoGPT), `llmc`.
+    #[arg(long, default_value = "auto")]
+    data_format: String,
+    /// Seed for parameter initialization and batch sampling (default 0; a resumed run uses the
+    /// checkpoint's).
+    #[arg(long)]
+    seed: Option<u64>,
+    /// Write one JSON object per step to this `.jsonl` file (appended to on --resume).
+    #[arg(long)]
+    metrics: Option<PathBuf>,
+    /// Write checkpoints to CKPT/step-<n>/ (model.safetensors, optimizer.safetensors,
+    /// trainer_state.json), after the last step and every --checkpoint-every steps.
+    #[arg(long, value_name = "CKPT")]
+    checkpoint_dir: Option<PathBuf>,
+    /// Also write a checkpoint every K steps.
+    #[arg(long, value_name = "K")]
+    checkpoint_every: Option<u64>,
+    /// Resume from a checkpoint: CKPT/step-<n>, or CKPT for its latest step.
+    #[arg(long)]
+    resume: Option<PathBuf>,
+    /// Start from the parameters of a model.safetensors (Hugging Face Llama names; bf16, f16 or
+    /// f32); the optimizer state starts at zero.
+    #[arg(long, value_name = "FILE")]
+    init_from: Option<PathBuf>,
+    /// Resume from a checkpoint written by another build of the model (same shapes).
+    #[arg(long)]
+    allow_different_build: bool,
     /// Print every K-th step (the first and last are always printed).
     #[arg(long, default_value_t = 1)]
     log_every: u64,
-    /// Execution backend: `cpu` (the reference executor); `cuda` comes next.
+    /// Execution backend: `cpu` (the reference executor) or `cuda` (one GPU, artifacts only).
     #[arg(long, default_value = "cpu")]
     backend: String,
     /// Print the time spent per kernel after the run (artifacts only).
@@ -39,8 +67,8 @@ struct Cli {
 fn check_backend(name: &str) -> Result<()> {
     match name {
         "cpu" => Ok(()),
-        "cuda" => bail!("the cuda backend is not supported yet; use --backend cpu"),
-        other => bail!("unknown backend `{other}`; use --backend cpu"),
+        "cuda" => Ok(()),
+        other => bail!("unknown backend `{other}`; use --backend cpu or --backend cuda"),
     }
 }
 
@@ -49,19 +77,43 @@ fn is_graph_file(path: &Path) -> bool {
     path.extension().is_some_and(|e| e == "ir") && !path.is_dir()
 }
 
+/// The memory denominator of the log line: the device's memory on a GPU backend, none on the CPU.
+fn log_context(trainer: &dyn Trainer, backend: &str) -> LogContext {
+    LogContext { flops_per_token: trainer.flops_per_token(), device_memory_bytes: (backend != "cpu").then_some(H200_MEMORY_BYTES) }
+}
+
+/// Check the checkpoint flags before any work is done.
+fn check_checkpoint_flags(cli: &Cli) -> Result<()> {
+    if cli.resume.is_some() && cli.init_from.is_some() {
+        bail!("--resume restores the parameters already; drop --init-from (or --resume to start a new run from the weights)");
+    }
+    match (cli.checkpoint_every, &cli.checkpoint_dir) {
+        (Some(0), _) => bail!("--checkpoint-every must be at least 1"),
+        (Some(_), None) => bail!("--checkpoint-every needs --checkpoint-dir CKPT to write to"),
+        _ => Ok(()),
+    }
+}
+
 fn run(cli: Cli) -> Result<()> {
     check_backend(&cli.backend)?;
-    let text = match &cli.data {
-        Some(p) => std::fs::read(p).with_context(|| format!("cannot read data file `{}`", p.display()))?,
-        None => titan_runtime::BUNDLED_CORPUS.as_bytes().to_vec(),
+    check_checkpoint_flags(&cli)?;
+    let format = DataFormat::parse(&cli.data_format)?;
+    let tokens = match &cli.data {
+        Some(p) => load_tokens(p, format)?,
+        None => byte_tokens(titan_runtime::BUNDLED_CORPUS.as_bytes()),
     };
     let data_name = cli.data.as_ref().map_or("bundled corpus".to_string(), |p| p.display().to_string());
+    let seed = cli.seed.unwrap_or(0);
     if is_graph_file(&cli.path) {
+        if cli.backend == "cuda" {
+            bail!("graph mode (a `.ir` file) runs on the cpu backend only; build an artifact with `titanc build` for --backend cuda");
+        }
         if cli.profile {
             bail!("--profile times the kernels of an artifact; build one with `titanc build` and pass its directory");
         }
+        let graph_text = std::fs::read_to_string(&cli.path).with_context(|| format!("cannot read `{}`", cli.path.display()))?;
         let graph = titan_ir::parse_file(&cli.path).map_err(|e| anyhow::anyhow!("{e}"))?;
-        let mut trainer = CpuTrainer::new(&graph, cli.seed)?;
+        let mut trainer = CpuTrainer::new(&graph, seed)?;
         eprintln!(
             "titan-run: {} (graph mode, unfused) on the cpu backend, batch {} x seq {}, {} steps, data {data_name}",
             graph.name,
@@ -69,13 +121,16 @@ fn run(cli: Cli) -> Result<()> {
             trainer.seq_len(),
             cli.steps
         );
-        return train(&mut trainer, &cli, &text);
+        return train(&mut trainer, &cli, tokens, &data_name, &checkpoint::graph_identity(&graph_text));
     }
     if cli.path.is_file() {
         bail!("`{}` is neither an artifact directory nor a `.ir` training graph; pass the directory `titanc build -o DIR` wrote", cli.path.display());
     }
     let artifact = Artifact::load(&cli.path)?;
-    let mut trainer = CpuArtifactTrainer::new(&artifact, cli.seed)?;
+    if cli.backend == "cuda" {
+        return run_cuda(&cli, &artifact, tokens, &data_name);
+    }
+    let mut trainer = CpuArtifactTrainer::new(&artifact, seed)?;
     if cli.profile {
         trainer.enable_profile();
     }
@@ -91,29 +146,74 @@ fn run(cli: Cli) -> Result<()> {
         cli.steps
     );
     eprintln!("titan-run: {}", memory_summary(&artifact));
-    train(&mut trainer, &cli, &text)?;
+    train(&mut trainer, &cli, tokens, &data_name, &artifact.manifest.content_hash)?;
     if let Some(p) = trainer.profile() {
         print_profile(&artifact, p);
     }
     Ok(())
 }
 
-fn train(trainer: &mut dyn Trainer, cli: &Cli, text: &[u8]) -> Result<()> {
-    let mut batcher = Batcher::new(byte_tokens(text), trainer.batch_size(), trainer.seq_len(), cli.seed).map_err(anyhow::Error::msg)?;
-    if batcher.max_token() as usize >= trainer.vocab_size() {
-        bail!("the byte-level data needs a vocabulary of 256, the model has {}; build the model with --vocab-size 256 or more", trainer.vocab_size());
+/// Run steps up to `--steps`, resuming or loading weights first, logging every step and
+/// writing checkpoints. `identity` is the artifact's content hash (checked on resume).
+fn train(trainer: &mut dyn Trainer, cli: &Cli, tokens: Vec<u32>, data_name: &str, identity: &str) -> Result<()> {
+    check_vocab(&tokens, trainer.vocab_size())?;
+    let mut seed = cli.seed.unwrap_or(0);
+    let mut data_position = 0;
+    if let Some(path) = &cli.resume {
+        let (dir, state) = checkpoint::resume(path, trainer, identity, cli.allow_different_build)?;
+        if let Some(s) = cli.seed
+            && s != state.seed
+        {
+            bail!("--seed {s} differs from the checkpoint's seed {}; drop --seed to resume the same run", state.seed);
+        }
+        if state.step >= cli.steps {
+            bail!("the checkpoint is at step {} already; pass --steps with the total number of steps, more than {}", state.step, state.step);
+        }
+        seed = state.seed;
+        data_position = state.data_position;
+        eprintln!("titan-run: resumed from {} at step {}", dir.display(), state.step);
     }
-    let progress = Progress::new(cli.steps);
-    for s in 1..=cli.steps {
+    if let Some(path) = &cli.init_from {
+        checkpoint::init_from(path, trainer)?;
+        eprintln!("titan-run: parameters loaded from {}; optimizer state starts at zero", path.display());
+    }
+    let mut batcher = Batcher::new(tokens, trainer.batch_size(), trainer.seq_len(), seed).map_err(anyhow::Error::msg)?;
+    batcher.seek(data_position);
+    let ctx = log_context(trainer, &cli.backend);
+    let mut metrics = match &cli.metrics {
+        Some(p) => Some(MetricsWriter::create(p, cli.resume.is_some())?),
+        None => None,
+    };
+    let first = trainer.steps_done() + 1;
+    let progress = Progress::new(cli.steps + 1 - first.min(cli.steps + 1));
+    let started = std::time::Instant::now();
+    for s in first..=cli.steps {
         let batch = batcher.next_batch();
         let m = trainer.step(&batch)?;
         progress.step(&m);
+        if let Some(w) = metrics.as_mut() {
+            w.write(&MetricsRecord::new(&m, &ctx, None, started.elapsed().as_secs_f64()))?;
+        }
         if !m.loss.is_finite() {
             progress.finish();
             bail!("step {s}: loss is {}; lower the learning rate", m.loss);
         }
-        if s == 1 || s == cli.steps || s % cli.log_every.max(1) == 0 {
-            progress.println(&format_step(&m));
+        if s == first || s == cli.steps || s % cli.log_every.max(1) == 0 {
+            progress.println(&format_step_with(&m, &ctx));
+        }
+        if let Some(dir) = &cli.checkpoint_dir
+            && (s == cli.steps || cli.checkpoint_every.is_some_and(|k| s % k == 0))
+        {
+            let state = TrainerState {
+                format_version: checkpoint::CHECKPOINT_FORMAT_VERSION,
+                step: s,
+                seed,
+                data_position: batcher.position(),
+                content_hash: identity.to_string(),
+                data: data_name.to_string(),
+            };
+            let written = checkpoint::save(dir, trainer, &state)?;
+            progress.println(&format!("titan-run: checkpoint written to {}", written.display()));
         }
     }
     progress.finish();
@@ -128,6 +228,28 @@ fn print_profile(artifact: &Artifact, times: &[titan_runtime::backend::cpu_artif
     for (k, t) in rows.iter().take(20) {
         eprintln!("  {:>8.3} s {:>5.1}% {:>6} launches  {} ({})", t.seconds, 100.0 * t.seconds / total.max(1e-12), t.launches, k.name, k.kind.name());
     }
+}
+
+/// `--backend cuda`: the schedule on one GPU.
+fn run_cuda(cli: &Cli, artifact: &Artifact, tokens: Vec<u32>, data_name: &str) -> Result<()> {
+    if cli.profile {
+        bail!("--profile is not supported yet on the cuda backend; use --backend cpu");
+    }
+    let mut trainer = titan_runtime::backend::cuda::CudaArtifactTrainer::new(artifact, cli.seed.unwrap_or(0))?;
+    let m = &artifact.manifest;
+    eprintln!(
+        "titan-run: artifact {} ({} kernels, {} launches per step, target {}) on the cuda backend ({}), batch {} x seq {}, {} steps, data {data_name}",
+        cli.path.display(),
+        m.kernels.len(),
+        artifact.launches_per_step(),
+        m.target.arch,
+        trainer.device_name(),
+        trainer.batch_size(),
+        trainer.seq_len(),
+        cli.steps
+    );
+    eprintln!("titan-run: {}", memory_summary(artifact));
+    train(&mut trainer, cli, tokens, data_name, &m.content_hash)
 }
 
 fn main() -> ExitCode {

@@ -53,26 +53,7 @@ pub const ALIGN: u64 = 256;
 /// The arenas in manifest order.
 pub const ARENAS: [Arena; 5] = [Arena::Inputs, Arena::Params, Arena::OptimizerState, Arena::Grads, Arena::Activations];
 
-/// The arena of a class.
-pub fn arena_of(class: BufferClass) -> Arena {
-    match class {
-        BufferClass::Input => Arena::Inputs,
-        BufferClass::Param => Arena::Params,
-        BufferClass::OptimizerState => Arena::OptimizerState,
-        BufferClass::Grad => Arena::Grads,
-        BufferClass::Activation => Arena::Activations,
-    }
-}
-
-pub fn arena_name(a: Arena) -> &'static str {
-    match a {
-        Arena::Inputs => "inputs",
-        Arena::Params => "params",
-        Arena::OptimizerState => "optimizer_state",
-        Arena::Grads => "grads",
-        Arena::Activations => "activations",
-    }
-}
+pub use titan_ir::artifact::{arena_name, arena_of};
 
 /// A copy the schedule must perform.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

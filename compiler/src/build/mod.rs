@@ -150,14 +150,7 @@ pub struct BuildSummary {
 
 /// `1.50 GiB`.
 pub fn human_bytes(bytes: u64) -> String {
-    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
-    let mut x = bytes as f64;
-    let mut u = 0;
-    while x >= 1024.0 && u + 1 < UNITS.len() {
-        x /= 1024.0;
-        u += 1;
-    }
-    if u == 0 { format!("{bytes} B") } else { format!("{x:.2} {}", UNITS[u]) }
+    titan_ir::artifact::human_bytes(bytes, 2)
 }
 
 fn secs(d: Duration) -> String {

@@ -149,14 +149,7 @@ pub fn fusion_report(unfused: &Graph, fused: &Graph) -> FusionReport {
 
 /// `12.3 MiB`.
 fn human(bytes: u64) -> String {
-    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
-    let mut x = bytes as f64;
-    let mut u = 0;
-    while x >= 1024.0 && u + 1 < UNITS.len() {
-        x /= 1024.0;
-        u += 1;
-    }
-    if u == 0 { format!("{bytes} B") } else { format!("{x:.1} {}", UNITS[u]) }
+    titan_ir::artifact::human_bytes(bytes, 1)
 }
 
 fn ratio(after: u64, before: u64) -> String {

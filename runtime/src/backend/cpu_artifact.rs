@@ -555,6 +555,27 @@ impl<'a> CpuArtifactTrainer<'a> {
         Ok(out)
     }
 
+    /// Overwrite the state buffer with checkpoint name `name` with `values` (row-major), encoded
+    /// in the buffer's dtype.
+    pub fn set_state(&mut self, name: &str, values: &[f32]) -> Result<(), RuntimeError> {
+        let artifact = self.artifact;
+        let b = artifact
+            .manifest
+            .buffers
+            .iter()
+            .find(|b| matches!(b.class, BufferClass::Param | BufferClass::OptimizerState) && b.state.as_ref().is_some_and(|s| s.name == name))
+            .ok_or_else(|| RuntimeError::Backend(format!("the artifact has no state buffer named `{name}`")))?;
+        let numel = b.shape.iter().product::<u64>();
+        crate::backend::check_state_len(name, usize_of(numel, name)?, values.len())?;
+        let v = self.whole(b)?;
+        encode_floats(values, b.dtype, &mut self.arenas[v.arena][v.start..v.start + v.len]).map_err(|e| bad(format!("state `{name}`: {e}")))
+    }
+
+    /// Set the number of steps taken; the next step feeds `steps + 1`.
+    pub fn set_steps_done(&mut self, steps: u64) {
+        self.step = steps;
+    }
+
     /// Decode any buffer (for tests and debugging).
     pub fn read_buffer(&self, id: u32) -> Result<Tensor<f32>, RuntimeError> {
         let b = self.artifact.buffer(id).ok_or_else(|| bad(format!("buffer {id} does not exist")))?;
@@ -585,5 +606,18 @@ impl Trainer for CpuArtifactTrainer<'_> {
 
     fn states(&self) -> Result<Vec<(String, Tensor<f32>)>, RuntimeError> {
         CpuArtifactTrainer::states(self)
+    }
+
+    fn set_state(&mut self, name: &str, values: &[f32]) -> Result<(), RuntimeError> {
+        CpuArtifactTrainer::set_state(self, name, values)
+    }
+
+    fn set_steps_done(&mut self, steps: u64) -> Result<(), RuntimeError> {
+        CpuArtifactTrainer::set_steps_done(self, steps);
+        Ok(())
+    }
+
+    fn flops_per_token(&self) -> Option<u64> {
+        Some(self.artifact.manifest.training.flops_per_token).filter(|&f| f > 0)
     }
 }

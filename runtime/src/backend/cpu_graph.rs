@@ -175,6 +175,44 @@ impl<'g> CpuTrainer<'g> {
         })
     }
 
+    /// Overwrite the state with checkpoint name `name` with `values` (row-major), rounded to
+    /// its dtype.
+    pub fn set_state(&mut self, name: &str, values: &[f32]) -> Result<(), RuntimeError> {
+        let i = self
+            .feeds
+            .iter()
+            .position(|f| matches!(f, Feed::State(p) if p.name == name))
+            .ok_or_else(|| RuntimeError::Backend(format!("the graph has no state named `{name}`")))?;
+        let t = &mut self.args[i];
+        let dtype = t.dtype;
+        let xs = t.floats_mut().ok_or_else(|| RuntimeError::Backend(format!("state `{name}` is not a float tensor")))?;
+        crate::backend::check_state_len(name, xs.len(), values.len())?;
+        for (x, &v) in xs.iter_mut().zip(values) {
+            *x = if dtype == DType::F32 { v } else { titan_ir::interp::round_to_dtype(v, dtype) };
+        }
+        Ok(())
+    }
+
+    /// Set the number of steps taken; the next step feeds `steps + 1`.
+    pub fn set_steps_done(&mut self, steps: u64) {
+        self.step = steps;
+    }
+
+    /// TorchTitan's `6 N + 12 L H Dh T` from the graph's `meta` (`n_layers`, `n_heads`,
+    /// `head_dim`), `N` counting the master weights other than `tok_embeddings.weight`; `None`
+    /// when the meta lacks them.
+    pub fn flops_per_token(&self) -> Option<u64> {
+        let meta = |k: &str| self.graph.meta_i64(k).and_then(|x| u64::try_from(x).ok());
+        let (l, h, hd) = (meta("n_layers")?, meta("n_heads")?, meta("head_dim")?);
+        let mut n: u64 = 0;
+        for (p, t) in self.states() {
+            if p.name != "tok_embeddings.weight" && !p.name.ends_with(".exp_avg") && !p.name.ends_with(".exp_avg_sq") {
+                n = n.checked_add(t.shape.iter().product::<usize>() as u64)?;
+            }
+        }
+        6u64.checked_mul(n)?.checked_add(12u64.checked_mul(l)?.checked_mul(h)?.checked_mul(hd)?.checked_mul(self.seq as u64)?)
+    }
+
     /// Run one training step on `batch`.
     pub fn step(&mut self, batch: &Batch) -> Result<StepMetrics, RuntimeError> {
         check_batch(batch, self.batch, self.seq, self.vocab)?;
@@ -230,5 +268,18 @@ impl Trainer for CpuTrainer<'_> {
 
     fn states(&self) -> Result<Vec<(String, Tensor<f32>)>, RuntimeError> {
         Ok(CpuTrainer::states(self).map(|(p, t)| (p.name.clone(), t.clone())).collect())
+    }
+
+    fn set_state(&mut self, name: &str, values: &[f32]) -> Result<(), RuntimeError> {
+        CpuTrainer::set_state(self, name, values)
+    }
+
+    fn set_steps_done(&mut self, steps: u64) -> Result<(), RuntimeError> {
+        CpuTrainer::set_steps_done(self, steps);
+        Ok(())
+    }
+
+    fn flops_per_token(&self) -> Option<u64> {
+        CpuTrainer::flops_per_token(self)
     }
 }

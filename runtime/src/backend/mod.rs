@@ -1,11 +1,13 @@
-//! Execution backends. Both run on the CPU reference interpreter:
-//! [`CpuArtifactTrainer`] executes an artifact's schedule over its memory plan (the main path,
-//! the reference for the CUDA backend), [`CpuTrainer`] runs an unfused training graph whole (the
-//! reference the artifact is compared against). The CUDA backend comes with the next issue.
+//! Execution backends. Two run on the CPU reference interpreter:
+//! [`CpuArtifactTrainer`] executes an artifact's schedule over its memory plan (the reference for
+//! the CUDA backend), [`CpuTrainer`] runs an unfused training graph whole (the reference the
+//! artifact is compared against). [`cuda::CudaArtifactTrainer`] executes the same schedule on
+//! one GPU (PTX kernels, cuBLASLt GEMMs, a CUDA graph per step).
 
 pub mod codec;
 pub mod cpu_artifact;
 pub mod cpu_graph;
+pub mod cuda;
 
 pub use cpu_artifact::CpuArtifactTrainer;
 pub use cpu_graph::CpuTrainer;
@@ -39,6 +41,29 @@ pub trait Trainer {
     /// Every state buffer (master weights, AdamW moments) by checkpoint name (stacked ones
     /// carry `{i}`), in its dtype.
     fn states(&self) -> Result<Vec<(String, Tensor<f32>)>, RuntimeError>;
+    /// Overwrite the whole state buffer with checkpoint name `name` (stacked ones carry `{i}`)
+    /// with `values`, its elements in row-major order (for checkpoints).
+    fn set_state(&mut self, name: &str, values: &[f32]) -> Result<(), RuntimeError> {
+        let _ = values;
+        Err(RuntimeError::Backend(format!("restoring state `{name}` is not supported yet on this backend; use --backend cpu")))
+    }
+    /// Set the number of steps taken (a resumed run continues the learning-rate schedule).
+    fn set_steps_done(&mut self, steps: u64) -> Result<(), RuntimeError> {
+        let _ = steps;
+        Err(RuntimeError::Backend("resuming is not supported yet on this backend; use --backend cpu".into()))
+    }
+    /// Model FLOPs per token for throughput and MFU, when known.
+    fn flops_per_token(&self) -> Option<u64> {
+        None
+    }
+}
+
+/// The state buffer `name` must hold `have` elements to take `given` values.
+pub(crate) fn check_state_len(name: &str, have: usize, given: usize) -> Result<(), RuntimeError> {
+    if have != given {
+        return Err(RuntimeError::Backend(format!("state `{name}` has {have} elements, {given} values were given")));
+    }
+    Ok(())
 }
 
 /// Check that `batch` fits a `[batch, seq]` step and a vocabulary of `vocab` entries.

@@ -9,6 +9,7 @@
 //! body runs the same ops in the same order as the unfused region, and rounding to bf16 happens
 //! per op, so nothing may differ. Models:
 //! - the debug preset, with bf16 and with f32 parameters;
+//!
 //! The 8B-shaped model (2 layers, tiny seq) is checked structurally here (it fuses exactly like
 //! the debug model); its numerics after fusion are checked end to end by `artifact_cpu`, which
 //! runs the fused artifact against the unfused graph, so the suite runs that 12 GB step once.

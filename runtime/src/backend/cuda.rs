@@ -1,0 +1,843 @@
+//! The CUDA backend: executes an artifact's schedule on one GPU with the same semantics as
+//! [`CpuArtifactTrainer`](super::CpuArtifactTrainer), the reference it is tested against.
+//!
+//! * **Memory.** One `cuMemAlloc` per arena at the planned size; every buffer is its arena's
+//!   base plus its offset. Activations and gradients start as NaN bytes (`0xff`), so a kernel
+//!   that reads what nothing wrote shows in the loss. Each kernel with `workspace_bytes` gets
+//!   its workspace once, zeroed (the kernels leave it zeroed).
+//! * **Kernels.** Every PTX file is loaded once at start (one module and function per kernel,
+//!   the entry name checked); GEMMs run through cuBLASLt ([`gemm`]) with an algorithm chosen
+//!   once per GEMM for the alignment its operands have in the plan. Kinds without PTX
+//!   (attention until its generator lands) make the backend refuse the artifact at load: no CPU
+//!   fallback inside a GPU run.
+//! * **Schedule.** Loops are unrolled at load into a flat list of launches, copies and memsets
+//!   with resolved device pointers (layer slices and carry ping-pong exactly as the CPU
+//!   backend). The first [`WARMUP_STEPS`] steps run it eagerly; the step is then captured into
+//!   a CUDA graph once and replayed. Tokens, targets and the step counter are copied into their
+//!   fixed input buffers before each step; `loss`, `grad_norm` and `lr` are read back after it.
+//! * **Parameters** start from the same host values as the CPU backend ([`init_values`] and the
+//!   same encoding), copied once.
+//!
+//! [`KernelRunner`] launches one kernel of an artifact on operands it allocates itself: the
+//! kernel-by-kernel differential tests and per-kernel timings use it.
+
+pub mod driver;
+pub mod gemm;
+
+use std::time::Instant;
+
+use titan_ir::artifact::{Arena, BufRef, Buffer, BufferClass, Kernel, Step};
+use titan_ir::interp::Tensor;
+use titan_ir::op::KernelKind;
+use titan_ir::{ArgKind, DType};
+
+use self::driver::{CudaError, DeviceBuffer, Event, Function, Gpu, Graph, Module};
+use self::gemm::{Blas, GemmPlan, pow2_align};
+use crate::RuntimeError;
+use crate::artifact::{Artifact, arena_name};
+use crate::backend::codec::{decode, encode_floats, encode_ints};
+use crate::backend::{StepMetrics, Trainer, check_batch};
+use crate::data::Batch;
+use crate::init::init_values;
+
+/// Steps run eagerly before the step is captured into a CUDA graph.
+pub const WARMUP_STEPS: u64 = 2;
+
+const ARENAS: [Arena; 5] = [Arena::Inputs, Arena::Params, Arena::OptimizerState, Arena::Grads, Arena::Activations];
+
+fn slot(a: Arena) -> usize {
+    match a {
+        Arena::Inputs => 0,
+        Arena::Params => 1,
+        Arena::OptimizerState => 2,
+        Arena::Grads => 3,
+        Arena::Activations => 4,
+    }
+}
+
+impl From<CudaError> for RuntimeError {
+    fn from(e: CudaError) -> RuntimeError {
+        RuntimeError::Backend(e.to_string())
+    }
+}
+
+fn bad(message: String) -> RuntimeError {
+    RuntimeError::Artifact(titan_ir::artifact::ArtifactError::Invalid(message))
+}
+
+/// Refuse an artifact with a kernel the GPU cannot run (no PTX for a non-GEMM kind, or a GEMM
+/// without its description). Checked before the GPU is touched.
+pub fn check_gpu_code(artifact: &Artifact) -> Result<(), RuntimeError> {
+    for k in &artifact.manifest.kernels {
+        gpu_code(k)?;
+    }
+    Ok(())
+}
+
+/// What runs a kernel on the GPU.
+enum Code<'k> {
+    Ptx { file: &'k str, entry: &'k str, launch: &'k titan_ir::artifact::Launch },
+    Gemm(&'k titan_ir::artifact::GemmDesc),
+}
+
+fn gpu_code(k: &Kernel) -> Result<Code<'_>, RuntimeError> {
+    if k.kind == KernelKind::Gemm {
+        return k.gemm.as_ref().map(Code::Gemm).ok_or_else(|| bad(format!("GEMM kernel `{}` has no `gemm` description; rebuild the artifact", k.name)));
+    }
+    match (&k.ptx, &k.entry, &k.launch) {
+        (Some(file), Some(entry), Some(launch)) => Ok(Code::Ptx { file, entry, launch }),
+        (None, _, _) => Err(RuntimeError::Backend(format!("kernel `{}` ({}) has no GPU code yet; use --backend cpu", k.name, k.kind.name()))),
+        _ => Err(bad(format!("kernel `{}` has a PTX file but no entry or launch dimensions; rebuild the artifact", k.name))),
+    }
+}
+
+/// A kernel ready to launch.
+enum Loaded {
+    Ptx {
+        _module: Module,
+        func: Function,
+        launch: titan_ir::artifact::Launch,
+        workspace: Option<DeviceBuffer>,
+    },
+    Gemm {
+        plan: usize,
+    },
+    /// No GPU code (only in a [`KernelRunner`], which skips such kernels).
+    Missing,
+}
+
+/// The loaded code of an artifact: modules, functions, workspaces, cuBLASLt plans.
+struct LoadedCode {
+    kernels: Vec<Loaded>,
+    plans: Vec<GemmPlan>,
+    blas: Blas,
+    blas_workspace: DeviceBuffer,
+}
+
+impl LoadedCode {
+    /// Load every kernel of `artifact`; `gemm_align(pos)` gives the operand alignment of GEMM
+    /// kernel `pos`. With `allow_missing`, kernels without GPU code are kept as `Missing`.
+    fn load(gpu: &Gpu, artifact: &Artifact, gemm_align: &dyn Fn(usize) -> [u64; 3], allow_missing: bool) -> Result<LoadedCode, RuntimeError> {
+        let blas = Blas::new()?;
+        let blas_workspace = gpu.alloc(gemm::WORKSPACE_BYTES, 0, "the cuBLASLt workspace")?;
+        let mut kernels = Vec::new();
+        let mut plans: Vec<GemmPlan> = Vec::new();
+        let mut plan_keys: Vec<(String, [u64; 3])> = Vec::new();
+        for (pos, k) in artifact.manifest.kernels.iter().enumerate() {
+            let code = match gpu_code(k) {
+                Ok(c) => c,
+                Err(_) if allow_missing && k.ptx.is_none() && k.kind != KernelKind::Gemm => {
+                    kernels.push(Loaded::Missing);
+                    continue;
+                }
+                Err(e) => return Err(e),
+            };
+            match code {
+                Code::Gemm(g) => {
+                    let align = gemm_align(pos);
+                    let key = (format!("{g:?}"), align);
+                    let plan = match plan_keys.iter().position(|p| *p == key) {
+                        Some(i) => i,
+                        None => {
+                            plans.push(GemmPlan::new(&blas, &k.name, g, align)?);
+                            plan_keys.push(key);
+                            plans.len() - 1
+                        }
+                    };
+                    kernels.push(Loaded::Gemm { plan });
+                }
+                Code::Ptx { file, entry, launch } => {
+                    let path = artifact.dir.join(file);
+                    let ptx = std::fs::read_to_string(&path).map_err(|e| {
+                        RuntimeError::Backend(format!("kernel `{}`: cannot read `{}`: {e}; the artifact is incomplete, rebuild it", k.name, path.display()))
+                    })?;
+                    let (module, func) = gpu.load_function(&ptx, entry, &format!("kernel `{}`", k.name))?;
+                    if launch.shared_bytes > 48 * 1024 {
+                        gpu.allow_shared(&func, launch.shared_bytes, &format!("kernel `{}`", k.name))?;
+                    }
+                    let workspace =
+                        if k.workspace_bytes > 0 { Some(gpu.alloc(k.workspace_bytes, 0, &format!("the workspace of kernel `{}`", k.name))?) } else { None };
+                    kernels.push(Loaded::Ptx { _module: module, func, launch: launch.clone(), workspace });
+                }
+            }
+        }
+        Ok(LoadedCode { kernels, plans, blas, blas_workspace })
+    }
+
+    /// Enqueue kernel `pos` with its input and output pointers.
+    fn launch(&self, gpu: &Gpu, artifact: &Artifact, pos: usize, ins: &[u64], outs: &[u64], at: &dyn Fn() -> String) -> Result<(), CudaError> {
+        let name = &artifact.manifest.kernels[pos].name;
+        match &self.kernels[pos] {
+            Loaded::Ptx { func, launch, workspace, .. } => {
+                let mut ptrs: Vec<u64> = Vec::with_capacity(ins.len() + outs.len() + 1);
+                ptrs.extend_from_slice(ins);
+                ptrs.extend_from_slice(outs);
+                if let Some(w) = workspace {
+                    ptrs.push(w.ptr);
+                }
+                gpu.launch(func, launch.grid, launch.block, launch.shared_bytes, &ptrs, || format!("launching kernel `{name}` ({})", at()))
+            }
+            Loaded::Gemm { plan } => {
+                // `B` is the second input, or the first again when the body reads one argument twice.
+                let (Some(&a), Some(&b), Some(&c)) = (ins.first(), ins.get(1).or(ins.first()), outs.first()) else {
+                    return Err(CudaError::Call { what: format!("GEMM `{name}` ({})", at()), message: "needs two inputs and one output".into() });
+                };
+                self.plans[*plan]
+                    .run(&self.blas, a, b, c, self.blas_workspace.ptr, gpu.stream)
+                    .map_err(|e| CudaError::Call { what: format!("GEMM `{name}` ({})", at()), message: format!("cublasLtMatmul failed with {:?}", e.0) })
+            }
+            Loaded::Missing => Err(CudaError::Call { what: format!("kernel `{name}`"), message: "has no GPU code yet; use --backend cpu".into() }),
+        }
+    }
+}
+
+/// One entry of the unrolled schedule.
+enum Op {
+    Launch { kernel: usize, ins: Vec<u64>, outs: Vec<u64>, at: String },
+    Copy { dst: u64, src: u64, bytes: usize, at: String },
+    Memset { dst: u64, bytes: usize, at: String },
+}
+
+/// Where a step sits: `step 4.2 (layer 1)`.
+fn loc(path: &[usize], layer: Option<usize>) -> String {
+    let p: Vec<String> = path.iter().map(|i| i.to_string()).collect();
+    match layer {
+        Some(l) => format!("schedule step {}, layer {l}", p.join(".")),
+        None => format!("schedule step {}", p.join(".")),
+    }
+}
+
+/// The loop iteration a step runs in.
+#[derive(Clone, Copy)]
+struct Frame<'s> {
+    layer: usize,
+    t: usize,
+    carries: &'s [[u32; 2]],
+}
+
+/// Device addresses of the arenas, resolving buffer references like the CPU backend.
+struct Arenas<'a> {
+    artifact: &'a Artifact,
+    base: [u64; 5],
+    bytes: [u64; 5],
+}
+
+impl Arenas<'_> {
+    /// `(address, bytes)` of the whole of buffer `b`.
+    fn whole(&self, b: &Buffer) -> Result<(u64, u64), RuntimeError> {
+        let a = slot(b.arena);
+        if b.offset.checked_add(b.bytes).is_none_or(|end| end > self.bytes[a]) {
+            return Err(bad(format!("buffer {} (`{}`) lies outside its arena", b.id, b.name)));
+        }
+        Ok((self.base[a] + b.offset, b.bytes))
+    }
+
+    fn view(&self, r: &BufRef, frame: Option<Frame<'_>>) -> Result<(u64, u64), RuntimeError> {
+        let buffer = |id: u32| self.artifact.buffer(id).ok_or_else(|| bad(format!("buffer {id} does not exist")));
+        match *r {
+            BufRef::Buffer { buffer: id, layer: false } => self.whole(buffer(id)?),
+            BufRef::Buffer { buffer: id, layer: true } => {
+                let b = buffer(id)?;
+                let f = frame.ok_or_else(|| bad(format!("a layer slice of buffer {id} outside any loop")))?;
+                let (p, len) = self.whole(b)?;
+                let layers = b.shape.first().copied().unwrap_or(0);
+                if f.layer as u64 >= layers {
+                    return Err(bad(format!("layer {} of buffer {id}, which has {layers}", f.layer)));
+                }
+                let per = len / layers;
+                Ok((p + f.layer as u64 * per, per))
+            }
+            BufRef::Carry { carry, out } => {
+                let f = frame.ok_or_else(|| bad(format!("carry {carry} outside any loop")))?;
+                let pair = f.carries.get(carry as usize).ok_or_else(|| bad(format!("carry {carry} does not exist")))?;
+                self.whole(buffer(pair[(f.t + usize::from(out)) % 2])?)
+            }
+        }
+    }
+
+    /// Unroll `steps` into `ops`.
+    fn unroll(&self, steps: &[Step], frame: Option<Frame<'_>>, path: &mut Vec<usize>, ops: &mut Vec<Op>) -> Result<(), RuntimeError> {
+        for (i, step) in steps.iter().enumerate() {
+            path.push(i);
+            let at = loc(path, frame.map(|f| f.layer));
+            match step {
+                Step::Launch { kernel, inputs, outputs, .. } => {
+                    let pos = self.artifact.kernel_pos(*kernel).ok_or_else(|| bad(format!("{at}: kernel {kernel} does not exist")))?;
+                    let ins = inputs.iter().map(|r| self.view(r, frame).map(|v| v.0)).collect::<Result<Vec<_>, _>>()?;
+                    let outs = outputs.iter().map(|r| self.view(r, frame).map(|v| v.0)).collect::<Result<Vec<_>, _>>()?;
+                    ops.push(Op::Launch { kernel: pos, ins, outs, at });
+                }
+                Step::Copy { src, dst, bytes, .. } => {
+                    let (s, d) = (self.view(src, frame)?, self.view(dst, frame)?);
+                    if *bytes > s.1 || *bytes > d.1 {
+                        return Err(bad(format!("{at}: a copy of {bytes} bytes between buffers of {} and {} bytes", s.1, d.1)));
+                    }
+                    let bytes = usize::try_from(*bytes).map_err(|_| bad(format!("{at}: copy too large")))?;
+                    if bytes > 0 {
+                        ops.push(Op::Copy { dst: d.0, src: s.0, bytes, at });
+                    }
+                }
+                Step::Memset { dst, bytes, .. } => {
+                    let d = self.view(dst, frame)?;
+                    if *bytes > d.1 {
+                        return Err(bad(format!("{at}: a memset of {bytes} bytes on a buffer of {} bytes", d.1)));
+                    }
+                    let bytes = usize::try_from(*bytes).map_err(|_| bad(format!("{at}: memset too large")))?;
+                    if bytes > 0 {
+                        ops.push(Op::Memset { dst: d.0, bytes, at });
+                    }
+                }
+                Step::Loop { count, reverse, carries, body } => {
+                    let count = *count as usize;
+                    for t in 0..count {
+                        let layer = if *reverse { count - 1 - t } else { t };
+                        self.unroll(body, Some(Frame { layer, t, carries }), path, ops)?;
+                    }
+                }
+            }
+            path.pop();
+        }
+        Ok(())
+    }
+}
+
+/// Check that a GEMM's operands hold what its description addresses (so cuBLASLt never reads or
+/// writes outside a buffer), given the byte sizes the schedule binds.
+fn check_gemm_extent(k: &Kernel, g: &titan_ir::artifact::GemmDesc, bound: [u64; 3]) -> Result<(), RuntimeError> {
+    let batch = g.batch.max(1);
+    // Stored (rows, cols, ld, stride, dtype) of A, B, C (row-major).
+    let (ar, ac) = if g.transpose_a { (g.k, g.m) } else { (g.m, g.k) };
+    let (br, bc) = if g.transpose_b { (g.n, g.k) } else { (g.k, g.n) };
+    let specs = [(ar, ac, g.lda, g.stride_a, g.a_dtype, "A"), (br, bc, g.ldb, g.stride_b, g.b_dtype, "B"), (g.m, g.n, g.ldc, g.stride_c, g.c_dtype, "C")];
+    for ((rows, cols, ld, stride, dtype, name), have) in specs.into_iter().zip(bound) {
+        if ld < cols {
+            return Err(bad(format!("GEMM `{}`: operand {name} has leading dimension {ld} below its {cols} columns; rebuild the artifact", k.name)));
+        }
+        let need = (batch - 1)
+            .checked_mul(stride)
+            .and_then(|x| x.checked_add(rows.saturating_sub(1).checked_mul(ld)?))
+            .and_then(|x| x.checked_add(cols))
+            .and_then(|x| x.checked_mul(dtype.size_bytes() as u64));
+        if rows > 0 && need.is_none_or(|n| n > have) {
+            return Err(bad(format!(
+                "GEMM `{}`: operand {name} needs {} bytes, the schedule binds {have}; the GEMM description and the plan disagree, rebuild the artifact",
+                k.name,
+                need.map_or("too many".into(), |n| n.to_string())
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Runs an artifact's schedule (rank 0) on one GPU. Field order matters: everything device-side
+/// is dropped before the context.
+pub struct CudaArtifactTrainer<'a> {
+    artifact: &'a Artifact,
+    ops: Vec<Op>,
+    graph: Option<Graph>,
+    use_graph: bool,
+    /// Host staging of the fed inputs (alive until the stream has copied them).
+    feed_tokens: Vec<u8>,
+    feed_targets: Vec<u8>,
+    feed_step: Vec<u8>,
+    tokens: (u64, &'a Buffer),
+    targets: (u64, &'a Buffer),
+    step_buf: (u64, &'a Buffer),
+    outputs: [Option<(u64, &'a Buffer)>; 3],
+    arenas: Arenas<'a>,
+    batch: usize,
+    seq: usize,
+    vocab: usize,
+    step: u64,
+    /// Steps run by this process (the warm-up before capture counts these, not resumed ones).
+    steps_run: u64,
+    code: LoadedCode,
+    _memory: Vec<DeviceBuffer>,
+    gpu: Gpu,
+}
+
+impl<'a> CudaArtifactTrainer<'a> {
+    /// Check that every kernel has GPU code, open the GPU, load every kernel, allocate the
+    /// arenas and initialize the state from `seed` (the CPU backend's values).
+    pub fn new(artifact: &'a Artifact, seed: u64) -> Result<CudaArtifactTrainer<'a>, RuntimeError> {
+        let m = &artifact.manifest;
+        if m.ranks.len() != 1 || m.mesh.world_size > 1 {
+            return Err(RuntimeError::Backend(format!(
+                "the artifact has {} ranks (mesh world size {}); multi-GPU execution is not supported yet, rebuild without a mesh",
+                m.ranks.len(),
+                m.mesh.world_size
+            )));
+        }
+        check_gpu_code(artifact)?;
+        let feed = |f: &str| artifact.feed_buffer(f).ok_or_else(|| bad(format!("no input buffer is fed `{f}`")));
+        let (tokens, targets, step_buf) = (feed("tokens")?, feed("targets")?, feed("step")?);
+        if tokens.shape != targets.shape || tokens.shape.len() != 2 {
+            return Err(bad(format!("the tokens buffer is {:?} and the targets buffer {:?}; they must match", tokens.shape, targets.shape)));
+        }
+        let loss = artifact.output_buffer("loss").ok_or_else(|| bad("no buffer holds the `loss` output".into()))?;
+        let gpu = Gpu::open()?;
+        let mut memory = Vec::new();
+        let mut base = [0u64; 5];
+        let mut bytes = [0u64; 5];
+        for a in ARENAS {
+            let n = artifact.arena_bytes(a);
+            let fill = if matches!(a, Arena::Grads | Arena::Activations) { 0xff } else { 0 };
+            let buf = gpu.alloc(n, fill, &format!("the `{}` arena", arena_name(a)))?;
+            base[slot(a)] = buf.ptr;
+            bytes[slot(a)] = n;
+            memory.push(buf);
+        }
+        let arenas = Arenas { artifact, base, bytes };
+        let mut ops = Vec::new();
+        arenas.unroll(&m.ranks[0].steps, None, &mut Vec::new(), &mut ops)?;
+        // Per GEMM kernel: the alignment of its operands over every launch, and their extents.
+        let mut align = vec![[256u64; 3]; m.kernels.len()];
+        Self::gemm_operands(artifact, &arenas, &m.ranks[0].steps, None, &mut align)?;
+        let code = LoadedCode::load(&gpu, artifact, &|pos| align[pos], false)?;
+        let usize_of = |x: u64, what: &str| usize::try_from(x).map_err(|_| bad(format!("{what} {x} does not fit this machine")));
+        let whole = |b: &'a Buffer| arenas.whole(b).map(|(p, _)| (p, b));
+        let mut trainer = CudaArtifactTrainer {
+            artifact,
+            ops,
+            graph: None,
+            use_graph: true,
+            feed_tokens: vec![0; usize_of(tokens.bytes, "tokens")?],
+            feed_targets: vec![0; usize_of(targets.bytes, "targets")?],
+            feed_step: vec![0; usize_of(step_buf.bytes, "step")?],
+            tokens: whole(tokens)?,
+            targets: whole(targets)?,
+            step_buf: whole(step_buf)?,
+            outputs: [Some(whole(loss)?), artifact.output_buffer("grad_norm").map(whole).transpose()?, artifact.output_buffer("lr").map(whole).transpose()?],
+            batch: usize_of(tokens.shape[0], "batch")?,
+            seq: usize_of(tokens.shape[1], "seq")?,
+            vocab: usize_of(m.training.vocab_size, "vocab_size")?,
+            arenas,
+            step: 0,
+            steps_run: 0,
+            code,
+            _memory: memory,
+            gpu,
+        };
+        trainer.init_state(seed)?;
+        Ok(trainer)
+    }
+
+    /// Walk the schedule's GEMM launches: check their extents and record the smallest
+    /// power-of-two alignment of each operand.
+    fn gemm_operands(artifact: &Artifact, arenas: &Arenas<'_>, steps: &[Step], frame: Option<Frame<'_>>, align: &mut [[u64; 3]]) -> Result<(), RuntimeError> {
+        for step in steps {
+            match step {
+                Step::Launch { kernel, inputs, outputs, .. } => {
+                    let Some(pos) = artifact.kernel_pos(*kernel) else { continue };
+                    let k = &artifact.manifest.kernels[pos];
+                    let Some(g) = k.gemm.as_ref().filter(|_| k.kind == KernelKind::Gemm) else { continue };
+                    let refs = [inputs.first(), inputs.get(1).or(inputs.first()), outputs.first()];
+                    let mut bound = [0u64; 3];
+                    for (j, r) in refs.into_iter().enumerate() {
+                        let r = r.ok_or_else(|| bad(format!("GEMM `{}` needs two inputs and one output", k.name)))?;
+                        let (p, len) = arenas.view(r, frame)?;
+                        align[pos][j] = align[pos][j].min(pow2_align(p));
+                        bound[j] = len;
+                    }
+                    check_gemm_extent(k, g, bound)?;
+                }
+                Step::Loop { count, reverse, carries, body } => {
+                    let count = *count as usize;
+                    for t in 0..count {
+                        let layer = if *reverse { count - 1 - t } else { t };
+                        Self::gemm_operands(artifact, arenas, body, Some(Frame { layer, t, carries }), align)?;
+                    }
+                }
+                _ => {}
+            }
+        }
+        Ok(())
+    }
+
+    /// Fill every persistent buffer with the values the CPU backend starts from: the same
+    /// [`init_values`] per state argument of `graph.ir`'s `main`, the same encoding.
+    fn init_state(&mut self, seed: u64) -> Result<(), RuntimeError> {
+        let graph = &self.artifact.graph;
+        for b in &self.artifact.manifest.buffers {
+            if !matches!(b.class, BufferClass::Param | BufferClass::OptimizerState) {
+                continue;
+            }
+            let Some(s) = &b.state else { return Err(bad(format!("buffer {} (`{}`) is persistent but has no `state`", b.id, b.name))) };
+            let arg = graph.main.args.iter().find(|a| a.kind.param_info().is_some_and(|p| p.name == s.name)).ok_or_else(|| {
+                bad(format!(
+                    "state buffer {} (`{}`) has no state argument named \"{}\" in graph.ir; rebuild the artifact with `titanc build`",
+                    b.id, b.name, s.name
+                ))
+            })?;
+            let (ArgKind::State(p) | ArgKind::Param(p)) = &arg.kind else { continue };
+            let ty = graph.main.ty(arg.value);
+            let shape = ty.resolve(&graph.dims).map_err(|e| bad(format!("state `{}` in graph.ir: {e}", s.name)))?;
+            if ty.dtype != b.dtype || shape.iter().map(|&d| d as u64).collect::<Vec<_>>() != b.shape {
+                return Err(bad(format!("state `{}` is {ty} in graph.ir but buffer {} is {}{:?}", s.name, b.id, b.dtype, b.shape)));
+            }
+            let (layers, per_layer) = if p.is_stacked() { (shape[0], shape[1..].iter().product()) } else { (1, shape.iter().product()) };
+            let values = init_values(p.init, layers, per_layer, seed, &|l| p.layer_name(l))
+                .map_err(|e| RuntimeError::Graph(format!("initializing `{}`: {e}", p.name)))?;
+            let (ptr, len) = self.arenas.whole(b)?;
+            let mut host = vec![0u8; usize::try_from(len).map_err(|_| bad(format!("state `{}` is too large", s.name)))?];
+            encode_floats(&values, b.dtype, &mut host).map_err(|e| bad(format!("state `{}`: {e}", s.name)))?;
+            drop(values);
+            self.gpu.upload(ptr, &host, || format!("uploading the initial values of `{}`", s.name))?;
+            self.gpu.sync(|| format!("uploading the initial values of `{}`", s.name))?;
+        }
+        Ok(())
+    }
+
+    /// Capture the step into a CUDA graph after the warm-up steps (on by default); off runs
+    /// every step eagerly.
+    pub fn set_graphs(&mut self, on: bool) {
+        self.use_graph = on;
+        if !on {
+            self.graph = None;
+        }
+    }
+
+    /// Whether the steps now replay a captured graph.
+    pub fn replaying(&self) -> bool {
+        self.graph.is_some()
+    }
+
+    /// The GPU's name.
+    pub fn device_name(&self) -> &str {
+        &self.gpu.name
+    }
+
+    fn enqueue_ops(&self) -> Result<(), CudaError> {
+        for op in &self.ops {
+            match op {
+                Op::Launch { kernel, ins, outs, at } => self.code.launch(&self.gpu, self.artifact, *kernel, ins, outs, &|| at.clone())?,
+                Op::Copy { dst, src, bytes, at } => self.gpu.copy(*dst, *src, *bytes, || format!("copy of {bytes} bytes ({at})"))?,
+                Op::Memset { dst, bytes, at } => self.gpu.memset(*dst, 0, *bytes, || format!("memset of {bytes} bytes ({at})"))?,
+            }
+        }
+        Ok(())
+    }
+
+    /// Decode a buffer read back from the device.
+    fn read(&self, b: &Buffer) -> Result<Tensor<f32>, RuntimeError> {
+        let (ptr, len) = self.arenas.whole(b)?;
+        let mut host = vec![0u8; usize::try_from(len).map_err(|_| bad(format!("buffer `{}` is too large", b.name)))?];
+        self.gpu.download(&mut host, ptr, || format!("reading back buffer {} (`{}`)", b.id, b.name))?;
+        decode(&host, b.dtype, b.shape.iter().map(|&d| d as usize).collect()).map_err(|e| bad(format!("buffer {} (`{}`): {e}", b.id, b.name)))
+    }
+
+    /// Run one training step on `batch`.
+    pub fn step(&mut self, batch: &Batch) -> Result<StepMetrics, RuntimeError> {
+        check_batch(batch, self.batch, self.seq, self.vocab)?;
+        self.gpu.bind()?;
+        self.step += 1;
+        self.steps_run += 1;
+        let start = Instant::now();
+        let n = self.step;
+        encode_ints(&batch.tokens, self.tokens.1.dtype, &mut self.feed_tokens).map_err(|e| RuntimeError::Data(format!("feeding tokens: {e}")))?;
+        encode_ints(&batch.targets, self.targets.1.dtype, &mut self.feed_targets).map_err(|e| RuntimeError::Data(format!("feeding targets: {e}")))?;
+        let s = i64::try_from(n).map_err(|_| RuntimeError::Data("the step counter overflowed".into()))?;
+        encode_ints(&[s], self.step_buf.1.dtype, &mut self.feed_step).map_err(|e| RuntimeError::Data(format!("feeding the step: {e}")))?;
+        self.gpu.upload(self.tokens.0, &self.feed_tokens, || format!("step {n}: copying the tokens to the GPU"))?;
+        self.gpu.upload(self.targets.0, &self.feed_targets, || format!("step {n}: copying the targets to the GPU"))?;
+        self.gpu.upload(self.step_buf.0, &self.feed_step, || format!("step {n}: copying the step counter to the GPU"))?;
+        if self.graph.is_none() && self.use_graph && self.steps_run > WARMUP_STEPS {
+            self.gpu.sync(|| format!("step {n}: before capturing the CUDA graph"))?;
+            self.gpu.begin_capture()?;
+            let r = self.enqueue_ops();
+            // End the capture even when an op failed, so the stream is usable again.
+            let g = self.gpu.end_capture();
+            r.map_err(|e| match e {
+                CudaError::Call { what, message } => CudaError::Call { what: format!("step {n}, capturing {what}"), message },
+                other => other,
+            })?;
+            self.graph = Some(g?);
+        }
+        match &self.graph {
+            Some(g) => self.gpu.replay(g).map_err(|e| with_step(e, n))?,
+            None => self.enqueue_ops().map_err(|e| with_step(e, n))?,
+        }
+        self.gpu.sync(|| format!("step {n}: waiting for the step to finish (an asynchronous error from an earlier kernel shows here; rerun with CUDA_LAUNCH_BLOCKING=1 to find it)"))?;
+        let secs = start.elapsed().as_secs_f64();
+        let mut vals = [f64::NAN; 3];
+        for (v, o) in vals.iter_mut().zip(&self.outputs) {
+            if let Some((_, b)) = o {
+                *v = self.read(b)?.to_f64_vec().first().copied().unwrap_or(f64::NAN);
+            }
+        }
+        Ok(StepMetrics {
+            step: n,
+            loss: vals[0],
+            grad_norm: vals[1],
+            lr: vals[2],
+            tokens_per_s: (self.batch * self.seq) as f64 / secs.max(1e-9),
+            peak_bytes: Some(self.artifact.manifest.memory.peak_bytes),
+        })
+    }
+
+    /// Every state buffer by checkpoint name, in manifest order (read back from the GPU).
+    pub fn states(&self) -> Result<Vec<(String, Tensor<f32>)>, RuntimeError> {
+        self.gpu.bind()?;
+        let mut out = Vec::new();
+        for b in &self.artifact.manifest.buffers {
+            if let (BufferClass::Param | BufferClass::OptimizerState, Some(s)) = (b.class, &b.state) {
+                out.push((s.name.clone(), self.read(b)?));
+            }
+        }
+        Ok(out)
+    }
+
+    /// Overwrite the state buffer with checkpoint name `name` with `values` (row-major).
+    pub fn set_state(&mut self, name: &str, values: &[f32]) -> Result<(), RuntimeError> {
+        self.gpu.bind()?;
+        let b = self
+            .artifact
+            .manifest
+            .buffers
+            .iter()
+            .find(|b| matches!(b.class, BufferClass::Param | BufferClass::OptimizerState) && b.state.as_ref().is_some_and(|s| s.name == name))
+            .ok_or_else(|| RuntimeError::Backend(format!("the artifact has no state buffer named `{name}`")))?;
+        let numel = usize::try_from(b.shape.iter().product::<u64>()).map_err(|_| bad(format!("state `{name}` is too large")))?;
+        crate::backend::check_state_len(name, numel, values.len())?;
+        let (ptr, len) = self.arenas.whole(b)?;
+        let mut host = vec![0u8; len as usize];
+        encode_floats(values, b.dtype, &mut host).map_err(|e| bad(format!("state `{name}`: {e}")))?;
+        self.gpu.upload(ptr, &host, || format!("uploading state `{name}`"))?;
+        Ok(self.gpu.sync(|| format!("uploading state `{name}`"))?)
+    }
+
+    /// Decode any buffer (for tests and debugging).
+    pub fn read_buffer(&self, id: u32) -> Result<Tensor<f32>, RuntimeError> {
+        self.gpu.bind()?;
+        let b = self.artifact.buffer(id).ok_or_else(|| bad(format!("buffer {id} does not exist")))?;
+        self.read(b)
+    }
+}
+
+fn with_step(e: CudaError, n: u64) -> CudaError {
+    match e {
+        CudaError::Call { what, message } => CudaError::Call { what: format!("step {n}: {what}"), message },
+        other => other,
+    }
+}
+
+impl Trainer for CudaArtifactTrainer<'_> {
+    fn step(&mut self, batch: &Batch) -> Result<StepMetrics, RuntimeError> {
+        CudaArtifactTrainer::step(self, batch)
+    }
+
+    fn batch_size(&self) -> usize {
+        self.batch
+    }
+
+    fn seq_len(&self) -> usize {
+        self.seq
+    }
+
+    fn vocab_size(&self) -> usize {
+        self.vocab
+    }
+
+    fn steps_done(&self) -> u64 {
+        self.step
+    }
+
+    fn states(&self) -> Result<Vec<(String, Tensor<f32>)>, RuntimeError> {
+        CudaArtifactTrainer::states(self)
+    }
+
+    fn set_state(&mut self, name: &str, values: &[f32]) -> Result<(), RuntimeError> {
+        CudaArtifactTrainer::set_state(self, name, values)
+    }
+
+    fn set_steps_done(&mut self, steps: u64) -> Result<(), RuntimeError> {
+        self.step = steps;
+        Ok(())
+    }
+
+    fn flops_per_token(&self) -> Option<u64> {
+        Some(self.artifact.manifest.training.flops_per_token).filter(|&f| f > 0)
+    }
+}
+
+/// The type of one kernel operand.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Operand {
+    pub dtype: DType,
+    pub shape: Vec<usize>,
+}
+
+impl Operand {
+    pub fn bytes(&self) -> usize {
+        self.shape.iter().product::<usize>() * self.dtype.size_bytes()
+    }
+}
+
+/// Device inputs, device outputs and the outputs' types of one kernel.
+type Operands = (Vec<DeviceBuffer>, Vec<DeviceBuffer>, Vec<Operand>);
+
+/// What one launch of [`KernelRunner::run`] left behind.
+pub struct KernelRun {
+    /// Each output's bytes.
+    pub outputs: Vec<Vec<u8>>,
+    /// Whether the kernel's workspace is all zero again (true when it has none).
+    pub workspace_zeroed: bool,
+}
+
+/// Launches single kernels of an artifact on operands it allocates (each its own
+/// `cuMemAlloc`, so 256-byte aligned): the kernel-by-kernel differential tests and timings.
+pub struct KernelRunner<'a> {
+    artifact: &'a Artifact,
+    code: LoadedCode,
+    gpu: Gpu,
+}
+
+impl<'a> KernelRunner<'a> {
+    /// Open the GPU and load every kernel that has GPU code (the others are reported by
+    /// [`KernelRunner::has_gpu_code`]).
+    pub fn new(artifact: &'a Artifact) -> Result<KernelRunner<'a>, RuntimeError> {
+        let gpu = Gpu::open()?;
+        let code = LoadedCode::load(&gpu, artifact, &|_| [256; 3], true)?;
+        Ok(KernelRunner { artifact, code, gpu })
+    }
+
+    pub fn device_name(&self) -> &str {
+        &self.gpu.name
+    }
+
+    /// Compute capability of the GPU.
+    pub fn capability(&self) -> Result<(i32, i32), RuntimeError> {
+        Ok(self.gpu.capability()?)
+    }
+
+    /// Whether kernel `pos` (index in `manifest.kernels`) runs on the GPU.
+    pub fn has_gpu_code(&self, pos: usize) -> bool {
+        !matches!(self.code.kernels.get(pos), Some(Loaded::Missing) | None)
+    }
+
+    /// The argument and result types of kernel `pos`'s body.
+    pub fn operands(&self, pos: usize) -> Result<(Vec<Operand>, Vec<Operand>), RuntimeError> {
+        let k = self.artifact.manifest.kernels.get(pos).ok_or_else(|| bad(format!("kernel {pos} does not exist")))?;
+        let (_, body) = self.artifact.kernel(k.id).ok_or_else(|| bad(format!("kernel `{}` has no body", k.name)))?;
+        let dims = &self.artifact.graph.dims;
+        let spec = |v| {
+            let ty = body.ty(v);
+            ty.resolve(dims).map(|shape| Operand { dtype: ty.dtype, shape }).map_err(|e| bad(format!("kernel `{}`: {e}", k.name)))
+        };
+        let ins = body.args.iter().map(|a| spec(a.value)).collect::<Result<Vec<_>, _>>()?;
+        let outs = body.outputs.iter().map(|o| spec(o.value)).collect::<Result<Vec<_>, _>>()?;
+        Ok((ins, outs))
+    }
+
+    fn alloc_operands(
+        &self,
+        pos: usize,
+        out_fill: u8,
+        fill_in: &mut dyn FnMut(usize, &Operand, u64) -> Result<(), RuntimeError>,
+    ) -> Result<Operands, RuntimeError> {
+        let name = &self.artifact.manifest.kernels[pos].name;
+        let (ins, outs) = self.operands(pos)?;
+        let mut din = Vec::new();
+        for (i, o) in ins.iter().enumerate() {
+            let b = self.gpu.alloc(o.bytes() as u64, 0, &format!("input {i} of kernel `{name}`"))?;
+            fill_in(i, o, b.ptr)?;
+            din.push(b);
+        }
+        let mut dout = Vec::new();
+        for (i, o) in outs.iter().enumerate() {
+            dout.push(self.gpu.alloc(o.bytes() as u64, out_fill, &format!("output {i} of kernel `{name}`"))?);
+        }
+        Ok((din, dout, outs))
+    }
+
+    /// For a GEMM, check that its operands hold what the description addresses.
+    fn check_extent(&self, pos: usize, din: &[DeviceBuffer], dout: &[DeviceBuffer]) -> Result<(), RuntimeError> {
+        let k = &self.artifact.manifest.kernels[pos];
+        if let (KernelKind::Gemm, Some(g)) = (k.kind, &k.gemm) {
+            let (Some(a), Some(c)) = (din.first(), dout.first()) else { return Err(bad(format!("GEMM `{}` needs two inputs and one output", k.name))) };
+            let b = din.get(1).unwrap_or(a);
+            check_gemm_extent(k, g, [a.bytes, b.bytes, c.bytes])?;
+        }
+        Ok(())
+    }
+
+    /// Launch kernel `pos` once on `inputs` (bytes in each argument's dtype), every output byte
+    /// set to `fill` first (`0xff`, NaN, to catch unwritten elements; 0 for a `scatter_add`,
+    /// which sums into the table the schedule zeroes), and read back the outputs and the
+    /// workspace.
+    pub fn run(&self, pos: usize, inputs: &[Vec<u8>], fill: u8) -> Result<KernelRun, RuntimeError> {
+        self.gpu.bind()?;
+        let name = self.artifact.manifest.kernels.get(pos).map(|k| k.name.clone()).unwrap_or_default();
+        let (ins, _) = self.operands(pos)?;
+        if inputs.len() != ins.len() || inputs.iter().zip(&ins).any(|(b, o)| b.len() != o.bytes()) {
+            return Err(bad(format!("kernel `{name}`: the inputs do not match its {} arguments", ins.len())));
+        }
+        let (din, dout, outs) = self.alloc_operands(pos, fill, &mut |i, _, ptr| {
+            self.gpu.upload(ptr, &inputs[i], || format!("copying input {i} of kernel `{name}`"))?;
+            Ok(self.gpu.sync(|| format!("copying input {i} of kernel `{name}`"))?)
+        })?;
+        self.check_extent(pos, &din, &dout)?;
+        let ip: Vec<u64> = din.iter().map(|b| b.ptr).collect();
+        let op: Vec<u64> = dout.iter().map(|b| b.ptr).collect();
+        self.code.launch(&self.gpu, self.artifact, pos, &ip, &op, &|| "differential test".into())?;
+        self.gpu.sync(|| format!("running kernel `{name}`"))?;
+        let mut outputs = Vec::new();
+        for (i, (b, o)) in dout.iter().zip(&outs).enumerate() {
+            let mut host = vec![0u8; o.bytes()];
+            self.gpu.download(&mut host, b.ptr, || format!("reading output {i} of kernel `{name}`"))?;
+            outputs.push(host);
+        }
+        let workspace_zeroed = match &self.code.kernels[pos] {
+            Loaded::Ptx { workspace: Some(w), .. } => {
+                let mut host = vec![0u8; w.bytes as usize];
+                self.gpu.download(&mut host, w.ptr, || format!("reading the workspace of kernel `{name}`"))?;
+                host.iter().all(|&b| b == 0)
+            }
+            _ => true,
+        };
+        Ok(KernelRun { outputs, workspace_zeroed })
+    }
+
+    /// Median milliseconds of one launch of kernel `pos` over `iters` launches (after a
+    /// warm-up launch), on inputs tiled from `block(operand)` (a few KiB of valid values per
+    /// operand, repeated over the whole buffer by device copies).
+    pub fn time(&self, pos: usize, iters: usize, block: &mut dyn FnMut(&Operand) -> Vec<u8>) -> Result<f64, RuntimeError> {
+        self.gpu.bind()?;
+        let name = self.artifact.manifest.kernels.get(pos).map(|k| k.name.clone()).unwrap_or_default();
+        let (din, dout, _) = self.alloc_operands(pos, 0, &mut |i, o, ptr| {
+            let total = o.bytes();
+            let mut b = block(o);
+            let unit = o.dtype.size_bytes().max(1);
+            b.truncate(total.min(b.len()) / unit * unit);
+            if b.is_empty() {
+                return Ok(());
+            }
+            self.gpu.upload(ptr, &b, || format!("filling input {i} of kernel `{name}`"))?;
+            self.gpu.sync(|| format!("filling input {i} of kernel `{name}`"))?;
+            // Double the filled prefix until the buffer is full.
+            let mut filled = b.len();
+            while filled < total {
+                let n = filled.min(total - filled);
+                self.gpu.copy(ptr + filled as u64, ptr, n, || format!("filling input {i} of kernel `{name}`"))?;
+                filled += n;
+            }
+            Ok(self.gpu.sync(|| format!("filling input {i} of kernel `{name}`"))?)
+        })?;
+        self.check_extent(pos, &din, &dout)?;
+        let ip: Vec<u64> = din.iter().map(|b| b.ptr).collect();
+        let op: Vec<u64> = dout.iter().map(|b| b.ptr).collect();
+        let at = || "timing".to_string();
+        self.code.launch(&self.gpu, self.artifact, pos, &ip, &op, &at)?;
+        self.gpu.sync(|| format!("warming up kernel `{name}`"))?;
+        let (e0, e1) = (Event::new()?, Event::new()?);
+        let mut ms = Vec::with_capacity(iters.max(1));
+        for _ in 0..iters.max(1) {
+            self.gpu.record(&e0)?;
+            self.code.launch(&self.gpu, self.artifact, pos, &ip, &op, &at)?;
+            self.gpu.record(&e1)?;
+            ms.push(f64::from(e0.elapsed_ms(&e1)?));
+        }
+        ms.sort_by(f64::total_cmp);
+        Ok(ms[ms.len() / 2])
+    }
+}

@@ -1,0 +1,289 @@
+//! A small checked layer over the CUDA driver API (cudarc's `sys`/`result` bindings, loaded at
+//! run time): the primary context of device 0 and one stream, device allocations freed on
+//! drop, PTX modules, kernel launches, copies, memsets, events and stream capture into a graph.
+//! Every call returns a [`CudaError`] naming what was being done; nothing here panics, and a
+//! machine without the driver library gets an error, not cudarc's load-time panic.
+
+use std::ffi::{CString, c_void};
+
+use cudarc::driver::result;
+use cudarc::driver::sys;
+
+/// A failed CUDA driver or cuBLASLt call, or a machine without a usable GPU.
+#[derive(Debug, thiserror::Error)]
+pub enum CudaError {
+    /// No driver library, no device, or a driver that fails to initialize.
+    #[error("no CUDA device: {0}")]
+    NoDevice(String),
+    /// A call failed: `what` names the kernel/GEMM/copy and where in the schedule.
+    #[error("{what}: {message}")]
+    Call { what: String, message: String },
+}
+
+/// Describe a driver error: `CUDA_ERROR_ILLEGAL_ADDRESS (an illegal memory access ...)`.
+pub fn describe(e: result::DriverError) -> String {
+    let name = e.error_name().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|_| format!("{:?}", e.0));
+    let text = e.error_string().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
+    let hint = match e.0 {
+        sys::CUresult::CUDA_ERROR_ILLEGAL_ADDRESS | sys::CUresult::CUDA_ERROR_MISALIGNED_ADDRESS => {
+            "; the context is lost, rerun under compute-sanitizer to find the access"
+        }
+        sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY => "; the memory plan does not fit this GPU, use a smaller batch or fewer layers",
+        sys::CUresult::CUDA_ERROR_INVALID_PTX | sys::CUresult::CUDA_ERROR_UNSUPPORTED_PTX_VERSION => {
+            "; the driver cannot compile this PTX, update the driver or rebuild the artifact"
+        }
+        _ => "",
+    };
+    format!("{name} ({text}){hint}")
+}
+
+/// Attach `what` to a driver error.
+pub fn check<T>(r: Result<T, result::DriverError>, what: impl FnOnce() -> String) -> Result<T, CudaError> {
+    r.map_err(|e| CudaError::Call { what: what(), message: describe(e) })
+}
+
+/// Whether the CUDA driver library can be loaded on this machine (no panic when it cannot).
+pub fn driver_present() -> bool {
+    // SAFETY: only tries to open the library by name.
+    unsafe { sys::is_culib_present() }
+}
+
+/// The primary context of one device and the stream everything runs on.
+pub struct Gpu {
+    ctx: sys::CUcontext,
+    dev: sys::CUdevice,
+    pub stream: sys::CUstream,
+    pub name: String,
+}
+
+impl Gpu {
+    /// Open device 0 (the primary context) and create a non-blocking stream.
+    pub fn open() -> Result<Gpu, CudaError> {
+        if !driver_present() {
+            return Err(CudaError::NoDevice(
+                "the CUDA driver library (libcuda.so) is not installed here; run on a machine with an NVIDIA driver or use --backend cpu".into(),
+            ));
+        }
+        result::init().map_err(|e| CudaError::NoDevice(format!("cuInit failed: {}; check the NVIDIA driver or use --backend cpu", describe(e))))?;
+        let n = result::device::get_count().map_err(|e| CudaError::NoDevice(describe(e)))?;
+        if n < 1 {
+            return Err(CudaError::NoDevice("the driver sees no GPU; use --backend cpu".into()));
+        }
+        let dev = check(result::device::get(0), || "opening device 0".into())?;
+        // SAFETY: `dev` is a valid device; the primary context is released in Drop.
+        let ctx = check(unsafe { result::primary_ctx::retain(dev) }, || "retaining the primary context".into())?;
+        // SAFETY: `ctx` was just retained.
+        check(unsafe { result::ctx::set_current(ctx) }, || "making the context current".into())?;
+        let stream = check(result::stream::create(result::stream::StreamKind::NonBlocking), || "creating a stream".into())?;
+        let name = result::device::get_name(dev).unwrap_or_else(|_| "unknown GPU".into());
+        Ok(Gpu { ctx, dev, stream, name })
+    }
+
+    /// Make the context current on the calling thread (tests run on several threads).
+    pub fn bind(&self) -> Result<(), CudaError> {
+        // SAFETY: the context lives as long as `self`.
+        check(unsafe { result::ctx::set_current(self.ctx) }, || "making the context current".into())
+    }
+
+    /// Compute capability `(major, minor)`.
+    pub fn capability(&self) -> Result<(i32, i32), CudaError> {
+        let get = |a| {
+            // SAFETY: valid device and attribute.
+            check(unsafe { result::device::get_attribute(self.dev, a) }, || "reading the compute capability".into())
+        };
+        Ok((
+            get(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?,
+            get(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?,
+        ))
+    }
+
+    /// Wait for the stream.
+    pub fn sync(&self, what: impl FnOnce() -> String) -> Result<(), CudaError> {
+        // SAFETY: the stream lives as long as `self`.
+        check(unsafe { result::stream::synchronize(self.stream) }, what)
+    }
+
+    /// Allocate `bytes` (at least 1) of device memory filled with `fill`.
+    pub fn alloc(&self, bytes: u64, fill: u8, what: &str) -> Result<DeviceBuffer, CudaError> {
+        let n =
+            usize::try_from(bytes.max(1)).map_err(|_| CudaError::Call { what: what.into(), message: format!("{bytes} bytes do not fit the address space") })?;
+        // SAFETY: a plain allocation; freed in Drop.
+        let ptr = check(unsafe { result::malloc_sync(n) }, || format!("allocating {what} ({bytes} bytes)"))?;
+        let buf = DeviceBuffer { ptr, bytes: n as u64 };
+        // SAFETY: `ptr` holds `n` bytes.
+        check(unsafe { result::memset_d8_sync(ptr, fill, n) }, || format!("filling {what}"))?;
+        Ok(buf)
+    }
+
+    /// Load a PTX module and look up `entry`.
+    pub fn load_function(&self, ptx: &str, entry: &str, what: &str) -> Result<(Module, Function), CudaError> {
+        let image =
+            CString::new(ptx).map_err(|_| CudaError::Call { what: what.into(), message: "the PTX file contains a NUL byte; rebuild the artifact".into() })?;
+        // SAFETY: `image` is a NUL-terminated PTX text.
+        let module = Module(check(unsafe { result::module::load_data(image.as_ptr() as *const c_void) }, || format!("loading the PTX of {what}"))?);
+        let name = CString::new(entry).map_err(|_| CudaError::Call { what: what.into(), message: format!("entry `{entry}` contains a NUL byte") })?;
+        // SAFETY: `module` is loaded.
+        let f = unsafe { result::module::get_function(module.0, name) }.map_err(|e| CudaError::Call {
+            what: what.into(),
+            message: format!("the PTX has no entry `{entry}` ({}); the manifest and kernels/ disagree, rebuild the artifact", describe(e)),
+        })?;
+        Ok((module, Function(f)))
+    }
+
+    /// Let `f` use `bytes` of dynamic shared memory (needed above 48 KiB).
+    pub fn allow_shared(&self, f: &Function, bytes: u32, what: &str) -> Result<(), CudaError> {
+        let attr = sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
+        // SAFETY: `f` is a loaded function.
+        check(unsafe { result::function::set_function_attribute(f.0, attr, bytes as i32) }, || {
+            format!("{what}: allowing {bytes} bytes of dynamic shared memory")
+        })
+    }
+
+    /// Launch `f` with one pointer argument per entry of `ptrs`.
+    pub fn launch(&self, f: &Function, grid: [u32; 3], block: [u32; 3], shared: u32, ptrs: &[u64], what: impl FnOnce() -> String) -> Result<(), CudaError> {
+        let mut vals: Vec<u64> = ptrs.to_vec();
+        let mut params: Vec<*mut c_void> = vals.iter_mut().map(|p| p as *mut u64 as *mut c_void).collect();
+        // SAFETY: every parameter is a device pointer the kernel ABI expects; `vals` outlives
+        // the call (the driver copies the parameters at launch).
+        let r = unsafe { result::launch_kernel(f.0, (grid[0], grid[1], grid[2]), (block[0], block[1], block[2]), shared, self.stream, &mut params) };
+        check(r, what)
+    }
+
+    /// Host to device, asynchronous on the stream; `src` must stay alive until the stream syncs.
+    pub fn upload(&self, dst: u64, src: &[u8], what: impl FnOnce() -> String) -> Result<(), CudaError> {
+        // SAFETY: `dst` holds at least `src.len()` bytes (checked by the callers' plans).
+        check(unsafe { result::memcpy_htod_async(dst, src, self.stream) }, what)
+    }
+
+    /// Device to host, waiting for the stream first.
+    pub fn download(&self, dst: &mut [u8], src: u64, what: impl FnOnce() -> String + Clone) -> Result<(), CudaError> {
+        self.sync(what.clone())?;
+        // SAFETY: `src` holds at least `dst.len()` bytes.
+        check(unsafe { result::memcpy_dtoh_async(dst, src, self.stream) }, what.clone())?;
+        self.sync(what)
+    }
+
+    pub fn copy(&self, dst: u64, src: u64, bytes: usize, what: impl FnOnce() -> String) -> Result<(), CudaError> {
+        // SAFETY: both ranges were checked against their buffers when the schedule was planned.
+        check(unsafe { result::memcpy_dtod_async(dst, src, bytes, self.stream) }, what)
+    }
+
+    pub fn memset(&self, dst: u64, value: u8, bytes: usize, what: impl FnOnce() -> String) -> Result<(), CudaError> {
+        // SAFETY: the range was checked against its buffer when the schedule was planned.
+        check(unsafe { result::memset_d8_async(dst, value, bytes, self.stream) }, what)
+    }
+
+    /// Start capturing the stream's work into a graph.
+    pub fn begin_capture(&self) -> Result<(), CudaError> {
+        // SAFETY: the stream is valid and not capturing.
+        check(unsafe { result::stream::begin_capture(self.stream, sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL) }, || {
+            "starting the CUDA graph capture of the step".into()
+        })
+    }
+
+    /// End the capture and instantiate the graph.
+    pub fn end_capture(&self) -> Result<Graph, CudaError> {
+        // SAFETY: the stream is capturing.
+        let g = check(unsafe { result::stream::end_capture(self.stream) }, || "ending the CUDA graph capture of the step".into())?;
+        // SAFETY: `g` is a valid graph; it is destroyed after instantiation.
+        let exec = unsafe { result::graph::instantiate(g, sys::CUgraphInstantiate_flags(0)) };
+        // SAFETY: the executable graph does not need the graph once instantiated.
+        unsafe {
+            let _ = result::graph::destroy(g);
+        }
+        Ok(Graph(check(exec, || "instantiating the CUDA graph of the step".into())?))
+    }
+
+    /// Replay a captured graph on the stream.
+    pub fn replay(&self, g: &Graph) -> Result<(), CudaError> {
+        // SAFETY: the graph and stream are valid.
+        check(unsafe { result::graph::launch(g.0, self.stream) }, || "replaying the CUDA graph of the step".into())
+    }
+
+    /// Record an event on the stream.
+    pub fn record(&self, e: &Event) -> Result<(), CudaError> {
+        // SAFETY: both are valid.
+        check(unsafe { result::event::record(e.0, self.stream) }, || "recording a timing event".into())
+    }
+}
+
+impl Drop for Gpu {
+    fn drop(&mut self) {
+        // SAFETY: the stream and the retained context are ours; errors at teardown are ignored.
+        unsafe {
+            let _ = result::ctx::set_current(self.ctx);
+            let _ = result::stream::synchronize(self.stream);
+            let _ = result::stream::destroy(self.stream);
+            let _ = result::primary_ctx::release(self.dev);
+        }
+    }
+}
+
+/// An owned device allocation.
+pub struct DeviceBuffer {
+    pub ptr: u64,
+    pub bytes: u64,
+}
+
+impl Drop for DeviceBuffer {
+    fn drop(&mut self) {
+        // SAFETY: allocated by `Gpu::alloc`, freed once.
+        unsafe {
+            let _ = result::free_sync(self.ptr);
+        }
+    }
+}
+
+/// A loaded PTX module, unloaded on drop.
+pub struct Module(sys::CUmodule);
+
+impl Drop for Module {
+    fn drop(&mut self) {
+        // SAFETY: loaded by `Gpu::load_function`, unloaded once.
+        unsafe {
+            let _ = result::module::unload(self.0);
+        }
+    }
+}
+
+/// A kernel of a loaded module (valid while its [`Module`] is).
+pub struct Function(sys::CUfunction);
+
+/// An instantiated CUDA graph.
+pub struct Graph(sys::CUgraphExec);
+
+impl Drop for Graph {
+    fn drop(&mut self) {
+        // SAFETY: instantiated by `Gpu::end_capture`, destroyed once.
+        unsafe {
+            let _ = result::graph::exec_destroy(self.0);
+        }
+    }
+}
+
+/// A timing event.
+pub struct Event(sys::CUevent);
+
+impl Event {
+    pub fn new() -> Result<Event, CudaError> {
+        Ok(Event(check(result::event::create(sys::CUevent_flags::CU_EVENT_DEFAULT), || "creating a timing event".into())?))
+    }
+
+    /// Milliseconds from `self` to `end` (both recorded and complete).
+    pub fn elapsed_ms(&self, end: &Event) -> Result<f32, CudaError> {
+        // SAFETY: both events are valid.
+        unsafe {
+            check(result::event::synchronize(end.0), || "waiting for a timing event".into())?;
+            check(result::event::elapsed(self.0, end.0), || "reading a timing event".into())
+        }
+    }
+}
+
+impl Drop for Event {
+    fn drop(&mut self) {
+        // SAFETY: created by `Event::new`, destroyed once.
+        unsafe {
+            let _ = result::event::destroy(self.0);
+        }
+    }
+}

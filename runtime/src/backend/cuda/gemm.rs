@@ -1,0 +1,220 @@
+//! GEMMs through cuBLASLt from a [`GemmDesc`]: `C[m, n] = op(A) @ op(B)` row-major, bf16/f16 in,
+//! fp32 compute, `batch` times with element strides.
+//!
+//! cuBLASLt is column-major. A row-major `X` with leading dimension `ld` is the column-major
+//! `X^T` with the same `ld`, so the row-major product is computed as the column-major
+//! `C^T[n, m] = op(B)^T @ op(A)^T`: the stored `B` is cuBLASLt's `A` (transposed when
+//! `transpose_b`), the stored `A` its `B` (transposed when `transpose_a`), and `m`/`n` swap.
+//! The algorithm is picked by the heuristic once per plan (one plan per GEMM kernel, shared
+//! between kernels of the same shape) for the pointer alignment the schedule guarantees, with
+//! one library workspace shared by every GEMM on the stream.
+
+use std::ffi::c_void;
+
+use cudarc::cublaslt::result as lt;
+use cudarc::cublaslt::sys;
+use titan_ir::DType;
+use titan_ir::artifact::GemmDesc;
+
+use super::driver::CudaError;
+
+/// The cuBLASLt workspace every GEMM may use (NVIDIA recommends 32 MiB on Hopper).
+pub const WORKSPACE_BYTES: u64 = 32 << 20;
+
+fn lt_err(what: &str, doing: &str, e: lt::CublasError) -> CudaError {
+    CudaError::Call { what: what.into(), message: format!("cuBLASLt {doing} failed with {:?}", e.0) }
+}
+
+/// Whether the cuBLASLt library can be loaded here.
+pub fn cublaslt_present() -> bool {
+    // SAFETY: only tries to open the library by name.
+    unsafe { sys::is_culib_present() }
+}
+
+/// A cuBLASLt handle.
+pub struct Blas {
+    handle: sys::cublasLtHandle_t,
+}
+
+impl Blas {
+    pub fn new() -> Result<Blas, CudaError> {
+        if !cublaslt_present() {
+            return Err(CudaError::NoDevice(
+                "the cuBLASLt library (libcublasLt.so) is not found; add the CUDA toolkit's lib directory to LD_LIBRARY_PATH".into(),
+            ));
+        }
+        Ok(Blas { handle: lt::create_handle().map_err(|e| lt_err("cuBLASLt", "handle creation", e))? })
+    }
+}
+
+impl Drop for Blas {
+    fn drop(&mut self) {
+        // SAFETY: created in `new`, destroyed once.
+        unsafe {
+            let _ = lt::destroy_handle(self.handle);
+        }
+    }
+}
+
+fn data_type(d: DType, what: &str, operand: &str) -> Result<sys::cudaDataType, CudaError> {
+    match d {
+        DType::BF16 => Ok(sys::cudaDataType::CUDA_R_16BF),
+        DType::F16 => Ok(sys::cudaDataType::CUDA_R_16F),
+        DType::F32 => Ok(sys::cudaDataType::CUDA_R_32F),
+        other => Err(CudaError::Call { what: what.into(), message: format!("operand {operand} is {other}; cuBLASLt GEMMs on {other} are not supported yet") }),
+    }
+}
+
+/// One GEMM shape with its descriptors and chosen algorithm.
+pub struct GemmPlan {
+    pub name: String,
+    desc: sys::cublasLtMatmulDesc_t,
+    /// cuBLASLt's A (the stored B), B (the stored A), C/D.
+    la: sys::cublasLtMatrixLayout_t,
+    lb: sys::cublasLtMatrixLayout_t,
+    lc: sys::cublasLtMatrixLayout_t,
+    algo: sys::cublasLtMatmulAlgo_t,
+    /// FLOPs of one call (`2 m n k batch`).
+    pub flops: f64,
+}
+
+impl GemmPlan {
+    /// Build the descriptors of `g` and pick an algorithm that works for pointers aligned to
+    /// `align` bytes (A, B, C).
+    pub fn new(blas: &Blas, name: &str, g: &GemmDesc, align: [u64; 3]) -> Result<GemmPlan, CudaError> {
+        let what = format!("GEMM `{name}`");
+        if g.compute != DType::F32 || g.epilogue != "none" {
+            return Err(CudaError::Call {
+                what,
+                message: format!("compute {} with epilogue `{}` is not supported yet (f32 compute, no epilogue)", g.compute, g.epilogue),
+            });
+        }
+        if g.a_dtype != g.b_dtype {
+            return Err(CudaError::Call { what, message: format!("mixed inputs {} x {} are not supported yet", g.a_dtype, g.b_dtype) });
+        }
+        let (ta, tb, tc) = (data_type(g.a_dtype, &what, "A")?, data_type(g.b_dtype, &what, "B")?, data_type(g.c_dtype, &what, "C")?);
+        let i64_of =
+            |x: u64, f: &str| i64::try_from(x).map_err(|_| CudaError::Call { what: what.clone(), message: format!("`{f}` = {x} is out of cuBLASLt's range") });
+        let err = |doing: &str| {
+            let what = what.clone();
+            let doing = doing.to_string();
+            move |e| lt_err(&what, &doing, e)
+        };
+        // cuBLASLt's A = stored B: [k rows, n cols] col-major when transposed, else [n, k].
+        let (ar, ac) = if g.transpose_b { (g.k, g.n) } else { (g.n, g.k) };
+        let (br, bc) = if g.transpose_a { (g.m, g.k) } else { (g.k, g.m) };
+        let la = lt::create_matrix_layout(tb, ar, ac, i64_of(g.ldb, "ldb")?).map_err(err("layout A"))?;
+        let lb = lt::create_matrix_layout(ta, br, bc, i64_of(g.lda, "lda")?).map_err(err("layout B"))?;
+        let lc = lt::create_matrix_layout(tc, g.n, g.m, i64_of(g.ldc, "ldc")?).map_err(err("layout C"))?;
+        let desc = lt::create_matmul_desc(sys::cublasComputeType_t::CUBLAS_COMPUTE_32F, sys::cudaDataType::CUDA_R_32F).map_err(err("matmul descriptor"))?;
+        let mut plan =
+            GemmPlan { name: name.to_string(), desc, la, lb, lc, algo: unsafe_zeroed_algo(), flops: 2.0 * (g.m * g.n * g.k * g.batch.max(1)) as f64 };
+        let batch = i32::try_from(g.batch.max(1)).map_err(|_| CudaError::Call { what: what.clone(), message: format!("batch {} is too large", g.batch) })?;
+        // SAFETY: every descriptor was just created; attribute buffers match their documented types.
+        unsafe {
+            let op = |t: bool| if t { 1i32 } else { 0i32 };
+            let set_op = |attr, v: i32| lt::set_matmul_desc_attribute(desc, attr, &v as *const i32 as *const c_void, 4);
+            set_op(sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSA, op(g.transpose_b)).map_err(err("setting TRANSA"))?;
+            set_op(sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSB, op(g.transpose_a)).map_err(err("setting TRANSB"))?;
+            for (l, stride) in [(la, g.stride_b), (lb, g.stride_a), (lc, g.stride_c)] {
+                lt::set_matrix_layout_attribute(
+                    l,
+                    sys::cublasLtMatrixLayoutAttribute_t::CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT,
+                    &batch as *const i32 as *const c_void,
+                    4,
+                )
+                .map_err(err("setting the batch count"))?;
+                let s = i64_of(stride, "stride")?;
+                lt::set_matrix_layout_attribute(
+                    l,
+                    sys::cublasLtMatrixLayoutAttribute_t::CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET,
+                    &s as *const i64 as *const c_void,
+                    8,
+                )
+                .map_err(err("setting the batch stride"))?;
+            }
+            let pref = lt::create_matmul_pref().map_err(err("preference creation"))?;
+            let ws: u64 = WORKSPACE_BYTES;
+            let r = (|| {
+                lt::set_matmul_pref_attribute(
+                    pref,
+                    sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                    &ws as *const u64 as *const c_void,
+                    8,
+                )
+                .map_err(err("setting the workspace size"))?;
+                use sys::cublasLtMatmulPreferenceAttributes_t as P;
+                // cuBLASLt's A is the stored B, its B the stored A.
+                for (attr, a) in [
+                    (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, align[1]),
+                    (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, align[0]),
+                    (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, align[2]),
+                    (P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, align[2]),
+                ] {
+                    let a = a.clamp(1, 256) as u32;
+                    lt::set_matmul_pref_attribute(pref, attr, &a as *const u32 as *const c_void, 4).map_err(err("setting an alignment"))?;
+                }
+                let h = lt::get_matmul_algo_heuristic(blas.handle, desc, la, lb, lc, lc, pref).map_err(|e| CudaError::Call {
+                    what: what.clone(),
+                    message: format!(
+                        "cuBLASLt has no algorithm for m {} n {} k {} batch {} ({} x {} -> {}, transpose_a {}, transpose_b {}, alignment {:?}): {:?}",
+                        g.m, g.n, g.k, g.batch, g.a_dtype, g.b_dtype, g.c_dtype, g.transpose_a, g.transpose_b, align, e.0
+                    ),
+                })?;
+                Ok(h.algo)
+            })();
+            let _ = lt::destroy_matmul_pref(pref);
+            plan.algo = r?;
+        }
+        Ok(plan)
+    }
+
+    /// Enqueue `C = A @ B` on `stream` (device pointers).
+    pub fn run(&self, blas: &Blas, a: u64, b: u64, c: u64, workspace: u64, stream: cudarc::driver::sys::CUstream) -> Result<(), lt::CublasError> {
+        let (alpha, beta) = (1.0f32, 0.0f32);
+        // SAFETY: the descriptors are alive, the pointers hold the shapes the plan was made for
+        // (checked against the kernel's body types when the artifact was loaded).
+        unsafe {
+            lt::matmul(
+                blas.handle,
+                self.desc,
+                &alpha as *const f32 as *const c_void,
+                &beta as *const f32 as *const c_void,
+                b as *const c_void,
+                self.la,
+                a as *const c_void,
+                self.lb,
+                c as *const c_void,
+                self.lc,
+                c as *mut c_void,
+                self.lc,
+                &self.algo,
+                workspace as *mut c_void,
+                WORKSPACE_BYTES as usize,
+                stream as sys::cudaStream_t,
+            )
+        }
+    }
+}
+
+fn unsafe_zeroed_algo() -> sys::cublasLtMatmulAlgo_t {
+    // SAFETY: a plain-data struct of integers; overwritten by the heuristic before any use.
+    unsafe { std::mem::zeroed() }
+}
+
+impl Drop for GemmPlan {
+    fn drop(&mut self) {
+        // SAFETY: created in `new`, destroyed once.
+        unsafe {
+            let _ = lt::destroy_matrix_layout(self.la);
+            let _ = lt::destroy_matrix_layout(self.lb);
+            let _ = lt::destroy_matrix_layout(self.lc);
+            let _ = lt::destroy_matmul_desc(self.desc);
+        }
+    }
+}
+
+/// The largest power of two (at most 256) dividing `x` (256 for 0).
+pub fn pow2_align(x: u64) -> u64 {
+    if x == 0 { 256 } else { (1u64 << x.trailing_zeros()).min(256) }
+}

@@ -1,0 +1,338 @@
+//! The CUDA backend against the CPU backend.
+//!
+//! * Everywhere: an artifact with a kernel that has no GPU code is refused at load, before the
+//!   GPU is touched.
+//! * On a GPU (each test prints "skipped: no CUDA device" elsewhere), with artifacts built by
+//!   `titanc` (the runtime cannot depend on the compiler) and named by environment variables:
+//!   - `TITAN_CUDA_ARTIFACT` (e.g. `titanc build examples/llama3-debug.ir -o DIR`): every
+//!     generated kernel and every GEMM, one at a time, on fresh random inputs with NaN-poisoned
+//!     outputs, against the interpreter's result for that kernel body (what the CPU backend
+//!     computes); kernels without GPU code (attention today) are listed and skipped.
+//!   - `TITAN_CUDA_STEP_ARTIFACT` (an artifact whose every kernel has GPU code): initial state
+//!     bit-for-bit equal to the CPU backend's, losses of several steps close to the CPU
+//!     backend's, the CUDA-graph replay equal to eager execution.
+//!   - `TITAN_CUDA_TIME_ARTIFACT`: prints the median time of each kernel (a record, no check).
+//!
+//! Tolerances (per output dtype): bf16/f16 every element within max(2 ulp, 2e-2) of the
+//! reference and at least 99% within 1 ulp; f32 every element within 1e-3 |ref| + 1e-4 rms(ref);
+//! integers exact. A NaN where the reference is finite (an unwritten element) always fails.
+
+mod common;
+
+use std::path::PathBuf;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use titan_ir::artifact::Step;
+use titan_ir::interp::{Interpreter, Precision, Tensor};
+use titan_ir::{DType, KernelKind};
+use titan_runtime::backend::codec::{decode, encode};
+use titan_runtime::backend::cuda::driver::Gpu;
+use titan_runtime::backend::cuda::{CudaArtifactTrainer, KernelRunner, Operand};
+use titan_runtime::{Artifact, BUNDLED_CORPUS, Batcher, CpuArtifactTrainer, Trainer, byte_tokens};
+
+/// Whether a CUDA device can be opened here.
+fn have_gpu() -> bool {
+    match Gpu::open() {
+        Ok(_) => true,
+        Err(e) => {
+            eprintln!("skipped: no CUDA device ({e})");
+            false
+        }
+    }
+}
+
+/// The artifact named by `var`, or `None` (with a note) when unset.
+fn artifact_from(var: &str, how: &str) -> Option<Artifact> {
+    let Some(dir) = std::env::var_os(var).map(PathBuf::from) else {
+        eprintln!("skipped: set {var} to {how}");
+        return None;
+    };
+    Some(Artifact::load(&dir).unwrap_or_else(|e| panic!("{var}={}: {e}", dir.display())))
+}
+
+/// splitmix64: a fresh, printed seed per run, no dependency on an RNG crate's API.
+struct Rng(u64);
+
+impl Rng {
+    fn fresh() -> Rng {
+        let seed = std::env::var("TITAN_CUDA_SEED")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or_else(|| SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(1) ^ u64::from(std::process::id()));
+        eprintln!("random inputs from seed {seed} (TITAN_CUDA_SEED={seed} repeats them)");
+        Rng(seed)
+    }
+
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    fn uniform(&mut self) -> f64 {
+        (self.next() >> 11) as f64 / (1u64 << 53) as f64
+    }
+
+    fn normal(&mut self) -> f64 {
+        let (u, v) = (self.uniform().max(1e-300), self.uniform());
+        (-2.0 * u.ln()).sqrt() * (2.0 * std::f64::consts::PI * v).cos()
+    }
+}
+
+/// Random valid values of one operand: integers in `[1, vocab)` (token ids, targets, the step),
+/// floats N(0, 1), made positive for the optimizer and for scalars (moments, sums of squares).
+fn random_operand(rng: &mut Rng, o: &Operand, n: usize, vocab: u64, positive: bool) -> Tensor<f32> {
+    let positive = positive || o.shape.iter().product::<usize>() <= 1;
+    if o.dtype.is_int() {
+        let span = vocab.saturating_sub(1).max(1);
+        let data = (0..n).map(|_| 1 + (rng.next() % span) as i64).collect();
+        return Tensor { dtype: o.dtype, shape: vec![n], data: titan_ir::interp::Data::Int(data) };
+    }
+    let data = (0..n)
+        .map(|_| {
+            let x = rng.normal() as f32;
+            if positive { x.abs() + 0.05 } else { x }
+        })
+        .collect();
+    Tensor { dtype: o.dtype, shape: vec![n], data: titan_ir::interp::Data::Float(data) }
+}
+
+fn bytes_of(t: &Tensor<f32>) -> Vec<u8> {
+    let mut out = vec![0u8; t.data.len() * t.dtype.size_bytes()];
+    encode(t, &mut out).expect("encode");
+    out
+}
+
+/// One element of a bf16/f16 ulp at `x`.
+fn ulp(x: f32, dtype: DType) -> f32 {
+    let mantissa = if dtype == DType::F16 { 10 } else { 7 };
+    let e = if x == 0.0 { -126 } else { x.abs().log2().floor() as i32 };
+    2f32.powi(e.max(-126) - mantissa)
+}
+
+/// How one output compares with its reference.
+#[derive(Debug, Default)]
+struct Diff {
+    elements: usize,
+    max_abs: f64,
+    /// bf16/f16: largest difference in ulps; f32: largest relative difference.
+    max_ulp_or_rel: f64,
+    over_one_ulp: usize,
+    failures: usize,
+    unwritten: usize,
+}
+
+fn compare(gpu: &Tensor<f32>, cpu: &Tensor<f32>) -> Diff {
+    let mut d = Diff { elements: cpu.data.len(), ..Diff::default() };
+    if cpu.dtype.is_int() {
+        let (g, c) = (gpu.ints().unwrap_or(&[]), cpu.ints().unwrap_or(&[]));
+        d.failures = g.iter().zip(c).filter(|(a, b)| a != b).count() + c.len().abs_diff(g.len());
+        d.max_abs = g.iter().zip(c).map(|(a, b)| (a - b).abs() as f64).fold(0.0, f64::max);
+        return d;
+    }
+    let (g, c) = (gpu.floats().unwrap_or(&[]), cpu.floats().unwrap_or(&[]));
+    let rms = (c.iter().filter(|x| x.is_finite()).map(|&x| f64::from(x) * f64::from(x)).sum::<f64>() / c.len().max(1) as f64).sqrt();
+    for (&a, &b) in g.iter().zip(c) {
+        if b.is_nan() && a.is_nan() {
+            continue;
+        }
+        if !a.is_finite() && b.is_finite() {
+            d.unwritten += 1;
+            d.failures += 1;
+            continue;
+        }
+        let diff = (f64::from(a) - f64::from(b)).abs();
+        d.max_abs = d.max_abs.max(diff);
+        match cpu.dtype {
+            DType::BF16 | DType::F16 => {
+                let u = f64::from(ulp(b, cpu.dtype));
+                let ulps = diff / u;
+                d.max_ulp_or_rel = d.max_ulp_or_rel.max(ulps);
+                if ulps > 1.0 + 1e-6 {
+                    d.over_one_ulp += 1;
+                }
+                if diff > (2.0 * u).max(2e-2) {
+                    d.failures += 1;
+                }
+            }
+            _ => {
+                d.max_ulp_or_rel = d.max_ulp_or_rel.max(diff / f64::from(b.abs()).max(1e-30));
+                if diff > 1e-3 * f64::from(b.abs()) + 1e-4 * rms {
+                    d.failures += 1;
+                }
+            }
+        }
+    }
+    if matches!(cpu.dtype, DType::BF16 | DType::F16) && d.over_one_ulp * 100 > d.elements {
+        d.failures = d.failures.max(1);
+    }
+    d
+}
+
+#[test]
+fn kernels_without_gpu_code_are_refused_at_load() {
+    // The hand-built bigram artifact has no PTX at all: its first kernel is refused before the
+    // GPU is touched, so this runs everywhere.
+    let dir = common::temp_dir("cuda-refuse");
+    common::bigram().write(&dir, common::BIGRAM_IR);
+    let a = Artifact::load(&dir).expect("load");
+    let e = CudaArtifactTrainer::new(&a, 0).err().expect("refused").to_string();
+    let first = &a.manifest.kernels[0];
+    assert!(e.contains(&format!("kernel `{}` ({}) has no GPU code yet; use --backend cpu", first.name, first.kind.name())), "{e}");
+}
+
+#[test]
+fn every_generated_kernel_and_gemm_matches_the_cpu_backend() {
+    if !have_gpu() {
+        return;
+    }
+    let Some(a) = artifact_from("TITAN_CUDA_ARTIFACT", "an artifact directory (`titanc build examples/llama3-debug.ir -o DIR`)") else { return };
+    let runner = KernelRunner::new(&a).expect("load the kernels");
+    let (major, minor) = runner.capability().expect("capability");
+    eprintln!("device: {} (sm_{major}{minor})", runner.device_name());
+    let mut rng = Rng::fresh();
+    let interp = Interpreter::new(&a.graph, Precision::Emulate);
+    let vocab = a.manifest.training.vocab_size;
+    let mut failed = Vec::new();
+    let mut skipped = Vec::new();
+    let mut tested = 0;
+    eprintln!("{:<44} {:<12} {:>3} {:>6} {:>9} {:>10} {:>8} {:>5}", "kernel", "kind", "out", "dtype", "max |d|", "ulp/rel", ">1ulp %", "ok");
+    for (pos, k) in a.manifest.kernels.iter().enumerate() {
+        if !runner.has_gpu_code(pos) {
+            skipped.push(format!("{} ({})", k.name, k.kind.name()));
+            continue;
+        }
+        tested += 1;
+        let (ins, outs) = runner.operands(pos).expect("operands");
+        let positive = k.kind == KernelKind::Optimizer;
+        let args: Vec<Tensor<f32>> = ins
+            .iter()
+            .map(|o| {
+                let n = o.shape.iter().product();
+                let t = random_operand(&mut rng, o, n, vocab, positive);
+                // Round to the dtype and give it its shape, exactly as the GPU sees it.
+                decode(&bytes_of(&t), o.dtype, o.shape.clone()).expect("decode")
+            })
+            .collect();
+        let input_bytes: Vec<Vec<u8>> = args.iter().map(bytes_of).collect();
+        let (_, body) = a.kernel(k.id).expect("body");
+        let want = interp.run_region(body, &args).unwrap_or_else(|e| panic!("the interpreter on `{}`: {e}", k.name));
+        // scatter_add sums into a table the schedule zeroes first; everything else is poisoned.
+        let poison = if k.kind == KernelKind::ScatterAdd { 0 } else { 0xff };
+        let got = runner.run(pos, &input_bytes, poison).unwrap_or_else(|e| panic!("{e}"));
+        if !got.workspace_zeroed {
+            failed.push(format!("{}: the workspace is not zero after the launch", k.name));
+        }
+        for (j, (w, o)) in want.iter().zip(&outs).enumerate() {
+            // Encode then decode the reference: the exact bytes the CPU backend would store.
+            let w = decode(&bytes_of(w), o.dtype, o.shape.clone()).expect("decode reference");
+            let g = decode(&got.outputs[j], o.dtype, o.shape.clone()).expect("decode result");
+            let d = compare(&g, &w);
+            let ok = d.failures == 0;
+            eprintln!(
+                "{:<44} {:<12} {:>3} {:>6} {:>9.3e} {:>10.3e} {:>8.3} {:>5}",
+                k.name,
+                k.kind.name(),
+                j,
+                o.dtype.to_string(),
+                d.max_abs,
+                d.max_ulp_or_rel,
+                100.0 * d.over_one_ulp as f64 / d.elements.max(1) as f64,
+                if ok { "ok" } else { "FAIL" }
+            );
+            if !ok {
+                failed.push(format!("{} output {j}: {d:?}", k.name));
+            }
+        }
+    }
+    eprintln!("tested {tested} kernels on the GPU; no GPU code yet (skipped): {}", if skipped.is_empty() { "none".into() } else { skipped.join(", ") });
+    assert!(tested > 0, "no kernel of the artifact has GPU code");
+    assert!(failed.is_empty(), "kernels differ from the CPU backend:\n{}", failed.join("\n"));
+}
+
+/// Losses of `steps` steps on the bundled corpus.
+fn losses(t: &mut dyn Trainer, steps: usize, seed: u64) -> Vec<f64> {
+    let mut batcher = Batcher::new(byte_tokens(BUNDLED_CORPUS.as_bytes()), t.batch_size(), t.seq_len(), seed).expect("batcher");
+    (0..steps).map(|_| t.step(&batcher.next_batch()).expect("step").loss).collect()
+}
+
+fn state_bits(t: &dyn Trainer) -> Vec<(String, Vec<u32>)> {
+    t.states().expect("states").into_iter().map(|(n, s)| (n, s.floats().expect("float state").iter().map(|x| x.to_bits()).collect())).collect()
+}
+
+#[test]
+fn training_steps_match_the_cpu_backend_and_graph_replay_matches_eager() {
+    if !have_gpu() {
+        return;
+    }
+    let Some(a) = artifact_from("TITAN_CUDA_STEP_ARTIFACT", "an artifact whose every kernel has GPU code") else { return };
+    let steps = 8;
+    let mut gpu = CudaArtifactTrainer::new(&a, 5).expect("cuda trainer");
+    let mut cpu = CpuArtifactTrainer::new(&a, 5).expect("cpu trainer");
+    assert!(state_bits(&gpu) == state_bits(&cpu), "the GPU starts from different parameters than the CPU backend");
+    let g = losses(&mut gpu, steps, 5);
+    assert!(gpu.replaying(), "steps after the warm-up replay the captured graph");
+    let c = losses(&mut cpu, steps, 5);
+    let mut eager = CudaArtifactTrainer::new(&a, 5).expect("cuda trainer");
+    eager.set_graphs(false);
+    let e = losses(&mut eager, steps, 5);
+    eprintln!("losses cpu  {c:?}\nlosses cuda {g:?}\nlosses eager {e:?}");
+    for (i, ((g, c), e)) in g.iter().zip(&c).zip(&e).enumerate() {
+        assert!(g.is_finite(), "step {}: loss {g}", i + 1);
+        assert!((g - c).abs() <= 2e-2 * c.abs(), "step {}: cuda loss {g}, cpu loss {c}", i + 1);
+        assert!((g - e).abs() <= 1e-5 * e.abs(), "step {}: graph replay loss {g}, eager loss {e}", i + 1);
+    }
+    assert!(g[steps - 1] < g[0], "the loss goes down: {g:?}");
+}
+
+/// Launches of each kernel per step (loops expanded).
+fn launches(steps: &[Step], times: u64, out: &mut std::collections::BTreeMap<u32, u64>) {
+    for s in steps {
+        match s {
+            Step::Launch { kernel, .. } => *out.entry(*kernel).or_default() += times,
+            Step::Loop { count, body, .. } => launches(body, times * u64::from(*count), out),
+            _ => {}
+        }
+    }
+}
+
+#[test]
+fn kernel_times_for_the_record() {
+    if !have_gpu() {
+        return;
+    }
+    let Some(a) = artifact_from("TITAN_CUDA_TIME_ARTIFACT", "an artifact directory to time kernel by kernel") else { return };
+    let runner = KernelRunner::new(&a).expect("load the kernels");
+    let mut rng = Rng::fresh();
+    let vocab = a.manifest.training.vocab_size;
+    let mut per = std::collections::BTreeMap::new();
+    launches(&a.manifest.ranks[0].steps, 1, &mut per);
+    let mut rows = Vec::new();
+    for (pos, k) in a.manifest.kernels.iter().enumerate() {
+        if !runner.has_gpu_code(pos) {
+            eprintln!("{:<44} {:<12} no GPU code yet", k.name, k.kind.name());
+            continue;
+        }
+        let positive = k.kind == KernelKind::Optimizer;
+        let ms = runner
+            .time(pos, 20, &mut |o| {
+                let n = (1usize << 16) / o.dtype.size_bytes();
+                bytes_of(&random_operand(&mut rng, o, n, vocab, positive))
+            })
+            .unwrap_or_else(|e| panic!("{e}"));
+        let n = per.get(&k.id).copied().unwrap_or(0);
+        let bytes = (k.bytes_read + k.bytes_written) as f64;
+        let flops = k.gemm.as_ref().map_or(0.0, |g| 2.0 * (g.m * g.n * g.k * g.batch.max(1)) as f64);
+        rows.push((k.name.clone(), k.kind.name().to_string(), n, ms, bytes / (ms * 1e-3) / 1e9, flops / (ms * 1e-3) / 1e12));
+    }
+    rows.sort_by(|a, b| (b.3 * b.2 as f64).total_cmp(&(a.3 * a.2 as f64)));
+    eprintln!("{:<44} {:<12} {:>5} {:>10} {:>9} {:>9} {:>10}", "kernel", "kind", "n", "ms/launch", "GB/s", "TFLOP/s", "ms/step");
+    let mut total = 0.0;
+    for (name, kind, n, ms, gbs, tf) in &rows {
+        total += ms * *n as f64;
+        eprintln!("{name:<44} {kind:<12} {n:>5} {ms:>10.4} {gbs:>9.1} {tf:>9.1} {:>10.3}", ms * *n as f64);
+    }
+    eprintln!("sum over launches with GPU code: {total:.3} ms per step");
+}
