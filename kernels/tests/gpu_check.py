@@ -3,7 +3,8 @@
 gpu_reference_dump` on a GPU and compare them with the reference interpreter's outputs.
 
 Usage: python3 kernels/tests/gpu_check.py <dir> [perf]   (needs only the CUDA driver, libcuda.so.1)
-`perf` times the kernels of <dir>/perf.json on device-filled inputs instead.
+`perf` times the kernels of <dir>/perf.json on device-filled inputs instead (TFLOP/s for cases
+with `flops`). `TITAN_GPU_ONLY=<substring>` restricts both modes to the matching case names.
 
 Each kernel runs twice on the same inputs with one zeroed workspace: the second run checks
 that the kernel left the workspace zeroed and that results are bitwise reproducible.
@@ -16,6 +17,8 @@ import struct
 import sys
 
 cu = ctypes.CDLL("libcuda.so.1")
+# `TITAN_GPU_ONLY=attention` runs only the cases whose name contains the string.
+ONLY = os.environ.get("TITAN_GPU_ONLY", "")
 
 
 def check(rc, what):
@@ -50,6 +53,7 @@ def compare(got, exp, dtype):
     n = len(exp)
     exact = within1 = nan_bad = 0
     worst = 0.0
+    compare.max_abs = 0.0
     worst_i = -1
     u = ulp(dtype)
     finite = [e for e in exp if not isinstance(e, int) and math.isfinite(e)]
@@ -70,6 +74,7 @@ def compare(got, exp, dtype):
             exact += 1
             within1 += 1
             continue
+        compare.max_abs = max(compare.max_abs, abs(g - e))
         scale = max(abs(e), 1e-30)
         rel = abs(g - e) / max(scale, rms)
         # one unit in the last place of the dtype at e's magnitude
@@ -81,7 +86,7 @@ def compare(got, exp, dtype):
 
 
 def main(d):
-    cases = json.load(open(os.path.join(d, "cases.json")))
+    cases = [c for c in json.load(open(os.path.join(d, "cases.json"))) if ONLY in c["name"]]
     check(cu.cuInit(0), "cuInit")
     dev = ctypes.c_int()
     check(cu.cuDeviceGet(ctypes.byref(dev), 0), "cuDeviceGet")
@@ -144,17 +149,22 @@ def main(d):
         same = results[0] == results[1]
         line = [f"{c['name']}:"]
         if not same:
-            line.append("NOT REPRODUCIBLE")
-            ok_all = False
-        for (p, nbytes, o), raw in zip(outs, results[0]):
+            # f32 atomics in arrival order (attention_bwd's dq) are expected to differ in the last bits.
+            line.append("not bitwise reproducible (expected)" if c.get("nondeterministic") else "NOT REPRODUCIBLE")
+            ok_all = ok_all and bool(c.get("nondeterministic"))
+        for oi, ((p, nbytes, o), raw) in enumerate(zip(outs, results[0])):
             got = decode(raw, o["dtype"])
             exp = decode(open(os.path.join(d, o["expected"]), "rb").read(), o["dtype"])
             n, exact, within1, nan_bad, worst, wi = compare(got, exp, o["dtype"])
             frac1 = within1 / n if n else 1.0
-            line.append(f"[{o['dtype']}x{n}: exact {exact/n:.4f}, <=1ulp {frac1:.4f}, nan-mismatch {nan_bad}, max rel {worst:.2e}" + (f" at {wi} got {got[wi]} want {exp[wi]}" if wi >= 0 else "") + "]")
+            line.append(f"[{o['dtype']}x{n}: exact {exact/n:.4f}, <=1ulp {frac1:.4f}, nan-mismatch {nan_bad}, max rel {worst:.2e}, max abs {compare.max_abs:.2e}" + (f" at {wi} got {got[wi]} want {exp[wi]}" if wi >= 0 else "") + "]")
             # Scalars are sums over many elements in another order: judged by relative error.
             tol = 0.0 if n == 1 else c.get("min_within1", 0.99)
             max_rel = c.get("max_rel_scalar", 1e-3) if n == 1 else c.get("max_rel", 0.05)
+            # Cases with `max_abs` (attention: one bound per output) are judged by absolute error.
+            if "max_abs" in c and compare.max_abs > c["max_abs"][oi]:
+                ok_all = False
+                line.append("FAIL(abs)")
             if nan_bad or frac1 < tol or worst > max_rel:
                 ok_all = False
                 line.append("FAIL")
@@ -171,7 +181,7 @@ def perf(d):
     """Time kernels listed in perf.json on device-filled inputs; print achieved bandwidth."""
     import random
 
-    cases = json.load(open(os.path.join(d, "perf.json")))
+    cases = [c for c in json.load(open(os.path.join(d, "perf.json"))) if ONLY in c["name"]]
     check(cu.cuInit(0), "cuInit")
     dev = ctypes.c_int()
     check(cu.cuDeviceGet(ctypes.byref(dev), 0), "cuDeviceGet")
@@ -219,7 +229,8 @@ def perf(d):
         ms = ctypes.c_float()
         check(cu.cuEventElapsedTime(ctypes.byref(ms), start, stop), "elapsed")
         t = ms.value / iters
-        print(f"{c['name']}: {t*1e3:.1f} us, {c['bytes'] / (t * 1e-3) / 1e9:.0f} GB/s (grid {c['grid']}, block {c['block']})", flush=True)
+        rate = f"{c['flops'] / (t * 1e-3) / 1e12:.0f} TFLOP/s" if "flops" in c else f"{c['bytes'] / (t * 1e-3) / 1e9:.0f} GB/s"
+        print(f"{c['name']}: {t*1e3:.1f} us, {rate} (grid {c['grid']}, block {c['block']})", flush=True)
         for p in ptrs:
             cu.cuMemFree_v2(p)
         cu.cuModuleUnload(mod)

@@ -1,0 +1,669 @@
+//! `attention` kernels: a FlashAttention-2 style forward pass on tensor cores (`mma.sync`
+//! m16n8k16 bf16 -> f32, fragments through `ldmatrix`), emitted as MLIR text with NVVM ops.
+//!
+//! Design (forward):
+//! - One CTA of 4 warps (128 threads) per 64-query tile of one (batch, query head); each warp owns
+//!   16 query rows. The 1-D grid is ordered so the longest causal tiles (the last query tiles)
+//!   start first; `block -> (query tile, batch, head)` is decoded in the kernel.
+//! - Q fragments stay in registers for the whole kernel (loaded once from global memory in the
+//!   mma A-fragment layout). K and V tiles of 64 keys are staged in static shared memory
+//!   (`64 x (d + 8)` bf16 each: the 16-byte row padding makes `ldmatrix` conflict-free) by
+//!   `cp.async` (16 bytes per thread per copy). The next K tile is fetched while the softmax and
+//!   `P V` of the current tile run, the next V tile while the next `Q K^T` runs.
+//! - S = Q K^T with `ldmatrix` (K is the col-major B operand as stored); the online softmax keeps
+//!   the running row max in the `log2` domain (`exp2(s * scale * log2 e - m)`, `ex2.approx`),
+//!   per-thread partial row sums reduced across the quad only at the end (FA2); P is converted
+//!   in registers from the C-fragment layout to the A-fragment layout (`cvt.rn.bf16x2`), and
+//!   `O += P V` reads V with `ldmatrix.trans`.
+//! - Causal: query tile `m` visits key tiles `0..m` unmasked (an `scf.for`) and the diagonal
+//!   tile `m` with the `key > query` mask (a second, straight-line copy of the tile body); tiles
+//!   beyond the diagonal are never loaded. GQA: query head `h` reads kv head `h / (hq / hkv)`.
+//! - Epilogue: `O / l` rounded to bf16 (4-byte stores), `lse = (m + log2 l) ln 2` (f32).
+//!
+//! Supported: bf16 q/k/v/out, f32 lse, head_dim 16, 64 or 128, sequence length a multiple of 64,
+//! `hq` a multiple of `hkv`, `scale > 0`. The backward kernel is in `attention_bwd.rs`.
+
+use std::fmt::Write as _;
+
+use titan_ir::{DType, Graph, Op, Region};
+
+use crate::values::Body;
+use crate::{GenResult, Generated, invalid, unsupported};
+
+/// Query rows per CTA.
+const BM: u64 = 64;
+/// Keys per K/V tile.
+const BN: u64 = 64;
+/// Threads per CTA (4 warps).
+const THREADS: u64 = 128;
+
+pub(crate) const F4: &str = "!llvm.struct<(f32, f32, f32, f32)>";
+pub(crate) const I4: &str = "!llvm.struct<(i32, i32, i32, i32)>";
+
+/// The sizes and options of one forward problem.
+#[derive(Clone, Copy, Debug)]
+struct Problem {
+    b: u64,
+    s: u64,
+    hq: u64,
+    hkv: u64,
+    d: u64,
+    causal: bool,
+    scale: f64,
+}
+
+/// Minimal SSA text emitter: values are their printed names; types are tracked by the caller.
+pub(crate) struct Em {
+    pub(crate) body: String,
+    next: u32,
+    pub(crate) indent: usize,
+}
+
+impl Em {
+    pub(crate) fn new() -> Em {
+        Em { body: String::new(), next: 0, indent: 3 }
+    }
+
+    pub(crate) fn line(&mut self, s: &str) {
+        for _ in 0..self.indent {
+            self.body.push_str("  ");
+        }
+        self.body.push_str(s);
+        self.body.push('\n');
+    }
+
+    pub(crate) fn fresh(&mut self) -> String {
+        let n = format!("%a{}", self.next);
+        self.next += 1;
+        n
+    }
+
+    pub(crate) fn op(&mut self, rhs: &str) -> String {
+        let r = self.fresh();
+        self.line(&format!("{r} = {rhs}"));
+        r
+    }
+
+    pub(crate) fn i32c(&mut self, x: i64) -> String {
+        self.op(&format!("arith.constant {x} : i32"))
+    }
+
+    pub(crate) fn i64c(&mut self, x: i64) -> String {
+        self.op(&format!("arith.constant {x} : i64"))
+    }
+
+    pub(crate) fn f32c(&mut self, x: f32) -> String {
+        self.op(&format!("arith.constant 0x{:08X} : f32", x.to_bits()))
+    }
+
+    pub(crate) fn bin(&mut self, op: &str, a: &str, b: &str, ty: &str) -> String {
+        self.op(&format!("arith.{op} {a}, {b} : {ty}"))
+    }
+
+    pub(crate) fn addi(&mut self, a: &str, b: &str) -> String {
+        self.bin("addi", a, b, "i32")
+    }
+
+    pub(crate) fn muli(&mut self, a: &str, b: &str) -> String {
+        self.bin("muli", a, b, "i32")
+    }
+
+    /// `a + k` (i32) with a constant `k`.
+    pub(crate) fn addk(&mut self, a: &str, k: i64) -> String {
+        if k == 0 {
+            return a.to_string();
+        }
+        let c = self.i32c(k);
+        self.addi(a, &c)
+    }
+
+    pub(crate) fn mulk(&mut self, a: &str, k: i64) -> String {
+        let c = self.i32c(k);
+        self.muli(a, &c)
+    }
+
+    pub(crate) fn divk(&mut self, a: &str, k: i64) -> String {
+        let c = self.i32c(k);
+        self.bin("divui", a, &c, "i32")
+    }
+
+    pub(crate) fn remk(&mut self, a: &str, k: i64) -> String {
+        let c = self.i32c(k);
+        self.bin("remui", a, &c, "i32")
+    }
+
+    pub(crate) fn ext64(&mut self, a: &str) -> String {
+        self.op(&format!("arith.extui {a} : i32 to i64"))
+    }
+
+    pub(crate) fn fadd(&mut self, a: &str, b: &str) -> String {
+        self.bin("addf", a, b, "f32")
+    }
+
+    pub(crate) fn fsub(&mut self, a: &str, b: &str) -> String {
+        self.bin("subf", a, b, "f32")
+    }
+
+    pub(crate) fn fmul(&mut self, a: &str, b: &str) -> String {
+        self.bin("mulf", a, b, "f32")
+    }
+
+    pub(crate) fn intr(&mut self, name: &str, args: &[&str], tys: &str, ret: &str) -> String {
+        self.op(&format!("llvm.call_intrinsic \"{name}\"({}) : ({tys}) -> {ret}", args.join(", ")))
+    }
+
+    pub(crate) fn fmax(&mut self, a: &str, b: &str) -> String {
+        self.intr("llvm.maxnum.f32", &[a, b], "f32, f32", "f32")
+    }
+
+    pub(crate) fn fma(&mut self, a: &str, b: &str, c: &str) -> String {
+        self.intr("llvm.fma.f32", &[a, b, c], "f32, f32, f32", "f32")
+    }
+
+    pub(crate) fn ex2(&mut self, a: &str) -> String {
+        self.intr("llvm.nvvm.ex2.approx.f32", &[a], "f32", "f32")
+    }
+
+    pub(crate) fn lg2(&mut self, a: &str) -> String {
+        self.intr("llvm.nvvm.lg2.approx.f", &[a], "f32", "f32")
+    }
+
+    /// `shfl.sync.bfly` of an f32 over the full warp.
+    pub(crate) fn shfl_xor(&mut self, v: &str, off: i64) -> String {
+        let o = self.i32c(off);
+        let w = self.i32c(32);
+        let r = self.fresh();
+        let ok = self.fresh();
+        self.line(&format!("{r}, {ok} = gpu.shuffle xor {v}, {o}, {w} : f32"));
+        r
+    }
+
+    /// `ptr + off` elements of `elem` (`off` i64 or i32).
+    pub(crate) fn gep(&mut self, ptr: &str, space: u32, off: &str, oty: &str, elem: &str) -> String {
+        self.op(&format!("llvm.getelementptr {ptr}[{off}] : (!llvm.ptr<{space}>, {oty}) -> !llvm.ptr<{space}>, {elem}"))
+    }
+
+    /// `ptr + k` bf16 elements (a constant offset).
+    pub(crate) fn gepk(&mut self, ptr: &str, space: u32, k: i64) -> String {
+        if k == 0 {
+            return ptr.to_string();
+        }
+        let c = self.i32c(k);
+        self.gep(ptr, space, &c, "i32", "bf16")
+    }
+
+    pub(crate) fn extract(&mut self, s: &str, i: usize, ty: &str) -> String {
+        self.op(&format!("llvm.extractvalue {s}[{i}] : {ty}"))
+    }
+
+    /// Two f32 rounded to a packed bf16 pair (`cvt.rn.bf16x2.f32`), `lo` in the low half.
+    pub(crate) fn pack_bf16(&mut self, lo: &str, hi: &str) -> String {
+        let v = self.op(&format!("vector.from_elements {lo}, {hi} : vector<2xf32>"));
+        let t = self.op(&format!("arith.truncf {v} : vector<2xf32> to vector<2xbf16>"));
+        self.op(&format!("llvm.bitcast {t} : vector<2xbf16> to i32"))
+    }
+
+    /// `ldmatrix.x4` (optionally `.trans`) from shared memory: four b16x2 registers.
+    pub(crate) fn ldmatrix4(&mut self, ptr: &str, trans: bool) -> [String; 4] {
+        let layout = if trans { "col" } else { "row" };
+        let s = self.op(&format!(
+            "nvvm.ldmatrix {ptr} {{num = 4 : i32, layout = #nvvm.mma_layout<{layout}>, shape = #nvvm.ld_st_matrix_shape<m = 8, n = 8>, eltType = #nvvm.ld_st_matrix_elt_type<b16>}} : (!llvm.ptr<3>) -> {I4}"
+        ));
+        [0, 1, 2, 3].map(|i| self.extract(&s, i, I4))
+    }
+
+    /// `c += a b` with `mma.sync.m16n8k16.row.col.f32.bf16.bf16.f32`.
+    pub(crate) fn mma(&mut self, a: &[String; 4], b: [&str; 2], c: &[String; 4]) -> [String; 4] {
+        let s = self.op(&format!(
+            "nvvm.mma.sync A[{}, {}, {}, {}] B[{}, {}] C[{}, {}, {}, {}] {{layoutA = #nvvm.mma_layout<row>, layoutB = #nvvm.mma_layout<col>, multiplicandAPtxType = #nvvm.mma_type<bf16>, multiplicandBPtxType = #nvvm.mma_type<bf16>, shape = #nvvm.shape<m = 16, n = 8, k = 16>}} : (i32, i32, f32) -> {F4}",
+            a[0], a[1], a[2], a[3], b[0], b[1], c[0], c[1], c[2], c[3]
+        ));
+        [0, 1, 2, 3].map(|i| self.extract(&s, i, F4))
+    }
+
+    pub(crate) fn barrier(&mut self) {
+        self.line("gpu.barrier");
+    }
+
+    pub(crate) fn cp_async16(&mut self, dst: &str, src: &str) {
+        self.line(&format!("nvvm.cp.async.shared.global {dst}, {src}, 16, cache = cg : !llvm.ptr<3>, !llvm.ptr<1>"));
+    }
+
+    pub(crate) fn commit(&mut self) {
+        self.line("nvvm.cp.async.commit.group");
+    }
+
+    pub(crate) fn wait_group(&mut self, n: u32) {
+        self.line(&format!("nvvm.cp.async.wait.group {n}"));
+    }
+}
+
+/// Read the forward body: one `attention` node over body arguments, both results as outputs.
+/// Returns the problem and the parameter order: (q, k, v) argument indices and (out, lse)
+/// output indices.
+fn read_forward(g: &Graph, r: &Region) -> GenResult<(Problem, [usize; 3], [usize; 2])> {
+    let b = Body::new(g, r)?;
+    let nodes: Vec<_> = b.nodes().collect();
+    let [node] = nodes.as_slice() else {
+        return unsupported(format!("an attention body must hold exactly one attention node, found {} nodes", nodes.len()));
+    };
+    let Op::Attention { causal, scale } = node.op else {
+        return invalid(format!("an attention body holds `{}`; expected attention", node.op.name()));
+    };
+    let (Some(qi), Some(ki), Some(vi)) = (b.arg_index(node.inputs[0]), b.arg_index(node.inputs[1]), b.arg_index(node.inputs[2])) else {
+        return invalid("the q, k and v of an attention kernel must be body arguments");
+    };
+    let mut outs = [usize::MAX; 2];
+    for (i, o) in r.outputs.iter().enumerate() {
+        match node.results.iter().position(|&v| v == o.value) {
+            Some(p) if outs[p] == usize::MAX => outs[p] = i,
+            _ => return invalid("the outputs of an attention body must be its node's out and lse, once each"),
+        }
+    }
+    if outs.contains(&usize::MAX) || r.outputs.len() != 2 {
+        return unsupported("the attention kernel writes both out and lse; the body must output both");
+    }
+    for (v, what) in [(node.inputs[0], "q"), (node.inputs[1], "k"), (node.inputs[2], "v"), (node.results[0], "out")] {
+        if b.dtype(v) != DType::BF16 {
+            return unsupported(format!("attention {what} must be bf16, found {:?}", b.dtype(v)));
+        }
+    }
+    if b.dtype(node.results[1]) != DType::F32 {
+        return unsupported("attention lse must be f32");
+    }
+    let (qs, ks) = (&b.shape[node.inputs[0].index()], &b.shape[node.inputs[1].index()]);
+    let (&[bb, s, hq, d], &[kb, kss, hkv, kd]) = (qs.as_slice(), ks.as_slice()) else {
+        return invalid("attention q and k must be [batch, seq, heads, head_dim]");
+    };
+    if (kb, kss, kd) != (bb, s, d) || b.shape[node.inputs[2].index()] != *ks || hkv == 0 || hq % hkv != 0 {
+        return invalid("attention q, k, v shapes do not match");
+    }
+    if !matches!(d, 16 | 64 | 128) {
+        return unsupported(format!("attention head_dim {d} (the kernel supports 16, 64 and 128)"));
+    }
+    if s == 0 || s % BM != 0 {
+        return unsupported(format!("attention sequence length {s} (the kernel needs a multiple of {BM})"));
+    }
+    if !(scale.is_finite() && scale > 0.0) {
+        return unsupported(format!("attention scale {scale} (the kernel needs a positive scale)"));
+    }
+    let grid = (s / BM) * bb * hq;
+    if grid == 0 || grid > u64::from(u32::MAX) || bb * s * hq * d >= 1 << 40 {
+        return unsupported("attention problem size out of range");
+    }
+    Ok((Problem { b: bb, s, hq, hkv, d, causal, scale }, [qi, ki, vi], outs))
+}
+
+/// The attention forward kernel for `r`.
+pub(crate) fn generate(g: &Graph, r: &Region, entry: &str) -> GenResult<Generated> {
+    let (p, ins, outs) = read_forward(g, r)?;
+    let n_args = r.args.len();
+    let params: Vec<String> = (0..n_args + 2).map(|i| format!("%p{i}")).collect();
+    let qp = params[ins[0]].clone();
+    let kp = params[ins[1]].clone();
+    let vp = params[ins[2]].clone();
+    let op = params[n_args + outs[0]].clone();
+    let lp = params[n_args + outs[1]].clone();
+    let grid = ((p.s / BM) * p.b * p.hq) as u32;
+    let body = forward_body(&p, &qp, &kp, &vp, &op, &lp);
+    let stride = p.d + 8;
+    let mut m = String::new();
+    m.push_str("module attributes {gpu.container_module} {\n  gpu.module @titan {\n");
+    let _ = writeln!(m, "    llvm.mlir.global internal @att_k() {{addr_space = 3 : i32, alignment = 16 : i64}} : !llvm.array<{} x bf16>", BN * stride);
+    let _ = writeln!(m, "    llvm.mlir.global internal @att_v() {{addr_space = 3 : i32, alignment = 16 : i64}} : !llvm.array<{} x bf16>", BN * stride);
+    let ps: Vec<String> = params.iter().map(|p| format!("{p}: !llvm.ptr<1>")).collect();
+    let _ = writeln!(
+        m,
+        "    gpu.func @{entry}({}) kernel attributes {{known_block_size = array<i32: {THREADS}, 1, 1>, known_grid_size = array<i32: {grid}, 1, 1>}} {{",
+        ps.join(", ")
+    );
+    m.push_str(&body);
+    m.push_str("      gpu.return\n    }\n  }\n}\n");
+    Ok(Generated { mlir: m, block: THREADS as u32, grid, workspace_bytes: 0 })
+}
+
+/// The loop-carried state of the forward pass: O fragments (`d / 8` n-tiles of 4), then the
+/// running max and partial sum of the thread's two rows.
+struct State {
+    o: Vec<[String; 4]>,
+    m: [String; 2],
+    l: [String; 2],
+}
+
+impl State {
+    fn flat(&self) -> Vec<String> {
+        let mut v: Vec<String> = self.o.iter().flat_map(|t| t.iter().cloned()).collect();
+        v.extend(self.m.iter().cloned());
+        v.extend(self.l.iter().cloned());
+        v
+    }
+
+    fn from_flat(v: &[String], nt: usize) -> State {
+        let o = (0..nt).map(|i| [0, 1, 2, 3].map(|j| v[4 * i + j].clone())).collect();
+        State { o, m: [v[4 * nt].clone(), v[4 * nt + 1].clone()], l: [v[4 * nt + 2].clone(), v[4 * nt + 3].clone()] }
+    }
+}
+
+/// Per-thread values the tile body needs.
+struct Ctx {
+    d: u64,
+    stride: i64,
+    causal: bool,
+    /// `scale * log2(e)`.
+    c: String,
+    qf: Vec<[String; 4]>,
+    ks: String,
+    vs: String,
+    /// Shared pointers at this lane's `ldmatrix` row for K and V.
+    k_lm: String,
+    v_lm: String,
+    /// Global K/V pointers at this thread's first copy chunk of key tile 0.
+    k_g: String,
+    v_g: String,
+    /// Shared element offset of this thread's first copy chunk.
+    s_off: String,
+    /// Elements between key rows in global memory (`hkv * d`).
+    kv_row: i64,
+    /// Number of key tiles this CTA visits (i32).
+    n_tiles: String,
+    /// Query row within the tile of this thread's two rows (for the causal mask).
+    qrow: [String; 2],
+    /// Key column offset within an 8-key n-tile (`2 * (lane % 4)`).
+    kcol: String,
+}
+
+/// Issue the cp.async copies of key tile `j` (i32) of K or V into shared memory.
+fn load_tile(e: &mut Em, cx: &Ctx, j: &str, v: bool) {
+    let (gbase, sbase) = if v { (&cx.v_g, &cx.vs) } else { (&cx.k_g, &cx.ks) };
+    let cpr = (cx.d / 8) as i64;
+    let iters = (BN * cx.d / 8 / THREADS) as i64;
+    let rows_per_iter = THREADS as i64 / cpr;
+    let j64 = e.ext64(j);
+    let tile = e.i64c(BN as i64 * cx.kv_row);
+    let off = e.bin("muli", &j64, &tile, "i64");
+    let g0 = e.gep(gbase, 1, &off, "i64", "bf16");
+    let s0 = e.gep(sbase, 3, &cx.s_off, "i32", "bf16");
+    for it in 0..iters {
+        let gk = e.i64c(it * rows_per_iter * cx.kv_row);
+        let gp = e.gep(&g0, 1, &gk, "i64", "bf16");
+        let sp = e.gepk(&s0, 3, it * rows_per_iter * cx.stride);
+        e.cp_async16(&sp, &gp);
+    }
+}
+
+/// One key tile `j`: S = Q K^T, (mask), online softmax, O += P V. Returns the new state.
+fn tile_body(e: &mut Em, cx: &Ctx, j: &str, st: &State, masked: bool) -> State {
+    let d = cx.d as i64;
+    // K_j ready (V_j may still be in flight).
+    e.wait_group(1);
+    e.barrier();
+    let zero = e.f32c(0.0);
+    let mut s: Vec<[String; 4]> = (0..8).map(|_| [0; 4].map(|_| zero.clone())).collect();
+    for kstep in 0..(d / 16) {
+        for np in 0..4i64 {
+            let ptr = e.gepk(&cx.k_lm, 3, 16 * np * cx.stride + 16 * kstep);
+            let r = e.ldmatrix4(&ptr, false);
+            let a = &cx.qf[kstep as usize];
+            let n0 = (2 * np) as usize;
+            s[n0] = e.mma(a, [&r[0], &r[1]], &s[n0]);
+            s[n0 + 1] = e.mma(a, [&r[2], &r[3]], &s[n0 + 1]);
+        }
+    }
+    e.barrier();
+    // Prefetch K_{j+1} into the buffer every warp is done with.
+    let j1 = e.addk(j, 1);
+    let has_next = e.op(&format!("arith.cmpi slt, {j1}, {} : i32", cx.n_tiles));
+    e.line(&format!("scf.if {has_next} {{"));
+    e.indent += 1;
+    load_tile(e, cx, &j1, false);
+    e.indent -= 1;
+    e.line("}");
+    e.commit();
+    if masked {
+        // Diagonal tile: key (n-tile * 8 + kcol + i) > query row -> -inf.
+        let ninf = e.f32c(f32::NEG_INFINITY);
+        for (nt, t) in s.iter_mut().enumerate() {
+            for (i, x) in t.iter_mut().enumerate() {
+                let key = e.addk(&cx.kcol, nt as i64 * 8 + (i % 2) as i64);
+                let gt = e.op(&format!("arith.cmpi ugt, {key}, {} : i32", cx.qrow[i / 2]));
+                *x = e.op(&format!("arith.select {gt}, {ninf}, {x} : f32"));
+            }
+        }
+    }
+    // Online softmax for the thread's two rows (c0, c1: row g; c2, c3: row g + 8).
+    let mut m_new = [String::new(), String::new()];
+    let mut alpha = [String::new(), String::new()];
+    for r in 0..2 {
+        let mut mx = s[0][2 * r].clone();
+        for (nt, t) in s.iter().enumerate() {
+            for i in 0..2 {
+                if nt == 0 && i == 0 {
+                    continue;
+                }
+                mx = e.fmax(&mx, &t[2 * r + i]);
+            }
+        }
+        for off in [1, 2] {
+            let o = e.shfl_xor(&mx, off);
+            mx = e.fmax(&mx, &o);
+        }
+        let mxs = e.fmul(&mx, &cx.c);
+        m_new[r] = e.fmax(&st.m[r], &mxs);
+        let dm = e.fsub(&st.m[r], &m_new[r]);
+        alpha[r] = e.ex2(&dm);
+    }
+    let neg_m = [0, 1].map(|r| e.op(&format!("arith.negf {} : f32", m_new[r])));
+    let mut l = [e.fmul(&st.l[0], &alpha[0]), e.fmul(&st.l[1], &alpha[1])];
+    for t in s.iter_mut() {
+        for (i, x) in t.iter_mut().enumerate() {
+            let y = e.fma(x, &cx.c, &neg_m[i / 2]);
+            *x = e.ex2(&y);
+            l[i / 2] = e.fadd(&l[i / 2], x);
+        }
+    }
+    let mut o: Vec<[String; 4]> = st.o.iter().map(|t| [0, 1, 2, 3].map(|i| e.fmul(&t[i], &alpha[i / 2]))).collect();
+    // P as A fragments: key step kk covers n-tiles 2kk (a0, a1) and 2kk + 1 (a2, a3).
+    let pf: Vec<[String; 4]> = (0..4)
+        .map(|kk| {
+            let (t0, t1) = (&s[2 * kk], &s[2 * kk + 1]);
+            [e.pack_bf16(&t0[0], &t0[1]), e.pack_bf16(&t0[2], &t0[3]), e.pack_bf16(&t1[0], &t1[1]), e.pack_bf16(&t1[2], &t1[3])]
+        })
+        .collect();
+    // V_j ready (K_{j+1} may still be in flight).
+    e.wait_group(1);
+    e.barrier();
+    for (kk, a) in pf.iter().enumerate() {
+        for dp in 0..(d / 16) {
+            let ptr = e.gepk(&cx.v_lm, 3, 16 * kk as i64 * cx.stride + 16 * dp);
+            let r = e.ldmatrix4(&ptr, true);
+            let n0 = (2 * dp) as usize;
+            o[n0] = e.mma(a, [&r[0], &r[1]], &o[n0]);
+            o[n0 + 1] = e.mma(a, [&r[2], &r[3]], &o[n0 + 1]);
+        }
+    }
+    e.barrier();
+    e.line(&format!("scf.if {has_next} {{"));
+    e.indent += 1;
+    load_tile(e, cx, &j1, true);
+    e.indent -= 1;
+    e.line("}");
+    e.commit();
+    State { o, m: m_new, l }
+}
+
+fn forward_body(p: &Problem, qp: &str, kp: &str, vp: &str, op: &str, lp: &str) -> String {
+    let mut e = Em::new();
+    let d = p.d as i64;
+    let stride = d + 8;
+    let nm = (p.s / BM) as i64;
+    let bh = (p.b * p.hq) as i64;
+    let tid_ix = e.op("gpu.thread_id x");
+    let tid = e.op(&format!("arith.index_cast {tid_ix} : index to i32"));
+    let bid_ix = e.op("gpu.block_id x");
+    let bid = e.op(&format!("arith.index_cast {bid_ix} : index to i32"));
+    let warp = e.divk(&tid, 32);
+    let lane = e.remk(&tid, 32);
+    let g = e.divk(&lane, 4);
+    let tq = e.remk(&lane, 4);
+    // Longest causal tiles first: block -> (query tile, batch * head).
+    let mb_rev = e.divk(&bid, bh);
+    let nm1 = e.i32c(nm - 1);
+    let mblk = e.bin("subi", &nm1, &mb_rev, "i32");
+    let bhi = e.remk(&bid, bh);
+    let bi = e.divk(&bhi, p.hq as i64);
+    let h = e.remk(&bhi, p.hq as i64);
+    let kh = e.divk(&h, (p.hq / p.hkv) as i64);
+    // Global bases (elements, i64).
+    let bi64 = e.ext64(&bi);
+    let h64 = e.ext64(&h);
+    let kh64 = e.ext64(&kh);
+    let sq = e.i64c((p.s * p.hq * p.d) as i64);
+    let skv = e.i64c((p.s * p.hkv * p.d) as i64);
+    let d64 = e.i64c(d);
+    let qb = e.bin("muli", &bi64, &sq, "i64");
+    let hd = e.bin("muli", &h64, &d64, "i64");
+    let q_base = e.bin("addi", &qb, &hd, "i64");
+    let kvb = e.bin("muli", &bi64, &skv, "i64");
+    let khd = e.bin("muli", &kh64, &d64, "i64");
+    let kv_base = e.bin("addi", &kvb, &khd, "i64");
+    let q_row = (p.hq * p.d) as i64;
+    let kv_row = (p.hkv * p.d) as i64;
+    // This thread's two query rows (absolute) and their offsets within the tile.
+    let w16 = e.mulk(&warp, 16);
+    let qr0 = e.addi(&w16, &g);
+    let qr1 = e.addk(&qr0, 8);
+    let m64 = e.mulk(&mblk, BM as i64);
+    let row0 = e.addi(&m64, &qr0);
+    let row1 = e.addi(&m64, &qr1);
+    let kcol = e.mulk(&tq, 2);
+    // Row pointers of q/out for the two rows, at column kcol.
+    let row_ptr = |e: &mut Em, base: &str, row: &str| -> String {
+        let r64 = e.ext64(row);
+        let rs = e.i64c(q_row);
+        let ro = e.bin("muli", &r64, &rs, "i64");
+        let o = e.bin("addi", &q_base, &ro, "i64");
+        let k64 = e.ext64(&kcol);
+        let o = e.bin("addi", &o, &k64, "i64");
+        e.gep(base, 1, &o, "i64", "bf16")
+    };
+    let qrow_p = [row_ptr(&mut e, qp, &row0), row_ptr(&mut e, qp, &row1)];
+    let qf: Vec<[String; 4]> = (0..d / 16)
+        .map(|ks| {
+            let mut a: [String; 4] = Default::default();
+            for (i, x) in a.iter_mut().enumerate() {
+                let ptr = e.gepk(&qrow_p[i % 2], 1, 16 * ks + 8 * (i / 2) as i64);
+                *x = e.op(&format!("llvm.load {ptr} {{alignment = 4 : i64}} : !llvm.ptr<1> -> i32"));
+            }
+            a
+        })
+        .collect();
+    // Shared buffers and this lane's ldmatrix rows.
+    let ks = e.op("llvm.mlir.addressof @att_k : !llvm.ptr<3>");
+    let vs = e.op("llvm.mlir.addressof @att_v : !llvm.ptr<3>");
+    let mi = e.divk(&lane, 8);
+    let r8 = e.remk(&lane, 8);
+    let mi_lo = e.remk(&mi, 2);
+    let mi_hi = e.divk(&mi, 2);
+    // K (B of Q K^T): key = (mi / 2) * 8 + r, dim = (mi % 2) * 8.
+    let kr = e.mulk(&mi_hi, 8);
+    let kr = e.addi(&kr, &r8);
+    let kro = e.mulk(&kr, stride);
+    let kc = e.mulk(&mi_lo, 8);
+    let k_off = e.addi(&kro, &kc);
+    let k_lm = e.gep(&ks, 3, &k_off, "i32", "bf16");
+    // V (B of P V, transposed): key = (mi % 2) * 8 + r, dim = (mi / 2) * 8.
+    let vr = e.mulk(&mi_lo, 8);
+    let vr = e.addi(&vr, &r8);
+    let vro = e.mulk(&vr, stride);
+    let vc = e.mulk(&mi_hi, 8);
+    let v_off = e.addi(&vro, &vc);
+    let v_lm = e.gep(&vs, 3, &v_off, "i32", "bf16");
+    // cp.async: chunk (row = tid / cpr, col = tid % cpr) of 8 bf16.
+    let cpr = d / 8;
+    let crow = e.divk(&tid, cpr);
+    let cch = e.remk(&tid, cpr);
+    let cc8 = e.mulk(&cch, 8);
+    let s_row = e.mulk(&crow, stride);
+    let s_off = e.addi(&s_row, &cc8);
+    let crow64 = e.ext64(&crow);
+    let kvr = e.i64c(kv_row);
+    let g_row = e.bin("muli", &crow64, &kvr, "i64");
+    let cc864 = e.ext64(&cc8);
+    let g_off = e.bin("addi", &g_row, &cc864, "i64");
+    let g_off = e.bin("addi", &g_off, &kv_base, "i64");
+    let k_g = e.gep(kp, 1, &g_off, "i64", "bf16");
+    let v_g = e.gep(vp, 1, &g_off, "i64", "bf16");
+    let n_tiles = if p.causal { e.addk(&mblk, 1) } else { e.i32c(nm) };
+    let c = e.f32c((p.scale * std::f64::consts::LOG2_E) as f32);
+    let cx = Ctx { d: p.d, stride, causal: p.causal, c, qf, ks, vs, k_lm, v_lm, k_g, v_g, s_off, kv_row, n_tiles, qrow: [qr0, qr1], kcol: kcol.clone() };
+    // Prologue: K_0 and V_0 in two groups.
+    let zero_i = e.i32c(0);
+    load_tile(&mut e, &cx, &zero_i, false);
+    e.commit();
+    load_tile(&mut e, &cx, &zero_i, true);
+    e.commit();
+    let zf = e.f32c(0.0);
+    let ninf = e.f32c(f32::NEG_INFINITY);
+    let nt = (d / 8) as usize;
+    let init = State { o: (0..nt).map(|_| [0; 4].map(|_| zf.clone())).collect(), m: [ninf.clone(), ninf.clone()], l: [zf.clone(), zf.clone()] };
+    // Unmasked tiles: all of them, or those before the diagonal.
+    let n_full = if cx.causal { mblk.clone() } else { cx.n_tiles.clone() };
+    let flat = init.flat();
+    let results: Vec<String> = flat.iter().map(|_| e.fresh()).collect();
+    let args: Vec<String> = flat.iter().map(|_| e.fresh()).collect();
+    let iv = e.fresh();
+    let one = e.i32c(1);
+    let pairs: Vec<String> = args.iter().zip(&flat).map(|(a, i)| format!("{a} = {i}")).collect();
+    let tys = vec!["f32"; flat.len()].join(", ");
+    e.line(&format!("{} = scf.for {iv} = {zero_i} to {n_full} step {one} iter_args({}) -> ({tys}) : i32 {{", results.join(", "), pairs.join(", ")));
+    e.indent += 1;
+    let st = State::from_flat(&args, nt);
+    let next = tile_body(&mut e, &cx, &iv, &st, false);
+    let nf = next.flat();
+    e.line(&format!("scf.yield {} : {tys}", nf.join(", ")));
+    e.indent -= 1;
+    e.line("}");
+    let mut st = State::from_flat(&results, nt);
+    if cx.causal {
+        st = tile_body(&mut e, &cx, &mblk, &st, true);
+    }
+    // Epilogue: full row sums across the quad, O / l, lse.
+    let mut inv = [String::new(), String::new()];
+    let mut lse = [String::new(), String::new()];
+    let ln2 = e.f32c(std::f32::consts::LN_2);
+    let onef = e.f32c(1.0);
+    for r in 0..2 {
+        let mut l = st.l[r].clone();
+        for off in [1, 2] {
+            let o = e.shfl_xor(&l, off);
+            l = e.fadd(&l, &o);
+        }
+        inv[r] = e.bin("divf", &onef, &l, "f32");
+        let lg = e.lg2(&l);
+        let t = e.fadd(&st.m[r], &lg);
+        lse[r] = e.fmul(&t, &ln2);
+    }
+    let orow_p = [row_ptr(&mut e, op, &row0), row_ptr(&mut e, op, &row1)];
+    for (n, t) in st.o.iter().enumerate() {
+        for r in 0..2 {
+            let x0 = e.fmul(&t[2 * r], &inv[r]);
+            let x1 = e.fmul(&t[2 * r + 1], &inv[r]);
+            let pk = e.pack_bf16(&x0, &x1);
+            let ptr = e.gepk(&orow_p[r], 1, 8 * n as i64);
+            e.line(&format!("llvm.store {pk}, {ptr} {{alignment = 4 : i64}} : i32, !llvm.ptr<1>"));
+        }
+    }
+    let is0 = e.op(&format!("arith.cmpi eq, {tq}, {zero_i} : i32"));
+    e.line(&format!("scf.if {is0} {{"));
+    e.indent += 1;
+    let bh_s = e.mulk(&bhi, p.s as i64);
+    for (r, row) in [row0, row1].iter().enumerate() {
+        let idx = e.addi(&bh_s, row);
+        let i64v = e.ext64(&idx);
+        let ptr = e.op(&format!("llvm.getelementptr {lp}[{i64v}] : (!llvm.ptr<1>, i64) -> !llvm.ptr<1>, f32"));
+        e.line(&format!("llvm.store {}, {ptr} {{alignment = 4 : i64}} : f32, !llvm.ptr<1>", lse[r]));
+    }
+    e.indent -= 1;
+    e.line("}");
+    e.body
+}
