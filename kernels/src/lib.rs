@@ -89,9 +89,8 @@ pub fn entry_name(name: &str) -> String {
     s
 }
 
-/// Generate the kernel for `body` (a block of `graph`) of kind `kind`. `None` for kinds with no
-/// generated code: `gemm` runs on cuBLASLt; `attention_bwd` until its kernel
-/// ([`compile_attention_bwd_candidate`]) is validated on a GPU.
+/// Generate the kernel for `body` (a block of `graph`) of kind `kind`. `None` for `gemm`, which
+/// runs on cuBLASLt.
 pub fn compile_kernel(graph: &Graph, body: BlockId, kind: KernelKind, name: &str) -> Result<Option<CompiledKernel>, KernelError> {
     let kind_name = kind.name();
     let wrap = |e: GenError| match e {
@@ -103,8 +102,9 @@ pub fn compile_kernel(graph: &Graph, body: BlockId, kind: KernelKind, name: &str
     };
     let entry = entry_name(name);
     let generated = match kind {
-        KernelKind::Gemm | KernelKind::AttentionBwd => return Ok(None),
+        KernelKind::Gemm => return Ok(None),
         KernelKind::Attention => attention::generate(graph, region, &entry),
+        KernelKind::AttentionBwd => attention_bwd::generate(graph, region, &entry),
         KernelKind::Fused => fused::generate(graph, region, &entry),
         KernelKind::Gather => gather::generate(graph, region, &entry),
         KernelKind::ScatterAdd => scatter::generate(graph, region, &entry),
@@ -124,23 +124,6 @@ fn lower(entry: String, generated: Generated) -> Result<CompiledKernel, KernelEr
         launch: Launch { grid: [generated.grid, 1, 1], block: [generated.block, 1, 1], shared_bytes: 0 },
         workspace_bytes: generated.workspace_bytes,
     })
-}
-
-/// The FlashAttention-2 backward kernel for an `attention_bwd` body. It assembles without spills
-/// but has not been validated on a GPU yet, so [`compile_kernel`] still returns `None` for
-/// `attention_bwd`; this entry point is for the GPU validation harness
-/// (`kernels/tests/gpu_check.py`).
-pub fn compile_attention_bwd_candidate(graph: &Graph, body: BlockId, name: &str) -> Result<CompiledKernel, KernelError> {
-    let wrap = |e: GenError| match e {
-        GenError::Unsupported(message) => KernelError::Unsupported { kernel: name.to_string(), kind: "attention_bwd", message },
-        GenError::Invalid(message) => KernelError::InvalidBody { kernel: name.to_string(), kind: "attention_bwd", message },
-    };
-    let Some(region) = graph.blocks.get(body.index()) else {
-        return Err(wrap(GenError::Invalid(format!("body block #{} does not exist", body.0))));
-    };
-    let entry = entry_name(name);
-    let generated = attention_bwd::generate(graph, region, &entry).map_err(wrap)?;
-    lower(entry, generated)
 }
 
 #[cfg(test)]

@@ -7,7 +7,7 @@ use titan_ir::{
     AdamWConfig, ArgKind, BinaryOp, BlockId, Builder, DType, DecayKind, Graph, KernelKind, LrSchedule, Op, Output, ReduceKind, Region, RopeConfig, RopeLayout,
     RopeScaling, TensorType, UnaryOp, Value,
 };
-use titan_kernels::{CompiledKernel, compile_attention_bwd_candidate, compile_kernel, find_ptxas, ptxas_check};
+use titan_kernels::{CompiledKernel, compile_kernel, find_ptxas, ptxas_check};
 
 fn bf16(shape: &[u64]) -> TensorType {
     TensorType::fixed(DType::BF16, shape)
@@ -88,9 +88,7 @@ fn swiglu_mlir_snapshot() {
 fn kinds_without_generated_code_return_none() {
     let mut g = graph();
     let id = body(&mut g, "mm", &[bf16(&[8, 64, 64]), bf16(&[32, 64])], |b, a| vec![push(b, Op::Linear, &[a[0], a[1]])]);
-    for kind in [KernelKind::Gemm, KernelKind::AttentionBwd] {
-        assert!(compile_kernel(&g, id, kind, "k").expect("no error").is_none());
-    }
+    assert!(compile_kernel(&g, id, KernelKind::Gemm, "k").expect("no error").is_none());
 }
 
 #[test]
@@ -305,13 +303,6 @@ fn attention_bwd_body(g: &mut Graph, [b, s, hq, hkv, d]: [u64; 5], causal: bool)
     })
 }
 
-/// Compile with `compile_kernel`, or the attention backward candidate for `attention_bwd`.
-fn compile_any(g: &Graph, id: BlockId, kind: KernelKind, name: &str) -> CompiledKernel {
-    if kind == KernelKind::AttentionBwd {
-        return compile_attention_bwd_candidate(g, id, name).unwrap_or_else(|e| panic!("{name}: {e}"));
-    }
-    compile(g, id, kind, name)
-}
 
 #[test]
 fn attention_bwd_assembles_without_spills() {
@@ -324,9 +315,7 @@ fn attention_bwd_assembles_without_spills() {
         ("attention_bwd_d16_debug", [8, 64, 4, 4, 16], true),
     ] {
         let id = attention_bwd_body(&mut g, shape, causal);
-        // Not routed by `compile_kernel` until validated on a GPU.
-        assert!(compile_kernel(&g, id, KernelKind::AttentionBwd, name).expect("no error").is_none());
-        let k = compile_any(&g, id, KernelKind::AttentionBwd, name);
+        let k = compile(&g, id, KernelKind::AttentionBwd, name);
         let [b, s, hq, _, d] = shape;
         assert!(k.workspace_bytes > b * s * hq * d * 4);
         match ptxas_check(&k.ptx, &k.entry) {
@@ -374,7 +363,7 @@ fn unsupported_attention_shapes_are_reported() {
         let r = b.push(Op::Attention { causal: true, scale: 0.125 }, &[a[0], a[1], a[2]]).expect("attention");
         b.push(Op::AttentionBwd { causal: true, scale: 0.125 }, &[a[0], a[1], a[2], r[0], r[1], a[0]]).expect("attention_bwd")
     });
-    assert!(compile_kernel(&g, bwd, KernelKind::AttentionBwd, "bwd").expect("no error").is_none());
+    assert!(compile_kernel(&g, bwd, KernelKind::AttentionBwd, "bwd").is_err(), "a body of two nodes is not an attention_bwd kernel");
     let err = compile_kernel(&g, bwd, KernelKind::Attention, "bwd").expect_err("two nodes");
     assert!(err.to_string().contains("exactly one attention node"), "{err}");
     assert!(compile_kernel(&g, id, KernelKind::Attention, "ok").is_ok());
@@ -853,7 +842,7 @@ fn gpu_reference_dump() {
     let mut rng = Rng(0x5EED);
     let mut manifest = Vec::new();
     for (name, id, kind, range, int_hi, min_within1, max_rel) in cases {
-        let k = compile_any(&g, id, kind, name);
+        let k = compile(&g, id, kind, name);
         let Some(dir) = &dir else { continue };
         let mut args = random_args(&g, id, &mut rng, range, int_hi);
         // Inputs with structure: a skewed index distribution, a positive step, AdamW's v >= 0.
@@ -1001,7 +990,7 @@ fn perf_manifest(dir: &std::path::Path) -> String {
     ];
     let mut out = Vec::new();
     for (name, id, kind, int_hi) in cases {
-        let k = compile_any(&g, id, kind, name);
+        let k = compile(&g, id, kind, name);
         std::fs::write(dir.join(format!("{name}.ptx")), &k.ptx).expect("write");
         let r = g.block(id);
         let mut bytes = 0u64;

@@ -1,0 +1,200 @@
+"""Side-by-side benchmark: titan-run vs PyTorch (eager and per-block torch.compile) on one GPU.
+
+Runs, in ONE process on the GPU machine, a PyTorch Llama-3 written to match titan's model
+(HF rotate-half RoPE, HF-order RMSNorm, SwiGLU, GQA, untied head, AdamW) on random tokens, then
+`titan-run ARTIFACT --backend cuda --metrics`, and prints tok/s, MFU and peak memory side by side.
+
+MFU = (6 * N_non_embedding + 12 * L * H * Dh * T) FLOPs per token / 989 TFLOP/s (TorchTitan's).
+Precision policies: "fp32-master" = fp32 parameters and AdamW state under bf16 autocast (titan's
+policy); "bf16" = bf16 parameters and state (the peer's default in PERFORMANCE.md).
+
+usage: python3 llama_baseline.py --dim 4096 --n-layers 4 --n-heads 32 --n-kv-heads 8 \
+           --ffn 14336 --vocab 128256 --seq 8192 --batch 1 [--titan-run BIN --artifact DIR]
+"""
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+PEAK_FLOPS = 989e12
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.type_as(x)
+
+
+def rope_tables(seq, head_dim, theta, device):
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float64) / head_dim))
+    ang = torch.outer(torch.arange(seq, device=device, dtype=torch.float64), inv)
+    emb = torch.cat([ang, ang], dim=-1)
+    return emb.cos().float(), emb.sin().float()
+
+
+def rotate_half(x):
+    a, b = x.chunk(2, dim=-1)
+    return torch.cat([-b, a], dim=-1)
+
+
+def apply_rope(x, cos, sin):  # x [b, s, h, d]
+    c = cos[None, :, None, :].to(x.dtype)
+    s = sin[None, :, None, :].to(x.dtype)
+    return x * c + rotate_half(x) * s
+
+
+class Block(nn.Module):
+    def __init__(self, a):
+        super().__init__()
+        hd = a.dim // a.n_heads
+        self.n_heads, self.n_kv, self.hd = a.n_heads, a.n_kv_heads, hd
+        self.attention_norm = RMSNorm(a.dim, a.norm_eps)
+        self.wq = nn.Linear(a.dim, a.n_heads * hd, bias=False)
+        self.wk = nn.Linear(a.dim, a.n_kv_heads * hd, bias=False)
+        self.wv = nn.Linear(a.dim, a.n_kv_heads * hd, bias=False)
+        self.wo = nn.Linear(a.n_heads * hd, a.dim, bias=False)
+        self.ffn_norm = RMSNorm(a.dim, a.norm_eps)
+        self.w1 = nn.Linear(a.dim, a.ffn, bias=False)
+        self.w2 = nn.Linear(a.ffn, a.dim, bias=False)
+        self.w3 = nn.Linear(a.dim, a.ffn, bias=False)
+
+    def forward(self, h, cos, sin):
+        b, s, _ = h.shape
+        x = self.attention_norm(h)
+        q = apply_rope(self.wq(x).view(b, s, self.n_heads, self.hd), cos, sin)
+        k = apply_rope(self.wk(x).view(b, s, self.n_kv, self.hd), cos, sin)
+        v = self.wv(x).view(b, s, self.n_kv, self.hd)
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True)
+        h = h + self.wo(o.transpose(1, 2).reshape(b, s, -1))
+        x = self.ffn_norm(h)
+        return h + self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Llama(nn.Module):
+    def __init__(self, a):
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(a.vocab, a.dim)
+        self.layers = nn.ModuleList([Block(a) for _ in range(a.n_layers)])
+        self.norm = RMSNorm(a.dim, a.norm_eps)
+        self.output = nn.Linear(a.dim, a.vocab, bias=False)
+        self.a = a
+
+    def forward(self, tokens, targets, cos, sin):
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            h = layer(h, cos, sin)
+        logits = self.output(self.norm(h))
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def flops_per_token(a):
+    hd = a.dim // a.n_heads
+    per_layer = a.dim * (a.n_heads * hd) * 2 + a.dim * (a.n_kv_heads * hd) * 2 + 3 * a.dim * a.ffn + 2 * a.dim
+    n = a.n_layers * per_layer + a.dim + a.vocab * a.dim  # norms + head; tok_embeddings excluded
+    return 6 * n + 12 * a.n_layers * a.n_heads * hd * a.seq
+
+
+def run_torch(a, compile_blocks, bf16_params):
+    torch.manual_seed(0)
+    dev = torch.device("cuda")
+    model = Llama(a).to(dev)
+    if bf16_params:
+        model = model.to(torch.bfloat16)
+    if compile_blocks:
+        for i, blk in enumerate(model.layers):
+            model.layers[i] = torch.compile(blk)
+    opt = torch.optim.AdamW(model.parameters(), lr=8e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fused=True)
+    cos, sin = rope_tables(a.seq, a.dim // a.n_heads, a.rope_theta, dev)
+    tokens = torch.randint(0, a.vocab, (a.batch, a.seq), device=dev)
+    targets = torch.randint(0, a.vocab, (a.batch, a.seq), device=dev)
+    torch.cuda.reset_peak_memory_stats()
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=not bf16_params):
+            loss = model(tokens, targets, cos, sin)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    t0 = time.perf_counter()
+    for _ in range(a.warmup):
+        step()
+    torch.cuda.synchronize()
+    warm = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for _ in range(a.steps):
+        loss = step()
+    torch.cuda.synchronize()
+    dt = (time.perf_counter() - t0) / a.steps
+    tps = a.batch * a.seq / dt
+    peak = torch.cuda.max_memory_allocated()
+    del model, opt
+    torch.cuda.empty_cache()
+    return dict(tps=tps, mfu=tps * flops_per_token(a) / PEAK_FLOPS, peak=peak, warmup_s=warm, loss=float(loss))
+
+
+def run_titan(a):
+    metrics = "/tmp/titan_metrics.jsonl"
+    if os.path.exists(metrics):
+        os.remove(metrics)
+    steps = a.warmup + a.steps
+    cmd = [a.titan_run, a.artifact, "--backend", "cuda", "--steps", str(steps), "--metrics", metrics, "--log-every", "1"]
+    t0 = time.perf_counter()
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    sys.stdout.write(p.stdout[-3000:])
+    sys.stderr.write(p.stderr[-3000:])
+    if p.returncode != 0:
+        return None
+    rows = [json.loads(l) for l in open(metrics)]
+    timed = rows[a.warmup:]
+    tps = sum(r["tokens_per_s"] for r in timed) / len(timed)
+    peak = max((r.get("measured_peak_bytes") or 0) for r in rows) or rows[-1].get("predicted_peak_bytes", 0)
+    return dict(tps=tps, mfu=tps * flops_per_token(a) / PEAK_FLOPS, peak=peak, warmup_s=wall, loss=rows[-1]["loss"])
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    for k, v in dict(dim=4096, n_layers=4, n_heads=32, n_kv_heads=8, ffn=14336, vocab=128256, seq=8192, batch=1, warmup=3, steps=10).items():
+        ap.add_argument(f"--{k.replace('_', '-')}", type=int, default=v)
+    ap.add_argument("--rope-theta", type=float, default=500000.0)
+    ap.add_argument("--norm-eps", type=float, default=1e-5)
+    ap.add_argument("--titan-run")
+    ap.add_argument("--artifact")
+    ap.add_argument("--only", default="all", help="all | torch | titan")
+    a = ap.parse_args()
+    print(f"# {torch.cuda.get_device_name()} torch {torch.__version__}; flops/token {flops_per_token(a):.4g}")
+    results = {}
+    if a.only in ("all", "titan") and a.titan_run and a.artifact:
+        results["titan-run (fp32 master, bf16 compute)"] = run_titan(a)
+    if a.only in ("all", "torch"):
+        results["pytorch eager, fp32 params + bf16 autocast"] = run_torch(a, False, False)
+        results["torch.compile per block, fp32 params + bf16 autocast"] = run_torch(a, True, False)
+        results["pytorch eager, bf16 params"] = run_torch(a, False, True)
+        results["torch.compile per block, bf16 params"] = run_torch(a, True, True)
+    print(f"{'variant':<56} {'tok/s':>10} {'MFU':>7} {'peak GiB':>9} {'warm-up s':>9} {'loss':>8}")
+    for k, r in results.items():
+        if r is None:
+            print(f"{k:<56} failed")
+            continue
+        print(f"{k:<56} {r['tps']:>10.0f} {100 * r['mfu']:>6.1f}% {r['peak'] / 2**30:>9.1f} {r['warmup_s']:>9.1f} {r['loss']:>8.4f}")
+
+
+if __name__ == "__main__":
+    main()
