@@ -1,7 +1,8 @@
 """Side-by-side benchmark: titan-run vs PyTorch (eager and per-block torch.compile) on one GPU.
 
 Runs, in ONE process on the GPU machine, a PyTorch Llama-3 written to match titan's model
-(HF rotate-half RoPE, HF-order RMSNorm, SwiGLU, GQA, untied head, AdamW) on random tokens, then
+(tools/llama_ref.py: HF rotate-half RoPE, HF-order RMSNorm, SwiGLU, GQA, untied head, AdamW) on
+random tokens, then
 `titan-run ARTIFACT --backend cuda --metrics`, and prints tok/s, MFU and peak memory side by side.
 
 MFU = (6 * N_non_embedding + 12 * L * H * Dh * T) FLOPs per token / 989 TFLOP/s (TorchTitan's).
@@ -21,84 +22,17 @@ import sys
 import time
 
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tools"))
+from llama_ref import Llama, LlamaConfig, rope_tables  # noqa: E402  (the model lives in tools/llama_ref.py)
 
 PEAK_FLOPS = 989e12
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, dim, eps):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x):
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.type_as(x)
-
-
-def rope_tables(seq, head_dim, theta, device):
-    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float64) / head_dim))
-    ang = torch.outer(torch.arange(seq, device=device, dtype=torch.float64), inv)
-    emb = torch.cat([ang, ang], dim=-1)
-    return emb.cos().float(), emb.sin().float()
-
-
-def rotate_half(x):
-    a, b = x.chunk(2, dim=-1)
-    return torch.cat([-b, a], dim=-1)
-
-
-def apply_rope(x, cos, sin):  # x [b, s, h, d]
-    c = cos[None, :, None, :].to(x.dtype)
-    s = sin[None, :, None, :].to(x.dtype)
-    return x * c + rotate_half(x) * s
-
-
-class Block(nn.Module):
-    def __init__(self, a):
-        super().__init__()
-        hd = a.dim // a.n_heads
-        self.n_heads, self.n_kv, self.hd = a.n_heads, a.n_kv_heads, hd
-        self.attention_norm = RMSNorm(a.dim, a.norm_eps)
-        self.wq = nn.Linear(a.dim, a.n_heads * hd, bias=False)
-        self.wk = nn.Linear(a.dim, a.n_kv_heads * hd, bias=False)
-        self.wv = nn.Linear(a.dim, a.n_kv_heads * hd, bias=False)
-        self.wo = nn.Linear(a.n_heads * hd, a.dim, bias=False)
-        self.ffn_norm = RMSNorm(a.dim, a.norm_eps)
-        self.w1 = nn.Linear(a.dim, a.ffn, bias=False)
-        self.w2 = nn.Linear(a.ffn, a.dim, bias=False)
-        self.w3 = nn.Linear(a.dim, a.ffn, bias=False)
-
-    def forward(self, h, cos, sin):
-        b, s, _ = h.shape
-        x = self.attention_norm(h)
-        q = apply_rope(self.wq(x).view(b, s, self.n_heads, self.hd), cos, sin)
-        k = apply_rope(self.wk(x).view(b, s, self.n_kv, self.hd), cos, sin)
-        v = self.wv(x).view(b, s, self.n_kv, self.hd)
-        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True)
-        h = h + self.wo(o.transpose(1, 2).reshape(b, s, -1))
-        x = self.ffn_norm(h)
-        return h + self.w2(F.silu(self.w1(x)) * self.w3(x))
-
-
-class Llama(nn.Module):
-    def __init__(self, a):
-        super().__init__()
-        self.tok_embeddings = nn.Embedding(a.vocab, a.dim)
-        self.layers = nn.ModuleList([Block(a) for _ in range(a.n_layers)])
-        self.norm = RMSNorm(a.dim, a.norm_eps)
-        self.output = nn.Linear(a.dim, a.vocab, bias=False)
-        self.a = a
-
-    def forward(self, tokens, targets, cos, sin):
-        h = self.tok_embeddings(tokens)
-        for layer in self.layers:
-            h = layer(h, cos, sin)
-        logits = self.output(self.norm(h))
-        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+def ref_config(a):
+    """The reference model's sizes from this script's arguments."""
+    return LlamaConfig(dim=a.dim, n_layers=a.n_layers, n_heads=a.n_heads, n_kv_heads=a.n_kv_heads, ffn_dim=a.ffn, vocab_size=a.vocab,
+                       seq_len=a.seq, batch_size=a.batch, rope_theta=a.rope_theta, norm_eps=a.norm_eps)
 
 
 def flops_per_token(a):
@@ -111,7 +45,7 @@ def flops_per_token(a):
 def run_torch(a, compile_blocks, bf16_params):
     torch.manual_seed(0)
     dev = torch.device("cuda")
-    model = Llama(a).to(dev)
+    model = Llama(ref_config(a)).to(dev)
     if bf16_params:
         model = model.to(torch.bfloat16)
     if compile_blocks:

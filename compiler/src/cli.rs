@@ -143,6 +143,9 @@ pub struct LowerArgs {
     pub to: String,
     #[command(flatten)]
     pub train: TrainFlags,
+    /// Parallel degrees: with more than one rank the result is an SPMD graph for the simulated mesh
+    #[command(flatten)]
+    pub parallel: ParallelFlags,
     /// Write the IR to FILE instead of stdout
     #[arg(short, long, value_name = "FILE")]
     pub output: Option<PathBuf>,
@@ -468,7 +471,12 @@ fn cmd_lower(a: &LowerArgs) -> Result<Outcome, CliError> {
         return Err(CliError::Usage(format!("unknown lowering target `{}`; choose one of: {}", a.to, LOWER_TARGETS.join(", "))));
     }
     let opts = a.train_options()?;
-    let g = load_graph(&a.file)?;
+    let mut g = load_graph(&a.file)?;
+    let dims = crate::parallel::ParallelDims::resolve(&a.parallel.request())?;
+    if dims.world_size > 1 {
+        dims.check_model(&g)?;
+        dims.spmd_mesh()?.write_meta(&mut g);
+    }
     let lowered = lower_to_train(&g, &opts)?;
     let errors = titan_ir::verify::verify(&lowered);
     if !errors.is_empty() {

@@ -179,6 +179,20 @@ impl ParallelDims {
         Ok(())
     }
 
+    /// The device mesh of an SPMD training graph (`titanc lower --to train`): data parallelism,
+    /// FSDP/HSDP and TP are partitioned; cp, pp and ep are not yet.
+    pub fn spmd_mesh(&self) -> Result<titan_ir::Mesh, ParallelError> {
+        for (d, what, name) in [(self.cp, "context parallelism", "cp"), (self.pp, "pipeline parallelism", "pp"), (self.ep, "expert parallelism", "ep")] {
+            if d > 1 {
+                return Err(ParallelError::Unsupported(
+                    format!("{what} ({name}={d})"),
+                    format!("the partitioning passes handle dp_replicate, dp_shard and tp; set {name} to 1"),
+                ));
+            }
+        }
+        Ok(titan_ir::Mesh::new(self.dp_replicate, self.dp_shard, self.tp))
+    }
+
     /// The mesh dimensions of more than one rank, outermost first (TorchTitan order:
     /// pp, dp_replicate, dp_shard, cp, tp).
     pub fn mesh_dims(&self) -> Vec<MeshDim> {

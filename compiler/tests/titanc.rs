@@ -214,3 +214,34 @@ fn build_errors_say_what_to_change() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `titanc lower --to train` with parallel degrees writes an SPMD graph for the simulated mesh;
+/// degrees the partitioning passes do not handle are refused with what to change.
+#[test]
+fn lower_with_parallel_degrees_writes_an_spmd_graph_or_says_what_is_missing() {
+    let dir = scratch("lower-spmd");
+    let model = dir.join("model.ir");
+    let m = model.to_str().unwrap();
+    assert!(titanc(&["new", "llama3", "--preset", "debug", "-o", m]).status.success());
+    let out = titanc(&["lower", m, "--to", "train", "--dp-replicate", "2", "--dp-shard", "2"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let g = text(&out.stdout);
+    assert!(g.contains("world_size = 4, mesh_dp_replicate = 2, mesh_dp_shard = 2, mesh_tp = 1"), "{g}");
+    assert!(g.contains("reduce_scatter(") && g.contains("all_gather(") && g.contains("all_reduce("), "{g}");
+    assert!(g.contains("#[Replicate, Shard(1), Replicate]"), "{g}");
+    let out = titanc(&["lower", m, "--to", "train", "--tp", "2", "--dp-shard", "2"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let g = text(&out.stdout);
+    assert!(g.contains("all_reduce(") && g.contains("mesh_dim = tp") && g.contains("#[Replicate, Shard(2), Shard(1)]"), "{g}");
+    for (args, needle) in
+        [(vec!["--tp", "4"], "tp=4"), (vec!["--pp", "2"], "pipeline parallelism (pp=2) is not supported yet"), (vec!["--dp-shard", "3"], "dp_shard")]
+    {
+        let mut all = vec!["lower", m, "--to", "train"];
+        all.extend(args.iter().copied());
+        let out = titanc(&all);
+        assert_eq!(out.status.code(), Some(1), "{args:?}");
+        assert_no_panic(&out);
+        assert!(text(&out.stderr).contains(needle), "{args:?}: expected `{needle}` in\n{}", text(&out.stderr));
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -277,6 +277,33 @@ pub fn infer_types(op: &Op, inputs: &[&TensorType], declared: Option<&[TensorTyp
             need_rank(step, 0, "adamw step")?;
             vec![p.clone(), p.clone(), p.clone()]
         }
+        Op::AllGather { dim, size, .. } | Op::ReduceScatter { dim, size, .. } => {
+            let x = inputs[0];
+            need_float(x, &format!("{} operand", op.name()))?;
+            let d = *dim as usize;
+            if d >= x.rank() {
+                return Err(format!("{}: dim {d} is out of range for {x}", op.name()));
+            }
+            if *size == 0 {
+                return Err(format!("{}: size must be at least 1", op.name()));
+            }
+            let n = resolve_dim(&x.shape[d], dims).ok_or_else(|| format!("{}: dim {} is not bound in `dims`", op.name(), x.shape[d]))?;
+            let size = u64::from(*size);
+            let mut s = x.shape.clone();
+            s[d] = if matches!(op, Op::AllGather { .. }) {
+                Dim::Fixed(n.checked_mul(size).ok_or_else(|| format!("all_gather: dim {d} overflows"))?)
+            } else {
+                if !n.is_multiple_of(size) {
+                    return Err(format!("reduce_scatter: dim {d} of {x} is not divisible by size {size}"));
+                }
+                Dim::Fixed(n / size)
+            };
+            vec![TensorType::new(x.dtype, s)]
+        }
+        Op::AllReduce { .. } => {
+            need_float(inputs[0], "all_reduce operand")?;
+            vec![inputs[0].clone()]
+        }
         Op::Repeat { block, count, carry, stacked, .. } => {
             let region = ctx.blocks.get(block.index()).ok_or_else(|| format!("repeat names block #{} which does not exist", block.0))?;
             let (nc, ns) = (*carry as usize, *stacked as usize);

@@ -5,6 +5,7 @@
 
 use crate::attr::{AttrValue, Attrs};
 use crate::graph::BlockId;
+use crate::placement::MeshDim;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum UnaryOp {
@@ -32,6 +33,22 @@ pub enum BinaryOp {
     Pow,
     /// `silu_grad(x, dy) = dy * silu'(x)`: the backward of silu as one pointwise op.
     SiluGrad,
+}
+
+/// How a collective combines the ranks' values.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum CollectiveReduce {
+    Sum,
+    Max,
+}
+
+impl CollectiveReduce {
+    pub fn name(self) -> &'static str {
+        match self {
+            CollectiveReduce::Sum => "sum",
+            CollectiveReduce::Max => "max",
+        }
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -190,6 +207,16 @@ pub enum Op {
     /// `(param, grad, m, v, lr f32[], step int[]) -> (param, m, v)`
     AdamW(AdamWConfig),
 
+    // ---- collectives (SPMD graphs: every rank runs the same graph on its local values) ----
+    /// `(x) -> x` with dim `dim` multiplied by `size`: the slices of the `size` ranks along
+    /// `mesh_dim` concatenated in rank order.
+    AllGather { mesh_dim: MeshDim, dim: u32, size: u32 },
+    /// `(x) -> x` with dim `dim` divided by `size`: the elementwise sum over the ranks along
+    /// `mesh_dim` (in rank order), of which rank `r` keeps slice `r` of dim `dim`.
+    ReduceScatter { mesh_dim: MeshDim, dim: u32, size: u32, reduce: CollectiveReduce },
+    /// `(x) -> x`: the elementwise sum (or max) over the ranks along `mesh_dim`, in rank order.
+    AllReduce { mesh_dim: MeshDim, reduce: CollectiveReduce },
+
     // ---- structure ----
     /// Run `block` `count` times. Inputs: `carry` carried values, then `stacked` per-layer
     /// values (leading dim `count`, sliced per layer), then values every layer sees whole.
@@ -332,6 +359,9 @@ impl Op {
             Op::AdamW(_) => "adamw",
             Op::Repeat { .. } => "repeat",
             Op::Kernel { .. } => "kernel",
+            Op::AllGather { .. } => "all_gather",
+            Op::ReduceScatter { .. } => "reduce_scatter",
+            Op::AllReduce { .. } => "all_reduce",
         }
     }
 
@@ -344,6 +374,7 @@ impl Op {
             Op::RmsNormBwd { .. } | Op::CrossEntropyBwd => 3,
             Op::AttentionBwd { .. } => 6,
             Op::Unary(_) | Op::Cast | Op::Reduce { .. } | Op::Reshape | Op::Transpose { .. } => 1,
+            Op::AllGather { .. } | Op::ReduceScatter { .. } | Op::AllReduce { .. } => 1,
             Op::Broadcast { .. } | Op::LrSchedule(_) => 1,
             Op::Binary(_) | Op::Matmul { .. } | Op::Gather | Op::ScatterAdd => 2,
             Op::Constant { .. } => 0,
@@ -365,6 +396,19 @@ impl Op {
     /// Ops whose result type cannot be inferred from the inputs and is taken from the declaration.
     pub fn result_type_declared(&self) -> bool {
         matches!(self, Op::Cast | Op::Reshape | Op::Broadcast { .. } | Op::ScatterAdd | Op::Constant { .. })
+    }
+
+    /// Collectives: communication between the ranks of one mesh dimension.
+    pub fn is_collective(&self) -> bool {
+        matches!(self, Op::AllGather { .. } | Op::ReduceScatter { .. } | Op::AllReduce { .. })
+    }
+
+    /// The mesh dimension a collective communicates over.
+    pub fn collective_mesh_dim(&self) -> Option<MeshDim> {
+        match self {
+            Op::AllGather { mesh_dim, .. } | Op::ReduceScatter { mesh_dim, .. } | Op::AllReduce { mesh_dim, .. } => Some(*mesh_dim),
+            _ => None,
+        }
     }
 
     /// Pointwise ops (elementwise over same-shaped operands, scalars broadcast).
@@ -430,6 +474,16 @@ impl Op {
                 ("reverse", b(*reverse)),
             ],
             Op::Kernel { body, kind } => vec![("body", AttrValue::Symbol(block_name(*body))), ("kind", word(kind.name()))],
+            Op::AllGather { mesh_dim, dim, size } => {
+                vec![("mesh_dim", word(mesh_dim.name())), ("dim", i(u64::from(*dim))), ("size", i(u64::from(*size)))]
+            }
+            Op::ReduceScatter { mesh_dim, dim, size, reduce } => vec![
+                ("mesh_dim", word(mesh_dim.name())),
+                ("dim", i(u64::from(*dim))),
+                ("size", i(u64::from(*size))),
+                ("reduce", word(reduce.name())),
+            ],
+            Op::AllReduce { mesh_dim, reduce } => vec![("mesh_dim", word(mesh_dim.name())), ("reduce", word(reduce.name()))],
         };
         Attrs::new(e.into_iter().map(|(k, v)| (k.to_string(), v)).collect())
     }
@@ -539,6 +593,35 @@ impl Op {
                     format!("unknown kernel kind `{kind_name}`; expected one of {}", all.join(", "))
                 })?;
                 Op::Kernel { body, kind }
+            }
+            "all_gather" | "reduce_scatter" | "all_reduce" => {
+                let mesh_name = a.take_ident("mesh_dim")?;
+                let mesh_dim =
+                    MeshDim::from_name(&mesh_name).ok_or_else(|| format!("unknown mesh dim `{mesh_name}`; expected `dp_replicate`, `dp_shard` or `tp`"))?;
+                let small = |a: &mut Attrs, k: &str| -> Result<u32, String> {
+                    let v = a.take_u64(k)?;
+                    u32::try_from(v).map_err(|_| format!("attribute `{k}` is too large"))
+                };
+                let reduce = |a: &mut Attrs| -> Result<CollectiveReduce, String> {
+                    match a.take_ident("reduce")?.as_str() {
+                        "sum" => Ok(CollectiveReduce::Sum),
+                        "max" => Ok(CollectiveReduce::Max),
+                        other => Err(format!("unknown reduction `{other}`; expected `sum` or `max`")),
+                    }
+                };
+                match name {
+                    "all_gather" => Op::AllGather { mesh_dim, dim: small(&mut a, "dim")?, size: small(&mut a, "size")? },
+                    "reduce_scatter" => {
+                        let dim = small(&mut a, "dim")?;
+                        let size = small(&mut a, "size")?;
+                        let reduce = reduce(&mut a)?;
+                        if reduce != CollectiveReduce::Sum {
+                            return Err("`reduce_scatter` with `reduce = max` is not supported yet; use `reduce = sum`".into());
+                        }
+                        Op::ReduceScatter { mesh_dim, dim, size, reduce }
+                    }
+                    _ => Op::AllReduce { mesh_dim, reduce: reduce(&mut a)? },
+                }
             }
             other => {
                 if let Some(u) = UnaryOp::ALL.into_iter().find(|u| u.name() == other) {

@@ -92,6 +92,9 @@ pub const EVERY_OP: &str = r#"graph @every_op {
     %63 = lr_schedule(%step) {lr = 0.001, warmup_steps = 2, decay_steps = 0, decay = constant, min_lr_ratio = 1.0} : f32[]
     %64, %65, %66 = adamw(%master, %60, %m, %v, %lr, %step) {beta1 = 0.9, beta2 = 0.95, eps = 1e-8, weight_decay = 0.1} : f32[16, 8], f32[16, 8], f32[16, 8]
     %67 = kernel(%14) {body = @fused, kind = fused} : bf16[batch, seq, 8]
+    %68 = all_gather(%master) {mesh_dim = dp_shard, dim = 1, size = 2} : f32[16, 16] #[Replicate, Replicate, Replicate]
+    %69 = reduce_scatter(%68) {mesh_dim = tp, dim = 0, size = 4, reduce = sum} : f32[4, 16] #[Replicate, Replicate, Shard(0)]
+    %70 = all_reduce(%69) {mesh_dim = dp_replicate, reduce = max} : f32[4, 16]
     output loss = %loss
     output lse = %lse
     output stats = %42
@@ -513,6 +516,9 @@ fn every_op_round_trips() {
         "reduce_max",
         "reduce_mean",
         "kernel",
+        "all_gather",
+        "reduce_scatter",
+        "all_reduce",
     ]
     .into_iter()
     .chain(UnaryOp::ALL.iter().map(|u| u.name()))

@@ -4,21 +4,25 @@
 //! returning statistics.
 
 pub mod autodiff;
+pub mod check_collectives;
 pub mod cse;
 pub mod dce;
 pub mod fuse;
 pub mod mixed_precision;
 pub mod optimizer;
 pub mod pipeline;
+pub mod shard_dp;
+pub mod shard_grads;
+pub mod shard_tp;
 pub mod train;
 pub mod util;
 
 pub use fuse::{FuseStats, FusionReport, fuse, fusion_report};
 pub use pipeline::{
-    BUILD_PIPELINE, DumpAfter, PassContext, PassFn, PassInfo, PassRecord, PassStats, PipelineOptions, PipelineReport, TRAIN_PIPELINE, compile_train_graph,
-    lookup_passes, pass_table, run_pipeline,
+    BUILD_PIPELINE, DumpAfter, PassContext, PassFn, PassInfo, PassRecord, PassStats, PipelineOptions, PipelineReport, SPMD_TRAIN_PIPELINE, TRAIN_PIPELINE,
+    compile_train_graph, lookup_passes, pass_table, run_pipeline,
 };
-pub use train::{TrainOptions, TrainStats, lower_to_train, lower_to_train_with_stats};
+pub use train::{TrainOptions, TrainStats, lower_to_train, lower_to_train_with_stats, train_pipeline};
 
 /// A pass failed; the message says what was wrong and where.
 #[derive(Debug, Clone, thiserror::Error)]

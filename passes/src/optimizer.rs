@@ -1,7 +1,10 @@
 //! The optimizer step appended to the training graph: global gradient-norm clipping and
 //! AdamW over fp32 master weights with fp32 moments.
 
-use titan_ir::{AdamWConfig, ArgKind, BinaryOp, DType, Graph, Init, LrSchedule, Op, Output, ParamInfo, ReduceKind, TensorType, UnaryOp, Update, Value};
+use titan_ir::{
+    AdamWConfig, ArgKind, BinaryOp, CollectiveReduce, DType, Graph, Init, LrSchedule, Mesh, MeshDim, Op, Output, ParamInfo, Placement, ReduceKind, TensorType,
+    UnaryOp, Update, Value,
+};
 
 use crate::TrainOptions;
 use crate::util::{scalar, zeros};
@@ -34,6 +37,13 @@ pub fn append_adamw(g: &mut Graph, grads: &[Option<Value>], opts: &TrainOptions)
         let s = g.main.add_arg(ty, ArgKind::State(ParamInfo { name: format!("{}.exp_avg_sq", p.name), init: Init::Zeros }), Some(&format!("{base}.exp_avg_sq")));
         moments.push((m, s));
     }
+    let mesh = Mesh::from_graph(g)?;
+    for (v, (m, s)) in params.iter().map(|(v, _)| *v).zip(&moments) {
+        let p = g.main.value(v).placement.clone();
+        g.main.values[m.index()].placement = p.clone();
+        g.main.values[s.index()].placement = p;
+    }
+    let placements: Vec<Vec<Placement>> = g.main.values.iter().map(|d| d.placement.clone()).collect();
     let mut b = g.main_builder();
     // Gradients (zeros for parameters the loss does not reach).
     let mut gs = Vec::new();
@@ -53,11 +63,28 @@ pub fn append_adamw(g: &mut Graph, grads: &[Option<Value>], opts: &TrainOptions)
         gs.push(gv);
     }
     // Global norm over all gradients, in f32.
-    let mut total: Option<Value> = None;
-    for &gv in &gs {
+    // Squared sums grouped by the mesh dims their gradient is sharded on: each group's
+    // partial sum is all-reduced over those dims, so the norm is the global one.
+    let sharded_on = |v: Value| -> Vec<MeshDim> {
+        let p = &placements[v.index()];
+        MeshDim::ALL.into_iter().filter(|m| mesh.is_some_and(|mesh| mesh.size(*m) > 1) && matches!(p.get(m.index()), Some(Placement::Shard(_)))).collect()
+    };
+    let mut groups: Vec<(Vec<MeshDim>, Value)> = Vec::new();
+    for (&gv, (pv, _)) in gs.iter().zip(&params) {
         let rank = b.ty(gv).rank();
         let sq = b.push1(Op::Unary(UnaryOp::Square), &[gv])?;
         let s = if rank == 0 { sq } else { b.push1(Op::Reduce { kind: ReduceKind::Sum, axes: (0..rank).collect() }, &[sq])? };
+        let key = sharded_on(*pv);
+        match groups.iter_mut().find(|(k, _)| *k == key) {
+            Some((_, t)) => *t = b.push1(Op::Binary(BinaryOp::Add), &[*t, s])?,
+            None => groups.push((key, s)),
+        }
+    }
+    let mut total: Option<Value> = None;
+    for (key, mut s) in groups {
+        for m in key {
+            s = b.push1(Op::AllReduce { mesh_dim: m, reduce: CollectiveReduce::Sum }, &[s])?;
+        }
         total = Some(match total {
             None => s,
             Some(t) => b.push1(Op::Binary(BinaryOp::Add), &[t, s])?,

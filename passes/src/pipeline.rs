@@ -67,22 +67,30 @@ pub struct PassInfo {
     pub run: PassFn,
 }
 
-static PASSES: [PassInfo; 6] = [
+static PASSES: [PassInfo; 10] = [
+    PassInfo { name: "shard-tp", summary: "tensor parallelism: column/row-parallel block weights, vocab-parallel output", run: run_shard_tp },
+    PassInfo { name: "shard-dp", summary: "split the batch over data-parallel ranks; FSDP-shard parameters on dp_shard", run: run_shard_dp },
     PassInfo { name: "master-weights", summary: "make every parameter an fp32 master `state` read through a compute-dtype cast", run: run_master_weights },
     PassInfo { name: "autodiff", summary: "differentiate `loss` (each block once) and expose each gradient as output `d_<param>`", run: run_autodiff },
+    PassInfo { name: "sync-grads", summary: "all-reduce gradients of replicated parameters and the loss across the mesh", run: run_sync_grads },
     PassInfo { name: "adamw", summary: "consume the `d_<param>` outputs: global-norm clipping, lr schedule and AdamW updates", run: run_adamw },
     PassInfo { name: "cse", summary: "merge identical nodes", run: run_cse },
     PassInfo { name: "dce", summary: "drop nodes that reach no output or update, and renumber", run: run_dce },
+    PassInfo { name: "check-collectives", summary: "prove every rank issues the same collectives in order on each communicator", run: run_check_collectives },
     PassInfo { name: "fuse", summary: "group every region's ops into kernels (gemm, attention, fused pointwise/row ops, optimizer)", run: run_fuse },
 ];
 
 /// The passes of `titanc lower --to train`.
 pub const TRAIN_PIPELINE: [&str; 5] = ["master-weights", "autodiff", "adamw", "cse", "dce"];
 
+/// The training lowering of a model whose `meta` names a device mesh (`world_size > 1`): the
+/// SPMD partitioning passes around the single-rank lowering, then the collective safety check.
+pub const SPMD_TRAIN_PIPELINE: [&str; 9] = ["shard-tp", "shard-dp", "master-weights", "autodiff", "sync-grads", "adamw", "cse", "dce", "check-collectives"];
+
 /// The passes of `titanc build`: the training lowering, then fusion.
 pub const BUILD_PIPELINE: [&str; 6] = ["master-weights", "autodiff", "adamw", "cse", "dce", "fuse"];
 
-/// Every pass, in the order of [`BUILD_PIPELINE`].
+/// Every pass: those of [`BUILD_PIPELINE`] with the SPMD ones of [`SPMD_TRAIN_PIPELINE`] in place.
 pub fn pass_table() -> &'static [PassInfo] {
     &PASSES
 }
@@ -285,6 +293,26 @@ fn run_adamw(g: &mut Graph, ctx: &PassContext) -> Result<PassStats, PassError> {
     Ok(PassStats::new().with("params", s.params as u64).with("state_buffers", s.state_buffers as u64))
 }
 
+fn run_shard_tp(g: &mut Graph, _: &PassContext) -> Result<PassStats, PassError> {
+    let s = crate::shard_tp::shard_tp(g).map_err(fail("shard-tp"))?;
+    Ok(PassStats::new().with("column_parallel", s.column_parallel as u64).with("row_parallel", s.row_parallel as u64).with("collectives", s.collectives as u64))
+}
+
+fn run_shard_dp(g: &mut Graph, _: &PassContext) -> Result<PassStats, PassError> {
+    let s = crate::shard_dp::shard_dp(g).map_err(fail("shard-dp"))?;
+    Ok(PassStats::new().with("params_sharded", s.params_sharded as u64).with("gathers", s.gathers as u64))
+}
+
+fn run_sync_grads(g: &mut Graph, _: &PassContext) -> Result<PassStats, PassError> {
+    let s = crate::shard_grads::sync_grads(g).map_err(fail("sync-grads"))?;
+    Ok(PassStats::new().with("grad_all_reduces", s.grad_all_reduces as u64))
+}
+
+fn run_check_collectives(g: &mut Graph, _: &PassContext) -> Result<PassStats, PassError> {
+    let s = crate::check_collectives::check_collectives(g).map_err(fail("check-collectives"))?;
+    Ok(PassStats::new().with("collectives", s.collectives as u64).with("communicators", s.communicators as u64))
+}
+
 fn run_cse(g: &mut Graph, _: &PassContext) -> Result<PassStats, PassError> {
     Ok(PassStats::new().with("merged", crate::cse::cse(g) as u64))
 }
@@ -371,7 +399,10 @@ mod tests {
     fn dump_after_names_are_checked() {
         let passes = lookup_passes(&TRAIN_PIPELINE).expect("names");
         let err = run_pipeline(&mut model(), &passes, &TrainOptions::default(), &opts(false, DumpAfter::Pass("fusion".into()))).expect_err("unknown");
-        assert_eq!(err.to_string(), "unknown pass `fusion`; valid passes: master-weights, autodiff, adamw, cse, dce, fuse");
+        assert_eq!(
+            err.to_string(),
+            "unknown pass `fusion`; valid passes: shard-tp, shard-dp, master-weights, autodiff, sync-grads, adamw, cse, dce, check-collectives, fuse"
+        );
         let err = run_pipeline(&mut model(), &passes, &TrainOptions::default(), &opts(false, DumpAfter::Pass("fuse".into()))).expect_err("not run");
         assert!(err.to_string().contains("this pipeline does not run `fuse`; it runs master-weights, autodiff, adamw, cse, dce"), "{err}");
         assert!(matches!(lookup_passes(&["cse", "nope"]), Err(PassError::UnknownPass { name, .. }) if name == "nope"));
@@ -417,6 +448,10 @@ mod tests {
             assert!(!p.summary.is_empty() && !p.summary.ends_with('.'), "{}", p.name);
         }
         let names: Vec<&str> = pass_table().iter().map(|p| p.name).collect();
-        assert_eq!(names, BUILD_PIPELINE);
+        let single: Vec<&str> = names.iter().copied().filter(|n| BUILD_PIPELINE.contains(n)).collect();
+        assert_eq!(single, BUILD_PIPELINE);
+        let spmd: Vec<&str> = names.iter().copied().filter(|n| SPMD_TRAIN_PIPELINE.contains(n)).collect();
+        assert_eq!(spmd, SPMD_TRAIN_PIPELINE);
+        assert!(names.iter().all(|n| BUILD_PIPELINE.contains(n) || SPMD_TRAIN_PIPELINE.contains(n)));
     }
 }

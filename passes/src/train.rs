@@ -88,7 +88,7 @@ pub fn lower_to_train(model: &Graph, opts: &TrainOptions) -> Result<Graph, PassE
 }
 
 pub fn lower_to_train_with_stats(model: &Graph, opts: &TrainOptions) -> Result<(Graph, TrainStats), PassError> {
-    let passes = crate::pipeline::lookup_passes(&crate::pipeline::TRAIN_PIPELINE)?;
+    let passes = crate::pipeline::lookup_passes(&train_pipeline(model)?)?;
     let (g, report) = run_on_copy(model, opts, &passes, &crate::pipeline::PipelineOptions::default())?;
     let count = |pass: &str, counter: &str| report.stats(pass).and_then(|s| s.get(counter)).unwrap_or(0) as usize;
     let stats = TrainStats {
@@ -119,6 +119,17 @@ pub(crate) fn run_on_copy(
 /// The `main` output through which the `autodiff` pass hands the gradient of argument `arg`
 /// to the `adamw` pass: `d_<argument name>`, every character other than a letter, digit or
 /// `_` replaced by `_` (`%layers.wq` -> `d_layers_wq`), or `d_arg<arg>` for an unnamed argument.
+/// The lowering for `model`: [`SPMD_TRAIN_PIPELINE`](crate::pipeline::SPMD_TRAIN_PIPELINE)
+/// when its `meta` names a mesh of more than one rank, else
+/// [`TRAIN_PIPELINE`](crate::pipeline::TRAIN_PIPELINE).
+pub fn train_pipeline(model: &Graph) -> Result<Vec<&'static str>, PassError> {
+    let mesh = titan_ir::Mesh::from_graph(model).map_err(|message| PassError::Failed { pass: "lower-to-train", message })?;
+    Ok(match mesh {
+        Some(m) if m.world_size() > 1 => crate::pipeline::SPMD_TRAIN_PIPELINE.to_vec(),
+        _ => crate::pipeline::TRAIN_PIPELINE.to_vec(),
+    })
+}
+
 pub fn grad_output_name(main: &Region, arg: usize) -> String {
     let name = main.args.get(arg).and_then(|a| main.value(a.value).name.as_deref());
     match name {

@@ -237,6 +237,40 @@ impl Batcher {
     }
 }
 
+/// `--dump-batches FILE`: every step's batch as it was fed, for a reference run (the PyTorch
+/// parity check, `tools/torch_parity.py`) to train on exactly titan's batches.
+///
+/// Format: no header; for each step in order, the `tokens` then the `targets` of its batch,
+/// each `batch * seq` little-endian `int32` in row-major `[batch, seq]` order. A file of
+/// `steps` steps is `int32[steps, 2, batch, seq]` (`batch` and `seq` are the model's `dims`).
+pub struct BatchDump {
+    path: String,
+    out: std::io::BufWriter<std::fs::File>,
+}
+
+impl BatchDump {
+    /// Create (or truncate) `path`.
+    pub fn create(path: &Path) -> Result<BatchDump, DataError> {
+        let name = path.display().to_string();
+        let file =
+            std::fs::File::create(path).map_err(|e| DataError::Io { path: name.clone(), message: format!("{e}; pass a writable --dump-batches path") })?;
+        Ok(BatchDump { path: name, out: std::io::BufWriter::new(file) })
+    }
+
+    /// Append one step's tokens then targets (flushed, so a failed run keeps the steps it ran).
+    pub fn write(&mut self, batch: &Batch) -> Result<(), DataError> {
+        use std::io::Write;
+        let mut bytes = Vec::with_capacity(4 * (batch.tokens.len() + batch.targets.len()));
+        for &t in batch.tokens.iter().chain(&batch.targets) {
+            let t = i32::try_from(t).map_err(|_| DataError::Batch(format!("token id {t} does not fit the int32 of --dump-batches")))?;
+            bytes.extend_from_slice(&t.to_le_bytes());
+        }
+        let io = |e: std::io::Error| DataError::Io { path: self.path.clone(), message: e.to_string() };
+        self.out.write_all(&bytes).map_err(io)?;
+        self.out.flush().map_err(io)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -275,6 +309,19 @@ mod tests {
         let v = check_vocab(&[1, 2, 300, 7], 256).unwrap_err().to_string();
         assert!(v.contains("token id 300 at position 2") && v.contains("vocabulary of 256"), "{v}");
         assert!(DataFormat::parse("u8").is_err());
+    }
+
+    #[test]
+    fn dumped_batches_are_int32_tokens_then_targets() {
+        let path = std::env::temp_dir().join(format!("titan-dump-{}.bin", std::process::id()));
+        let b = Batch { tokens: vec![1, 2, 3, 4], targets: vec![2, 3, 4, 5] };
+        let mut d = BatchDump::create(&path).unwrap();
+        d.write(&b).unwrap();
+        d.write(&b).unwrap();
+        let bytes = std::fs::read(&path).unwrap();
+        let _ = std::fs::remove_file(&path);
+        let ints: Vec<i32> = bytes.chunks_exact(4).map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+        assert_eq!(ints, [1, 2, 3, 4, 2, 3, 4, 5, 1, 2, 3, 4, 2, 3, 4, 5]);
     }
 
     #[test]

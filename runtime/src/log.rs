@@ -68,12 +68,18 @@ pub fn format_step(m: &StepMetrics) -> String {
 
 /// The per-step log line in TorchTitan's shape:
 /// `step: 10  loss:  2.4521  grad_norm:  0.4300  memory: 5.42MiB(3.83%)  tps: 21,345  tflops: 0.01  mfu: 0.00%`.
-/// Memory is the memory plan's predicted peak: as a share of the device on a GPU, marked
-/// `(predicted)` on the CPU backend; absent in graph mode. tflops and mfu need FLOPs per token.
+/// Memory is the measured peak device memory when the backend measures one (a GPU:
+/// `memory: 61.20GiB(43.41%, predicted 58.00GiB)`), else the memory plan's predicted peak: as a
+/// share of the device on a GPU, marked `(predicted)` on the CPU backend; absent in graph mode.
+/// tflops and mfu need FLOPs per token.
 /// Slow steps (under 100 tokens/s) keep a few decimals of tps.
 pub fn format_step_with(m: &StepMetrics, ctx: &LogContext) -> String {
     let mut line = format!("step: {:>2}  loss: {:>7.4}  grad_norm: {:>7.4}", m.step, m.loss, m.grad_norm);
-    if let Some(p) = m.peak_bytes {
+    if let (Some(measured), Some(total)) = (m.measured_peak_bytes, ctx.device_memory_bytes.filter(|&t| t > 0)) {
+        let mem = format_bytes(measured).replace(' ', "");
+        let predicted = m.peak_bytes.map(|p| format!(", predicted {}", format_bytes(p).replace(' ', ""))).unwrap_or_default();
+        line.push_str(&format!("  memory: {mem}({:.2}%{predicted})", 100.0 * measured as f64 / total as f64));
+    } else if let Some(p) = m.peak_bytes {
         let mem = format_bytes(p).replace(' ', "");
         match ctx.device_memory_bytes {
             Some(total) if total > 0 => line.push_str(&format!("  memory: {mem}({:.2}%)", 100.0 * p as f64 / total as f64)),
@@ -179,6 +185,40 @@ pub fn memory_summary(a: &Artifact) -> String {
     s
 }
 
+/// Wall-clock seconds of the start-up phases of a GPU run, in the order they happen.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct StartupTimes {
+    /// Reading the artifact, opening the GPU, loading the PTX modules, cuBLASLt plans.
+    pub load_s: f64,
+    /// Unrolling the schedule into launches with resolved device pointers.
+    pub plan_s: f64,
+    /// Allocating (and filling) the arenas.
+    pub alloc_s: f64,
+    /// Drawing and encoding the initial parameters. The worker threads interleave drawing and
+    /// copying, so the phase's wall time is split between `init` and `upload` in proportion to
+    /// their busy time in each.
+    pub init_s: f64,
+    /// Copying the initial parameters to the device (and waiting for the last copies).
+    pub upload_s: f64,
+}
+
+/// `start-up 3.2 s (load 0.1 s, plan 0.0 s, alloc 0.2 s, init 2.1 s, upload 0.6 s)`: `total_s`
+/// runs from the start of `titan-run` to the first step; what the phases leave out is reading
+/// the data.
+pub fn format_startup(total_s: f64, t: &StartupTimes) -> String {
+    format!(
+        "start-up {total_s:.1} s (load {:.1} s, plan {:.1} s, alloc {:.1} s, init {:.1} s, upload {:.1} s)",
+        t.load_s, t.plan_s, t.alloc_s, t.init_s, t.upload_s
+    )
+}
+
+/// `predicted 58.00 GiB, measured 61.20 GiB (Δ +5.5%)`, printed at the end of a GPU run.
+pub fn format_memory_check(predicted: u64, measured: u64) -> String {
+    let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
+    let delta = if predicted > 0 { format!("{:+.1}%", 100.0 * (measured as f64 - predicted as f64) / predicted as f64) } else { "n/a".into() };
+    format!("peak memory: predicted {:.2} GiB, measured {:.2} GiB (Δ {delta})", gib(predicted), gib(measured))
+}
+
 /// A progress bar over the steps of a run, drawn on stderr only when it is a terminal.
 pub struct Progress {
     bar: ProgressBar,
@@ -224,7 +264,7 @@ mod tests {
     use super::*;
 
     fn metrics(peak: Option<u64>) -> StepMetrics {
-        StepMetrics { step: 3, loss: 2.5, grad_norm: 0.75, lr: 3e-3, tokens_per_s: 1234.4, peak_bytes: peak }
+        StepMetrics { step: 3, loss: 2.5, grad_norm: 0.75, lr: 3e-3, tokens_per_s: 1234.4, peak_bytes: peak, measured_peak_bytes: None }
     }
 
     #[test]
@@ -238,6 +278,8 @@ mod tests {
         );
         let gpu = LogContext { device_memory_bytes: Some(H200_MEMORY_BYTES), ..ctx };
         assert!(format_step_with(&m, &gpu).contains("memory: 3.00MiB(0.00%)"), "{}", format_step_with(&m, &gpu));
+        let measured = StepMetrics { measured_peak_bytes: Some(4 << 20), ..m.clone() };
+        assert!(format_step_with(&measured, &gpu).contains("memory: 4.00MiB(0.00%, predicted 3.00MiB)"), "{}", format_step_with(&measured, &gpu));
         let slow = StepMetrics { tokens_per_s: 0.15, ..metrics(None) };
         assert!(format_step(&slow).ends_with("tps: 0.1500"), "{}", format_step(&slow));
         assert_eq!(with_commas(1234567.0), "1,234,567");
@@ -265,6 +307,14 @@ mod tests {
         assert_eq!(lines[1]["mfu"], serde_json::Value::Null);
         assert_eq!(lines[1]["measured_peak_bytes"], 7);
         assert_eq!(lines[1]["wall_s"], 1.0);
+    }
+
+    #[test]
+    fn startup_and_memory_lines() {
+        let t = StartupTimes { load_s: 0.12, plan_s: 0.01, alloc_s: 0.2, init_s: 2.1, upload_s: 0.64 };
+        assert_eq!(format_startup(3.2, &t), "start-up 3.2 s (load 0.1 s, plan 0.0 s, alloc 0.2 s, init 2.1 s, upload 0.6 s)");
+        assert_eq!(format_memory_check(4 << 30, 5 << 30), "peak memory: predicted 4.00 GiB, measured 5.00 GiB (Δ +25.0%)");
+        assert!(format_memory_check(0, 1).ends_with("(Δ n/a)"));
     }
 
     #[test]

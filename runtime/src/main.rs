@@ -8,8 +8,8 @@ use anyhow::{Context, Result, bail};
 use clap::Parser;
 use titan_runtime::checkpoint::{self, TrainerState};
 use titan_runtime::data::{check_vocab, load_tokens};
-use titan_runtime::log::{H200_MEMORY_BYTES, MetricsRecord, MetricsWriter, Progress, memory_summary};
-use titan_runtime::{Artifact, Batcher, CpuArtifactTrainer, CpuTrainer, DataFormat, LogContext, Trainer, byte_tokens, format_step_with};
+use titan_runtime::log::{H200_MEMORY_BYTES, MetricsRecord, MetricsWriter, Progress, format_memory_check, format_startup, memory_summary};
+use titan_runtime::{Artifact, Batcher, CpuArtifactTrainer, CpuTrainer, DataFormat, LogContext, MeshTrainer, Trainer, byte_tokens, format_step_with};
 
 /// Run training steps of a titan artifact or training graph.
 #[derive(Parser, Debug)]
@@ -62,6 +62,10 @@ struct Cli {
     /// Print the time spent per kernel after the run (artifacts only).
     #[arg(long)]
     profile: bool,
+    /// Write every step's tokens and targets to FILE: int32 little-endian, per step
+    /// `[batch, seq]` tokens then `[batch, seq]` targets (see docs/checkpoints.md).
+    #[arg(long, value_name = "FILE")]
+    dump_batches: Option<PathBuf>,
 }
 
 fn check_backend(name: &str) -> Result<()> {
@@ -95,6 +99,7 @@ fn check_checkpoint_flags(cli: &Cli) -> Result<()> {
 }
 
 fn run(cli: Cli) -> Result<()> {
+    let started = std::time::Instant::now();
     check_backend(&cli.backend)?;
     check_checkpoint_flags(&cli)?;
     let format = DataFormat::parse(&cli.data_format)?;
@@ -113,6 +118,21 @@ fn run(cli: Cli) -> Result<()> {
         }
         let graph_text = std::fs::read_to_string(&cli.path).with_context(|| format!("cannot read `{}`", cli.path.display()))?;
         let graph = titan_ir::parse_file(&cli.path).map_err(|e| anyhow::anyhow!("{e}"))?;
+        if let Some(mesh) = titan_ir::Mesh::from_graph(&graph).map_err(|e| anyhow::anyhow!("{e}"))?
+            && mesh.world_size() > 1
+        {
+            let mut trainer = MeshTrainer::new(&graph, seed)?;
+            let [r, s, t] = mesh.sizes;
+            eprintln!(
+                "titan-run: {} (graph mode, SPMD) on a simulated cpu mesh of {} ranks (dp_replicate {r} x dp_shard {s} x tp {t}), global batch {} x seq {}, {} steps, data {data_name}",
+                graph.name,
+                mesh.world_size(),
+                trainer.batch_size(),
+                Trainer::seq_len(&trainer),
+                cli.steps
+            );
+            return train(&mut trainer, &cli, tokens, &data_name, &checkpoint::graph_identity(&graph_text));
+        }
         let mut trainer = CpuTrainer::new(&graph, seed)?;
         eprintln!(
             "titan-run: {} (graph mode, unfused) on the cpu backend, batch {} x seq {}, {} steps, data {data_name}",
@@ -126,9 +146,11 @@ fn run(cli: Cli) -> Result<()> {
     if cli.path.is_file() {
         bail!("`{}` is neither an artifact directory nor a `.ir` training graph; pass the directory `titanc build -o DIR` wrote", cli.path.display());
     }
+    let loading = std::time::Instant::now();
     let artifact = Artifact::load(&cli.path)?;
+    let load_s = loading.elapsed().as_secs_f64();
     if cli.backend == "cuda" {
-        return run_cuda(&cli, &artifact, tokens, &data_name);
+        return run_cuda(&cli, &artifact, tokens, &data_name, started, load_s);
     }
     let mut trainer = CpuArtifactTrainer::new(&artifact, seed)?;
     if cli.profile {
@@ -184,15 +206,19 @@ fn train(trainer: &mut dyn Trainer, cli: &Cli, tokens: Vec<u32>, data_name: &str
         Some(p) => Some(MetricsWriter::create(p, cli.resume.is_some())?),
         None => None,
     };
+    let mut dump = cli.dump_batches.as_deref().map(titan_runtime::data::BatchDump::create).transpose()?;
     let first = trainer.steps_done() + 1;
     let progress = Progress::new(cli.steps + 1 - first.min(cli.steps + 1));
     let started = std::time::Instant::now();
     for s in first..=cli.steps {
         let batch = batcher.next_batch();
+        if let Some(d) = dump.as_mut() {
+            d.write(&batch)?;
+        }
         let m = trainer.step(&batch)?;
         progress.step(&m);
         if let Some(w) = metrics.as_mut() {
-            w.write(&MetricsRecord::new(&m, &ctx, None, started.elapsed().as_secs_f64()))?;
+            w.write(&MetricsRecord::new(&m, &ctx, m.measured_peak_bytes, started.elapsed().as_secs_f64()))?;
         }
         if !m.loss.is_finite() {
             progress.finish();
@@ -231,7 +257,8 @@ fn print_profile(artifact: &Artifact, times: &[titan_runtime::backend::cpu_artif
 }
 
 /// `--backend cuda`: the schedule on one GPU.
-fn run_cuda(cli: &Cli, artifact: &Artifact, tokens: Vec<u32>, data_name: &str) -> Result<()> {
+/// `started` is when titan-run started, `load_s` the seconds reading the artifact took.
+fn run_cuda(cli: &Cli, artifact: &Artifact, tokens: Vec<u32>, data_name: &str, started: std::time::Instant, load_s: f64) -> Result<()> {
     if cli.profile {
         bail!("--profile is not supported yet on the cuda backend; use --backend cpu");
     }
@@ -249,7 +276,13 @@ fn run_cuda(cli: &Cli, artifact: &Artifact, tokens: Vec<u32>, data_name: &str) -
         cli.steps
     );
     eprintln!("titan-run: {}", memory_summary(artifact));
-    train(&mut trainer, cli, tokens, data_name, &m.content_hash)
+    let mut startup = trainer.startup();
+    startup.load_s += load_s;
+    eprintln!("titan-run: {}", format_startup(started.elapsed().as_secs_f64(), &startup));
+    trainer.set_log_capture(true);
+    train(&mut trainer, cli, tokens, data_name, &m.content_hash)?;
+    eprintln!("titan-run: {}", format_memory_check(m.memory.peak_bytes, trainer.measured_peak_bytes()));
+    Ok(())
 }
 
 fn main() -> ExitCode {

@@ -146,6 +146,8 @@ pub struct BuildSummary {
     pub phases: Phases,
     pub pipeline: PipelineReport,
     pub fusion: Option<FusionReport>,
+    /// Kernels left without GPU code, and why.
+    pub notes: Vec<String>,
 }
 
 /// `1.50 GiB`.
@@ -177,6 +179,9 @@ impl fmt::Display for BuildSummary {
             phases.push_str(&format!(", report {}", secs(p.report)));
         }
         writeln!(f, "build time:   {} ({phases})", secs(p.total()))?;
+        for n in &self.notes {
+            writeln!(f, "note: {n}")?;
+        }
         if self.pipeline.timings {
             writeln!(f)?;
             writeln!(f, "passes:")?;
@@ -264,13 +269,21 @@ struct Code {
 /// Run the code generator on every body, in body order. Serial on purpose: MLIR registers
 /// passes and dialects in process-wide tables, and on this 2-core machine two generator threads
 /// were slower than one (lock contention inside MLIR/LLVM), so threads bought nothing but risk.
-fn codegen(fused: &Graph, bodies: &[(BlockId, KernelKind, String)]) -> Result<Vec<Option<Code>>, BuildError> {
+/// PTX for every body. A body whose pattern the code generator does not handle (e.g. f32
+/// attention) gets no GPU code and a note: the artifact then runs on the CPU backend only, and
+/// the CUDA backend refuses it at load naming the kernel. Invalid bodies and generator bugs fail
+/// the build.
+fn codegen(fused: &Graph, bodies: &[(BlockId, KernelKind, String)], notes: &mut Vec<String>) -> Result<Vec<Option<Code>>, BuildError> {
     bodies
         .iter()
         .map(|(body, kind, name)| match titan_kernels::compile_kernel(fused, *body, *kind, name) {
             Ok(Some(c)) => Ok(Some(Code { entry: c.entry, ptx: c.ptx, launch: c.launch, workspace_bytes: c.workspace_bytes })),
             Ok(None) => Ok(None),
-            Err(e @ (KernelError::Unsupported { .. } | KernelError::InvalidBody { .. })) => Err(BuildError::Codegen(e.to_string())),
+            Err(e @ KernelError::Unsupported { .. }) => {
+                notes.push(format!("no GPU code: {e}; the artifact runs on the CPU backend only"));
+                Ok(None)
+            }
+            Err(e @ KernelError::InvalidBody { .. }) => Err(BuildError::Codegen(e.to_string())),
             Err(e) => Err(BuildError::Codegen(format!("kernel `{name}`: {e}"))),
         })
         .collect()
@@ -343,7 +356,8 @@ fn compile(model: &Graph, model_text: &str, opts: &BuildOptions, generate_code: 
     phases.plan = t.elapsed();
 
     let t = Instant::now();
-    let code = if generate_code { codegen(&fused, &bodies)? } else { bodies.iter().map(|_| None).collect() };
+    let mut notes = Vec::new();
+    let code = if generate_code { codegen(&fused, &bodies, &mut notes)? } else { bodies.iter().map(|_| None).collect() };
     let mut ptx = Vec::new();
     for (k, c) in kernels.iter_mut().zip(code) {
         let Some(c) = c else { continue };
@@ -395,6 +409,7 @@ fn compile(model: &Graph, model_text: &str, opts: &BuildOptions, generate_code: 
         phases,
         pipeline,
         fusion,
+        notes,
     };
     let graph_text = titan_ir::print::print_graph(&fused);
     Ok((Artifact { manifest, graph_text, ptx }, summary))

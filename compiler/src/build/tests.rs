@@ -364,3 +364,21 @@ fn writes_are_atomic_and_never_clobber_other_directories() {
     assert!(leftovers(&dir).is_empty(), "temporary directories left: {:?}", leftovers(&dir));
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// An f32 model builds: the kernels the GPU generator has no pattern for (attention is bf16-only)
+/// get no PTX and a note, so the artifact still runs on the CPU backend.
+#[test]
+fn unsupported_gpu_patterns_leave_kernels_without_ptx_and_say_so() {
+    let mut cfg = LlamaConfig::preset(Preset::Debug);
+    cfg.dtype = titan_ir::DType::F32;
+    let m = build_llama3(&cfg, "debug_f32").expect("model");
+    let text = titan_ir::print::print_graph(&m);
+    let (artifact, summary) = compile_artifact(&m, &text, &BuildOptions::default()).unwrap_or_else(|e| panic!("{e}"));
+    let without: Vec<&str> = artifact.manifest.kernels.iter().filter(|k| k.ptx.is_none() && k.kind != KernelKind::Gemm).map(|k| k.name.as_str()).collect();
+    assert_eq!(without.len(), 2, "the two attention kernels: {without:?}");
+    assert!(without.iter().all(|n| n.contains("attention")), "{without:?}");
+    assert_eq!(summary.notes.len(), 2);
+    let shown = summary.to_string();
+    assert!(shown.contains("note: no GPU code: kernel `layer.k6_attention` (attention)"), "{shown}");
+    assert!(shown.contains("the artifact runs on the CPU backend only"), "{shown}");
+}

@@ -4,6 +4,7 @@
 //! semantics live in [`ops`] and the modules it dispatches to.
 
 mod attention;
+mod collective;
 mod linalg;
 mod model;
 mod ops;
@@ -16,6 +17,7 @@ use crate::graph::{Graph, NodeId, Region, Value};
 use crate::op::Op;
 use crate::shape::TensorType;
 
+pub use collective::{Communicator, concat, eval_collective, shard_of};
 pub use model::{lr_at, rope_inv_freq};
 pub use ops::eval_op;
 pub use round::{is_narrow_float, round_to_dtype};
@@ -141,11 +143,19 @@ pub struct Interpreter<'g> {
     precision: Precision,
     main_plan: Plan,
     block_plans: Vec<Plan>,
+    /// The device mesh collectives run on; `None` for a single-rank run.
+    comm: Option<std::sync::Arc<dyn Communicator>>,
 }
 
 impl<'g> Interpreter<'g> {
     pub fn new(graph: &'g Graph, precision: Precision) -> Self {
-        Interpreter { graph, precision, main_plan: Plan::new(&graph.main), block_plans: graph.blocks.iter().map(Plan::new).collect() }
+        Interpreter { graph, precision, main_plan: Plan::new(&graph.main), block_plans: graph.blocks.iter().map(Plan::new).collect(), comm: None }
+    }
+
+    /// Run collectives through `comm` (this interpreter is one rank of a mesh).
+    pub fn with_communicator(mut self, comm: std::sync::Arc<dyn Communicator>) -> Self {
+        self.comm = Some(comm);
+        self
     }
 
     pub fn graph(&self) -> &'g Graph {
@@ -245,6 +255,10 @@ impl<'g> Interpreter<'g> {
                             e.message = format!("{} (in `kernel` node {nid} of @{})", e.message, region.name);
                             e
                         })?
+                    }
+                    op if op.is_collective() && self.comm.is_some() => {
+                        let comm = self.comm.as_deref().ok_or_else(|| err("no communicator".into()))?;
+                        vec![eval_collective(op, inputs[0], comm, self.precision).map_err(err)?]
                     }
                     op => eval_op(op, &inputs, &result_types, &self.graph.dims, self.precision).map_err(err)?,
                 }

@@ -1,6 +1,6 @@
 //! Vector-Jacobian products of every differentiable op, emitted as IR ops.
 
-use titan_ir::{BinaryOp, Builder, DType, Op, ReduceKind, RopeConfig, TensorType, UnaryOp, Value};
+use titan_ir::{BinaryOp, Builder, CollectiveReduce, DType, Op, ReduceKind, RopeConfig, TensorType, UnaryOp, Value};
 
 use crate::util::{flatten_leading, scalar};
 
@@ -297,6 +297,26 @@ pub fn vjp(op: &Op, a: &VjpArgs, b: &mut Builder) -> Result<Vec<Option<Value>>, 
                 return Err("differentiating a transposed batched matmul with a shared 2-d rhs is not supported yet".into());
             };
             vec![Some(da), Some(db)]
+        }
+        // Collectives, with the SPMD cotangent convention: a rank's cotangent of a value is its
+        // contribution to the true gradient, which is the sum over ranks (a replicated value's
+        // cotangent is `Partial`). So all_gather and reduce_scatter are each other's VJP and
+        // the VJP of a sum all-reduce is a sum all-reduce.
+        Op::AllGather { mesh_dim, dim, size } => {
+            let Some(dy) = dy0 else { return Ok(none(1)) };
+            let rs = Op::ReduceScatter { mesh_dim: *mesh_dim, dim: *dim, size: *size, reduce: CollectiveReduce::Sum };
+            vec![Some(b.push1(rs, &[dy])?)]
+        }
+        Op::ReduceScatter { mesh_dim, dim, size, .. } => {
+            let Some(dy) = dy0 else { return Ok(none(1)) };
+            vec![Some(b.push1(Op::AllGather { mesh_dim: *mesh_dim, dim: *dim, size: *size }, &[dy])?)]
+        }
+        Op::AllReduce { mesh_dim, reduce: CollectiveReduce::Sum } => {
+            let Some(dy) = dy0 else { return Ok(none(1)) };
+            vec![Some(b.push1(Op::AllReduce { mesh_dim: *mesh_dim, reduce: CollectiveReduce::Sum }, &[dy])?)]
+        }
+        Op::AllReduce { reduce: CollectiveReduce::Max, .. } => {
+            return Err("differentiating `all_reduce` with `reduce = max` is not supported yet".into());
         }
         Op::Constant { .. } => vec![],
         Op::RmsNormBwd { .. } | Op::AttentionBwd { .. } | Op::CrossEntropyBwd | Op::LrSchedule(_) | Op::AdamW(_) => {

@@ -75,6 +75,12 @@ pub fn classify(op: &Op, ins: &[&TensorType], outs: &[&TensorType], dims: &DimTa
     let rows_of = |t: &TensorType| -> Result<Class, String> { Ok(Class::Fusible(Space::Elems { elems: numel(t, dims)?, row: Some(last_dim(t, dims)?) })) };
     Ok(match op {
         Op::Reshape | Op::Repeat { .. } | Op::Kernel { .. } => Class::Keep,
+        Op::AllGather { .. } | Op::ReduceScatter { .. } | Op::AllReduce { .. } => {
+            return Err(format!(
+                "fusing the collective `{}` (run SPMD training graphs on the simulated mesh with `titan-run train.ir`) is not supported yet",
+                op.name()
+            ));
+        }
         Op::Linear | Op::Matmul { .. } => Class::Single(KernelKind::Gemm),
         Op::Attention { .. } => Class::Single(KernelKind::Attention),
         Op::AttentionBwd { .. } => Class::Single(KernelKind::AttentionBwd),

@@ -541,6 +541,7 @@ impl<'a> CpuArtifactTrainer<'a> {
             lr: self.scalar(self.lr)?,
             tokens_per_s: (self.batch * self.seq) as f64 / secs.max(1e-9),
             peak_bytes: Some(self.artifact.manifest.memory.peak_bytes),
+            measured_peak_bytes: None,
         })
     }
 

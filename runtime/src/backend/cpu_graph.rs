@@ -21,6 +21,14 @@ enum Feed {
     State(ParamInfo),
 }
 
+/// What one rank of a mesh run needs: the mesh, its coordinates and its communicator.
+#[derive(Clone)]
+pub struct RankContext {
+    pub mesh: titan_ir::Mesh,
+    pub coords: [usize; 3],
+    pub comm: std::sync::Arc<dyn titan_ir::interp::Communicator>,
+}
+
 /// Runs steps of a training graph on the CPU reference interpreter.
 pub struct CpuTrainer<'g> {
     graph: &'g Graph,
@@ -36,6 +44,8 @@ pub struct CpuTrainer<'g> {
     out_lr: Option<usize>,
     batch: usize,
     seq: usize,
+    /// Elements of `tokens`: `batch * seq`, or this rank's share with sequence parallelism.
+    tokens_len: usize,
     vocab: usize,
     step: u64,
 }
@@ -48,10 +58,17 @@ impl<'g> CpuTrainer<'g> {
     /// Prepare a training graph: check its interface and initialize every state buffer from
     /// its `init` attribute with `seed`.
     pub fn new(graph: &'g Graph, seed: u64) -> Result<CpuTrainer<'g>, RuntimeError> {
+        CpuTrainer::with_rank(graph, seed, None)
+    }
+
+    /// One rank of an SPMD graph: collectives go through `rank.comm`, and each state buffer
+    /// starts as this rank's shard (by its placement) of the single-rank initialization, so a
+    /// mesh run starts from exactly the parameters of the single-rank run.
+    pub fn with_rank(graph: &'g Graph, seed: u64, rank: Option<RankContext>) -> Result<CpuTrainer<'g>, RuntimeError> {
         let main = &graph.main;
         let mut feeds = Vec::new();
         let mut args = Vec::new();
-        let (mut batch, mut seq) = (0, 0);
+        let (mut batch, mut seq, mut tokens_len) = (0, 0, 0);
         for a in &main.args {
             let ty = main.ty(a.value);
             let shape = resolve(graph, a.value)?;
@@ -72,7 +89,13 @@ impl<'g> CpuTrainer<'g> {
                         if shape.len() != 2 || !ty.dtype.is_int() {
                             return Err(RuntimeError::Graph(format!("input `%{name}` must be an integer [batch, seq] tensor, found {ty}")));
                         }
-                        (batch, seq) = (shape[0], shape[1]);
+                        // A sequence-parallel rank reads a slice of the tokens; the step's
+                        // shape is the targets'.
+                        if feed == Feed::Targets {
+                            (batch, seq) = (shape[0], shape[1]);
+                        } else {
+                            tokens_len = shape[0] * shape[1];
+                        }
                     }
                     if feed == Feed::Step && (!shape.is_empty() || !ty.dtype.is_int()) {
                         return Err(RuntimeError::Graph(format!("input `%step` must be an integer scalar, found {ty}")));
@@ -83,6 +106,22 @@ impl<'g> CpuTrainer<'g> {
                 ArgKind::State(p) | ArgKind::Param(p) => {
                     if ty.dtype.is_int() {
                         return Err(RuntimeError::Graph(format!("state `{}` has an integer type {ty}; titan-run initializes float state only", p.name)));
+                    }
+                    // The full (single-rank) shape, and the shards this rank holds of it.
+                    let mut shape = shape;
+                    let mut shards = Vec::new();
+                    if let Some(r) = &rank {
+                        for (m, pl) in main.value(a.value).placement.iter().enumerate() {
+                            let n = r.mesh.sizes.get(m).copied().unwrap_or(1) as usize;
+                            if let (titan_ir::Placement::Shard(d), true) = (pl, n > 1) {
+                                let d = *d as usize;
+                                let dim = shape
+                                    .get_mut(d)
+                                    .ok_or_else(|| RuntimeError::Graph(format!("state `{}` is sharded along dim {d} it does not have", p.name)))?;
+                                *dim *= n;
+                                shards.push((d, n, r.coords[m]));
+                            }
+                        }
                     }
                     let (layers, per_layer) = if p.is_stacked() {
                         let l = shape
@@ -96,6 +135,9 @@ impl<'g> CpuTrainer<'g> {
                     let values = init_values(p.init, layers, per_layer, seed, &|l| p.layer_name(l))
                         .map_err(|e| RuntimeError::Graph(format!("initializing `{}`: {e}", p.name)))?;
                     let mut t = Tensor::from_vec(DType::F32, shape, values).map_err(RuntimeError::Graph)?;
+                    for (d, n, c) in shards {
+                        t = titan_ir::interp::shard_of(&t, d, n, c).map_err(RuntimeError::Graph)?;
+                    }
                     if ty.dtype != DType::F32 {
                         // Parameters stored in a low-precision dtype start from rounded values.
                         if let Some(xs) = t.floats_mut() {
@@ -132,7 +174,10 @@ impl<'g> CpuTrainer<'g> {
         let vocab = graph.meta_i64("vocab_size").map(|v| v as usize).unwrap_or(256);
         Ok(CpuTrainer {
             graph,
-            interp: Interpreter::new(graph, Precision::Emulate),
+            interp: match rank {
+                Some(r) => Interpreter::new(graph, Precision::Emulate).with_communicator(r.comm),
+                None => Interpreter::new(graph, Precision::Emulate),
+            },
             feeds,
             args,
             update_args,
@@ -141,6 +186,7 @@ impl<'g> CpuTrainer<'g> {
             out_lr: out("lr"),
             batch,
             seq,
+            tokens_len,
             vocab,
             step: 0,
         })
@@ -215,7 +261,16 @@ impl<'g> CpuTrainer<'g> {
 
     /// Run one training step on `batch`.
     pub fn step(&mut self, batch: &Batch) -> Result<StepMetrics, RuntimeError> {
-        check_batch(batch, self.batch, self.seq, self.vocab)?;
+        if self.tokens_len == self.batch * self.seq {
+            check_batch(batch, self.batch, self.seq, self.vocab)?;
+        } else {
+            // A sequence-parallel rank: its tokens are a slice, its targets the whole step.
+            let whole = Batch { tokens: batch.targets.clone(), targets: batch.targets.clone() };
+            check_batch(&whole, self.batch, self.seq, self.vocab)?;
+            if batch.tokens.len() != self.tokens_len {
+                return Err(RuntimeError::Data(format!("this rank reads {} tokens per step, {} were given", self.tokens_len, batch.tokens.len())));
+            }
+        }
         let n = self.batch * self.seq;
         self.step += 1;
         for (f, t) in self.feeds.iter().zip(self.args.iter_mut()) {
@@ -241,6 +296,7 @@ impl<'g> CpuTrainer<'g> {
             lr: self.out_lr.map_or(f64::NAN, scalar),
             tokens_per_s: n as f64 / secs.max(1e-9),
             peak_bytes: None,
+            measured_peak_bytes: None,
         })
     }
 }

@@ -15,8 +15,17 @@
 //!   backend). The first [`WARMUP_STEPS`] steps run it eagerly; the step is then captured into
 //!   a CUDA graph once and replayed. Tokens, targets and the step counter are copied into their
 //!   fixed input buffers before each step; `loss`, `grad_norm` and `lr` are read back after it.
-//! * **Parameters** start from the same host values as the CPU backend ([`init_values`] and the
-//!   same encoding), copied once.
+//! * **Parameters** start from the same values as the CPU backend (the chunks of
+//!   [`crate::init`], the same encoding): worker threads draw, encode and copy chunk after
+//!   chunk, so no host copy of a whole state exists. States initialized to zeros (the AdamW
+//!   moments) are a device memset.
+//! * **Start-up and memory.** [`CudaArtifactTrainer::startup`] times the start-up phases; the
+//!   measured peak memory is `cuMemGetInfo`'s used bytes above those used before the first
+//!   allocation, maxed over the points where it is read (after initialization and after every
+//!   step, when the stream is idle: every buffer of a step is preallocated, so nothing is freed
+//!   within it). It includes the arenas, the kernel workspaces, the cuBLASLt workspace and
+//!   handle, the loaded modules, the CUDA graph once captured, and anything another process
+//!   allocates on the same GPU meanwhile.
 //!
 //! [`KernelRunner`] launches one kernel of an artifact on operands it allocates itself: the
 //! kernel-by-kernel differential tests and per-kernel timings use it.
@@ -24,6 +33,7 @@
 pub mod driver;
 pub mod gemm;
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Instant;
 
 use titan_ir::artifact::{Arena, BufRef, Buffer, BufferClass, Kernel, Step};
@@ -38,7 +48,8 @@ use crate::artifact::{Artifact, arena_name};
 use crate::backend::codec::{decode, encode_floats, encode_ints};
 use crate::backend::{StepMetrics, Trainer, check_batch};
 use crate::data::Batch;
-use crate::init::init_values;
+use crate::init::{CHUNK_ELEMS, check_init, chunks_per_layer, fill_chunk, init_threads};
+use crate::log::StartupTimes;
 
 /// Steps run eagerly before the step is captured into a CUDA graph.
 pub const WARMUP_STEPS: u64 = 2;
@@ -116,18 +127,20 @@ struct LoadedCode {
 
 impl LoadedCode {
     /// Load every kernel of `artifact`; `gemm_align(pos)` gives the operand alignment of GEMM
-    /// kernel `pos`. With `allow_missing`, kernels without GPU code are kept as `Missing`.
+    /// kernel `pos`. With `allow_missing`, kernels without GPU code are kept as `Missing`. The
+    /// PTX modules (which the driver compiles as it loads them) load on several threads.
     fn load(gpu: &Gpu, artifact: &Artifact, gemm_align: &dyn Fn(usize) -> [u64; 3], allow_missing: bool) -> Result<LoadedCode, RuntimeError> {
         let blas = Blas::new()?;
         let blas_workspace = gpu.alloc(gemm::WORKSPACE_BYTES, 0, "the cuBLASLt workspace")?;
-        let mut kernels = Vec::new();
+        let mut kernels: Vec<Option<Loaded>> = Vec::new();
         let mut plans: Vec<GemmPlan> = Vec::new();
         let mut plan_keys: Vec<(String, [u64; 3])> = Vec::new();
+        let mut ptx_jobs = Vec::new();
         for (pos, k) in artifact.manifest.kernels.iter().enumerate() {
             let code = match gpu_code(k) {
                 Ok(c) => c,
                 Err(_) if allow_missing && k.ptx.is_none() && k.kind != KernelKind::Gemm => {
-                    kernels.push(Loaded::Missing);
+                    kernels.push(Some(Loaded::Missing));
                     continue;
                 }
                 Err(e) => return Err(e),
@@ -144,23 +157,61 @@ impl LoadedCode {
                             plans.len() - 1
                         }
                     };
-                    kernels.push(Loaded::Gemm { plan });
+                    kernels.push(Some(Loaded::Gemm { plan }));
                 }
                 Code::Ptx { file, entry, launch } => {
-                    let path = artifact.dir.join(file);
-                    let ptx = std::fs::read_to_string(&path).map_err(|e| {
-                        RuntimeError::Backend(format!("kernel `{}`: cannot read `{}`: {e}; the artifact is incomplete, rebuild it", k.name, path.display()))
-                    })?;
-                    let (module, func) = gpu.load_function(&ptx, entry, &format!("kernel `{}`", k.name))?;
-                    if launch.shared_bytes > 48 * 1024 {
-                        gpu.allow_shared(&func, launch.shared_bytes, &format!("kernel `{}`", k.name))?;
-                    }
-                    let workspace =
-                        if k.workspace_bytes > 0 { Some(gpu.alloc(k.workspace_bytes, 0, &format!("the workspace of kernel `{}`", k.name))?) } else { None };
-                    kernels.push(Loaded::Ptx { _module: module, func, launch: launch.clone(), workspace });
+                    ptx_jobs.push((pos, k, file, entry, launch));
+                    kernels.push(None);
                 }
             }
         }
+        let load_one = |k: &Kernel, file: &str, entry: &str, launch: &titan_ir::artifact::Launch| -> Result<Loaded, RuntimeError> {
+            let path = artifact.dir.join(file);
+            let ptx = std::fs::read_to_string(&path).map_err(|e| {
+                RuntimeError::Backend(format!("kernel `{}`: cannot read `{}`: {e}; the artifact is incomplete, rebuild it", k.name, path.display()))
+            })?;
+            let (module, func) = gpu.load_function(&ptx, entry, &format!("kernel `{}`", k.name))?;
+            if launch.shared_bytes > 48 * 1024 {
+                gpu.allow_shared(&func, launch.shared_bytes, &format!("kernel `{}`", k.name))?;
+            }
+            let workspace = if k.workspace_bytes > 0 { Some(gpu.alloc(k.workspace_bytes, 0, &format!("the workspace of kernel `{}`", k.name))?) } else { None };
+            Ok(Loaded::Ptx { _module: module, func, launch: launch.clone(), workspace })
+        };
+        let threads = init_threads().clamp(1, ptx_jobs.len().max(1));
+        let next = AtomicUsize::new(0);
+        let loaded: Vec<Result<Vec<(usize, Loaded)>, RuntimeError>> = std::thread::scope(|s| {
+            let workers: Vec<_> = (0..threads)
+                .map(|_| {
+                    let (next, jobs, load_one) = (&next, &ptx_jobs, &load_one);
+                    s.spawn(move || -> Result<Vec<(usize, Loaded)>, RuntimeError> {
+                        gpu.bind()?;
+                        let mut out = Vec::new();
+                        while let Some(&(pos, k, file, entry, launch)) = jobs.get(next.fetch_add(1, Ordering::Relaxed)) {
+                            match load_one(k, file, entry, launch) {
+                                Ok(l) => out.push((pos, l)),
+                                Err(e) => {
+                                    // Let the other workers stop at their next kernel.
+                                    next.store(jobs.len(), Ordering::Relaxed);
+                                    return Err(e);
+                                }
+                            }
+                        }
+                        Ok(out)
+                    })
+                })
+                .collect();
+            workers.into_iter().map(|w| w.join().unwrap_or_else(|p| std::panic::resume_unwind(p))).collect()
+        });
+        for part in loaded {
+            for (pos, l) in part? {
+                kernels[pos] = Some(l);
+            }
+        }
+        let kernels = kernels
+            .into_iter()
+            .enumerate()
+            .map(|(pos, k)| k.ok_or_else(|| RuntimeError::Backend(format!("kernel {pos} was not loaded"))))
+            .collect::<Result<Vec<_>, _>>()?;
         Ok(LoadedCode { kernels, plans, blas, blas_workspace })
     }
 
@@ -351,9 +402,32 @@ pub struct CudaArtifactTrainer<'a> {
     step: u64,
     /// Steps run by this process (the warm-up before capture counts these, not resumed ones).
     steps_run: u64,
+    /// Seconds of each start-up phase.
+    startup: StartupTimes,
+    /// Seconds the CUDA graph capture (and instantiation) took, once it happened.
+    capture_s: Option<f64>,
+    /// Print a line on stderr when the step is captured into a CUDA graph.
+    log_capture: bool,
+    /// Device memory in use before the first allocation (`cuMemGetInfo`).
+    mem_baseline: u64,
+    /// The largest used-bytes delta read so far.
+    measured_peak: u64,
     code: LoadedCode,
     _memory: Vec<DeviceBuffer>,
     gpu: Gpu,
+}
+
+/// One chunk of a state's initial values.
+struct InitJob {
+    /// Device address of the chunk.
+    ptr: u64,
+    elems: usize,
+    layer: usize,
+    chunk: usize,
+    init: titan_ir::Init,
+    dtype: DType,
+    /// Index into the layer names.
+    name: usize,
 }
 
 impl<'a> CudaArtifactTrainer<'a> {
@@ -375,7 +449,13 @@ impl<'a> CudaArtifactTrainer<'a> {
             return Err(bad(format!("the tokens buffer is {:?} and the targets buffer {:?}; they must match", tokens.shape, targets.shape)));
         }
         let loss = artifact.output_buffer("loss").ok_or_else(|| bad("no buffer holds the `loss` output".into()))?;
+        let mut startup = StartupTimes::default();
+        let t = Instant::now();
         let gpu = Gpu::open()?;
+        let (free, total) = gpu.mem_info()?;
+        let mem_baseline = total.saturating_sub(free);
+        startup.load_s += t.elapsed().as_secs_f64();
+        let t = Instant::now();
         let mut memory = Vec::new();
         let mut base = [0u64; 5];
         let mut bytes = [0u64; 5];
@@ -388,12 +468,17 @@ impl<'a> CudaArtifactTrainer<'a> {
             memory.push(buf);
         }
         let arenas = Arenas { artifact, base, bytes };
+        startup.alloc_s = t.elapsed().as_secs_f64();
+        let t = Instant::now();
         let mut ops = Vec::new();
         arenas.unroll(&m.ranks[0].steps, None, &mut Vec::new(), &mut ops)?;
         // Per GEMM kernel: the alignment of its operands over every launch, and their extents.
         let mut align = vec![[256u64; 3]; m.kernels.len()];
         Self::gemm_operands(artifact, &arenas, &m.ranks[0].steps, None, &mut align)?;
+        startup.plan_s = t.elapsed().as_secs_f64();
+        let t = Instant::now();
         let code = LoadedCode::load(&gpu, artifact, &|pos| align[pos], false)?;
+        startup.load_s += t.elapsed().as_secs_f64();
         let usize_of = |x: u64, what: &str| usize::try_from(x).map_err(|_| bad(format!("{what} {x} does not fit this machine")));
         let whole = |b: &'a Buffer| arenas.whole(b).map(|(p, _)| (p, b));
         let mut trainer = CudaArtifactTrainer {
@@ -414,11 +499,17 @@ impl<'a> CudaArtifactTrainer<'a> {
             arenas,
             step: 0,
             steps_run: 0,
+            startup,
+            capture_s: None,
+            log_capture: false,
+            mem_baseline,
+            measured_peak: 0,
             code,
             _memory: memory,
             gpu,
         };
         trainer.init_state(seed)?;
+        trainer.measure_memory()?;
         Ok(trainer)
     }
 
@@ -455,9 +546,15 @@ impl<'a> CudaArtifactTrainer<'a> {
     }
 
     /// Fill every persistent buffer with the values the CPU backend starts from: the same
-    /// [`init_values`] per state argument of `graph.ir`'s `main`, the same encoding.
+    /// [`crate::init`] chunks per state argument of `graph.ir`'s `main`, the same encoding.
+    /// Zero states are memset on the device; the others are drawn, encoded and copied chunk by
+    /// chunk on [`init_threads`] threads.
     fn init_state(&mut self, seed: u64) -> Result<(), RuntimeError> {
+        self.gpu.bind()?;
+        let start = Instant::now();
         let graph = &self.artifact.graph;
+        let mut jobs: Vec<InitJob> = Vec::new();
+        let mut names: Vec<String> = Vec::new();
         for b in &self.artifact.manifest.buffers {
             if !matches!(b.class, BufferClass::Param | BufferClass::OptimizerState) {
                 continue;
@@ -475,17 +572,125 @@ impl<'a> CudaArtifactTrainer<'a> {
             if ty.dtype != b.dtype || shape.iter().map(|&d| d as u64).collect::<Vec<_>>() != b.shape {
                 return Err(bad(format!("state `{}` is {ty} in graph.ir but buffer {} is {}{:?}", s.name, b.id, b.dtype, b.shape)));
             }
-            let (layers, per_layer) = if p.is_stacked() { (shape[0], shape[1..].iter().product()) } else { (1, shape.iter().product()) };
-            let values = init_values(p.init, layers, per_layer, seed, &|l| p.layer_name(l))
-                .map_err(|e| RuntimeError::Graph(format!("initializing `{}`: {e}", p.name)))?;
+            let (layers, per_layer): (usize, usize) = if p.is_stacked() { (shape[0], shape[1..].iter().product()) } else { (1, shape.iter().product()) };
             let (ptr, len) = self.arenas.whole(b)?;
-            let mut host = vec![0u8; usize::try_from(len).map_err(|_| bad(format!("state `{}` is too large", s.name)))?];
-            encode_floats(&values, b.dtype, &mut host).map_err(|e| bad(format!("state `{}`: {e}", s.name)))?;
-            drop(values);
-            self.gpu.upload(ptr, &host, || format!("uploading the initial values of `{}`", s.name))?;
-            self.gpu.sync(|| format!("uploading the initial values of `{}`", s.name))?;
+            let size = b.dtype.size_bytes();
+            if (layers * per_layer) as u64 * size as u64 > len {
+                return Err(bad(format!("state `{}` has {} elements, its buffer only {len} bytes", s.name, layers * per_layer)));
+            }
+            check_init(p.init).map_err(|e| RuntimeError::Graph(format!("initializing `{}`: {e}", p.name)))?;
+            if p.init == titan_ir::Init::Zeros {
+                let bytes = usize::try_from(len).map_err(|_| bad(format!("state `{}` is too large", s.name)))?;
+                self.gpu.memset(ptr, 0, bytes, || format!("zeroing state `{}`", s.name))?;
+                continue;
+            }
+            for l in 0..layers {
+                names.push(p.layer_name(l));
+                for c in 0..chunks_per_layer(per_layer) {
+                    let done = (c * CHUNK_ELEMS).min(per_layer);
+                    let elems = CHUNK_ELEMS.min(per_layer - done);
+                    if elems == 0 {
+                        continue;
+                    }
+                    let first = l * per_layer + done;
+                    jobs.push(InitJob { ptr: ptr + (first * size) as u64, elems, layer: l, chunk: c, init: p.init, dtype: b.dtype, name: names.len() - 1 });
+                }
+            }
         }
+        let prepared = start.elapsed().as_secs_f64();
+        let (init_s, upload_s) = self.upload_chunks(seed, &jobs, &names)?;
+        let tail = Instant::now();
+        self.gpu.sync_all(|| "copying the initial values to the GPU".into())?;
+        self.startup.init_s = prepared + init_s;
+        self.startup.upload_s = upload_s + tail.elapsed().as_secs_f64();
         Ok(())
+    }
+
+    /// Draw, encode and copy `jobs` to the GPU on [`init_threads`] worker threads, each
+    /// reusing one chunk buffer (so the host holds one chunk per thread, never a whole state);
+    /// the driver stages the pageable copies of several threads at once. Returns the phase's
+    /// wall time split in proportion to the workers' busy time `(drawing and encoding, copying)`.
+    fn upload_chunks(&self, seed: u64, jobs: &[InitJob], names: &[String]) -> Result<(f64, f64), RuntimeError> {
+        if jobs.is_empty() {
+            return Ok((0.0, 0.0));
+        }
+        let start = Instant::now();
+        let threads = init_threads().clamp(1, jobs.len());
+        let next = AtomicUsize::new(0);
+        let gpu = &self.gpu;
+        let results: Vec<Result<(f64, f64), RuntimeError>> = std::thread::scope(|s| {
+            let workers: Vec<_> = (0..threads)
+                .map(|_| {
+                    let next = &next;
+                    s.spawn(move || -> Result<(f64, f64), RuntimeError> {
+                        gpu.bind()?;
+                        let (mut scratch, mut bytes) = (Vec::with_capacity(CHUNK_ELEMS), Vec::new());
+                        let (mut draw_s, mut copy_s) = (0.0, 0.0);
+                        while let Some(j) = jobs.get(next.fetch_add(1, Ordering::Relaxed)) {
+                            let t = Instant::now();
+                            let name = &names[j.name];
+                            let r = Self::draw_chunk(seed, j, name, &mut scratch, &mut bytes);
+                            let t1 = Instant::now();
+                            let r = r.and_then(|()| Ok(gpu.upload_sync(j.ptr, &bytes, || format!("uploading the initial values of `{name}`"))?));
+                            if r.is_err() {
+                                // Let the other workers stop at their next chunk.
+                                next.store(jobs.len(), Ordering::Relaxed);
+                                r?;
+                            }
+                            draw_s += t1.duration_since(t).as_secs_f64();
+                            copy_s += t1.elapsed().as_secs_f64();
+                        }
+                        Ok((draw_s, copy_s))
+                    })
+                })
+                .collect();
+            workers.into_iter().map(|w| w.join().unwrap_or_else(|p| std::panic::resume_unwind(p))).collect()
+        });
+        let (mut draw, mut copy) = (0.0, 0.0);
+        for r in results {
+            let (d, c) = r?;
+            draw += d;
+            copy += c;
+        }
+        let wall = start.elapsed().as_secs_f64();
+        let share = if draw + copy > 0.0 { draw / (draw + copy) } else { 1.0 };
+        Ok((wall * share, wall * (1.0 - share)))
+    }
+
+    /// Draw chunk `j` of state layer `name` and encode it into `bytes`.
+    fn draw_chunk(seed: u64, j: &InitJob, name: &str, scratch: &mut Vec<f32>, bytes: &mut Vec<u8>) -> Result<(), RuntimeError> {
+        scratch.resize(j.elems, 0.0);
+        fill_chunk(j.init, j.layer, seed, name, j.chunk, scratch).map_err(|e| RuntimeError::Graph(format!("initializing `{name}`: {e}")))?;
+        bytes.resize(j.elems * j.dtype.size_bytes(), 0);
+        encode_floats(scratch, j.dtype, bytes).map_err(|e| bad(format!("state `{name}`: {e}")))
+    }
+
+    /// Read the device memory in use and raise the measured peak.
+    fn measure_memory(&mut self) -> Result<(), RuntimeError> {
+        let (free, total) = self.gpu.mem_info()?;
+        self.measured_peak = self.measured_peak.max(total.saturating_sub(free).saturating_sub(self.mem_baseline));
+        Ok(())
+    }
+
+    /// Seconds of each start-up phase (opening the GPU and loading code count as `load`).
+    pub fn startup(&self) -> StartupTimes {
+        self.startup
+    }
+
+    /// Print `titan-run: step 3 captured into a CUDA graph in 0.2 s ...` on stderr when the
+    /// capture happens (titan-run turns it on; off by default).
+    pub fn set_log_capture(&mut self, on: bool) {
+        self.log_capture = on;
+    }
+
+    /// Seconds the capture of the step into a CUDA graph took, once it happened.
+    pub fn capture_seconds(&self) -> Option<f64> {
+        self.capture_s
+    }
+
+    /// The measured peak device memory so far (see the module docs for what it counts).
+    pub fn measured_peak_bytes(&self) -> u64 {
+        self.measured_peak
     }
 
     /// Capture the step into a CUDA graph after the warm-up steps (on by default); off runs
@@ -541,8 +746,10 @@ impl<'a> CudaArtifactTrainer<'a> {
         self.gpu.upload(self.tokens.0, &self.feed_tokens, || format!("step {n}: copying the tokens to the GPU"))?;
         self.gpu.upload(self.targets.0, &self.feed_targets, || format!("step {n}: copying the targets to the GPU"))?;
         self.gpu.upload(self.step_buf.0, &self.feed_step, || format!("step {n}: copying the step counter to the GPU"))?;
+        let mut capture_s = 0.0;
         if self.graph.is_none() && self.use_graph && self.steps_run > WARMUP_STEPS {
             self.gpu.sync(|| format!("step {n}: before capturing the CUDA graph"))?;
+            let t = Instant::now();
             self.gpu.begin_capture()?;
             let r = self.enqueue_ops();
             // End the capture even when an op failed, so the stream is usable again.
@@ -552,13 +759,20 @@ impl<'a> CudaArtifactTrainer<'a> {
                 other => other,
             })?;
             self.graph = Some(g?);
+            capture_s = t.elapsed().as_secs_f64();
+            self.capture_s = Some(capture_s);
+            if self.log_capture {
+                eprintln!("titan-run: step {n} captured into a CUDA graph in {capture_s:.1} s (after {WARMUP_STEPS} warm-up steps; not counted in its tps)");
+            }
         }
         match &self.graph {
             Some(g) => self.gpu.replay(g).map_err(|e| with_step(e, n))?,
             None => self.enqueue_ops().map_err(|e| with_step(e, n))?,
         }
         self.gpu.sync(|| format!("step {n}: waiting for the step to finish (an asynchronous error from an earlier kernel shows here; rerun with CUDA_LAUNCH_BLOCKING=1 to find it)"))?;
-        let secs = start.elapsed().as_secs_f64();
+        // The capture is reported on its own ([`CudaArtifactTrainer::capture_seconds`]).
+        let secs = start.elapsed().as_secs_f64() - capture_s;
+        self.measure_memory()?;
         let mut vals = [f64::NAN; 3];
         for (v, o) in vals.iter_mut().zip(&self.outputs) {
             if let Some((_, b)) = o {
@@ -572,6 +786,7 @@ impl<'a> CudaArtifactTrainer<'a> {
             lr: vals[2],
             tokens_per_s: (self.batch * self.seq) as f64 / secs.max(1e-9),
             peak_bytes: Some(self.artifact.manifest.memory.peak_bytes),
+            measured_peak_bytes: Some(self.measured_peak),
         })
     }
 

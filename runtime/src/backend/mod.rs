@@ -8,9 +8,11 @@ pub mod codec;
 pub mod cpu_artifact;
 pub mod cpu_graph;
 pub mod cuda;
+pub mod sim_mesh;
 
 pub use cpu_artifact::CpuArtifactTrainer;
-pub use cpu_graph::CpuTrainer;
+pub use cpu_graph::{CpuTrainer, RankContext};
+pub use sim_mesh::MeshTrainer;
 
 use titan_ir::interp::Tensor;
 
@@ -27,6 +29,9 @@ pub struct StepMetrics {
     pub tokens_per_s: f64,
     /// The memory plan's predicted peak device memory, when running an artifact.
     pub peak_bytes: Option<u64>,
+    /// The measured peak device memory so far (the CUDA backend: `cuMemGetInfo` used bytes
+    /// above what was used before its first allocation, maxed over steps); `None` elsewhere.
+    pub measured_peak_bytes: Option<u64>,
 }
 
 /// A backend that runs training steps and keeps the state between them.

@@ -5,6 +5,7 @@
 mod artifact_cpu;
 mod block_gradcheck;
 mod checkpoint_e2e;
+mod distributed;
 mod example_files;
 mod fusion;
 mod ptx_presets;

@@ -56,6 +56,13 @@ pub struct Gpu {
     pub name: String,
 }
 
+// SAFETY: the driver API is thread-safe; the context and stream are plain handles that any
+// thread may use once it has made the context current ([`Gpu::bind`]). Start-up loads modules
+// and copies initial values from several threads.
+unsafe impl Send for Gpu {}
+// SAFETY: as above; `&Gpu` only issues driver calls, which the driver serializes as needed.
+unsafe impl Sync for Gpu {}
+
 impl Gpu {
     /// Open device 0 (the primary context) and create a non-blocking stream.
     pub fn open() -> Result<Gpu, CudaError> {
@@ -101,6 +108,12 @@ impl Gpu {
     pub fn sync(&self, what: impl FnOnce() -> String) -> Result<(), CudaError> {
         // SAFETY: the stream lives as long as `self`.
         check(unsafe { result::stream::synchronize(self.stream) }, what)
+    }
+
+    /// Wait for all work of the context (every stream, and synchronous copies from pageable
+    /// memory whose DMA may still be in flight when they return).
+    pub fn sync_all(&self, what: impl FnOnce() -> String) -> Result<(), CudaError> {
+        check(result::ctx::synchronize(), what)
     }
 
     /// Allocate `bytes` (at least 1) of device memory filled with `fill`.
@@ -153,6 +166,20 @@ impl Gpu {
     pub fn upload(&self, dst: u64, src: &[u8], what: impl FnOnce() -> String) -> Result<(), CudaError> {
         // SAFETY: `dst` holds at least `src.len()` bytes (checked by the callers' plans).
         check(unsafe { result::memcpy_htod_async(dst, src, self.stream) }, what)
+    }
+
+    /// Host to device, returning once the bytes are on the device (`src` may be reused at
+    /// once). Safe to call from several threads once each has [`Gpu::bind`]ed the context.
+    pub fn upload_sync(&self, dst: u64, src: &[u8], what: impl FnOnce() -> String) -> Result<(), CudaError> {
+        // SAFETY: `dst` holds at least `src.len()` bytes (checked by the callers' plans).
+        check(unsafe { result::memcpy_htod_sync(dst, src) }, what)
+    }
+
+    /// `(free, total)` bytes of device memory (`cuMemGetInfo`, device-wide: it counts every
+    /// process's allocations).
+    pub fn mem_info(&self) -> Result<(u64, u64), CudaError> {
+        let (free, total) = check(result::mem_get_info(), || "reading the free device memory".into())?;
+        Ok((free as u64, total as u64))
     }
 
     /// Device to host, waiting for the stream first.
@@ -246,8 +273,14 @@ impl Drop for Module {
     }
 }
 
+// SAFETY: a module handle belongs to the context, not to the thread that loaded it.
+unsafe impl Send for Module {}
+
 /// A kernel of a loaded module (valid while its [`Module`] is).
 pub struct Function(sys::CUfunction);
+
+// SAFETY: a function handle belongs to the context, not to the thread that looked it up.
+unsafe impl Send for Function {}
 
 /// An instantiated CUDA graph.
 pub struct Graph(sys::CUgraphExec);

@@ -1,0 +1,108 @@
+//! `check-collectives`: the build-time collective safety check of an SPMD graph. Every rank
+//! runs the same graph, so the collectives a rank issues on one communicator (the ranks that
+//! differ only along one mesh dim) are the same on every rank, in the same order, exactly when
+//! no collective sits under rank- or data-dependent control and every collective's group and
+//! message size are static. In this IR the only control is `repeat` (a static layer count)
+//! and `kernel` (a fused body); this pass checks, collecting every problem:
+//!
+//! - a graph with collectives names a mesh in its `meta`, and each collective's `mesh_dim`
+//!   and `size` match it;
+//! - no collective is inside a `kernel` body (fusing collectives is not supported yet);
+//! - every collective's operand has a static shape (all ranks send the same number of
+//!   elements);
+//! - per communicator, the sequence of collectives (in program order, blocks expanded per
+//!   `repeat`) is well formed: it is computed, and its length reported.
+
+use titan_ir::{Graph, Mesh, MeshDim, Op, Region};
+
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct CheckCollectivesStats {
+    /// Collectives a rank issues per step (blocks counted once per layer).
+    pub collectives: usize,
+    /// Communicators (mesh dims) used.
+    pub communicators: usize,
+}
+
+/// One collective call as every rank of its communicator issues it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CollectiveCall {
+    pub mesh_dim: MeshDim,
+    /// `all_gather {mesh_dim = dp_shard, dim = 0, size = 2} (node n3 in @layer)`
+    pub what: String,
+    pub elems: u64,
+}
+
+/// The collectives a rank issues per step, per mesh dim, in issue order.
+pub fn collective_schedule(g: &Graph) -> Result<Vec<(MeshDim, Vec<CollectiveCall>)>, String> {
+    let mesh = Mesh::from_graph(g)?;
+    let mut errors = Vec::new();
+    let mut calls = Vec::new();
+    walk(g, &g.main, mesh.as_ref(), &mut calls, &mut errors, false);
+    if !errors.is_empty() {
+        return Err(errors.join("; "));
+    }
+    let mut out: Vec<(MeshDim, Vec<CollectiveCall>)> = Vec::new();
+    for m in MeshDim::ALL {
+        let seq: Vec<CollectiveCall> = calls.iter().filter(|c: &&CollectiveCall| c.mesh_dim == m).cloned().collect();
+        if !seq.is_empty() {
+            out.push((m, seq));
+        }
+    }
+    Ok(out)
+}
+
+fn describe(op: &Op, g: &Graph, region: &Region, nid: titan_ir::NodeId) -> String {
+    let attrs = op.attrs(&|b| g.blocks.get(b.index()).map_or_else(|| "?".to_string(), |r| r.name.clone()));
+    format!("`{} {attrs}` (node {nid} in @{})", op.name(), region.name)
+}
+
+fn walk(g: &Graph, region: &Region, mesh: Option<&Mesh>, calls: &mut Vec<CollectiveCall>, errors: &mut Vec<String>, in_kernel: bool) {
+    for &nid in &region.order {
+        let Some(node) = region.nodes.get(nid.index()) else { continue };
+        match &node.op {
+            Op::Repeat { block, count, .. } => {
+                if let Some(b) = g.blocks.get(block.index()) {
+                    for _ in 0..*count {
+                        walk(g, b, mesh, calls, errors, in_kernel);
+                    }
+                }
+            }
+            Op::Kernel { body, .. } => {
+                if let Some(b) = g.blocks.get(body.index()) {
+                    walk(g, b, mesh, calls, errors, true);
+                }
+            }
+            op if op.is_collective() => {
+                let what = describe(op, g, region, nid);
+                let Some(m) = op.collective_mesh_dim() else { continue };
+                if in_kernel {
+                    errors.push(format!("{what} inside a `kernel` body: fusing collectives is not supported yet"));
+                }
+                let Some(mesh) = mesh else {
+                    errors.push(format!("{what} needs a device mesh; give the graph `meta` entries world_size, mesh_dp_replicate, mesh_dp_shard and mesh_tp"));
+                    continue;
+                };
+                let size = match op {
+                    Op::AllGather { size, .. } | Op::ReduceScatter { size, .. } => Some(*size),
+                    _ => None,
+                };
+                if let Some(s) = size
+                    && s != mesh.size(m)
+                {
+                    errors.push(format!("{what} has size = {s} but mesh dim {m} has {} ranks; set size = {}", mesh.size(m), mesh.size(m)));
+                }
+                let elems = node.inputs.first().and_then(|&v| region.values.get(v.index())).and_then(|d| d.ty.numel(&g.dims));
+                match elems {
+                    Some(elems) => calls.push(CollectiveCall { mesh_dim: m, what, elems }),
+                    None => errors.push(format!("{what} has an operand without a static shape; every rank must send the same number of elements")),
+                }
+            }
+            _ => {}
+        }
+    }
+}
+
+pub fn check_collectives(g: &mut Graph) -> Result<CheckCollectivesStats, String> {
+    let schedule = collective_schedule(g)?;
+    Ok(CheckCollectivesStats { collectives: schedule.iter().map(|(_, s)| s.len()).sum(), communicators: schedule.len() })
+}

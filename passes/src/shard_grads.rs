@@ -1,0 +1,59 @@
+//! `sync-grads`: after autodiff of an SPMD graph, make every gradient output `d_<param>` the
+//! true gradient of the rank's local parameter, and report the global loss.
+//!
+//! With the SPMD cotangent convention (a rank's cotangent is its contribution to a sum over
+//! ranks) a parameter replicated on a mesh dim has a `Partial` gradient there, so it is
+//! all-reduced (sum) over every such mesh dim: data parallelism's gradient averaging (the
+//! `1 / world_size` is already in the loss) and HSDP's all-reduce across `dp_replicate`.
+//! Gradients of `Shard`ed parameters were reduce-scattered by the VJP of their `all_gather`.
+//! Output `loss` (the rank's share) becomes the sum over all ranks: the global mean.
+
+use titan_ir::{CollectiveReduce, Graph, Mesh, MeshDim, Op, Placement, Value};
+
+use crate::train::grad_output_name;
+
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct SyncGradsStats {
+    /// `all_reduce` nodes inserted for gradients.
+    pub grad_all_reduces: usize,
+}
+
+pub fn sync_grads(g: &mut Graph) -> Result<SyncGradsStats, String> {
+    let mut stats = SyncGradsStats::default();
+    let Some(mesh) = Mesh::from_graph(g)? else { return Ok(stats) };
+    if mesh.world_size() == 1 {
+        return Ok(stats);
+    }
+    let names: Vec<String> = (0..g.main.args.len()).map(|i| grad_output_name(&g.main, i)).collect();
+    let mut todo: Vec<(usize, Vec<MeshDim>)> = Vec::new();
+    for (k, o) in g.main.outputs.iter().enumerate() {
+        let Some(i) = o.name.as_deref().and_then(|n| names.iter().position(|m| m == n)) else { continue };
+        let placement = &g.main.value(g.main.args[i].value).placement;
+        let dims: Vec<MeshDim> =
+            MeshDim::ALL.into_iter().filter(|&m| mesh.size(m) > 1 && placement.get(m.index()).is_none_or(|p| *p == Placement::Replicate)).collect();
+        todo.push((k, dims));
+    }
+    for (k, dims) in todo {
+        let mut v = g.main.outputs[k].value;
+        for m in dims {
+            v = all_reduce(g, v, m)?;
+            stats.grad_all_reduces += 1;
+        }
+        g.main.outputs[k].value = v;
+    }
+    let pos = g.main.outputs.iter().position(|o| o.name.as_deref() == Some("loss")).ok_or("the graph has no `loss` output")?;
+    let mut loss = g.main.outputs[pos].value;
+    for m in [MeshDim::Tp, MeshDim::DpShard, MeshDim::DpReplicate] {
+        if mesh.size(m) > 1 {
+            loss = all_reduce(g, loss, m)?;
+        }
+    }
+    g.main.values[loss.index()].placement = vec![Placement::Replicate; 3];
+    g.main.outputs[pos].value = loss;
+    Ok(stats)
+}
+
+fn all_reduce(g: &mut Graph, v: Value, m: MeshDim) -> Result<Value, String> {
+    let mut b = g.main_builder();
+    b.push1(Op::AllReduce { mesh_dim: m, reduce: CollectiveReduce::Sum }, &[v])
+}

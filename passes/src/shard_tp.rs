@@ -1,0 +1,260 @@
+//! `shard-tp`: tensor and sequence parallelism of a Llama MODEL graph over the mesh dim `tp`
+//! (Megatron / TorchTitan plan), run before `shard-dp` and the training
+//! lowering so autodiff derives the backward collectives:
+//!
+//! - `wq`, `wk`, `wv`, `w1`, `w3` are column-parallel (`Shard` on their output dim): each rank
+//!   computes its heads / its slice of the hidden units from the replicated activations;
+//! - `wo`, `w2` are row-parallel (`Shard` on their input dim): their products are partial
+//!   sums, reduce-scattered over `tp` along the sequence;
+//! - sequence parallelism: between those, activations hold this rank's slice of `seq` (the
+//!   embedding reads a `tokens` input fed sharded along `seq`); norms and residual adds run on
+//!   the slice, and the input of every column-parallel linear is all-gathered along `seq`
+//!   first (their VJPs swap: reduce-scatter of the partial input cotangent, all-gather of
+//!   the output cotangent);
+//! - `output` is vocab-parallel; its logits are all-gathered over the vocabulary before the
+//!   (replicated) cross-entropy, TorchTitan's `loss_parallel = false`;
+//! - norms and `tok_embeddings` stay replicated: `sync-grads` all-reduces their gradients.
+//!
+//! The reshapes of the block that split heads follow: their head dim (or last dim) shrinks by
+//! `tp`. Parameters are recognized by their checkpoint names.
+
+use titan_ir::infer::{InferCtx, infer_types};
+use titan_ir::{ArgKind, CollectiveReduce, Dim, DimTable, Graph, Mesh, MeshDim, Op, Placement, Region, TensorType, Value, ValueDef};
+
+use crate::util::replace_uses;
+
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ShardTpStats {
+    pub column_parallel: usize,
+    pub row_parallel: usize,
+    pub collectives: usize,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Plan {
+    Column,
+    Row,
+    Replicate,
+}
+
+const COLUMN: [&str; 6] =
+    [".attention.wq.weight", ".attention.wk.weight", ".attention.wv.weight", ".feed_forward.w1.weight", ".feed_forward.w3.weight", "output.weight"];
+const ROW: [&str; 2] = [".attention.wo.weight", ".feed_forward.w2.weight"];
+
+fn plan_of(name: &str) -> Plan {
+    if COLUMN.iter().any(|s| name.ends_with(s)) {
+        Plan::Column
+    } else if ROW.iter().any(|s| name.ends_with(s)) {
+        Plan::Row
+    } else {
+        Plan::Replicate
+    }
+}
+
+/// `placement` with mesh dim `m` set to `p` (an empty list is all `Replicate`).
+pub(crate) fn with_placement(placement: &[Placement], m: MeshDim, p: Placement) -> Vec<Placement> {
+    let mut v: Vec<Placement> = if placement.len() == 3 { placement.to_vec() } else { vec![Placement::Replicate; 3] };
+    v[m.index()] = p;
+    v
+}
+
+fn shrink(ty: &TensorType, d: usize, n: u32, dims: &DimTable, what: &str) -> Result<TensorType, String> {
+    let size = titan_ir::shape::resolve_dim(&ty.shape[d], dims).ok_or_else(|| format!("{what}: dim {d} of {ty} is not bound"))?;
+    if !size.is_multiple_of(u64::from(n)) {
+        return Err(format!("{what}: dim {d} of {ty} is not divisible by tp = {n}; choose a tp that divides it"));
+    }
+    let mut t = ty.clone();
+    t.shape[d] = Dim::Fixed(size / u64::from(n));
+    Ok(t)
+}
+
+pub fn shard_tp(g: &mut Graph) -> Result<ShardTpStats, String> {
+    let mut stats = ShardTpStats::default();
+    let Some(mesh) = Mesh::from_graph(g)? else { return Ok(stats) };
+    let n = mesh.size(MeshDim::Tp);
+    if n == 1 {
+        return Ok(stats);
+    }
+    // Parameters: local types and placements.
+    let mut plans: Vec<(Value, Plan, usize)> = Vec::new();
+    for i in 0..g.main.args.len() {
+        let ArgKind::Param(info) = g.main.args[i].kind.clone() else { continue };
+        let v = g.main.args[i].value;
+        let plan = plan_of(&info.name);
+        let ty = g.main.ty(v).clone();
+        let first = usize::from(info.is_stacked());
+        if ty.rank() != first + 2 && plan != Plan::Replicate {
+            return Err(format!("tensor-parallel parameter `{}` must be a {}matrix, found {ty}", info.name, if first == 1 { "stacked " } else { "" }));
+        }
+        let d = match plan {
+            Plan::Column => first,
+            Plan::Row => first + 1,
+            Plan::Replicate => 0,
+        };
+        let placement = g.main.value(v).placement.clone();
+        if plan == Plan::Replicate {
+            g.main.values[v.index()].placement = with_placement(&placement, MeshDim::Tp, Placement::Replicate);
+            continue;
+        }
+        g.main.values[v.index()].ty = shrink(&ty, d, n, &g.dims, &format!("parameter `{}`", info.name))?;
+        g.main.values[v.index()].placement = with_placement(&placement, MeshDim::Tp, Placement::Shard(d as u32));
+        match plan {
+            Plan::Column => stats.column_parallel += 1,
+            _ => stats.row_parallel += 1,
+        }
+        plans.push((v, plan, d));
+    }
+    // Blocks: the arguments the sharded parameters feed, then an all_reduce after each
+    // row-parallel product.
+    let order = g.main.order.clone();
+    for nid in &order {
+        let node = g.main.node(*nid).clone();
+        let Op::Repeat { block, carry, stacked, .. } = node.op else { continue };
+        let mut region = g.blocks[block.index()].clone();
+        let (mut rows, mut cols) = (Vec::new(), Vec::new());
+        for (j, x) in node.inputs.iter().enumerate() {
+            let Some(&(_, plan, d)) = plans.iter().find(|(v, _, _)| v == x) else { continue };
+            let per_layer = j >= carry as usize && j < (carry + stacked) as usize;
+            let bd = if per_layer { d - 1 } else { d };
+            let arg = region.args[j].value;
+            let ty = region.ty(arg).clone();
+            region.values[arg.index()].ty = shrink(&ty, bd, n, &g.dims, &format!("argument {j} of @{}", region.name))?;
+            let placement = region.value(arg).placement.clone();
+            region.values[arg.index()].placement = with_placement(&placement, MeshDim::Tp, Placement::Shard(bd as u32));
+            match plan {
+                Plan::Row => rows.push(arg),
+                _ => cols.push(arg),
+            }
+        }
+        // Sequence parallelism: the carried activations hold this rank's slice of `seq`.
+        for j in 0..carry as usize {
+            let arg = region.args[j].value;
+            let ty = region.ty(arg).clone();
+            if ty.rank() != 3 {
+                return Err(format!("sequence parallelism of @{}: carried value {j} must be [batch, seq, dim], found {ty}", region.name));
+            }
+            region.values[arg.index()].ty = shrink(&ty, 1, n, &g.dims, &format!("sequence of @{}", region.name))?;
+            let placement = region.value(arg).placement.clone();
+            region.values[arg.index()].placement = with_placement(&placement, MeshDim::Tp, Placement::Shard(1));
+        }
+        let linears: Vec<(usize, Value)> = region
+            .order
+            .iter()
+            .enumerate()
+            .filter_map(|(pos, &m)| {
+                let nd = region.node(m);
+                (matches!(nd.op, Op::Linear) && rows.contains(&nd.inputs[1])).then(|| (pos, nd.results[0]))
+            })
+            .collect();
+        for (k, (pos, r)) in linears.into_iter().enumerate() {
+            let ty = region.ty(r).clone();
+            let rs = Op::ReduceScatter { mesh_dim: MeshDim::Tp, dim: 1, size: n, reduce: CollectiveReduce::Sum };
+            let ar = region.add_node(rs, vec![r], vec![ty]);
+            region.order.pop();
+            region.order.insert(pos + 1 + k, ar);
+            let out = region.node(ar).results[0];
+            replace_uses(&mut region, r, out, Some(ar));
+            stats.collectives += 1;
+        }
+        stats.collectives += gather_sequence(&mut region, &cols, n);
+        reinfer(&mut region, &g.dims, &g.blocks, n)?;
+        g.blocks[block.index()] = region;
+    }
+    // Main: all-gather the vocab-parallel logits before anything reads them.
+    let outs: Vec<(usize, Value)> = g
+        .main
+        .order
+        .iter()
+        .enumerate()
+        .filter_map(|(pos, &m)| {
+            let nd = g.main.node(m);
+            (matches!(nd.op, Op::Linear) && plans.iter().any(|(v, p, _)| *v == nd.inputs[1] && *p == Plan::Column)).then(|| (pos, nd.results[0]))
+        })
+        .collect();
+    for (k, (pos, r)) in outs.into_iter().enumerate() {
+        let ty = g.main.ty(r).clone();
+        let last = ty.rank() - 1;
+        let ag = g.main.add_node(Op::AllGather { mesh_dim: MeshDim::Tp, dim: last as u32, size: n }, vec![r], vec![ty]);
+        g.main.order.pop();
+        g.main.order.insert(pos + 1 + k, ag);
+        let out = g.main.node(ag).results[0];
+        replace_uses(&mut g.main, r, out, Some(ag));
+        stats.collectives += 1;
+    }
+    let out_weights: Vec<Value> = plans.iter().filter(|(_, p, _)| *p == Plan::Column).map(|(v, _, _)| *v).collect();
+    stats.collectives += gather_sequence(&mut g.main, &out_weights, n);
+    // The embedding reads this rank's slice of the sequence: `tokens` is fed sharded.
+    let tokens = g.main.find("tokens").ok_or("sequence parallelism needs the input `%tokens`")?;
+    let ty = g.main.ty(tokens).clone();
+    if ty.rank() != 2 {
+        return Err(format!("input `%tokens` must be [batch, seq], found {ty}"));
+    }
+    g.main.values[tokens.index()].ty = shrink(&ty, 1, n, &g.dims, "input `%tokens`")?;
+    let placement = g.main.value(tokens).placement.clone();
+    g.main.values[tokens.index()].placement = with_placement(&placement, MeshDim::Tp, Placement::Shard(1));
+    let blocks = g.blocks.clone();
+    reinfer(&mut g.main, &g.dims, &blocks, n)?;
+    Ok(stats)
+}
+
+/// Sequence parallelism: all-gather (over `tp`, along `seq`) the input of every linear whose
+/// weight is one of `weights` (column-parallel), once per input, right after it is defined;
+/// only those linears read the gathered copy. Returns the number of gathers.
+fn gather_sequence(region: &mut Region, weights: &[Value], n: u32) -> usize {
+    let is_col = |nd: &titan_ir::Node| matches!(nd.op, Op::Linear) && weights.contains(&nd.inputs[1]);
+    let mut xs: Vec<Value> = Vec::new();
+    for &nid in &region.order {
+        let nd = region.node(nid);
+        if is_col(nd) && !xs.contains(&nd.inputs[0]) {
+            xs.push(nd.inputs[0]);
+        }
+    }
+    for &x in &xs {
+        let ty = region.ty(x).clone();
+        let node = region.add_node(Op::AllGather { mesh_dim: MeshDim::Tp, dim: 1, size: n }, vec![x], vec![ty]);
+        region.order.pop();
+        let pos = match region.value(x).def {
+            ValueDef::Arg(_) => 0,
+            ValueDef::Result { node: d, .. } => region.order.iter().position(|&m| m == d).map_or(0, |p| p + 1),
+        };
+        region.order.insert(pos, node);
+        let gathered = region.node(node).results[0];
+        let placement = region.value(x).placement.clone();
+        region.values[gathered.index()].placement = with_placement(&placement, MeshDim::Tp, Placement::Replicate);
+        if let Some(name) = region.value(x).name.clone() {
+            region.values[gathered.index()].name = Some(format!("{name}.seq"));
+        }
+        for (i, nd) in region.nodes.iter_mut().enumerate() {
+            if i != node.index() && is_col(nd) && nd.inputs[0] == x {
+                nd.inputs[0] = gathered;
+            }
+        }
+    }
+    xs.len()
+}
+
+/// Recompute every result type of `region` after its arguments shrank; a `reshape` that
+/// splits (or merges) heads shrinks its head dim (rank 4) or its last dim by `tp`.
+fn reinfer(region: &mut Region, dims: &DimTable, blocks: &[Region], tp: u32) -> Result<(), String> {
+    let ctx = InferCtx { dims, blocks };
+    for nid in region.order.clone() {
+        let node = region.node(nid).clone();
+        let ins: Vec<TensorType> = node.inputs.iter().map(|&v| region.ty(v).clone()).collect();
+        let refs: Vec<&TensorType> = ins.iter().collect();
+        let mut declared: Vec<TensorType> = node.results.iter().map(|&v| region.ty(v).clone()).collect();
+        if matches!(node.op, Op::Reshape) {
+            let (have, want) = (ins[0].numel(dims), declared[0].numel(dims));
+            if have != want {
+                let out = &declared[0];
+                let d = if out.rank() == 4 { 2 } else { out.rank().saturating_sub(1) };
+                declared[0] = shrink(out, d, tp, dims, &format!("reshape in @{}", region.name))?;
+            }
+        }
+        let types = if node.op.result_type_declared() { infer_types(&node.op, &refs, Some(&declared), &ctx) } else { infer_types(&node.op, &refs, None, &ctx) }
+            .map_err(|e| format!("tensor parallelism of @{}: {e}", region.name))?;
+        for (&r, t) in node.results.iter().zip(types) {
+            region.values[r.index()].ty = t;
+        }
+    }
+    Ok(())
+}

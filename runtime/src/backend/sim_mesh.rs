@@ -1,0 +1,283 @@
+//! The CPU simulated mesh: an SPMD training graph run by N ranks, one thread each, every rank
+//! a [`CpuTrainer`] on its shard of the data and of the parameters. Collectives meet at a
+//! shared rendezvous; each rank reduces the contributions itself in rank order, so results are
+//! deterministic and identical on every rank.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::Duration;
+
+use titan_ir::interp::{Communicator, Tensor, concat};
+use titan_ir::{Graph, Mesh, MeshDim, Placement};
+
+use crate::RuntimeError;
+use crate::backend::cpu_graph::RankContext;
+use crate::backend::{CpuTrainer, StepMetrics, Trainer};
+use crate::data::Batch;
+
+/// How long a rank waits for the others at a collective before the run is declared stuck.
+const COLLECTIVE_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// One collective call in progress: the contributions so far and how many ranks have read it.
+#[derive(Default)]
+struct Meeting {
+    parts: Vec<Option<Vec<f64>>>,
+    readers: usize,
+}
+
+/// A collective call: (mesh dim, the group's coordinates with that dim zeroed, call number).
+type MeetingKey = (usize, [usize; 3], u64);
+
+/// The rendezvous shared by every rank of the mesh.
+struct Rendezvous {
+    mesh: Mesh,
+    /// The calls in progress, and whether a rank failed (every wait then ends).
+    meetings: Mutex<(HashMap<MeetingKey, Meeting>, bool)>,
+    arrived: Condvar,
+}
+
+impl Rendezvous {
+    /// Wake every waiting rank and make further collectives fail (a rank has failed).
+    fn abort(&self) {
+        if let Ok(mut g) = self.meetings.lock() {
+            g.1 = true;
+        }
+        self.arrived.notify_all();
+    }
+}
+
+/// One rank's handle on the rendezvous.
+struct RankComm {
+    rv: Arc<Rendezvous>,
+    coords: [usize; 3],
+    /// Calls issued so far per mesh dim.
+    calls: Mutex<[u64; 3]>,
+}
+
+impl Communicator for RankComm {
+    fn sizes(&self) -> [usize; 3] {
+        self.rv.mesh.sizes.map(|x| x as usize)
+    }
+
+    fn coords(&self) -> [usize; 3] {
+        self.coords
+    }
+
+    fn exchange(&self, mesh_dim: MeshDim, data: Vec<f64>) -> Result<Vec<Vec<f64>>, String> {
+        let m = mesh_dim.index();
+        let n = self.rv.mesh.sizes[m] as usize;
+        let seq = {
+            let mut c = self.calls.lock().map_err(|_| "a rank panicked".to_string())?;
+            c[m] += 1;
+            c[m]
+        };
+        let mut group = self.coords;
+        group[m] = 0;
+        let key = (m, group, seq);
+        let me = self.coords[m];
+        let mut guard = self.rv.meetings.lock().map_err(|_| "a rank panicked".to_string())?;
+        {
+            let meeting = guard.0.entry(key).or_default();
+            if meeting.parts.is_empty() {
+                meeting.parts = vec![None; n];
+            }
+            meeting.parts[me] = Some(data);
+        }
+        self.rv.arrived.notify_all();
+        loop {
+            if guard.1 {
+                return Err("another rank failed; collective abandoned".into());
+            }
+            let ready = guard.0.get(&key).is_some_and(|mt| mt.parts.iter().all(Option::is_some));
+            if ready {
+                break;
+            }
+            let (g, timeout) = self.rv.arrived.wait_timeout(guard, COLLECTIVE_TIMEOUT).map_err(|_| "a rank panicked".to_string())?;
+            guard = g;
+            if timeout.timed_out() {
+                return Err(format!("collective #{seq} on {mesh_dim} timed out waiting for the other ranks (ranks issued different collectives)"));
+            }
+        }
+        let meeting = guard.0.get_mut(&key).ok_or("meeting vanished")?;
+        let parts: Vec<Vec<f64>> = meeting.parts.iter().map(|p| p.clone().unwrap_or_default()).collect();
+        meeting.readers += 1;
+        if meeting.readers == n {
+            guard.0.remove(&key);
+        }
+        Ok(parts)
+    }
+}
+
+/// Runs an SPMD training graph on a simulated mesh of `world_size` CPU ranks.
+pub struct MeshTrainer<'g> {
+    mesh: Mesh,
+    rv: Arc<Rendezvous>,
+    ranks: Vec<CpuTrainer<'g>>,
+    /// Per-rank batch rows.
+    local_batch: usize,
+    /// Whether `tokens` is sharded along `seq` on `tp` (sequence parallelism).
+    seq_parallel: bool,
+}
+
+impl<'g> MeshTrainer<'g> {
+    /// Prepare every rank of the mesh `graph`'s meta names.
+    pub fn new(graph: &'g Graph, seed: u64) -> Result<MeshTrainer<'g>, RuntimeError> {
+        let mesh = Mesh::from_graph(graph)
+            .map_err(RuntimeError::Graph)?
+            .ok_or_else(|| RuntimeError::Graph("the graph's meta names no device mesh (world_size); run it with the single-rank graph mode".into()))?;
+        let rv = Arc::new(Rendezvous { mesh, meetings: Mutex::new((HashMap::new(), false)), arrived: Condvar::new() });
+        let mut ranks = Vec::new();
+        for r in 0..mesh.world_size() as usize {
+            let coords = mesh.coords(r);
+            let comm = Arc::new(RankComm { rv: Arc::clone(&rv), coords, calls: Mutex::new([0; 3]) });
+            ranks.push(CpuTrainer::with_rank(graph, seed, Some(RankContext { mesh, coords, comm }))?);
+        }
+        let local_batch = ranks.first().map_or(0, CpuTrainer::batch_size);
+        let seq_parallel = graph
+            .main
+            .find("tokens")
+            .is_some_and(|v| matches!(graph.main.value(v).placement.get(MeshDim::Tp.index()), Some(Placement::Shard(1))) && mesh.size(MeshDim::Tp) > 1);
+        Ok(MeshTrainer { mesh, rv, ranks, local_batch, seq_parallel })
+    }
+
+    pub fn mesh(&self) -> Mesh {
+        self.mesh
+    }
+
+    /// The global batch: per-rank rows times `dp_replicate x dp_shard`.
+    pub fn global_batch(&self) -> usize {
+        self.local_batch * self.mesh.dp() as usize
+    }
+
+    /// Run one step: rank `r` with data-parallel index `i` takes rows `i * b .. (i + 1) * b`
+    /// of the global batch.
+    pub fn step(&mut self, batch: &Batch) -> Result<StepMetrics, RuntimeError> {
+        let seq = self.ranks.first().map_or(0, CpuTrainer::seq_len);
+        let rows = self.local_batch * seq;
+        if batch.tokens.len() != rows * self.mesh.dp() as usize || batch.targets.len() != batch.tokens.len() {
+            return Err(RuntimeError::Data(format!(
+                "a batch has {} tokens, the mesh step takes global batch {} x seq {seq}",
+                batch.tokens.len(),
+                self.global_batch()
+            )));
+        }
+        let mesh = self.mesh;
+        let rv = &self.rv;
+        let seq_parallel = self.seq_parallel;
+        let results: Vec<Result<StepMetrics, RuntimeError>> = std::thread::scope(|s| {
+            let handles: Vec<_> = self
+                .ranks
+                .iter_mut()
+                .enumerate()
+                .map(|(r, trainer)| {
+                    let c = mesh.coords(r);
+                    let i = c[0] * mesh.sizes[1] as usize + c[1];
+                    let targets = batch.targets[i * rows..(i + 1) * rows].to_vec();
+                    let mut tokens = batch.tokens[i * rows..(i + 1) * rows].to_vec();
+                    if seq_parallel {
+                        // `tokens` is `Shard(1)` on `tp`: this rank's slice of every row.
+                        let (tp, t) = (mesh.sizes[2] as usize, c[2]);
+                        let part = seq / tp;
+                        tokens = tokens.chunks(seq).flat_map(|row| row[t * part..(t + 1) * part].to_vec()).collect();
+                    }
+                    let local = Batch { tokens, targets };
+                    s.spawn(move || {
+                        let out = trainer.step(&local);
+                        if out.is_err() {
+                            rv.abort();
+                        }
+                        out
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(RuntimeError::Backend("a rank thread panicked".into())))).collect()
+        });
+        let mut first = None;
+        for (r, res) in results.into_iter().enumerate() {
+            match res {
+                Ok(m) if r == 0 => first = Some(m),
+                Ok(_) => {}
+                Err(e) => return Err(RuntimeError::Backend(format!("rank {r}: {e}"))),
+            }
+        }
+        let mut m = first.ok_or_else(|| RuntimeError::Backend("the mesh has no ranks".into()))?;
+        m.tokens_per_s *= f64::from(mesh.dp());
+        Ok(m)
+    }
+
+    /// Every state buffer, gathered from its shards into the single-rank tensor.
+    pub fn gathered_states(&self) -> Result<Vec<(String, Tensor<f32>)>, RuntimeError> {
+        let first = self.ranks.first().ok_or_else(|| RuntimeError::Backend("the mesh has no ranks".into()))?;
+        let graph = first.graph();
+        let mut out = Vec::new();
+        for (k, (p, _)) in first.states().enumerate() {
+            let v = graph.main.args.iter().find(|a| a.kind.param_info().is_some_and(|q| q.name == p.name)).map(|a| a.value);
+            let placement = v.map(|v| graph.main.value(v).placement.clone()).unwrap_or_default();
+            let sharded: Vec<(usize, u32)> = placement
+                .iter()
+                .enumerate()
+                .filter_map(|(m, pl)| match pl {
+                    Placement::Shard(d) if self.mesh.sizes[m] > 1 => Some((m, *d)),
+                    _ => None,
+                })
+                .collect();
+            let full = self.gather(k, [0; 3], &sharded).map_err(|e| RuntimeError::Backend(format!("gathering `{}`: {e}", p.name)))?;
+            out.push((p.name.clone(), full));
+        }
+        Ok(out)
+    }
+}
+
+impl MeshTrainer<'_> {
+    /// State `k` reassembled over the mesh dims in `sharded` (`(mesh dim, tensor dim)`, on
+    /// distinct tensor dims), starting from the rank at `coords`.
+    fn gather(&self, k: usize, coords: [usize; 3], sharded: &[(usize, u32)]) -> Result<Tensor<f32>, String> {
+        let Some((&(m, d), rest)) = sharded.split_first() else {
+            let r = (0..self.ranks.len()).find(|&r| self.mesh.coords(r) == coords).ok_or("rank not found")?;
+            return self.ranks[r].states().nth(k).map(|(_, t)| t.clone()).ok_or_else(|| "the ranks disagree on their states".to_string());
+        };
+        let mut parts = Vec::new();
+        for c in 0..self.mesh.sizes[m] as usize {
+            let mut at = coords;
+            at[m] = c;
+            parts.push(self.gather(k, at, rest)?);
+        }
+        concat(&parts, d as usize)
+    }
+}
+
+impl Trainer for MeshTrainer<'_> {
+    fn step(&mut self, batch: &Batch) -> Result<StepMetrics, RuntimeError> {
+        MeshTrainer::step(self, batch)
+    }
+
+    fn batch_size(&self) -> usize {
+        self.global_batch()
+    }
+
+    fn seq_len(&self) -> usize {
+        self.ranks.first().map_or(0, CpuTrainer::seq_len)
+    }
+
+    fn vocab_size(&self) -> usize {
+        self.ranks.first().map_or(0, CpuTrainer::vocab_size)
+    }
+
+    fn steps_done(&self) -> u64 {
+        self.ranks.first().map_or(0, CpuTrainer::steps_done)
+    }
+
+    fn states(&self) -> Result<Vec<(String, Tensor<f32>)>, RuntimeError> {
+        self.gathered_states()
+    }
+
+    fn set_state(&mut self, name: &str, values: &[f32]) -> Result<(), RuntimeError> {
+        let _ = values;
+        Err(RuntimeError::Backend(format!("restoring state `{name}` into a simulated mesh run is not supported yet; resume with the single-rank graph")))
+    }
+
+    fn set_steps_done(&mut self, steps: u64) -> Result<(), RuntimeError> {
+        let _ = steps;
+        Err(RuntimeError::Backend("resuming a simulated mesh run is not supported yet; resume with the single-rank graph".into()))
+    }
+}
