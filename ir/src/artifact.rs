@@ -205,6 +205,12 @@ pub struct Kernel {
     /// whose code generator is not built yet (the CPU backend still runs them).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ptx: Option<String>,
+    /// Cubin file relative to the artifact directory (`kernels/<name>.cubin`): the PTX assembled
+    /// by `ptxas` for `target.arch`, so the driver need not JIT-compile it at load. Absent when
+    /// the build found no `ptxas`; loaders use it only on a matching device and fall back to the
+    /// PTX otherwise.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cubin: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub entry: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]

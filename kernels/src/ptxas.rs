@@ -1,8 +1,10 @@
-//! Validation of generated PTX with NVIDIA's `ptxas` (no GPU needed): assemble for sm_90a and
-//! report registers, spills, shared memory and stack from `-v`.
+//! NVIDIA's `ptxas` (no GPU needed): validation of generated PTX (assemble for sm_90a and report
+//! registers, spills, shared memory and stack from `-v`) and assembly of the sm_90a cubins that
+//! artifacts ship next to their PTX, so the driver need not JIT-compile PTX at start-up.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::KernelError;
 
@@ -20,6 +22,15 @@ const INSTALL_HINT: &str = "install it with `pip install nvidia-cuda-nvcc` or po
 
 fn is_file(p: &Path) -> bool {
     p.is_file()
+}
+
+/// Temporary files unique to one call: process id, a per-process counter and the time.
+fn unique_stem(entry: &str) -> String {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    let n = NEXT.fetch_add(1, Ordering::Relaxed);
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
+    let entry: String = entry.chars().map(|c| if c.is_ascii_alphanumeric() || c == '_' { c } else { '_' }).take(64).collect();
+    format!("titan-{}-{n}-{nanos}-{entry}", std::process::id())
 }
 
 /// Find `ptxas`: `$TITAN_PTXAS`, then `ptxas` on `PATH`, then the one pip's `nvidia-cuda-nvcc`
@@ -49,8 +60,7 @@ pub fn find_ptxas() -> Option<PathBuf> {
 pub fn ptxas_check(ptx: &str, entry: &str) -> Result<PtxasReport, KernelError> {
     let ptxas = find_ptxas().ok_or_else(|| KernelError::Ptxas(format!("ptxas not found; {INSTALL_HINT}")))?;
     let dir = std::env::temp_dir();
-    let unique =
-        format!("titan-{}-{}-{}", std::process::id(), entry, std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos()));
+    let unique = unique_stem(entry);
     let src = dir.join(format!("{unique}.ptx"));
     let obj = dir.join(format!("{unique}.cubin"));
     std::fs::write(&src, ptx).map_err(|e| KernelError::Ptxas(format!("cannot write `{}`: {e}", src.display())))?;
@@ -63,6 +73,38 @@ pub fn ptxas_check(ptx: &str, entry: &str) -> Result<PtxasReport, KernelError> {
         return Err(KernelError::Ptxas(format!("ptxas rejected the PTX of `{entry}`:\n{text}")));
     }
     parse_report(&text, entry).ok_or_else(|| KernelError::Ptxas(format!("no `-v` report for entry `{entry}` in ptxas output:\n{text}")))
+}
+
+/// Assemble `ptx` into an sm_90a cubin (`ptxas -arch=sm_90a -O3`) with the `ptxas` that
+/// [`find_ptxas`] finds. `entry` names the kernel in errors, which carry ptxas's output.
+pub fn assemble_cubin(ptx: &str, entry: &str) -> Result<Vec<u8>, KernelError> {
+    let ptxas = find_ptxas().ok_or_else(|| KernelError::Ptxas(format!("ptxas not found; {INSTALL_HINT}")))?;
+    assemble_cubin_with(&ptxas, ptx, entry)
+}
+
+/// [`assemble_cubin`] with a given `ptxas` binary (callers assembling many kernels find it once).
+/// The cubin is an ELF image that `cuModuleLoadData` loads as it loads PTX; for the same PTX and
+/// ptxas it is byte-identical across runs (ptxas embeds no paths or timestamps).
+pub fn assemble_cubin_with(ptxas: &Path, ptx: &str, entry: &str) -> Result<Vec<u8>, KernelError> {
+    let dir = std::env::temp_dir();
+    let unique = unique_stem(entry);
+    let src = dir.join(format!("{unique}.ptx"));
+    let obj = dir.join(format!("{unique}.cubin"));
+    std::fs::write(&src, ptx).map_err(|e| KernelError::Ptxas(format!("cannot write `{}`: {e}", src.display())))?;
+    let out = Command::new(ptxas).arg("-arch=sm_90a").arg("-O3").arg(&src).arg("-o").arg(&obj).output();
+    let _ = std::fs::remove_file(&src);
+    let cubin = std::fs::read(&obj);
+    let _ = std::fs::remove_file(&obj);
+    let out = out.map_err(|e| KernelError::Ptxas(format!("cannot run `{}`: {e}", ptxas.display())))?;
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    if !out.status.success() {
+        return Err(KernelError::Ptxas(format!("ptxas rejected the PTX of `{entry}`:\n{text}")));
+    }
+    let cubin = cubin.map_err(|e| KernelError::Ptxas(format!("ptxas wrote no cubin for `{entry}` ({e}):\n{text}")))?;
+    if !cubin.starts_with(b"\x7fELF") {
+        return Err(KernelError::Ptxas(format!("ptxas wrote a cubin for `{entry}` that is not an ELF image:\n{text}")));
+    }
+    Ok(cubin)
 }
 
 /// The first number before `what` in `line` (`"0 bytes spill stores"` -> 0).
@@ -112,5 +154,23 @@ ptxas info    : Used 14 registers, used 1 barriers, 256 bytes smem\n";
         let r = parse_report(text, "k").expect("report");
         assert_eq!(r, PtxasReport { registers: 14, spill_stores: 4, spill_loads: 12, shared_bytes: 256, stack_bytes: 8 });
         assert!(parse_report(text, "other").is_none());
+    }
+
+    const TINY: &str = ".version 8.0\n.target sm_90a\n.address_size 64\n.visible .entry tiny()\n{\n\tret;\n}\n";
+
+    #[test]
+    fn cubins_are_elf_and_deterministic() {
+        let Some(ptxas) = find_ptxas() else {
+            eprintln!("ptxas not found; skipping cubin assembly");
+            return;
+        };
+        let a = assemble_cubin_with(&ptxas, TINY, "tiny").unwrap_or_else(|e| panic!("{e}"));
+        let b = assemble_cubin_with(&ptxas, TINY, "tiny").unwrap_or_else(|e| panic!("{e}"));
+        assert!(a.starts_with(b"\x7fELF"));
+        assert_eq!(a, b, "ptxas output differs between two runs");
+        let err = assemble_cubin_with(&ptxas, "not ptx", "broken").expect_err("bad PTX is rejected");
+        assert!(err.to_string().contains("`broken`"), "{err}");
+        let missing = assemble_cubin_with(Path::new("/nonexistent/ptxas"), TINY, "tiny").expect_err("no such ptxas");
+        assert!(missing.to_string().contains("cannot run"), "{missing}");
     }
 }

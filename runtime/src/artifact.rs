@@ -103,6 +103,22 @@ impl Artifact {
                 message: "not found; the artifact is incomplete, rebuild it with `titanc build`".into(),
             });
         }
+        for k in &manifest.kernels {
+            let Some(cubin) = &k.cubin else { continue };
+            if k.ptx.is_none() {
+                return Err(invalid(format!("kernel `{}` lists the cubin `{cubin}` but no PTX; rebuild the artifact with `titanc build`", k.name)));
+            }
+            let path = dir.join(cubin);
+            if !path.is_file() {
+                return Err(ArtifactError::Io {
+                    path: path.display().to_string(),
+                    message: format!(
+                        "the cubin of kernel `{}` is not found; the artifact is incomplete, rebuild it with `titanc build` (or remove the kernel's `cubin` entry from {MANIFEST_FILE} to use its PTX)",
+                        k.name
+                    ),
+                });
+            }
+        }
         let graph = titan_ir::parse_file(&graph_path).map_err(|e| invalid(format!("`{}` does not parse: {e}", graph_path.display())))?;
         let mut artifact =
             Artifact { dir: dir.to_path_buf(), manifest, graph, buffer_index: BTreeMap::new(), kernel_index: BTreeMap::new(), arena_bytes: BTreeMap::new() };

@@ -173,6 +173,29 @@ fn loading_errors_say_what_to_do() {
     let e = load_edited("binding", |v| v["ranks"][0]["steps"][0]["inputs"] = serde_json::json!([{"buffer": 1}, {"buffer": 1}]));
     assert!(e.contains("the kernel expects f32[256, 256]"), "{e}");
 
+    let e = load_edited("missing-cubin", |v| {
+        v["kernels"][0]["ptx"] = "kernels/k0.ptx".into();
+        v["kernels"][0]["cubin"] = "kernels/k0.cubin".into();
+    });
+    assert!(e.contains("k0.cubin") && e.contains("not found") && e.contains("rebuild"), "{e}");
+
+    let e = load_edited("cubin-without-ptx", |v| v["kernels"][0]["cubin"] = "kernels/k0.cubin".into());
+    assert!(e.contains("lists the cubin") && e.contains("no PTX"), "{e}");
+
+    // A listed cubin that exists loads, and the CPU backend ignores it.
+    let dir = write("cubin", &bigram(), BIGRAM_IR);
+    let path = dir.join("manifest.json");
+    let mut v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path).expect("read")).expect("json");
+    v["kernels"][0]["ptx"] = "kernels/k0.ptx".into();
+    v["kernels"][0]["cubin"] = "kernels/k0.cubin".into();
+    std::fs::write(&path, serde_json::to_string_pretty(&v).expect("json")).expect("write");
+    std::fs::create_dir_all(dir.join("kernels")).expect("mkdir");
+    std::fs::write(dir.join("kernels/k0.cubin"), b"\x7fELF").expect("write");
+    let a = Artifact::load(&dir).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(a.manifest.kernels[0].cubin.as_deref(), Some("kernels/k0.cubin"));
+    let (losses, _) = artifact_mode(&dir, 1, 0);
+    assert!(losses[0].is_finite());
+
     let dir = write("corrupt", &bigram(), BIGRAM_IR);
     std::fs::write(dir.join("manifest.json"), "{\"format_version\": 1, \"buffers\": [").expect("write");
     let e = Artifact::load(&dir).expect_err("corrupt").to_string();

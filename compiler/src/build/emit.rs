@@ -25,9 +25,10 @@ fn write_files(dir: &Path, a: &Artifact) -> Result<(), BuildError> {
     let manifest = a.manifest.to_json();
     let mut files: Vec<(&str, &str)> = vec![(MANIFEST_FILE, manifest.as_str()), (GRAPH_FILE, a.graph_text.as_str())];
     files.extend(a.ptx.iter().map(|(p, t)| (p.as_str(), t.as_str())));
-    for (rel, text) in files {
+    let cubins = a.cubins.iter().map(|(p, c)| (p.as_str(), c.as_slice()));
+    for (rel, bytes) in files.into_iter().map(|(p, t)| (p, t.as_bytes())).chain(cubins) {
         let path = dir.join(rel);
-        fs::write(&path, text).map_err(|e| io(&path, e))?;
+        fs::write(&path, bytes).map_err(|e| io(&path, e))?;
     }
     Ok(())
 }

@@ -3,9 +3,11 @@
 //! Phases: **pipeline** (verify the model, lower it to the training step and fuse it into the
 //! kernel graph with [`compile_train_graph`]), **plan** (the static memory plan, rank 0's
 //! schedule and the kernel table: [`memory`], [`schedule`], [`gemm`]), **codegen** (PTX for every
-//! generated kernel body, once per body, through `titan_kernels::compile_kernel`) and **write**
-//! ([`emit`]: `manifest.json`, `graph.ir`, `kernels/*.ptx` into a temporary directory renamed
-//! into place). `docs/artifact.md` describes the result.
+//! generated kernel body, once per body, through `titan_kernels::compile_kernel`), **ptxas**
+//! (each PTX assembled into an sm_90a cubin when `ptxas` is found, on a few threads; without
+//! `ptxas` the artifact ships PTX only and the summary says so) and **write** ([`emit`]:
+//! `manifest.json`, `graph.ir`, `kernels/*.ptx`, `kernels/*.cubin` into a temporary directory
+//! renamed into place). `docs/artifact.md` describes the result.
 //!
 //! Building is deterministic: the same model text, options and target give byte-identical
 //! files, and `content_hash` (hex SHA-256 of the three) identifies them.
@@ -115,6 +117,8 @@ pub struct Phases {
     pub pipeline: Duration,
     pub plan: Duration,
     pub codegen: Duration,
+    /// Assembling the cubins with `ptxas` (zero without `ptxas`).
+    pub ptxas: Duration,
     pub write: Duration,
     /// The extra unfused lowering of `--report` (zero without it).
     pub report: Duration,
@@ -122,7 +126,7 @@ pub struct Phases {
 
 impl Phases {
     pub fn total(&self) -> Duration {
-        self.pipeline + self.plan + self.codegen + self.write + self.report
+        self.pipeline + self.plan + self.codegen + self.ptxas + self.write + self.report
     }
 }
 
@@ -137,6 +141,8 @@ pub struct BuildSummary {
     pub kernels_by_kind: BTreeMap<&'static str, usize>,
     pub kernels: usize,
     pub ptx_files: usize,
+    /// Cubins written next to the PTX (0 without `ptxas`).
+    pub cubin_files: usize,
     pub launches_per_step: u64,
     pub buffers: usize,
     pub arenas: Vec<ArenaPlan>,
@@ -146,7 +152,7 @@ pub struct BuildSummary {
     pub phases: Phases,
     pub pipeline: PipelineReport,
     pub fusion: Option<FusionReport>,
-    /// Kernels left without GPU code, and why.
+    /// Kernels left without GPU code, a build without cubins, and why.
     pub notes: Vec<String>,
 }
 
@@ -163,7 +169,15 @@ impl fmt::Display for BuildSummary {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         writeln!(f, "built {} from @{} (content hash {})", self.out_dir.display(), self.graph, &self.content_hash[..self.content_hash.len().min(16)])?;
         let kinds: Vec<String> = self.kernels_by_kind.iter().map(|(k, n)| format!("{n} {k}")).collect();
-        writeln!(f, "kernels:      {} ({}); {} PTX files; {} launches per step", self.kernels, kinds.join(", "), self.ptx_files, self.launches_per_step)?;
+        writeln!(
+            f,
+            "kernels:      {} ({}); {} PTX files, {} cubins; {} launches per step",
+            self.kernels,
+            kinds.join(", "),
+            self.ptx_files,
+            self.cubin_files,
+            self.launches_per_step
+        )?;
         writeln!(f, "memory plan:  {} buffers", self.buffers)?;
         for a in &self.arenas {
             writeln!(f, "  {:<16} {:>12}", memory::arena_name(a.arena), human_bytes(a.bytes))?;
@@ -174,7 +188,8 @@ impl fmt::Display for BuildSummary {
             writeln!(f, "predicted peak memory: rank {rank}: {} ({peak} bytes, excluding library workspaces)", human_bytes(*peak))?;
         }
         let p = &self.phases;
-        let mut phases = format!("pipeline {}, plan {}, codegen {}, write {}", secs(p.pipeline), secs(p.plan), secs(p.codegen), secs(p.write));
+        let ptxas = if p.ptxas > Duration::ZERO { format!(", ptxas {}", secs(p.ptxas)) } else { String::new() };
+        let mut phases = format!("pipeline {}, plan {}, codegen {}{ptxas}, write {}", secs(p.pipeline), secs(p.plan), secs(p.codegen), secs(p.write));
         if p.report > Duration::ZERO {
             phases.push_str(&format!(", report {}", secs(p.report)));
         }
@@ -213,13 +228,15 @@ pub fn plan_kernel_graph(fused: &Graph) -> Result<Plan, BuildError> {
     Ok(Plan { storage, schedule, lifetimes, memory })
 }
 
-/// An artifact in memory: the manifest, the fused graph's text and the PTX files.
+/// An artifact in memory: the manifest, the fused graph's text, the PTX files and the cubins.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Artifact {
     pub manifest: Manifest,
     pub graph_text: String,
     /// `(path relative to the artifact directory, text)`.
     pub ptx: Vec<(String, String)>,
+    /// `(path relative to the artifact directory, cubin image)`.
+    pub cubins: Vec<(String, Vec<u8>)>,
 }
 
 /// Hex SHA-256 of the model text, the canonical options and the target, each length-prefixed.
@@ -289,14 +306,73 @@ fn codegen(fused: &Graph, bodies: &[(BlockId, KernelKind, String)], notes: &mut 
         .collect()
 }
 
-/// Compile `model` (whose source text is `model_text`) into an in-memory artifact; no files
-/// are touched. Returns the artifact and a summary without the write time.
-pub fn compile_artifact(model: &Graph, model_text: &str, opts: &BuildOptions) -> Result<(Artifact, BuildSummary), BuildError> {
-    compile(model, model_text, opts, true)
+/// Assemble every `(kernel index, PTX path, PTX, entry)` into a cubin with `ptxas`, on up to
+/// four threads (each call is a separate `ptxas` process), longest PTX first. A kernel ptxas
+/// rejects keeps its PTX only, with a note: the loader then JIT-compiles the PTX, which reports
+/// the problem on the GPU. If every kernel fails (a `ptxas` that cannot run), one note says so.
+fn assemble_cubins(ptxas: &Path, jobs: &[(usize, &str, &str, &str)], notes: &mut Vec<String>) -> Vec<Option<Vec<u8>>> {
+    if jobs.is_empty() {
+        return Vec::new();
+    }
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).clamp(1, 4).min(jobs.len());
+    // Longest PTX first, so one slow kernel (the optimizer's) does not start last.
+    let mut order: Vec<usize> = (0..jobs.len()).collect();
+    order.sort_by_key(|&i| std::cmp::Reverse(jobs[i].2.len()));
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    type Assembled = Result<Vec<u8>, KernelError>;
+    let mut results: Vec<Option<Assembled>> = (0..jobs.len()).map(|_| None).collect();
+    let parts: Vec<Vec<(usize, Assembled)>> = std::thread::scope(|s| {
+        let workers: Vec<_> = (0..threads)
+            .map(|_| {
+                let (next, order) = (&next, &order);
+                s.spawn(move || {
+                    let mut out = Vec::new();
+                    while let Some(&i) = order.get(next.fetch_add(1, std::sync::atomic::Ordering::Relaxed)) {
+                        let (_, _, ptx, entry) = jobs[i];
+                        out.push((i, titan_kernels::assemble_cubin_with(ptxas, ptx, entry)));
+                    }
+                    out
+                })
+            })
+            .collect();
+        workers.into_iter().map(|w| w.join().unwrap_or_else(|p| std::panic::resume_unwind(p))).collect()
+    });
+    for (i, r) in parts.into_iter().flatten() {
+        results[i] = Some(r);
+    }
+    if results.iter().all(|r| matches!(r, Some(Err(_)))) {
+        // Typically a `ptxas` that cannot run at all: one note, not one per kernel.
+        if let Some(Some(Err(e))) = results.first() {
+            notes.push(format!("no cubins (the runtime JIT-compiles the PTX at start-up): {e}"));
+        }
+        return jobs.iter().map(|_| None).collect();
+    }
+    results
+        .into_iter()
+        .zip(jobs)
+        .map(|(r, &(_, path, _, _))| match r {
+            Some(Ok(cubin)) => Some(cubin),
+            Some(Err(e)) => {
+                notes.push(format!("no cubin for `{path}` (the runtime JIT-compiles its PTX): {e}"));
+                None
+            }
+            None => None,
+        })
+        .collect()
 }
 
-/// [`compile_artifact`], optionally without code generation (tests of the plan and schedule).
-fn compile(model: &Graph, model_text: &str, opts: &BuildOptions, generate_code: bool) -> Result<(Artifact, BuildSummary), BuildError> {
+/// Compile `model` (whose source text is `model_text`) into an in-memory artifact; no files
+/// are touched. Returns the artifact and a summary without the write time. Cubins are
+/// assembled with the `ptxas` that `titan_kernels::find_ptxas` finds (`TITAN_PTXAS` pointing
+/// at a missing file disables them).
+pub fn compile_artifact(model: &Graph, model_text: &str, opts: &BuildOptions) -> Result<(Artifact, BuildSummary), BuildError> {
+    let ptxas = titan_kernels::find_ptxas();
+    compile(model, model_text, opts, true, ptxas.as_deref())
+}
+
+/// [`compile_artifact`], optionally without code generation (tests of the plan and schedule),
+/// with an explicit `ptxas` (`None`: no cubins).
+fn compile(model: &Graph, model_text: &str, opts: &BuildOptions, generate_code: bool, ptxas: Option<&Path>) -> Result<(Artifact, BuildSummary), BuildError> {
     check_target(&opts.target)?;
     let mut phases = Phases::default();
 
@@ -345,6 +421,7 @@ fn compile(model: &Graph, model_text: &str, opts: &BuildOptions, generate_code: 
             kind: *kind,
             body: region.name.clone(),
             ptx: None,
+            cubin: None,
             entry: None,
             launch: None,
             gemm,
@@ -369,6 +446,35 @@ fn compile(model: &Graph, model_text: &str, opts: &BuildOptions, generate_code: 
         ptx.push((path, c.ptx));
     }
     phases.codegen = t.elapsed();
+
+    let t = Instant::now();
+    let mut cubins = Vec::new();
+    match ptxas {
+        Some(ptxas) => {
+            let mut jobs = Vec::with_capacity(ptx.len());
+            for (i, k) in kernels.iter().enumerate() {
+                if let (Some(path), Some(entry)) = (&k.ptx, &k.entry)
+                    && let Some((_, text)) = ptx.iter().find(|(p, _)| p == path)
+                {
+                    jobs.push((i, path.as_str(), text.as_str(), entry.as_str()));
+                }
+            }
+            let assembled = assemble_cubins(ptxas, &jobs, &mut notes);
+            let done: Vec<(usize, Vec<u8>)> = jobs.iter().zip(assembled).filter_map(|(&(i, ..), c)| c.map(|c| (i, c))).collect();
+            for (i, cubin) in done {
+                let path = format!("{KERNEL_DIR}/{}.cubin", kernels[i].name);
+                kernels[i].cubin = Some(path.clone());
+                cubins.push((path, cubin));
+            }
+        }
+        None if !ptx.is_empty() => notes.push(
+            "ptxas not found: the artifact ships PTX only and the CUDA driver JIT-compiles it at start-up (seconds); install it with \
+             `pip install nvidia-cuda-nvcc` or point TITAN_PTXAS at a ptxas binary, then rebuild"
+                .to_string(),
+        ),
+        None => {}
+    }
+    phases.ptxas = t.elapsed();
 
     let dims = fused.dims.clone();
     let batch = dims.get("batch").copied().unwrap_or(0);
@@ -401,6 +507,7 @@ fn compile(model: &Graph, model_text: &str, opts: &BuildOptions, generate_code: 
         kernels_by_kind,
         kernels: manifest.kernels.len(),
         ptx_files: ptx.len(),
+        cubin_files: cubins.len(),
         launches_per_step: plan.schedule.launches_per_step,
         buffers: manifest.buffers.len(),
         arenas: plan.memory.arenas.clone(),
@@ -412,7 +519,7 @@ fn compile(model: &Graph, model_text: &str, opts: &BuildOptions, generate_code: 
         notes,
     };
     let graph_text = titan_ir::print::print_graph(&fused);
-    Ok((Artifact { manifest, graph_text, ptx }, summary))
+    Ok((Artifact { manifest, graph_text, ptx, cubins }, summary))
 }
 
 /// Build the artifact of `model` into `out_dir` (see the module documentation). A failed build

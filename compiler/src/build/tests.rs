@@ -152,7 +152,7 @@ fn shadow_execute(m: &Manifest) -> Vec<String> {
 
 /// The manifest without code generation (the plan and schedule do not depend on it).
 fn manifest_of(m: &Graph, text: &str) -> Manifest {
-    compile(m, text, &BuildOptions::default(), false).unwrap_or_else(|e| panic!("{e}")).0.manifest
+    compile(m, text, &BuildOptions::default(), false, None).unwrap_or_else(|e| panic!("{e}")).0.manifest
 }
 
 #[test]
@@ -313,7 +313,7 @@ fn builds_are_byte_identical_and_hashed() {
         out
     };
     let (fa, fb) = (files(&a), files(&b));
-    assert!(fa.len() >= 2 + sa.ptx_files, "manifest, graph and the PTX files: {:?}", fa.iter().map(|f| &f.0).collect::<Vec<_>>());
+    assert!(fa.len() >= 2 + sa.ptx_files + sa.cubin_files, "manifest, graph, the PTX files and the cubins: {:?}", fa.iter().map(|f| &f.0).collect::<Vec<_>>());
     assert_eq!(fa.len(), fb.len());
     for ((pa, ca), (pb, cb)) in fa.iter().zip(&fb) {
         assert_eq!(pa, pb);
@@ -377,8 +377,63 @@ fn unsupported_gpu_patterns_leave_kernels_without_ptx_and_say_so() {
     let without: Vec<&str> = artifact.manifest.kernels.iter().filter(|k| k.ptx.is_none() && k.kind != KernelKind::Gemm).map(|k| k.name.as_str()).collect();
     assert_eq!(without.len(), 2, "the two attention kernels: {without:?}");
     assert!(without.iter().all(|n| n.contains("attention")), "{without:?}");
-    assert_eq!(summary.notes.len(), 2);
+    assert_eq!(summary.notes.iter().filter(|n| n.starts_with("no GPU code")).count(), 2, "{:?}", summary.notes);
     let shown = summary.to_string();
     assert!(shown.contains("note: no GPU code: kernel `layer.k6_attention` (attention)"), "{shown}");
     assert!(shown.contains("the artifact runs on the CPU backend only"), "{shown}");
+}
+
+/// With `ptxas`, every PTX kernel of the debug model also ships an sm_90a cubin (an ELF image),
+/// listed in the manifest, written next to the PTX, and read back from the manifest.
+#[test]
+fn debug_build_ships_a_cubin_per_ptx_kernel() {
+    let Some(ptxas) = titan_kernels::find_ptxas() else {
+        eprintln!("ptxas not found; skipping the cubin build test");
+        return;
+    };
+    let text = debug_text();
+    let m = titan_ir::parse::parse_and_verify("llama3-debug.ir", &text).unwrap_or_else(|e| panic!("{e}"));
+    let (artifact, summary) = compile(&m, &text, &BuildOptions::default(), true, Some(&ptxas)).unwrap_or_else(|e| panic!("{e}"));
+    assert!(summary.notes.is_empty(), "{:?}", summary.notes);
+    assert!(summary.ptx_files > 0);
+    assert_eq!(summary.cubin_files, summary.ptx_files);
+    assert!(summary.to_string().contains(&format!("{} PTX files, {} cubins", summary.ptx_files, summary.cubin_files)));
+    for k in &artifact.manifest.kernels {
+        assert_eq!(k.cubin.is_some(), k.ptx.is_some(), "{}", k.name);
+        if let Some(c) = &k.cubin {
+            assert_eq!(c, &format!("kernels/{}.cubin", k.name));
+            let (_, image) = artifact.cubins.iter().find(|(p, _)| p == c).unwrap_or_else(|| panic!("{c} not in the artifact"));
+            assert!(image.starts_with(b"\x7fELF"), "{c} is not an ELF image");
+        }
+    }
+    let back = Manifest::from_json("manifest.json", &artifact.manifest.to_json()).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(back, artifact.manifest);
+    let dir = scratch("cubins");
+    let out = dir.join("a");
+    emit::write_artifact(&out, &artifact).unwrap_or_else(|e| panic!("{e}"));
+    for (p, image) in &artifact.cubins {
+        assert_eq!(&std::fs::read(out.join(p)).unwrap_or_default(), image, "{p}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Without `ptxas` the build still succeeds: PTX only, no `cubin` entries, and a note saying
+/// how to get cubins. `TITAN_PTXAS` naming a missing file is how users get here.
+#[test]
+fn without_ptxas_the_build_ships_ptx_only_and_says_so() {
+    let text = debug_text();
+    let m = titan_ir::parse::parse_and_verify("llama3-debug.ir", &text).unwrap_or_else(|e| panic!("{e}"));
+    let (artifact, summary) = compile(&m, &text, &BuildOptions::default(), true, None).unwrap_or_else(|e| panic!("{e}"));
+    assert!(artifact.cubins.is_empty());
+    assert!(artifact.manifest.kernels.iter().all(|k| k.cubin.is_none()));
+    assert!(artifact.manifest.kernels.iter().any(|k| k.ptx.is_some()));
+    assert_eq!(summary.cubin_files, 0);
+    assert!(!artifact.manifest.to_json().contains("cubin"), "no `cubin` keys in the manifest");
+    let shown = summary.to_string();
+    assert!(shown.contains("note: ptxas not found") && shown.contains("TITAN_PTXAS"), "{shown}");
+    // A ptxas that cannot run gives notes, never a failed build.
+    let (artifact, summary) = compile(&m, &text, &BuildOptions::default(), true, Some(Path::new("/nonexistent/ptxas"))).unwrap_or_else(|e| panic!("{e}"));
+    assert!(artifact.cubins.is_empty());
+    assert_eq!(summary.notes.len(), 1, "one note, not one per kernel: {:?}", summary.notes);
+    assert!(summary.notes[0].starts_with("no cubins") && summary.notes[0].contains("/nonexistent/ptxas"), "{:?}", summary.notes);
 }

@@ -87,7 +87,7 @@ pub fn check_gpu_code(artifact: &Artifact) -> Result<(), RuntimeError> {
 
 /// What runs a kernel on the GPU.
 enum Code<'k> {
-    Ptx { file: &'k str, entry: &'k str, launch: &'k titan_ir::artifact::Launch },
+    Ptx { file: &'k str, cubin: Option<&'k str>, entry: &'k str, launch: &'k titan_ir::artifact::Launch },
     Gemm(&'k titan_ir::artifact::GemmDesc),
 }
 
@@ -96,7 +96,7 @@ fn gpu_code(k: &Kernel) -> Result<Code<'_>, RuntimeError> {
         return k.gemm.as_ref().map(Code::Gemm).ok_or_else(|| bad(format!("GEMM kernel `{}` has no `gemm` description; rebuild the artifact", k.name)));
     }
     match (&k.ptx, &k.entry, &k.launch) {
-        (Some(file), Some(entry), Some(launch)) => Ok(Code::Ptx { file, entry, launch }),
+        (Some(file), Some(entry), Some(launch)) => Ok(Code::Ptx { file, cubin: k.cubin.as_deref(), entry, launch }),
         (None, _, _) => Err(RuntimeError::Backend(format!("kernel `{}` ({}) has no GPU code yet; use --backend cpu", k.name, k.kind.name()))),
         _ => Err(bad(format!("kernel `{}` has a PTX file but no entry or launch dimensions; rebuild the artifact", k.name))),
     }
@@ -120,6 +120,9 @@ enum Loaded {
 /// The loaded code of an artifact: modules, functions, workspaces, cuBLASLt plans.
 struct LoadedCode {
     kernels: Vec<Loaded>,
+    /// Kernels loaded from their cubin, and from PTX (JIT-compiled by the driver).
+    from_cubin: usize,
+    from_ptx: usize,
     plans: Vec<GemmPlan>,
     blas: Blas,
     blas_workspace: DeviceBuffer,
@@ -127,8 +130,10 @@ struct LoadedCode {
 
 impl LoadedCode {
     /// Load every kernel of `artifact`; `gemm_align(pos)` gives the operand alignment of GEMM
-    /// kernel `pos`. With `allow_missing`, kernels without GPU code are kept as `Missing`. The
-    /// PTX modules (which the driver compiles as it loads them) load on several threads.
+    /// kernel `pos`. With `allow_missing`, kernels without GPU code are kept as `Missing`. A
+    /// kernel with a cubin loads it when the artifact targets sm_90a and the device is compute
+    /// capability 9.0 (no JIT); otherwise, or if the cubin fails to load (with a one-line
+    /// warning), its PTX loads and the driver compiles it. Modules load on several threads.
     fn load(gpu: &Gpu, artifact: &Artifact, gemm_align: &dyn Fn(usize) -> [u64; 3], allow_missing: bool) -> Result<LoadedCode, RuntimeError> {
         let blas = Blas::new()?;
         let blas_workspace = gpu.alloc(gemm::WORKSPACE_BYTES, 0, "the cuBLASLt workspace")?;
@@ -159,18 +164,45 @@ impl LoadedCode {
                     };
                     kernels.push(Some(Loaded::Gemm { plan }));
                 }
-                Code::Ptx { file, entry, launch } => {
-                    ptx_jobs.push((pos, k, file, entry, launch));
+                Code::Ptx { file, cubin, entry, launch } => {
+                    ptx_jobs.push((pos, k, file, cubin, entry, launch));
                     kernels.push(None);
                 }
             }
         }
-        let load_one = |k: &Kernel, file: &str, entry: &str, launch: &titan_ir::artifact::Launch| -> Result<Loaded, RuntimeError> {
-            let path = artifact.dir.join(file);
-            let ptx = std::fs::read_to_string(&path).map_err(|e| {
-                RuntimeError::Backend(format!("kernel `{}`: cannot read `{}`: {e}; the artifact is incomplete, rebuild it", k.name, path.display()))
-            })?;
-            let (module, func) = gpu.load_function(&ptx, entry, &format!("kernel `{}`", k.name))?;
+        let cubins_fit = artifact.manifest.target.arch == "sm_90a" && gpu.capability()? == (9, 0);
+        let from_cubin = AtomicUsize::new(0);
+        let load_one = |k: &Kernel, file: &str, cubin: Option<&str>, entry: &str, launch: &titan_ir::artifact::Launch| -> Result<Loaded, RuntimeError> {
+            let what = format!("kernel `{}`", k.name);
+            let from_image = match cubin.filter(|_| cubins_fit) {
+                Some(cubin) => {
+                    let path = artifact.dir.join(cubin);
+                    let loaded = std::fs::read(&path)
+                        .map_err(|e| format!("cannot read `{}`: {e}", path.display()))
+                        .and_then(|image| gpu.load_cubin(&image, entry, &what).map_err(|e| e.to_string()));
+                    match loaded {
+                        Ok(l) => {
+                            from_cubin.fetch_add(1, Ordering::Relaxed);
+                            Some(l)
+                        }
+                        Err(e) => {
+                            eprintln!("titan-run: warning: {what}: the cubin did not load ({e}); using its PTX");
+                            None
+                        }
+                    }
+                }
+                None => None,
+            };
+            let (module, func) = match from_image {
+                Some(l) => l,
+                None => {
+                    let path = artifact.dir.join(file);
+                    let ptx = std::fs::read_to_string(&path).map_err(|e| {
+                        RuntimeError::Backend(format!("kernel `{}`: cannot read `{}`: {e}; the artifact is incomplete, rebuild it", k.name, path.display()))
+                    })?;
+                    gpu.load_function(&ptx, entry, &what)?
+                }
+            };
             if launch.shared_bytes > 48 * 1024 {
                 gpu.allow_shared(&func, launch.shared_bytes, &format!("kernel `{}`", k.name))?;
             }
@@ -186,8 +218,8 @@ impl LoadedCode {
                     s.spawn(move || -> Result<Vec<(usize, Loaded)>, RuntimeError> {
                         gpu.bind()?;
                         let mut out = Vec::new();
-                        while let Some(&(pos, k, file, entry, launch)) = jobs.get(next.fetch_add(1, Ordering::Relaxed)) {
-                            match load_one(k, file, entry, launch) {
+                        while let Some(&(pos, k, file, cubin, entry, launch)) = jobs.get(next.fetch_add(1, Ordering::Relaxed)) {
+                            match load_one(k, file, cubin, entry, launch) {
                                 Ok(l) => out.push((pos, l)),
                                 Err(e) => {
                                     // Let the other workers stop at their next kernel.
@@ -212,7 +244,9 @@ impl LoadedCode {
             .enumerate()
             .map(|(pos, k)| k.ok_or_else(|| RuntimeError::Backend(format!("kernel {pos} was not loaded"))))
             .collect::<Result<Vec<_>, _>>()?;
-        Ok(LoadedCode { kernels, plans, blas, blas_workspace })
+        let from_cubin = from_cubin.into_inner();
+        let from_ptx = ptx_jobs.len() - from_cubin;
+        Ok(LoadedCode { kernels, from_cubin, from_ptx, plans, blas, blas_workspace })
     }
 
     /// Enqueue kernel `pos` with its input and output pointers.
@@ -479,6 +513,7 @@ impl<'a> CudaArtifactTrainer<'a> {
         let t = Instant::now();
         let code = LoadedCode::load(&gpu, artifact, &|pos| align[pos], false)?;
         startup.load_s += t.elapsed().as_secs_f64();
+        eprintln!("titan-run: loaded {} kernels from cubins and {} from PTX (JIT) in {:.1} s", code.from_cubin, code.from_ptx, t.elapsed().as_secs_f64());
         let usize_of = |x: u64, what: &str| usize::try_from(x).map_err(|_| bad(format!("{what} {x} does not fit this machine")));
         let whole = |b: &'a Buffer| arenas.whole(b).map(|(p, _)| (p, b));
         let mut trainer = CudaArtifactTrainer {

@@ -110,6 +110,7 @@ impl Fixture {
             kind,
             body: body.into(),
             ptx: None,
+            cubin: None,
             entry: None,
             launch: None,
             gemm: None,

@@ -229,6 +229,15 @@ fn load_edited(base: &Path, name: &str, edit: impl Fn(&mut Manifest)) -> String 
     let dir = out_dir(name);
     std::fs::create_dir_all(&dir).expect("mkdir");
     std::fs::copy(base.join(GRAPH_FILE), dir.join(GRAPH_FILE)).expect("copy graph.ir");
+    // The kernels too (PTX and cubins), so only the edit can make the load fail.
+    let kernels = base.join(titan_ir::artifact::KERNEL_DIR);
+    if kernels.is_dir() {
+        std::fs::create_dir_all(dir.join(titan_ir::artifact::KERNEL_DIR)).expect("mkdir kernels");
+        for f in std::fs::read_dir(&kernels).expect("list kernels") {
+            let f = f.expect("entry").path();
+            std::fs::copy(&f, dir.join(titan_ir::artifact::KERNEL_DIR).join(f.file_name().expect("name"))).expect("copy kernel");
+        }
+    }
     let text = std::fs::read_to_string(base.join(MANIFEST_FILE)).expect("read manifest");
     let mut m = Manifest::from_json("manifest.json", &text).expect("the real manifest parses");
     edit(&mut m);

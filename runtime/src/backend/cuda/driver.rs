@@ -128,17 +128,39 @@ impl Gpu {
         Ok(buf)
     }
 
-    /// Load a PTX module and look up `entry`.
+    /// Load a PTX module (the driver JIT-compiles it) and look up `entry`.
     pub fn load_function(&self, ptx: &str, entry: &str, what: &str) -> Result<(Module, Function), CudaError> {
         let image =
             CString::new(ptx).map_err(|_| CudaError::Call { what: what.into(), message: "the PTX file contains a NUL byte; rebuild the artifact".into() })?;
         // SAFETY: `image` is a NUL-terminated PTX text.
         let module = Module(check(unsafe { result::module::load_data(image.as_ptr() as *const c_void) }, || format!("loading the PTX of {what}"))?);
+        Self::lookup(module, entry, what, "PTX")
+    }
+
+    /// Load a cubin (an ELF image for this device's architecture; no JIT) and look up `entry`.
+    pub fn load_cubin(&self, cubin: &[u8], entry: &str, what: &str) -> Result<(Module, Function), CudaError> {
+        if !cubin.starts_with(b"\x7fELF") {
+            return Err(CudaError::Call { what: what.into(), message: "the cubin is not an ELF image; rebuild the artifact".into() });
+        }
+        // The driver reads the ELF headers in place: copy the image to 8-byte-aligned storage.
+        let mut words = vec![0u64; cubin.len().div_ceil(8)];
+        for (w, chunk) in words.iter_mut().zip(cubin.chunks(8)) {
+            let mut b = [0u8; 8];
+            b[..chunk.len()].copy_from_slice(chunk);
+            *w = u64::from_ne_bytes(b);
+        }
+        // SAFETY: `words` holds the whole ELF image (whose headers give its size) and outlives
+        // the call; the driver copies what it keeps.
+        let module = Module(check(unsafe { result::module::load_data(words.as_ptr() as *const c_void) }, || format!("loading the cubin of {what}"))?);
+        Self::lookup(module, entry, what, "cubin")
+    }
+
+    fn lookup(module: Module, entry: &str, what: &str, kind: &str) -> Result<(Module, Function), CudaError> {
         let name = CString::new(entry).map_err(|_| CudaError::Call { what: what.into(), message: format!("entry `{entry}` contains a NUL byte") })?;
         // SAFETY: `module` is loaded.
         let f = unsafe { result::module::get_function(module.0, name) }.map_err(|e| CudaError::Call {
             what: what.into(),
-            message: format!("the PTX has no entry `{entry}` ({}); the manifest and kernels/ disagree, rebuild the artifact", describe(e)),
+            message: format!("the {kind} has no entry `{entry}` ({}); the manifest and kernels/ disagree, rebuild the artifact", describe(e)),
         })?;
         Ok((module, Function(f)))
     }
