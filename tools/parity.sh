@@ -25,12 +25,16 @@ steps=${STEPS:-20}
 # decay, and clipping at 1.0, so 20 steps exercise each part of the schedule and the clip.
 train_flags=(--lr 8e-4 --warmup-steps 5 --decay-steps 15 --decay cosine --min-lr-ratio 0.1
     --beta1 0.9 --beta2 0.95 --eps 1e-8 --weight-decay 0.1 --max-norm 1.0)
-models=(debug 8b2)
+# MODELS picks a subset: `debug`, `8b2` (8B shapes, 2 layers, seq 1024), `8b4` (the benchmark's
+# 8b-4l: 4 layers at the full seq 8192).
+read -r -a models <<<"${MODELS:-debug 8b2}"
 
 model_args() {
     case "$1" in
     debug) echo "--preset debug" ;;
     8b2) echo "--preset 8b --n-layers 2 --seq-len 1024" ;;
+    8b4) echo "--preset 8b --n-layers 4" ;;
+    *) echo "unknown model $1" >&2; exit 2 ;;
     esac
 }
 
