@@ -16,6 +16,6 @@ pub use build::{BuildError, BuildOptions, BuildSummary, build_artifact};
 pub use error::FrontendError;
 pub use hf::{load_hf_config, parse_hf_config};
 pub use job_config::{JobConfig, JobConfigError};
-pub use parallel::{ParallelDims, ParallelError, ParallelRequest};
 pub use llama::{LlamaConfig, LlamaOverrides, Preset, build_llama3, model_ir};
+pub use parallel::{ParallelDims, ParallelError, ParallelRequest};
 pub use stats::{ModelStats, model_stats};

@@ -219,7 +219,15 @@ mod tests {
     use super::*;
 
     fn req(dp_replicate: i64, dp_shard: i64, cp: i64, tp: i64, pp: i64, ep: i64, world: Option<i64>) -> ParallelRequest {
-        ParallelRequest { dp_replicate: Some(dp_replicate), dp_shard: Some(dp_shard), cp: Some(cp), tp: Some(tp), pp: Some(pp), ep: Some(ep), world_size: world }
+        ParallelRequest {
+            dp_replicate: Some(dp_replicate),
+            dp_shard: Some(dp_shard),
+            cp: Some(cp),
+            tp: Some(tp),
+            pp: Some(pp),
+            ep: Some(ep),
+            world_size: world,
+        }
     }
 
     fn err(r: ParallelRequest) -> String {
@@ -249,7 +257,10 @@ mod tests {
             err(req(2, 4, 1, 2, 1, 1, Some(32))),
             "invalid parallel config: dp_replicate*dp_shard*cp*tp*pp = 2*4*1*2*1 = 16 does not match world size 32; set dp_shard to -1 to fill the world, or change the degrees or the world size"
         );
-        assert!(err(req(1, 2, 1, 2, 1, 3, None)).contains("ep=3 does not divide dp_shard*cp*tp = 2*1*2 = 4 (expert parallelism reuses those ranks); choose ep in {1, 2, 4}"));
+        assert!(
+            err(req(1, 2, 1, 2, 1, 3, None))
+                .contains("ep=3 does not divide dp_shard*cp*tp = 2*1*2 = 4 (expert parallelism reuses those ranks); choose ep in {1, 2, 4}")
+        );
     }
 
     fn model(seq: u64) -> Graph {
@@ -265,8 +276,14 @@ mod tests {
         let dims = |tp: i64, cp: i64| ParallelDims::resolve(&ParallelRequest { tp: Some(tp), cp: Some(cp), ..Default::default() }).unwrap();
         dims(8, 1).check_model(&g).unwrap();
         dims(4, 2).check_model(&g).unwrap();
-        assert_eq!(dims(3, 1).check_model(&g).unwrap_err().to_string(), "invalid parallel config: tp=3 does not divide n_heads=32; choose tp in {1, 2, 4, 8, 16, 32}");
-        assert_eq!(dims(16, 1).check_model(&g).unwrap_err().to_string(), "invalid parallel config: tp=16 does not divide n_kv_heads=8; choose tp in {1, 2, 4, 8}");
+        assert_eq!(
+            dims(3, 1).check_model(&g).unwrap_err().to_string(),
+            "invalid parallel config: tp=3 does not divide n_heads=32; choose tp in {1, 2, 4, 8, 16, 32}"
+        );
+        assert_eq!(
+            dims(16, 1).check_model(&g).unwrap_err().to_string(),
+            "invalid parallel config: tp=16 does not divide n_kv_heads=8; choose tp in {1, 2, 4, 8}"
+        );
         let odd = model(8196);
         assert!(dims(8, 1).check_model(&odd).unwrap_err().to_string().contains("seq_len=8196 is not divisible by tp*2*cp = 8*2*1 = 16"));
         // ffn and vocab: a custom model whose ffn is not a multiple of tp.

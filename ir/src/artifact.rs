@@ -332,10 +332,10 @@ impl Manifest {
     /// version error rather than a field error.
     pub fn from_json(path: &str, text: &str) -> Result<Manifest, ArtifactError> {
         let v: serde_json::Value = serde_json::from_str(text).map_err(|e| ArtifactError::Malformed { path: path.into(), message: e.to_string() })?;
-        let found = v.get("format_version").and_then(serde_json::Value::as_u64).ok_or_else(|| ArtifactError::Malformed {
-            path: path.into(),
-            message: "missing `format_version`".into(),
-        })?;
+        let found = v
+            .get("format_version")
+            .and_then(serde_json::Value::as_u64)
+            .ok_or_else(|| ArtifactError::Malformed { path: path.into(), message: "missing `format_version`".into() })?;
         if found != u64::from(FORMAT_VERSION) {
             return Err(ArtifactError::Version { found: found as u32, expected: FORMAT_VERSION });
         }

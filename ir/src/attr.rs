@@ -80,11 +80,7 @@ pub fn fmt_float(x: f64) -> String {
         return if x > 0.0 { "inf".to_string() } else { "-inf".to_string() };
     }
     let s = format!("{x:?}");
-    if s.contains('.') || s.contains('e') || s.contains("inf") || s.contains("NaN") {
-        s
-    } else {
-        format!("{s}.0")
-    }
+    if s.contains('.') || s.contains('e') || s.contains("inf") || s.contains("NaN") { s } else { format!("{s}.0") }
 }
 
 /// Write a string literal with `"` and `\` escaped and non-printable characters as `\u{..}`.

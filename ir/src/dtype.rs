@@ -17,15 +17,7 @@ pub enum DType {
 }
 
 impl DType {
-    pub const ALL: [DType; 7] = [
-        DType::F32,
-        DType::BF16,
-        DType::F16,
-        DType::F8E4M3,
-        DType::F8E5M2,
-        DType::I32,
-        DType::I64,
-    ];
+    pub const ALL: [DType; 7] = [DType::F32, DType::BF16, DType::F16, DType::F8E4M3, DType::F8E5M2, DType::I32, DType::I64];
 
     /// Bytes one element occupies in device memory.
     pub fn size_bytes(self) -> usize {
@@ -67,9 +59,6 @@ impl fmt::Display for DType {
 impl FromStr for DType {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
-        DType::ALL
-            .into_iter()
-            .find(|d| d.name() == s)
-            .ok_or_else(|| format!("unknown dtype `{s}`; expected one of f32, bf16, f16, f8e4m3, f8e5m2, i32, i64"))
+        DType::ALL.into_iter().find(|d| d.name() == s).ok_or_else(|| format!("unknown dtype `{s}`; expected one of f32, bf16, f16, f8e4m3, f8e5m2, i32, i64"))
     }
 }

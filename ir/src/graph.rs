@@ -82,10 +82,17 @@ pub struct Node {
 pub enum Init {
     Zeros,
     Ones,
-    Normal { std: f64 },
+    Normal {
+        std: f64,
+    },
     /// Normal with `std`, resampled outside `[lo, hi]`. With `depth_scaled`, layer `l` uses
     /// `std / sqrt(2 (l + 1))` (TorchTitan's depth init).
-    TruncNormal { std: f64, lo: f64, hi: f64, depth_scaled: bool },
+    TruncNormal {
+        std: f64,
+        lo: f64,
+        hi: f64,
+        depth_scaled: bool,
+    },
 }
 
 impl Init {
@@ -117,9 +124,9 @@ impl Init {
                 let x = nums(args, 3, name)?;
                 Ok(Init::TruncNormal { std: x[0], lo: x[1], hi: x[2], depth_scaled: name == "trunc_normal_depth" })
             }
-            other => Err(format!(
-                "unknown initializer `{other}`; expected zeros, ones, normal(std), trunc_normal(std, lo, hi) or trunc_normal_depth(std, lo, hi)"
-            )),
+            other => {
+                Err(format!("unknown initializer `{other}`; expected zeros, ones, normal(std), trunc_normal(std, lo, hi) or trunc_normal_depth(std, lo, hi)"))
+            }
         }
     }
 }

@@ -320,7 +320,11 @@ pub fn infer_types(op: &Op, inputs: &[&TensorType], declared: Option<&[TensorTyp
             for (i, (inp, arg)) in inputs.iter().zip(&region.args).enumerate() {
                 let arg_ty = region.ty(arg.value);
                 if i >= nc && i < nc + ns {
-                    if inp.rank() != arg_ty.rank() + 1 || !same_dim(&inp.shape[0], &layers, dims) || !same_shape(&inp.shape[1..], &arg_ty.shape, dims) || inp.dtype != arg_ty.dtype {
+                    if inp.rank() != arg_ty.rank() + 1
+                        || !same_dim(&inp.shape[0], &layers, dims)
+                        || !same_shape(&inp.shape[1..], &arg_ty.shape, dims)
+                        || inp.dtype != arg_ty.dtype
+                    {
                         return Err(format!("repeat: stacked operand {i} is {inp}, @{} expects [{count}] + {arg_ty}", region.name));
                     }
                 } else if !inp.same_as(arg_ty, dims) {

@@ -163,19 +163,29 @@ pub enum Op {
     /// `(x [..., in], w [out, in]) -> [..., out]`, i.e. `x @ w^T`
     Linear,
     /// `(x [..., D], w [D]) -> [..., D]`, computed in f32
-    RmsNorm { eps: f64 },
+    RmsNorm {
+        eps: f64,
+    },
     /// `(x [b, s, h, d]) -> [b, s, h, d]`, positions `0..s`
     Rope(RopeConfig),
     /// `(q [b, s, hq, d], k [b, s, hkv, d], v [b, s, hkv, d]) -> (out [b, s, hq, d], lse f32[b, hq, s])`
-    Attention { causal: bool, scale: f64 },
+    Attention {
+        causal: bool,
+        scale: f64,
+    },
     /// `(logits [..., V], targets int[...]) -> f32[]`, mean over tokens
     CrossEntropy,
 
     // ---- backward of model-level ops ----
     /// `(x, w, dy) -> (dx, dw)`
-    RmsNormBwd { eps: f64 },
+    RmsNormBwd {
+        eps: f64,
+    },
     /// `(q, k, v, out, lse, dout) -> (dq, dk, dv)`
-    AttentionBwd { causal: bool, scale: f64 },
+    AttentionBwd {
+        causal: bool,
+        scale: f64,
+    },
     /// `(logits, targets, dloss f32[]) -> dlogits`
     CrossEntropyBwd,
 
@@ -186,20 +196,32 @@ pub enum Op {
     /// Result dtype from the declared type.
     Cast,
     /// Removes `axes` (sorted, unique).
-    Reduce { kind: ReduceKind, axes: Vec<usize> },
+    Reduce {
+        kind: ReduceKind,
+        axes: Vec<usize>,
+    },
     /// Result shape from the declared type.
     Reshape,
-    Transpose { perm: Vec<usize> },
+    Transpose {
+        perm: Vec<usize>,
+    },
     /// Input dim `i` becomes output dim `dims[i]` (size equal or 1); output shape declared.
-    Broadcast { dims: Vec<usize> },
+    Broadcast {
+        dims: Vec<usize>,
+    },
     /// `(a [..., m, k], b [k, n] or [..., k, n]) -> [..., m, n]`, f32 accumulation
-    Matmul { transpose_a: bool, transpose_b: bool },
+    Matmul {
+        transpose_a: bool,
+        transpose_b: bool,
+    },
     /// `(table [V, r...], idx int[i...]) -> [i..., r...]`: rows of `table`
     Gather,
     /// `(idx int[i...], src [i..., r...]) -> [V, r...]`: rows summed into a zero table, V declared
     ScatterAdd,
     /// `() -> T`: every element `value`
-    Constant { value: f64 },
+    Constant {
+        value: f64,
+    },
 
     // ---- optimizer ----
     /// `(step int[]) -> f32[]`: learning rate at 1-based `step`
@@ -210,22 +232,43 @@ pub enum Op {
     // ---- collectives (SPMD graphs: every rank runs the same graph on its local values) ----
     /// `(x) -> x` with dim `dim` multiplied by `size`: the slices of the `size` ranks along
     /// `mesh_dim` concatenated in rank order.
-    AllGather { mesh_dim: MeshDim, dim: u32, size: u32 },
+    AllGather {
+        mesh_dim: MeshDim,
+        dim: u32,
+        size: u32,
+    },
     /// `(x) -> x` with dim `dim` divided by `size`: the elementwise sum over the ranks along
     /// `mesh_dim` (in rank order), of which rank `r` keeps slice `r` of dim `dim`.
-    ReduceScatter { mesh_dim: MeshDim, dim: u32, size: u32, reduce: CollectiveReduce },
+    ReduceScatter {
+        mesh_dim: MeshDim,
+        dim: u32,
+        size: u32,
+        reduce: CollectiveReduce,
+    },
     /// `(x) -> x`: the elementwise sum (or max) over the ranks along `mesh_dim`, in rank order.
-    AllReduce { mesh_dim: MeshDim, reduce: CollectiveReduce },
+    AllReduce {
+        mesh_dim: MeshDim,
+        reduce: CollectiveReduce,
+    },
 
     // ---- structure ----
     /// Run `block` `count` times. Inputs: `carry` carried values, then `stacked` per-layer
     /// values (leading dim `count`, sliced per layer), then values every layer sees whole.
     /// Results: the final carried values, then the block's other outputs stacked per layer.
     /// `reverse` walks layers from `count - 1` down to 0.
-    Repeat { block: BlockId, count: u32, carry: u32, stacked: u32, reverse: bool },
+    Repeat {
+        block: BlockId,
+        count: u32,
+        carry: u32,
+        stacked: u32,
+        reverse: bool,
+    },
     /// One kernel launch: run `body` (a block outlined by the fusion pass) on the inputs.
     /// Inputs bind the body's arguments in order; results are the body's outputs.
-    Kernel { body: BlockId, kind: KernelKind },
+    Kernel {
+        body: BlockId,
+        kind: KernelKind,
+    },
 }
 
 impl UnaryOp {
@@ -261,16 +304,8 @@ impl UnaryOp {
 }
 
 impl BinaryOp {
-    pub const ALL: [BinaryOp; 8] = [
-        BinaryOp::Add,
-        BinaryOp::Sub,
-        BinaryOp::Mul,
-        BinaryOp::Div,
-        BinaryOp::Max,
-        BinaryOp::Min,
-        BinaryOp::Pow,
-        BinaryOp::SiluGrad,
-    ];
+    pub const ALL: [BinaryOp; 8] =
+        [BinaryOp::Add, BinaryOp::Sub, BinaryOp::Mul, BinaryOp::Div, BinaryOp::Max, BinaryOp::Min, BinaryOp::Pow, BinaryOp::SiluGrad];
 
     pub fn name(self) -> &'static str {
         match self {
@@ -460,12 +495,7 @@ impl Op {
                 ("decay", word(decay_name(s.decay))),
                 ("min_lr_ratio", f(s.min_lr_ratio)),
             ],
-            Op::AdamW(c) => vec![
-                ("beta1", f(c.beta1)),
-                ("beta2", f(c.beta2)),
-                ("eps", f(c.eps)),
-                ("weight_decay", f(c.weight_decay)),
-            ],
+            Op::AdamW(c) => vec![("beta1", f(c.beta1)), ("beta2", f(c.beta2)), ("eps", f(c.eps)), ("weight_decay", f(c.weight_decay))],
             Op::Repeat { block, count, carry, stacked, reverse } => vec![
                 ("block", AttrValue::Symbol(block_name(*block))),
                 ("count", i(u64::from(*count))),
@@ -477,12 +507,9 @@ impl Op {
             Op::AllGather { mesh_dim, dim, size } => {
                 vec![("mesh_dim", word(mesh_dim.name())), ("dim", i(u64::from(*dim))), ("size", i(u64::from(*size)))]
             }
-            Op::ReduceScatter { mesh_dim, dim, size, reduce } => vec![
-                ("mesh_dim", word(mesh_dim.name())),
-                ("dim", i(u64::from(*dim))),
-                ("size", i(u64::from(*size))),
-                ("reduce", word(reduce.name())),
-            ],
+            Op::ReduceScatter { mesh_dim, dim, size, reduce } => {
+                vec![("mesh_dim", word(mesh_dim.name())), ("dim", i(u64::from(*dim))), ("size", i(u64::from(*size))), ("reduce", word(reduce.name()))]
+            }
             Op::AllReduce { mesh_dim, reduce } => vec![("mesh_dim", word(mesh_dim.name())), ("reduce", word(reduce.name()))],
         };
         Attrs::new(e.into_iter().map(|(k, v)| (k.to_string(), v)).collect())
@@ -528,11 +555,7 @@ impl Op {
             "attention" | "attention_bwd" => {
                 let causal = a.take_bool("causal")?;
                 let scale = a.take_f64("scale")?;
-                if name == "attention" {
-                    Op::Attention { causal, scale }
-                } else {
-                    Op::AttentionBwd { causal, scale }
-                }
+                if name == "attention" { Op::Attention { causal, scale } } else { Op::AttentionBwd { causal, scale } }
             }
             "reduce_sum" | "reduce_max" | "reduce_mean" => {
                 let kind = match name {

@@ -75,10 +75,7 @@ impl TensorType {
 
     /// Concrete dimensions, or the first unbound name.
     pub fn resolve(&self, dims: &DimTable) -> Result<Vec<usize>, String> {
-        self.shape
-            .iter()
-            .map(|d| resolve_dim(d, dims).map(|n| n as usize).ok_or_else(|| format!("unbound dimension `{d}`")))
-            .collect()
+        self.shape.iter().map(|d| resolve_dim(d, dims).map(|n| n as usize).ok_or_else(|| format!("unbound dimension `{d}`"))).collect()
     }
 
     /// Number of elements, if every dimension is bound and the count fits in a u64.

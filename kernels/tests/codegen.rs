@@ -303,7 +303,6 @@ fn attention_bwd_body(g: &mut Graph, [b, s, hq, hkv, d]: [u64; 5], causal: bool)
     })
 }
 
-
 #[test]
 fn attention_bwd_assembles_without_spills() {
     let mut g = graph();

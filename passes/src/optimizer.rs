@@ -33,8 +33,10 @@ pub fn append_adamw(g: &mut Graph, grads: &[Option<Value>], opts: &TrainOptions)
     for (v, p) in &params {
         let ty = g.main.ty(*v).clone();
         let base = g.main.value(*v).name.clone().unwrap_or_else(|| p.name.replace("{i}", "i"));
-        let m = g.main.add_arg(ty.clone(), ArgKind::State(ParamInfo { name: format!("{}.exp_avg", p.name), init: Init::Zeros }), Some(&format!("{base}.exp_avg")));
-        let s = g.main.add_arg(ty, ArgKind::State(ParamInfo { name: format!("{}.exp_avg_sq", p.name), init: Init::Zeros }), Some(&format!("{base}.exp_avg_sq")));
+        let m =
+            g.main.add_arg(ty.clone(), ArgKind::State(ParamInfo { name: format!("{}.exp_avg", p.name), init: Init::Zeros }), Some(&format!("{base}.exp_avg")));
+        let s =
+            g.main.add_arg(ty, ArgKind::State(ParamInfo { name: format!("{}.exp_avg_sq", p.name), init: Init::Zeros }), Some(&format!("{base}.exp_avg_sq")));
         moments.push((m, s));
     }
     let mesh = Mesh::from_graph(g)?;

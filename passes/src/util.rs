@@ -56,10 +56,7 @@ pub fn add_result(region: &mut Region, node: titan_ir::NodeId, ty: TensorType) -
 
 /// Resolve every dimension of `ty`, as a type of fixed dims.
 pub fn fixed_dims(ty: &TensorType, dims: &titan_ir::DimTable) -> Result<Vec<u64>, String> {
-    ty.shape
-        .iter()
-        .map(|d| titan_ir::shape::resolve_dim(d, dims).ok_or_else(|| format!("unbound dimension `{d}`")))
-        .collect()
+    ty.shape.iter().map(|d| titan_ir::shape::resolve_dim(d, dims).ok_or_else(|| format!("unbound dimension `{d}`"))).collect()
 }
 
 /// `ty` with its leading dims flattened: `[a, b, c, k] -> [a*b*c, k]`.

@@ -120,10 +120,7 @@ fn check(name: &str, inputs: Vec<Input>, n_diff_results: usize, make: &dyn Fn(&m
             args[i].floats_mut().expect("float")[j] = orig;
             let numeric = (lp - lm) / (2.0 * h);
             let a = analytic[j];
-            assert!(
-                (a - numeric).abs() <= 1e-6 * numeric.abs().max(1.0),
-                "{name}: d loss / d x{i}[{j}]: analytic {a} vs numeric {numeric}"
-            );
+            assert!((a - numeric).abs() <= 1e-6 * numeric.abs().max(1.0), "{name}: d loss / d x{i}[{j}]: analytic {a} vs numeric {numeric}");
             checked += 1;
             largest = largest.max(numeric.abs());
         }
@@ -171,17 +168,32 @@ fn linear_and_matmul() {
         for tb in [false, true] {
             let a = if ta { [4, 3] } else { [3, 4] };
             let b = if tb { [5, 4] } else { [4, 5] };
-            check(&format!("matmul-2d-{ta}-{tb}"), vec![input(&a, Dist::Signed), input(&b, Dist::Signed)], 1, &one(Op::Matmul { transpose_a: ta, transpose_b: tb }));
+            check(
+                &format!("matmul-2d-{ta}-{tb}"),
+                vec![input(&a, Dist::Signed), input(&b, Dist::Signed)],
+                1,
+                &one(Op::Matmul { transpose_a: ta, transpose_b: tb }),
+            );
             let a3 = if ta { [2, 4, 3] } else { [2, 3, 4] };
             let b3 = if tb { [2, 5, 4] } else { [2, 4, 5] };
-            check(&format!("matmul-batched-{ta}-{tb}"), vec![input(&a3, Dist::Signed), input(&b3, Dist::Signed)], 1, &one(Op::Matmul { transpose_a: ta, transpose_b: tb }));
+            check(
+                &format!("matmul-batched-{ta}-{tb}"),
+                vec![input(&a3, Dist::Signed), input(&b3, Dist::Signed)],
+                1,
+                &one(Op::Matmul { transpose_a: ta, transpose_b: tb }),
+            );
         }
         let b = if ta { [5, 4] } else { [4, 5] };
         let _ = b;
     }
     for tb in [false, true] {
         let b = if tb { [5, 4] } else { [4, 5] };
-        check(&format!("matmul-shared-rhs-{tb}"), vec![input(&[2, 3, 4], Dist::Signed), input(&b, Dist::Signed)], 1, &one(Op::Matmul { transpose_a: false, transpose_b: tb }));
+        check(
+            &format!("matmul-shared-rhs-{tb}"),
+            vec![input(&[2, 3, 4], Dist::Signed), input(&b, Dist::Signed)],
+            1,
+            &one(Op::Matmul { transpose_a: false, transpose_b: tb }),
+        );
     }
 }
 
@@ -260,12 +272,7 @@ fn repeat_forward_and_reverse() {
             let id = g.add_block(blk);
             g.main_builder().push(Op::Repeat { block: id, count: 3, carry: 1, stacked: 1, reverse }, x).expect("repeat")
         };
-        check(
-            &format!("repeat-reverse-{reverse}"),
-            vec![input(&[2, 4], Dist::Signed), input(&[3, 4, 4], Dist::Signed), input(&[4], Dist::Signed)],
-            2,
-            &make,
-        );
+        check(&format!("repeat-reverse-{reverse}"), vec![input(&[2, 4], Dist::Signed), input(&[3, 4, 4], Dist::Signed), input(&[4], Dist::Signed)], 2, &make);
     }
 }
 

@@ -17,7 +17,6 @@ pub const FEEDS: [&str; 3] = ["tokens", "targets", "step"];
 
 pub use titan_ir::artifact::{arena_name, arena_of};
 
-
 /// The manifest's spelling of a buffer class.
 pub fn class_name(c: BufferClass) -> &'static str {
     match c {
@@ -59,6 +58,16 @@ fn loc(rank: u32, path: &[usize]) -> String {
     format!("rank {rank}, step {}", p.join("."))
 }
 
+/// A persistent buffer (parameter or optimizer state) with the state argument of `graph.ir` it
+/// holds: what every backend needs to initialize and checkpoint it.
+pub struct StateSlot<'a> {
+    pub buffer: &'a Buffer,
+    pub info: &'a titan_ir::ParamInfo,
+    /// 1 for an unstacked state; the leading dim of a per-layer (`{i}`) state.
+    pub layers: usize,
+    pub per_layer: usize,
+}
+
 /// The enclosing loop of a schedule step during checking.
 struct LoopScope<'a> {
     count: u32,
@@ -66,6 +75,35 @@ struct LoopScope<'a> {
 }
 
 impl Artifact {
+    /// Every param/optimizer-state buffer matched with its `graph.ir` state argument, whose type
+    /// must be the buffer's.
+    pub fn state_slots(&self) -> Result<Vec<StateSlot<'_>>, ArtifactError> {
+        let graph = &self.graph;
+        let bad = |m: String| ArtifactError::Invalid(m);
+        let mut slots = Vec::new();
+        for b in &self.manifest.buffers {
+            if !matches!(b.class, BufferClass::Param | BufferClass::OptimizerState) {
+                continue;
+            }
+            let Some(s) = &b.state else { return Err(bad(format!("buffer {} (`{}`) is persistent but has no `state`", b.id, b.name))) };
+            let arg = graph.main.args.iter().find(|a| a.kind.param_info().is_some_and(|p| p.name == s.name)).ok_or_else(|| {
+                bad(format!(
+                    "state buffer {} (`{}`) has no state argument named \"{}\" in graph.ir; rebuild the artifact with `titanc build`",
+                    b.id, b.name, s.name
+                ))
+            })?;
+            let Some(info) = arg.kind.param_info() else { continue };
+            let ty = graph.main.ty(arg.value);
+            let shape = ty.resolve(&graph.dims).map_err(|e| bad(format!("state `{}` in graph.ir: {e}", s.name)))?;
+            if ty.dtype != b.dtype || shape.iter().map(|&d| d as u64).collect::<Vec<_>>() != b.shape {
+                return Err(bad(format!("state `{}` is {ty} in graph.ir but buffer {} is {}{:?}", s.name, b.id, b.dtype, b.shape)));
+            }
+            let (layers, per_layer) = if info.is_stacked() { (shape[0], shape[1..].iter().product()) } else { (1, shape.iter().product()) };
+            slots.push(StateSlot { buffer: b, info, layers, per_layer });
+        }
+        Ok(slots)
+    }
+
     /// Read and check the artifact in `dir`.
     pub fn load(dir: impl AsRef<Path>) -> Result<Artifact, ArtifactError> {
         let dir = dir.as_ref();

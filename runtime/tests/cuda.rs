@@ -133,10 +133,7 @@ fn compare_attention(gpu: &Tensor<f32>, cpu: &Tensor<f32>) -> Diff {
     let (g, c) = (gpu.floats().unwrap_or(&[]), cpu.floats().unwrap_or(&[]));
     let rms = (c.iter().map(|&x| f64::from(x) * f64::from(x)).sum::<f64>() / c.len().max(1) as f64).sqrt();
     d.failures = d.unwritten
-        + g.iter()
-            .zip(c)
-            .filter(|&(&a, &b)| a.is_finite() && (f64::from(a) - f64::from(b)).abs() > 0.05 * rms + 2.0 * f64::from(ulp(b, cpu.dtype)))
-            .count();
+        + g.iter().zip(c).filter(|&(&a, &b)| a.is_finite() && (f64::from(a) - f64::from(b)).abs() > 0.05 * rms + 2.0 * f64::from(ulp(b, cpu.dtype))).count();
     d
 }
 

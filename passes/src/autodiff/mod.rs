@@ -114,13 +114,7 @@ impl PrimalMap for BlockPrimals {
 type RepeatVjp<'a> = dyn FnMut(&mut Builder, NodeId, &[Option<Value>]) -> Result<Vec<Option<Value>>, String> + 'a;
 
 /// Walk `primal`'s nodes in reverse, emitting VJPs through `b`. `repeat_vjp` handles repeat nodes.
-fn backprop(
-    primal: &Region,
-    b: &mut Builder,
-    cot: &mut Cotangents,
-    pm: &mut dyn PrimalMap,
-    repeat_vjp: &mut RepeatVjp<'_>,
-) -> Result<(), String> {
+fn backprop(primal: &Region, b: &mut Builder, cot: &mut Cotangents, pm: &mut dyn PrimalMap, repeat_vjp: &mut RepeatVjp<'_>) -> Result<(), String> {
     for &n in primal.order.iter().rev() {
         let node = primal.node(n);
         let dy: Vec<Option<Value>> = node.results.iter().map(|r| cot.map.get(r).copied()).collect();
@@ -178,7 +172,8 @@ pub fn differentiate_block(g: &Graph, block: BlockId, n_carry: usize, n_stacked:
         }
     }
     // Invariant inputs that need gradients get a carried accumulator.
-    let invariant_grads: Vec<usize> = (n_carry + n_stacked..n_args).filter(|&i| differentiable(fwd.ty(fwd.args[i].value).dtype)).map(|i| i - n_carry - n_stacked).collect();
+    let invariant_grads: Vec<usize> =
+        (n_carry + n_stacked..n_args).filter(|&i| differentiable(fwd.ty(fwd.args[i].value).dtype)).map(|i| i - n_carry - n_stacked).collect();
     let acc_args: Vec<Value> = invariant_grads
         .iter()
         .map(|&j| {
@@ -188,7 +183,9 @@ pub fn differentiate_block(g: &Graph, block: BlockId, n_carry: usize, n_stacked:
         .collect();
     {
         let mut b = Builder::new(&mut bwd, &g.dims, &g.blocks);
-        let mut no_repeat = |_: &mut Builder, n: NodeId, _: &[Option<Value>]| -> Result<Vec<Option<Value>>, String> { Err(format!("node {n}: repeat inside a block is not supported yet")) };
+        let mut no_repeat = |_: &mut Builder, n: NodeId, _: &[Option<Value>]| -> Result<Vec<Option<Value>>, String> {
+            Err(format!("node {n}: repeat inside a block is not supported yet"))
+        };
         backprop(fwd, &mut b, &mut cot, &mut pm, &mut no_repeat).map_err(|e| format!("@{}: {e}", fwd.name))?;
     }
     // Outputs: carried grads, accumulators, then per-layer grads of stacked inputs.

@@ -68,11 +68,7 @@ fn bin(b: &mut Builder, op: BinaryOp, x: Value, y: Value) -> Result<Value, Strin
 /// Sum `g` (shaped like the result) down to a rank-0 operand's shape when it was broadcast.
 fn unbroadcast(b: &mut Builder, g: Value, operand: &TensorType) -> Result<Value, String> {
     let rank = b.ty(g).rank();
-    if operand.rank() == 0 && rank > 0 {
-        b.push1(Op::Reduce { kind: ReduceKind::Sum, axes: (0..rank).collect() }, &[g])
-    } else {
-        Ok(g)
-    }
+    if operand.rank() == 0 && rank > 0 { b.push1(Op::Reduce { kind: ReduceKind::Sum, axes: (0..rank).collect() }, &[g]) } else { Ok(g) }
 }
 
 /// Emit the VJP of one node. Returns one cotangent per input (`None`: no gradient flows).

@@ -20,7 +20,7 @@ use std::time::Instant;
 
 use titan_ir::artifact::{Arena, BufRef, Buffer, BufferClass, Step};
 use titan_ir::interp::{Interpreter, Precision, Tensor, eval_op};
-use titan_ir::{ArgKind, DType, Op, Region, TensorType, ValueDef};
+use titan_ir::{DType, Op, Region, TensorType, ValueDef};
 
 use crate::RuntimeError;
 use crate::artifact::{Artifact, arena_name};
@@ -220,29 +220,12 @@ impl<'a> CpuArtifactTrainer<'a> {
     /// Fill every persistent buffer from the state argument of `graph.ir`'s `main` with the
     /// same checkpoint name.
     fn init_state(&mut self, seed: u64) -> Result<(), RuntimeError> {
-        let graph = &self.artifact.graph;
-        for b in &self.artifact.manifest.buffers {
-            if !matches!(b.class, BufferClass::Param | BufferClass::OptimizerState) {
-                continue;
-            }
-            let Some(s) = &b.state else { return Err(bad(format!("buffer {} (`{}`) is persistent but has no `state`", b.id, b.name))) };
-            let arg = graph.main.args.iter().find(|a| a.kind.param_info().is_some_and(|p| p.name == s.name)).ok_or_else(|| {
-                bad(format!(
-                    "state buffer {} (`{}`) has no state argument named \"{}\" in graph.ir; rebuild the artifact with `titanc build`",
-                    b.id, b.name, s.name
-                ))
-            })?;
-            let (ArgKind::State(p) | ArgKind::Param(p)) = &arg.kind else { continue };
-            let ty = graph.main.ty(arg.value);
-            let shape = ty.resolve(&graph.dims).map_err(|e| bad(format!("state `{}` in graph.ir: {e}", s.name)))?;
-            if ty.dtype != b.dtype || shape.iter().map(|&d| d as u64).collect::<Vec<_>>() != b.shape {
-                return Err(bad(format!("state `{}` is {ty} in graph.ir but buffer {} is {}{:?}", s.name, b.id, b.dtype, b.shape)));
-            }
-            let (layers, per_layer) = if p.is_stacked() { (shape[0], shape[1..].iter().product()) } else { (1, shape.iter().product()) };
-            let values = init_values(p.init, layers, per_layer, seed, &|l| p.layer_name(l))
+        for slot in self.artifact.state_slots()? {
+            let (b, p) = (slot.buffer, slot.info);
+            let values = init_values(p.init, slot.layers, slot.per_layer, seed, &|l| p.layer_name(l))
                 .map_err(|e| RuntimeError::Graph(format!("initializing `{}`: {e}", p.name)))?;
             let v = self.whole(b)?;
-            encode_floats(&values, b.dtype, &mut self.arenas[v.arena][v.start..v.start + v.len]).map_err(|e| bad(format!("state `{}`: {e}", s.name)))?;
+            encode_floats(&values, b.dtype, &mut self.arenas[v.arena][v.start..v.start + v.len]).map_err(|e| bad(format!("state `{}`: {e}", p.name)))?;
         }
         Ok(())
     }

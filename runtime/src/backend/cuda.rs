@@ -36,10 +36,10 @@ pub mod gemm;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Instant;
 
+use titan_ir::DType;
 use titan_ir::artifact::{Arena, BufRef, Buffer, BufferClass, Kernel, Step};
 use titan_ir::interp::Tensor;
 use titan_ir::op::KernelKind;
-use titan_ir::{ArgKind, DType};
 
 use self::driver::{CudaError, DeviceBuffer, Event, Function, Gpu, Graph, Module};
 use self::gemm::{Blas, GemmPlan, pow2_align};
@@ -587,36 +587,20 @@ impl<'a> CudaArtifactTrainer<'a> {
     fn init_state(&mut self, seed: u64) -> Result<(), RuntimeError> {
         self.gpu.bind()?;
         let start = Instant::now();
-        let graph = &self.artifact.graph;
         let mut jobs: Vec<InitJob> = Vec::new();
         let mut names: Vec<String> = Vec::new();
-        for b in &self.artifact.manifest.buffers {
-            if !matches!(b.class, BufferClass::Param | BufferClass::OptimizerState) {
-                continue;
-            }
-            let Some(s) = &b.state else { return Err(bad(format!("buffer {} (`{}`) is persistent but has no `state`", b.id, b.name))) };
-            let arg = graph.main.args.iter().find(|a| a.kind.param_info().is_some_and(|p| p.name == s.name)).ok_or_else(|| {
-                bad(format!(
-                    "state buffer {} (`{}`) has no state argument named \"{}\" in graph.ir; rebuild the artifact with `titanc build`",
-                    b.id, b.name, s.name
-                ))
-            })?;
-            let (ArgKind::State(p) | ArgKind::Param(p)) = &arg.kind else { continue };
-            let ty = graph.main.ty(arg.value);
-            let shape = ty.resolve(&graph.dims).map_err(|e| bad(format!("state `{}` in graph.ir: {e}", s.name)))?;
-            if ty.dtype != b.dtype || shape.iter().map(|&d| d as u64).collect::<Vec<_>>() != b.shape {
-                return Err(bad(format!("state `{}` is {ty} in graph.ir but buffer {} is {}{:?}", s.name, b.id, b.dtype, b.shape)));
-            }
-            let (layers, per_layer): (usize, usize) = if p.is_stacked() { (shape[0], shape[1..].iter().product()) } else { (1, shape.iter().product()) };
+        for slot in self.artifact.state_slots()? {
+            let (b, p) = (slot.buffer, slot.info);
+            let (layers, per_layer) = (slot.layers, slot.per_layer);
             let (ptr, len) = self.arenas.whole(b)?;
             let size = b.dtype.size_bytes();
             if (layers * per_layer) as u64 * size as u64 > len {
-                return Err(bad(format!("state `{}` has {} elements, its buffer only {len} bytes", s.name, layers * per_layer)));
+                return Err(bad(format!("state `{}` has {} elements, its buffer only {len} bytes", p.name, layers * per_layer)));
             }
             check_init(p.init).map_err(|e| RuntimeError::Graph(format!("initializing `{}`: {e}", p.name)))?;
             if p.init == titan_ir::Init::Zeros {
-                let bytes = usize::try_from(len).map_err(|_| bad(format!("state `{}` is too large", s.name)))?;
-                self.gpu.memset(ptr, 0, bytes, || format!("zeroing state `{}`", s.name))?;
+                let bytes = usize::try_from(len).map_err(|_| bad(format!("state `{}` is too large", p.name)))?;
+                self.gpu.memset(ptr, 0, bytes, || format!("zeroing state `{}`", p.name))?;
                 continue;
             }
             for l in 0..layers {

@@ -96,7 +96,6 @@ fn bits(t: &Tensor<f32>) -> Vec<u32> {
     t.to_f64_vec().iter().map(|&x| (x as f32).to_bits()).collect()
 }
 
-
 /// One step of both graphs on the same random arguments; every result bit-identical.
 fn assert_same_step(unfused: &Graph, fused: &Graph, seed: u64) {
     let args = random_args(unfused, seed);
