@@ -13,7 +13,7 @@ use crate::dtype::DType;
 use crate::op::KernelKind;
 
 /// Bumped on every change a reader of an older version would misread.
-pub const FORMAT_VERSION: u32 = 1;
+pub const FORMAT_VERSION: u32 = 2;
 pub const MANIFEST_FILE: &str = "manifest.json";
 /// The fused training graph; each kernel's `body` names one of its blocks.
 pub const GRAPH_FILE: &str = "graph.ir";
@@ -193,6 +193,15 @@ pub struct Launch {
     pub shared_bytes: u32,
 }
 
+/// A first grid-wide phase of a kernel: another entry of the same module, launched just before
+/// the kernel's own entry with the same arguments (the attention backward's dQ pass, which also
+/// writes the row statistics its dK/dV pass reads).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Prologue {
+    pub entry: String,
+    pub launch: Launch,
+}
+
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Kernel {
     pub id: u32,
@@ -216,11 +225,16 @@ pub struct Kernel {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub launch: Option<Launch>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prologue: Option<Prologue>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub gemm: Option<GemmDesc>,
     /// Scratch the kernel needs (cross-block reductions); passed as the last pointer argument.
-    /// The runtime allocates it zeroed once; the kernel leaves it zeroed when it returns.
+    /// The runtime allocates it zeroed once; the kernel leaves it zeroed when it returns, unless
+    /// `workspace_scratch` says it writes every workspace byte it reads (then no zeroing matters).
     #[serde(default, skip_serializing_if = "is_zero")]
     pub workspace_bytes: u64,
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub workspace_scratch: bool,
     /// Bytes the kernel reads and writes per launch (for the fusion report and rooflines).
     pub bytes_read: u64,
     pub bytes_written: u64,

@@ -319,7 +319,7 @@ pub(crate) fn generate(g: &Graph, r: &Region, entry: &str) -> GenResult<Generate
     );
     m.push_str(&body);
     m.push_str("      gpu.return\n    }\n  }\n}\n");
-    Ok(Generated { mlir: m, block: THREADS as u32, grid, workspace_bytes: 0 })
+    Ok(Generated::new(m, THREADS as u32, grid, 0))
 }
 
 /// The loop-carried state of the forward pass: O fragments (`d / 8` n-tiles of 4), then the

@@ -1,26 +1,29 @@
 //! `attention_bwd` kernel: the FlashAttention-2 backward pass on tensor cores (`mma.sync`
-//! m16n8k16 bf16 -> f32, `ldmatrix` fragments), emitted as MLIR text with NVVM ops.
+//! m16n8k16 bf16 -> f32, `ldmatrix` fragments), emitted as MLIR text with NVVM ops, as two
+//! grid-wide phases of one module (the dQ phase is the kernel's prologue launch).
 //!
-//! Design:
-//! - One CTA of 4 warps per 64-key tile of one (batch, kv head); warp `w` owns keys
-//!   `16w..16w+16` of the tile. The CTA keeps dK and dV of its keys in registers (f32) while it
-//!   loops over the query heads of its GQA group and, per head, over query tiles of 32 rows (16
-//!   at head_dim 128, where dK and dV take 128 registers a thread), from the diagonal on when
-//!   causal: earlier query tiles see none of its keys. Causal CTAs with the most work (the first
-//!   key tiles) come first in the grid.
-//! - Static shared memory: the K and V tiles (`64 x (d + 8)` bf16 each, staged once by
-//!   `cp.async`), the Q and dO tiles (`cp.async` per query tile), dS^T (`64 x 40` bf16) and the
-//!   tile's lse and D (f32): 48,772 bytes at head_dim 128 (under the 48 KiB static limit).
-//! - Per query tile: S^T = K Q^T; P^T = exp2(S^T scale log2 e - lse log2 e) (masked to 0 above
-//!   the diagonal); dV += P^T dO; dP^T = V dO^T; dS^T = P^T (dP^T - D); dK += dS^T Q.
-//!   The dV update comes after dS so P, dP and P's bf16 copy are never live together.
-//!   D = rowsum(dO o O) is recomputed per query tile from global memory (`128 / rows` threads per
-//!   row), so no preceding phase is needed.
-//! - dQ: dS^T goes through shared memory; the 4 warps compute the tile's `rows x d` partial
-//!   `dS K scale` and add it with f32 atomics into a workspace accumulator. A per-query-tile
-//!   arrival counter (after a device-scope fence) tells the last contributing CTA to convert the
-//!   tile to bf16 `dq`, reading the accumulator with atomic exchanges of 0 and resetting the
-//!   counter: the workspace is left zeroed.
+//! Design: dQ and (dK, dV) are computed by separate passes, each owning its output, so neither
+//! needs atomics and the result is deterministic (bitwise reproducible). The dQ pass recomputes
+//! `S` and `dP`: 7 GEMM-sized products instead of FA2's 5, traded for no f32 atomics, no
+//! cross-CTA counters and fewer live registers in both passes.
+//! - **dQ pass** (`<entry>_dq`, launched first): one CTA of 4 warps per 64-query tile of one
+//!   (batch, query head), 16 rows a warp, the longest causal tiles first. Q and dO fragments stay
+//!   in registers; `D = rowsum(dO o O)` and `lse log2 e` of the rows are computed once and written
+//!   to the workspace for the second pass. Key tiles (32 keys at head_dim 128, else 64) of K and V
+//!   are double-buffered in shared memory by `cp.async` (tile `j + 1` lands while tile `j` is used).
+//!   Per tile: `S = Q K^T`, `P = exp2(S scale log2 e - lse log2 e)` (0 above the diagonal),
+//!   `dP = dO V^T`, `dS = P o (dP - D)`, `dQ += dS K` (`ldmatrix.trans` of K). dQ is scaled at
+//!   the end.
+//! - **dK/dV pass** (`<entry>`): one CTA of 4 warps per 64-key tile of one (batch, kv head),
+//!   16 keys a warp, lowest key tiles (the most causal work) first. K and V are staged once; the
+//!   CTA loops over the query heads of its GQA group and their query tiles (32 rows at head_dim
+//!   128, else 64; from the diagonal on when causal) as one flattened sequence, double-buffering
+//!   Q, dO and the tile's `lse log2 e` and `D` (read back from the workspace). Per tile:
+//!   `S^T = K Q^T`, `P^T`, `dP^T = V dO^T`, `dS^T = P^T o (dP^T - D)`, `dV += P^T dO`,
+//!   `dK += dS^T Q` (scaled at the end), dK and dV in f32 registers throughout.
+//! - Shared memory is dynamic (`@attb_smem`): 70,144 bytes for the dK/dV pass and 34,816 for the
+//!   dQ pass at head_dim 128. The workspace (`2 b hq s` f32) is scratch: written by the first
+//!   pass before the second reads it.
 //!
 //! Supported: the forward kernel's shapes (bf16, head_dim 16/64/128, sequence length a multiple
 //! of 64, `scale > 0`).
@@ -33,15 +36,37 @@ use crate::attention::Em;
 use crate::values::Body;
 use crate::{GenResult, Generated, invalid, unsupported};
 
-/// Keys per CTA.
+/// Keys per dK/dV CTA (4 warps x 16 keys) and query rows per dQ CTA (4 warps x 16 rows).
 const BN: i64 = 64;
-/// Queries per inner tile: 32, or 16 at head_dim 128 (fewer live registers next to dK, dV).
-fn bmq(d: i64) -> i64 {
-    if d > 64 { 16 } else { 32 }
-}
+const BM: i64 = 64;
 const THREADS: i64 = 128;
-/// Row stride (elements) of the dS^T tile in shared memory.
-const DS_STRIDE: i64 = 32 + 8;
+
+/// Query rows per tile of the dK/dV pass: 32 at head_dim 128 (dK and dV take 128 registers).
+fn bmq(d: i64) -> i64 {
+    if d > 64 { 32 } else { 64 }
+}
+
+/// Keys per tile of the dQ pass: 32 at head_dim 128 (dQ, Q and dO take 128 registers).
+fn bnk(d: i64) -> i64 {
+    if d > 64 { 32 } else { 64 }
+}
+
+/// Dynamic shared memory of the dK/dV pass: K and V, then two stages of (Q, dO, lse, D).
+fn dkdv_smem_bytes(d: i64) -> i64 {
+    let st = d + 8;
+    2 * (2 * BN * st + 2 * stage_elems(d))
+}
+
+/// bf16 elements of one dK/dV stage: Q and dO tiles, then lse and D (f32, 2 elements each).
+fn stage_elems(d: i64) -> i64 {
+    let bm = bmq(d);
+    2 * bm * (d + 8) + 4 * bm
+}
+
+/// Dynamic shared memory of the dQ pass: two stages of K, then two of V.
+fn dq_smem_bytes(d: i64) -> i64 {
+    2 * 4 * bnk(d) * (d + 8)
+}
 
 #[derive(Clone, Copy, Debug)]
 struct Problem {
@@ -113,7 +138,7 @@ fn read(g: &Graph, r: &Region) -> GenResult<(Problem, Params)> {
     if !(scale.is_finite() && scale > 0.0) {
         return unsupported(format!("attention_bwd scale {scale} (the kernel needs a positive scale)"));
     }
-    if bb * s * hq * d >= 1 << 36 || (s / BN as u64) * bb * hkv > u64::from(u32::MAX) {
+    if bb * s * hq * d >= 1 << 36 || (s / BM as u64) * bb * hq > u64::from(u32::MAX) {
         return unsupported("attention_bwd problem size out of range");
     }
     let p = Problem { b: bb as i64, s: s as i64, hq: hq as i64, hkv: hkv as i64, d: d as i64, causal, scale };
@@ -139,33 +164,30 @@ pub(crate) fn generate(g: &Graph, r: &Region, entry: &str) -> GenResult<Generate
         ws: ptr(na + 3),
     };
     let grid = ((p.s / BN) * p.b * p.hkv) as u32;
-    let acc_elems = p.b * p.s * p.hq * p.d;
-    let counters = p.b * p.hq * (p.s / bmq(p.d));
-    let body = bwd_body(&p, &io, acc_elems);
-    let st = p.d + 8;
+    let dq_grid = ((p.s / BM) * p.b * p.hq) as u32;
     let mut m = String::new();
     m.push_str("module attributes {gpu.container_module} {\n  gpu.module @titan {\n");
-    for (name, n, ty) in [
-        ("attb_k", BN * st, "bf16"),
-        ("attb_v", BN * st, "bf16"),
-        ("attb_q", bmq(p.d) * st, "bf16"),
-        ("attb_do", bmq(p.d) * st, "bf16"),
-        ("attb_ds", BN * DS_STRIDE, "bf16"),
-        ("attb_lse", bmq(p.d), "f32"),
-        ("attb_d", bmq(p.d), "f32"),
-        ("attb_flag", 1, "i32"),
-    ] {
-        let _ = writeln!(m, "    llvm.mlir.global internal @{name}() {{addr_space = 3 : i32, alignment = 16 : i64}} : !llvm.array<{n} x {ty}>");
-    }
+    m.push_str("    llvm.mlir.global external @attb_smem() {addr_space = 3 : i32, alignment = 16 : i64} : !llvm.array<0 x i8>\n");
     let ps: Vec<String> = params.iter().map(|p| format!("{p}: !llvm.ptr<1>")).collect();
-    let _ = writeln!(
-        m,
-        "    gpu.func @{entry}({}) kernel attributes {{known_block_size = array<i32: {THREADS}, 1, 1>, known_grid_size = array<i32: {grid}, 1, 1>}} {{",
-        ps.join(", ")
-    );
-    m.push_str(&body);
-    m.push_str("      gpu.return\n    }\n  }\n}\n");
-    Ok(Generated { mlir: m, block: THREADS as u32, grid, workspace_bytes: (acc_elems as u64 + counters as u64) * 4 })
+    for (name, grid, body) in [(format!("{entry}_dq"), dq_grid, dq_body(&p, &io)), (entry.to_string(), grid, dkdv_body(&p, &io))] {
+        let _ = writeln!(
+            m,
+            "    gpu.func @{name}({}) kernel attributes {{known_block_size = array<i32: {THREADS}, 1, 1>, known_grid_size = array<i32: {grid}, 1, 1>}} {{",
+            ps.join(", ")
+        );
+        m.push_str(&body);
+        m.push_str("      gpu.return\n    }\n");
+    }
+    m.push_str("  }\n}\n");
+    Ok(Generated {
+        mlir: m,
+        block: THREADS as u32,
+        grid,
+        shared_bytes: dkdv_smem_bytes(p.d) as u32,
+        prologue: Some(("_dq", dq_grid, THREADS as u32, dq_smem_bytes(p.d) as u32)),
+        workspace_bytes: 2 * (p.b * p.hq * p.s) as u64 * 4,
+        workspace_scratch: true,
+    })
 }
 
 struct Io {
@@ -214,17 +236,22 @@ fn if_then(e: &mut Em, cond: &str, then: impl FnOnce(&mut Em)) {
     e.line("}");
 }
 
-fn bwd_body(p: &Problem, io: &Io, acc_elems: i64) -> String {
-    let mut e = Em::new();
-    let d = p.d;
-    let st = d + 8;
-    let grp = p.hq / p.hkv;
-    let bm = bmq(d);
-    let nqt = p.s / bm;
-    // Query n-tiles (8 wide) per tile, warps per query m-tile, threads per row for D.
-    let qn = (bm / 8) as usize;
-    let mtiles = bm / 16;
-    let tpr = THREADS / bm;
+/// Thread and lane indices both passes use.
+struct Ids {
+    tid: String,
+    bid: String,
+    warp: String,
+    lane: String,
+    /// `lane / 4` (the C-fragment row) and `lane % 4` (its column pair).
+    g: String,
+    tq: String,
+    /// `ldmatrix.x4` matrix index of the lane, split: `(lane / 8) % 2`, `lane / 16`, `lane % 8`.
+    mi_lo: String,
+    mi_hi: String,
+    r8: String,
+}
+
+fn ids(e: &mut Em) -> Ids {
     let tid_ix = e.op("gpu.thread_id x");
     let tid = e.op(&format!("arith.index_cast {tid_ix} : index to i32"));
     let bid_ix = e.op("gpu.block_id x");
@@ -237,10 +264,316 @@ fn bwd_body(p: &Problem, io: &Io, acc_elems: i64) -> String {
     let r8 = e.remk(&lane, 8);
     let mi_lo = e.remk(&mi, 2);
     let mi_hi = e.divk(&mi, 2);
+    Ids { tid, bid, warp, lane, g, tq, mi_lo, mi_hi, r8 }
+}
+
+/// `(row * 8 + r8) * st + col * 8`: a lane's `ldmatrix` element offset from the 8x8 block indices.
+fn lm_off(e: &mut Em, row: &str, col: &str, r8: &str, st: i64) -> String {
+    let r = e.mulk(row, 8);
+    let r = e.addi(&r, r8);
+    let ro = e.mulk(&r, st);
+    let c = e.mulk(col, 8);
+    e.addi(&ro, &c)
+}
+
+/// `base + off` elements of `elem` in shared memory, `off` an i32 value.
+fn sptr(e: &mut Em, base: &str, off: &str, elem: &str) -> String {
+    e.gep(base, 3, off, "i32", elem)
+}
+
+/// Unpack an i32 holding two bf16 into two f32.
+fn unpack_bf16(e: &mut Em, x: &str) -> [String; 2] {
+    let v = e.op(&format!("llvm.bitcast {x} : i32 to vector<2xbf16>"));
+    let f = e.op(&format!("arith.extf {v} : vector<2xbf16> to vector<2xf32>"));
+    [0, 1].map(|i| e.op(&format!("vector.extract {f}[{i}] : f32 from vector<2xf32>")))
+}
+
+/// C fragments (two 8-column n-tiles) packed as one bf16 A fragment (16 columns of k).
+fn to_a(e: &mut Em, f: &[[String; 4]], kk: usize) -> [String; 4] {
+    let (t0, t1) = (&f[2 * kk], &f[2 * kk + 1]);
+    [e.pack_bf16(&t0[0], &t0[1]), e.pack_bf16(&t0[2], &t0[3]), e.pack_bf16(&t1[0], &t1[1]), e.pack_bf16(&t1[2], &t1[3])]
+}
+
+fn zeros(e: &mut Em, n: usize) -> Vec<[String; 4]> {
+    let z = e.f32c(0.0);
+    (0..n).map(|_| [0; 4].map(|_| z.clone())).collect()
+}
+
+/// The dQ pass: one CTA per 64-query tile of one (batch, query head).
+fn dq_body(p: &Problem, io: &Io) -> String {
+    let mut e = Em::new();
+    let d = p.d;
+    let st = d + 8;
+    let bn = bnk(d);
+    let nm = p.s / BM;
+    let bh = p.b * p.hq;
+    let grp = p.hq / p.hkv;
+    let q_row = p.hq * d;
+    let kv_row = p.hkv * d;
+    let id = ids(&mut e);
+    // Longest causal tiles first: block -> (query tile, batch * head).
+    let mb_rev = e.divk(&id.bid, bh);
+    let nm1 = e.i32c(nm - 1);
+    let mblk = e.bin("subi", &nm1, &mb_rev, "i32");
+    let bhi = e.remk(&id.bid, bh);
+    let bi = e.divk(&bhi, p.hq);
+    let h = e.remk(&bhi, p.hq);
+    let kh = e.divk(&h, grp);
+    let bi64 = e.ext64(&bi);
+    let h64 = e.ext64(&h);
+    let kh64 = e.ext64(&kh);
+    let d64 = e.i64c(d);
+    let sq = e.i64c(p.s * p.hq * d);
+    let skv = e.i64c(p.s * p.hkv * d);
+    let qb = e.bin("muli", &bi64, &sq, "i64");
+    let hd = e.bin("muli", &h64, &d64, "i64");
+    let q_base = e.bin("addi", &qb, &hd, "i64");
+    let kvb = e.bin("muli", &bi64, &skv, "i64");
+    let khd = e.bin("muli", &kh64, &d64, "i64");
+    let kv_base = e.bin("addi", &kvb, &khd, "i64");
+    // The thread's two query rows (absolute) and column pair.
+    let w16 = e.mulk(&id.warp, 16);
+    let qr0 = e.addi(&w16, &id.g);
+    let m64 = e.mulk(&mblk, BM);
+    let row0 = e.addi(&m64, &qr0);
+    let row1 = e.addk(&row0, 8);
+    let rows = [row0, row1];
+    let kcol = e.mulk(&id.tq, 2);
+    let row_ptr = |e: &mut Em, base: &str, row: &str| -> String {
+        let r64 = e.ext64(row);
+        let rs = e.i64c(q_row);
+        let ro = e.bin("muli", &r64, &rs, "i64");
+        let o = e.bin("addi", &q_base, &ro, "i64");
+        let k64 = e.ext64(&kcol);
+        let o = e.bin("addi", &o, &k64, "i64");
+        e.gep(base, 1, &o, "i64", "bf16")
+    };
+    // A fragments of a [rows, d] bf16 tensor straight from global memory.
+    let frags = |e: &mut Em, base: &str| -> Vec<[String; 4]> {
+        let rp = [row_ptr(e, base, &rows[0]), row_ptr(e, base, &rows[1])];
+        (0..d / 16)
+            .map(|ks| {
+                let mut a: [String; 4] = Default::default();
+                for (i, x) in a.iter_mut().enumerate() {
+                    let ptr = e.gepk(&rp[i % 2], 1, 16 * ks + 8 * (i / 2) as i64);
+                    *x = e.op(&format!("llvm.load {ptr} {{alignment = 4 : i64}} : !llvm.ptr<1> -> i32"));
+                }
+                a
+            })
+            .collect()
+    };
+    let qf = frags(&mut e, &io.q);
+    let dof = frags(&mut e, &io.dout);
+    // D = rowsum(dO o O) for the two rows: fragments of O in the same layout, then the quad.
+    let zf = e.f32c(0.0);
+    let mut dsum = [zf.clone(), zf.clone()];
+    {
+        let of = frags(&mut e, &io.o);
+        for (a, b) in dof.iter().zip(&of) {
+            for i in 0..4 {
+                let x = unpack_bf16(&mut e, &a[i]);
+                let y = unpack_bf16(&mut e, &b[i]);
+                for k in 0..2 {
+                    dsum[i % 2] = e.fma(&x[k], &y[k], &dsum[i % 2]);
+                }
+            }
+        }
+        for r in dsum.iter_mut() {
+            for off in [1, 2] {
+                let o = e.shfl_xor(r, off);
+                *r = e.fadd(r, &o);
+            }
+        }
+    }
+    // lse (log2 domain) of the rows; both statistics go to the workspace for the dK/dV pass.
+    let log2e = e.f32c(std::f32::consts::LOG2_E);
+    let bh64 = e.ext64(&bhi);
+    let s64 = e.i64c(p.s);
+    let bhs = e.bin("muli", &bh64, &s64, "i64");
+    let stat_base = e.i64c(p.b * p.hq * p.s);
+    let mut neg_lse = [String::new(), String::new()];
+    let mut idx = [String::new(), String::new()];
+    for r in 0..2 {
+        let r64 = e.ext64(&rows[r]);
+        idx[r] = e.bin("addi", &bhs, &r64, "i64");
+        let lp = e.gep(&io.lse, 1, &idx[r], "i64", "f32");
+        let l = e.op(&format!("llvm.load {lp} {{alignment = 4 : i64}} : !llvm.ptr<1> -> f32"));
+        let l2 = e.fmul(&l, &log2e);
+        neg_lse[r] = e.op(&format!("arith.negf {l2} : f32"));
+        let zero_i = e.i32c(0);
+        let first = e.op(&format!("arith.cmpi eq, {}, {zero_i} : i32", id.tq));
+        let (dsr, i) = (dsum[r].clone(), idx[r].clone());
+        if_then(&mut e, &first, |e| {
+            let dp = e.gep(&io.ws, 1, &i, "i64", "f32");
+            e.line(&format!("llvm.store {dsr}, {dp} {{alignment = 4 : i64}} : f32, !llvm.ptr<1>"));
+            let li = e.bin("addi", &i, &stat_base, "i64");
+            let lp = e.gep(&io.ws, 1, &li, "i64", "f32");
+            e.line(&format!("llvm.store {l2}, {lp} {{alignment = 4 : i64}} : f32, !llvm.ptr<1>"));
+        });
+    }
+    // Shared memory: K stages at 0 and bn st, V stages at 2 bn st and 3 bn st.
+    let smem = e.op("llvm.mlir.addressof @attb_smem : !llvm.ptr<3>");
+    let k_off = lm_off(&mut e, &id.mi_hi, &id.mi_lo, &id.r8, st);
+    let kt_off = lm_off(&mut e, &id.mi_lo, &id.mi_hi, &id.r8, st);
+    let cpr = d / 8;
+    let crow = e.divk(&id.tid, cpr);
+    let cch = e.remk(&id.tid, cpr);
+    let cc8 = e.mulk(&cch, 8);
+    let s_row = e.mulk(&crow, st);
+    let s_off = e.addi(&s_row, &cc8);
+    let crow64 = e.ext64(&crow);
+    let kvr = e.i64c(kv_row);
+    let g_row = e.bin("muli", &crow64, &kvr, "i64");
+    let cc864 = e.ext64(&cc8);
+    let g_off = e.bin("addi", &g_row, &cc864, "i64");
+    let g_off = e.bin("addi", &g_off, &kv_base, "i64");
+    let k_g = e.gep(&io.k, 1, &g_off, "i64", "bf16");
+    let v_g = e.gep(&io.v, 1, &g_off, "i64", "bf16");
+    let tile = bn * st;
+    let load = |e: &mut Em, j: &str| {
+        let stage = e.remk(j, 2);
+        let kb = e.mulk(&stage, tile);
+        let vb = e.addk(&kb, 2 * tile);
+        let j64 = e.ext64(j);
+        let tk = e.i64c(bn * kv_row);
+        let off = e.bin("muli", &j64, &tk, "i64");
+        let rows_per_iter = THREADS / cpr;
+        for (src, base) in [(&k_g, &kb), (&v_g, &vb)] {
+            let g0 = e.gep(src, 1, &off, "i64", "bf16");
+            let so = e.addi(base, &s_off);
+            let s0 = sptr(e, &smem, &so, "bf16");
+            for it in 0..bn * d / 8 / THREADS {
+                let gk = e.i64c(it * rows_per_iter * kv_row);
+                let gp = e.gep(&g0, 1, &gk, "i64", "bf16");
+                let sp = e.gepk(&s0, 3, it * rows_per_iter * st);
+                e.cp_async16(&sp, &gp);
+            }
+        }
+    };
+    let n_tiles = if p.causal {
+        let m1 = e.addk(&mblk, 1);
+        e.mulk(&m1, BM / bn)
+    } else {
+        e.i32c(p.s / bn)
+    };
+    let n_full = if p.causal { e.mulk(&mblk, BM / bn) } else { n_tiles.clone() };
+    let c = e.f32c((p.scale * std::f64::consts::LOG2_E) as f32);
     let zero_i = e.i32c(0);
+    load(&mut e, &zero_i);
+    e.commit();
+    let nt_d = (d / 8) as usize;
+    let nk = (bn / 8) as usize;
+    let tile_body = |e: &mut Em, j: &str, carried: &[String], masked: bool| -> Vec<String> {
+        let mut dq = frags_of(carried);
+        // Everyone is done with the stage tile j + 1 goes to; then tile j must have landed.
+        e.barrier();
+        let j1 = e.addk(j, 1);
+        let has_next = e.op(&format!("arith.cmpi slt, {j1}, {n_tiles} : i32"));
+        if_then(e, &has_next, |e| load(e, &j1));
+        e.commit();
+        e.wait_group(1);
+        e.barrier();
+        let stage = e.remk(j, 2);
+        let kb = e.mulk(&stage, tile);
+        let vb = e.addk(&kb, 2 * tile);
+        let ko = e.addi(&kb, &k_off);
+        let k_lm = sptr(e, &smem, &ko, "bf16");
+        let vo = e.addi(&vb, &k_off);
+        let v_lm = sptr(e, &smem, &vo, "bf16");
+        let kto = e.addi(&kb, &kt_off);
+        let kt_lm = sptr(e, &smem, &kto, "bf16");
+        // S = Q K^T and dP = dO V^T: 16 rows x bn keys.
+        let prod = |e: &mut Em, a: &[[String; 4]], lm: &str| -> Vec<[String; 4]> {
+            let mut s = zeros(e, nk);
+            for kstep in 0..d / 16 {
+                for np in 0..bn / 16 {
+                    let ptr = e.gepk(lm, 3, 16 * np * st + 16 * kstep);
+                    let r = e.ldmatrix4(&ptr, false);
+                    let n0 = (2 * np) as usize;
+                    s[n0] = e.mma(&a[kstep as usize], [&r[0], &r[1]], &s[n0]);
+                    s[n0 + 1] = e.mma(&a[kstep as usize], [&r[2], &r[3]], &s[n0 + 1]);
+                }
+            }
+            s
+        };
+        let s = prod(e, &qf, &k_lm);
+        let key_base = e.mulk(j, bn);
+        let kb0 = e.addi(&key_base, &kcol);
+        let mut pm: Vec<[String; 4]> = Vec::new();
+        for (nt, t) in s.iter().enumerate() {
+            let mut out: [String; 4] = Default::default();
+            for (i, x) in t.iter().enumerate() {
+                let y = e.fma(x, &c, &neg_lse[i / 2]);
+                let mut pv = e.ex2(&y);
+                if masked {
+                    let key = e.addk(&kb0, nt as i64 * 8 + (i % 2) as i64);
+                    let gt = e.op(&format!("arith.cmpi ugt, {key}, {} : i32", rows[i / 2]));
+                    pv = e.op(&format!("arith.select {gt}, {zf}, {pv} : f32"));
+                }
+                out[i] = pv;
+            }
+            pm.push(out);
+        }
+        let dp = prod(e, &dof, &v_lm);
+        let ds: Vec<[String; 4]> = pm
+            .iter()
+            .zip(&dp)
+            .map(|(pt, dt)| {
+                [0, 1, 2, 3].map(|i| {
+                    let x = e.fsub(&dt[i], &dsum[i / 2]);
+                    e.fmul(&pt[i], &x)
+                })
+            })
+            .collect();
+        // dQ += dS K.
+        for kk in 0..(bn / 16) as usize {
+            let a = to_a(e, &ds, kk);
+            for dd in 0..d / 16 {
+                let ptr = e.gepk(&kt_lm, 3, 16 * kk as i64 * st + 16 * dd);
+                let r = e.ldmatrix4(&ptr, true);
+                let n0 = (2 * dd) as usize;
+                dq[n0] = e.mma(&a, [&r[0], &r[1]], &dq[n0]);
+                dq[n0 + 1] = e.mma(&a, [&r[2], &r[3]], &dq[n0 + 1]);
+            }
+        }
+        frag_names(&dq)
+    };
+    let init = frag_names(&zeros(&mut e, nt_d));
+    let mut res = for_f32(&mut e, &zero_i, &n_full, &init, |e, j, carried| tile_body(e, j, carried, false));
+    if p.causal {
+        res = for_f32(&mut e, &n_full, &n_tiles, &res, |e, j, carried| tile_body(e, j, carried, true));
+    }
+    let dq = frags_of(&res);
+    let scale = e.f32c(p.scale as f32);
+    let dqp = [row_ptr(&mut e, &io.dq, &rows[0]), row_ptr(&mut e, &io.dq, &rows[1])];
+    for (n, t) in dq.iter().enumerate() {
+        for r in 0..2 {
+            let x0 = e.fmul(&t[2 * r], &scale);
+            let x1 = e.fmul(&t[2 * r + 1], &scale);
+            let pk = e.pack_bf16(&x0, &x1);
+            let ptr = e.gepk(&dqp[r], 1, 8 * n as i64);
+            e.line(&format!("llvm.store {pk}, {ptr} {{alignment = 4 : i64}} : i32, !llvm.ptr<1>"));
+        }
+    }
+    e.body
+}
+
+/// The dK/dV pass: one CTA per 64-key tile of one (batch, kv head).
+fn dkdv_body(p: &Problem, io: &Io) -> String {
+    let mut e = Em::new();
+    let d = p.d;
+    let st = d + 8;
+    let grp = p.hq / p.hkv;
+    let bm = bmq(d);
+    let nqt = p.s / bm;
+    let qn = (bm / 8) as usize;
+    let q_row = p.hq * d;
+    let kv_row = p.hkv * d;
+    let id = ids(&mut e);
+    let tid = id.tid.clone();
     // Block -> (key tile j, batch, kv head); low j (the most causal work) first.
-    let j = e.divk(&bid, p.b * p.hkv);
-    let bk = e.remk(&bid, p.b * p.hkv);
+    let j = e.divk(&id.bid, p.b * p.hkv);
+    let bk = e.remk(&id.bid, p.b * p.hkv);
     let bi = e.divk(&bk, p.hkv);
     let kh = e.remk(&bk, p.hkv);
     let kv0 = e.mulk(&j, BN);
@@ -253,50 +586,238 @@ fn bwd_body(p: &Problem, io: &Io, acc_elems: i64) -> String {
     let kv_base = e.bin("addi", &kvb, &khd, "i64");
     let sq = e.i64c(p.s * p.hq * d);
     let q_bbase = e.bin("muli", &bi64, &sq, "i64");
-    let kv_row = p.hkv * d;
-    let q_row = p.hq * d;
-    // Shared buffers.
-    let ks = e.op("llvm.mlir.addressof @attb_k : !llvm.ptr<3>");
-    let vs = e.op("llvm.mlir.addressof @attb_v : !llvm.ptr<3>");
-    let qs = e.op("llvm.mlir.addressof @attb_q : !llvm.ptr<3>");
-    let dos = e.op("llvm.mlir.addressof @attb_do : !llvm.ptr<3>");
-    let dss = e.op("llvm.mlir.addressof @attb_ds : !llvm.ptr<3>");
-    let lses = e.op("llvm.mlir.addressof @attb_lse : !llvm.ptr<3>");
-    let dsm = e.op("llvm.mlir.addressof @attb_d : !llvm.ptr<3>");
-    let flag = e.op("llvm.mlir.addressof @attb_flag : !llvm.ptr<3>");
-    // K and V tiles -> shared (cp.async, once).
+    let smem = e.op("llvm.mlir.addressof @attb_smem : !llvm.ptr<3>");
     let cpr = d / 8;
+    let rows_per_iter = THREADS / cpr;
+    let crow = e.divk(&tid, cpr);
+    let cch = e.remk(&tid, cpr);
+    let cc8 = e.mulk(&cch, 8);
+    let s_row = e.mulk(&crow, st);
+    let s_off = e.addi(&s_row, &cc8);
+    let cc864 = e.ext64(&cc8);
+    // K and V -> shared (cp.async, once; in the first stage's group).
     {
-        let crow = e.divk(&tid, cpr);
-        let cch = e.remk(&tid, cpr);
-        let cc8 = e.mulk(&cch, 8);
-        let s_row = e.mulk(&crow, st);
-        let s_off = e.addi(&s_row, &cc8);
         let grow = e.addi(&kv0, &crow);
         let grow64 = e.ext64(&grow);
         let kvr = e.i64c(kv_row);
         let go = e.bin("muli", &grow64, &kvr, "i64");
-        let cc864 = e.ext64(&cc8);
         let go = e.bin("addi", &go, &cc864, "i64");
         let go = e.bin("addi", &go, &kv_base, "i64");
-        for (src, dst) in [(&io.k, &ks), (&io.v, &vs)] {
+        for (src, base) in [(&io.k, 0), (&io.v, BN * st)] {
             let g0 = e.gep(src, 1, &go, "i64", "bf16");
-            let s0 = e.gep(dst, 3, &s_off, "i32", "bf16");
-            let rows_per_iter = THREADS / cpr;
-            for it in 0..(BN * d / 8 / THREADS) {
+            let so = e.addk(&s_off, base);
+            let s0 = sptr(&mut e, &smem, &so, "bf16");
+            for it in 0..BN * d / 8 / THREADS {
                 let gk = e.i64c(it * rows_per_iter * kv_row);
                 let gp = e.gep(&g0, 1, &gk, "i64", "bf16");
                 let sp = e.gepk(&s0, 3, it * rows_per_iter * st);
                 e.cp_async16(&sp, &gp);
             }
         }
-        e.commit();
     }
-    // The warp's key rows (g, g + 8) and the thread's column pair in C fragments.
-    let w16 = e.mulk(&warp, 16);
-    let key0 = e.addi(&w16, &g); // key within the tile, rows g / g + 8
+    // The flattened (head of the group, query tile) sequence.
+    let t_start = if p.causal { e.mulk(&j, BN / bm) } else { e.i32c(0) };
+    let nqt_c = e.i32c(nqt);
+    let ntile = e.bin("subi", &nqt_c, &t_start, "i32");
+    let total = e.mulk(&ntile, grp);
+    let kh_g = e.mulk(&kh, grp);
+    let bh0 = e.mulk(&bi, p.hq);
+    let stat_base = e.i64c(p.b * p.hq * p.s);
+    let stage0 = 2 * BN * st;
+    let se = stage_elems(d);
+    // (query head, first query row) of sequence position f.
+    let locate = |e: &mut Em, f: &str| -> (String, String) {
+        let hh = e.bin("divui", f, &ntile, "i32");
+        let tt = e.bin("remui", f, &ntile, "i32");
+        let h = e.addi(&kh_g, &hh);
+        let t = e.addi(&t_start, &tt);
+        let q0 = e.mulk(&t, bm);
+        (h, q0)
+    };
+    let load = |e: &mut Em, f: &str| {
+        let (h, q0) = locate(e, f);
+        let stage = e.remk(f, 2);
+        let sb = e.mulk(&stage, se);
+        let sb = e.addk(&sb, stage0);
+        let h64 = e.ext64(&h);
+        let hd = e.bin("muli", &h64, &d64, "i64");
+        let q_base = e.bin("addi", &q_bbase, &hd, "i64");
+        let grow = e.addi(&q0, &crow);
+        let grow64 = e.ext64(&grow);
+        let qr = e.i64c(q_row);
+        let go = e.bin("muli", &grow64, &qr, "i64");
+        let go = e.bin("addi", &go, &cc864, "i64");
+        let go = e.bin("addi", &go, &q_base, "i64");
+        for (src, off) in [(&io.q, 0), (&io.dout, bm * st)] {
+            let g0 = e.gep(src, 1, &go, "i64", "bf16");
+            let so = e.addk(&sb, off);
+            let so = e.addi(&so, &s_off);
+            let s0 = sptr(e, &smem, &so, "bf16");
+            for it in 0..bm * d / 8 / THREADS {
+                let gk = e.i64c(it * rows_per_iter * q_row);
+                let gp = e.gep(&g0, 1, &gk, "i64", "bf16");
+                let sp = e.gepk(&s0, 3, it * rows_per_iter * st);
+                e.cp_async16(&sp, &gp);
+            }
+        }
+        // lse (log2 domain) and D of the tile's rows: bm / 4 16-byte chunks each.
+        let chunks = bm / 4;
+        let lim = e.i32c(2 * chunks);
+        let copies = e.op(&format!("arith.cmpi ult, {tid}, {lim} : i32"));
+        if_then(e, &copies, |e| {
+            let which = e.divk(&tid, chunks);
+            let ch = e.remk(&tid, chunks);
+            let bh = e.addi(&bh0, &h);
+            let bh64 = e.ext64(&bh);
+            let s64 = e.i64c(p.s);
+            let row0 = e.bin("muli", &bh64, &s64, "i64");
+            let q064 = e.ext64(&q0);
+            let row0 = e.bin("addi", &row0, &q064, "i64");
+            let c4 = e.mulk(&ch, 4);
+            let c464 = e.ext64(&c4);
+            let row0 = e.bin("addi", &row0, &c464, "i64");
+            // lse at stat_base + row (which = 0), D at row (which = 1).
+            let w64 = e.ext64(&which);
+            let is_d = e.bin("muli", &w64, &stat_base, "i64");
+            let lse_off = e.bin("subi", &stat_base, &is_d, "i64");
+            let go = e.bin("addi", &row0, &lse_off, "i64");
+            let gp = e.gep(&io.ws, 1, &go, "i64", "f32");
+            let sb2 = e.addk(&sb, 2 * bm * st);
+            let sb_f = sptr(e, &smem, &sb2, "bf16");
+            let wb = e.mulk(&which, bm);
+            let fo = e.addi(&wb, &c4);
+            let sp = sptr(e, &sb_f, &fo, "f32");
+            e.cp_async16(&sp, &gp);
+        });
+    };
+    let zero_i = e.i32c(0);
+    load(&mut e, &zero_i);
+    e.commit();
+    // Per-lane ldmatrix offsets. A (K, V rows; row-major 16 rows): row = lane % 16 + 16 warp,
+    // col = (lane / 16) * 8.
+    let l16 = e.remk(&id.lane, 16);
+    let lhi = e.divk(&id.lane, 16);
+    let w16 = e.mulk(&id.warp, 16);
+    let arow = e.addi(&l16, &w16);
+    let a_r = e.mulk(&arow, st);
+    let a_c = e.mulk(&lhi, 8);
+    let a_off = e.addi(&a_r, &a_c);
+    let k_a = sptr(&mut e, &smem, &a_off, "bf16");
+    let vo = e.addk(&a_off, BN * st);
+    let v_a = sptr(&mut e, &smem, &vo, "bf16");
+    // B non-trans (Q, dO rows = queries) and B trans (rows = the k dim).
+    let bn_off = lm_off(&mut e, &id.mi_hi, &id.mi_lo, &id.r8, st);
+    let bt_off = lm_off(&mut e, &id.mi_lo, &id.mi_hi, &id.r8, st);
+    let key0 = e.addi(&w16, &id.g);
     let key1 = e.addk(&key0, 8);
-    let kcol = e.mulk(&tq, 2);
+    let kcol = e.mulk(&id.tq, 2);
+    let c = e.f32c((p.scale * std::f64::consts::LOG2_E) as f32);
+    let zf = e.f32c(0.0);
+    let nt_d = (d / 8) as usize;
+    let init = frag_names(&zeros(&mut e, 2 * nt_d));
+    let res = for_f32(&mut e, &zero_i, &total, &init, |e, f, carried| {
+        let (mut dk, mut dv) = (frags_of(&carried[..4 * nt_d]), frags_of(&carried[4 * nt_d..]));
+        e.barrier();
+        let f1 = e.addk(f, 1);
+        let has_next = e.op(&format!("arith.cmpi slt, {f1}, {total} : i32"));
+        if_then(e, &has_next, |e| load(e, &f1));
+        e.commit();
+        e.wait_group(1);
+        e.barrier();
+        let (_, q0) = locate(e, f);
+        let stage = e.remk(f, 2);
+        let sb = e.mulk(&stage, se);
+        let sb = e.addk(&sb, stage0);
+        let o = e.addi(&sb, &bn_off);
+        let q_bn = sptr(e, &smem, &o, "bf16");
+        let o = e.addk(&o, bm * st);
+        let do_bn = sptr(e, &smem, &o, "bf16");
+        let o = e.addi(&sb, &bt_off);
+        let q_bt = sptr(e, &smem, &o, "bf16");
+        let o = e.addk(&o, bm * st);
+        let do_bt = sptr(e, &smem, &o, "bf16");
+        let o = e.addk(&sb, 2 * bm * st);
+        let stats = sptr(e, &smem, &o, "bf16");
+        // S^T = K Q^T and dP^T = V dO^T: 16 keys x bm queries per warp.
+        let prod = |e: &mut Em, a_lm: &str, b_lm: &str| -> Vec<[String; 4]> {
+            let mut s = zeros(e, qn);
+            for kstep in 0..d / 16 {
+                let pa = e.gepk(a_lm, 3, 16 * kstep);
+                let a = e.ldmatrix4(&pa, false);
+                for np in 0..bm / 16 {
+                    let pb = e.gepk(b_lm, 3, 16 * np * st + 16 * kstep);
+                    let r = e.ldmatrix4(&pb, false);
+                    let n0 = (2 * np) as usize;
+                    s[n0] = e.mma(&a, [&r[0], &r[1]], &s[n0]);
+                    s[n0 + 1] = e.mma(&a, [&r[2], &r[3]], &s[n0 + 1]);
+                }
+            }
+            s
+        };
+        let s = prod(e, &k_a, &q_bn);
+        // The columns (queries) of the thread's fragments and their statistics.
+        let cols: Vec<String> = (0..qn as i64).flat_map(|nt| [0, 1].map(|i| nt * 8 + i)).map(|k| e.addk(&kcol, k)).collect();
+        let stat = |e: &mut Em, col: &str, which: i64| -> String {
+            let o = e.addk(col, which * bm);
+            let ptr = sptr(e, &stats, &o, "f32");
+            e.op(&format!("llvm.load {ptr} {{alignment = 4 : i64}} : !llvm.ptr<3> -> f32"))
+        };
+        let neg_lse: Vec<String> = cols
+            .iter()
+            .map(|col| {
+                let l = stat(e, col, 0);
+                e.op(&format!("arith.negf {l} : f32"))
+            })
+            .collect();
+        let ka = [e.addi(&kv0, &key0), e.addi(&kv0, &key1)];
+        let mut pt: Vec<[String; 4]> = Vec::new();
+        for (nt, tile) in s.iter().enumerate() {
+            let mut out: [String; 4] = Default::default();
+            for (i, x) in tile.iter().enumerate() {
+                let k = nt * 2 + i % 2;
+                let y = e.fma(x, &c, &neg_lse[k]);
+                let mut pv = e.ex2(&y);
+                if p.causal {
+                    let qa = e.addi(&q0, &cols[k]);
+                    let gt = e.op(&format!("arith.cmpi ugt, {}, {qa} : i32", ka[i / 2]));
+                    pv = e.op(&format!("arith.select {gt}, {zf}, {pv} : f32"));
+                }
+                out[i] = pv;
+            }
+            pt.push(out);
+        }
+        let dpt = prod(e, &v_a, &do_bn);
+        let dcol: Vec<String> = cols.iter().map(|col| stat(e, col, 1)).collect();
+        let dst: Vec<[String; 4]> = pt
+            .iter()
+            .zip(&dpt)
+            .enumerate()
+            .map(|(nt, (p4, d4))| {
+                [0, 1, 2, 3].map(|i| {
+                    let x = e.fsub(&d4[i], &dcol[nt * 2 + i % 2]);
+                    e.fmul(&p4[i], &x)
+                })
+            })
+            .collect();
+        // dV += P^T dO, dK += dS^T Q.
+        for (src, b_lm, acc) in [(&pt, &do_bt, &mut dv), (&dst, &q_bt, &mut dk)] {
+            for kk in 0..(bm / 16) as usize {
+                let a = to_a(e, src, kk);
+                for dp in 0..d / 16 {
+                    let pb = e.gepk(b_lm, 3, 16 * kk as i64 * st + 16 * dp);
+                    let r = e.ldmatrix4(&pb, true);
+                    let n0 = (2 * dp) as usize;
+                    acc[n0] = e.mma(&a, [&r[0], &r[1]], &acc[n0]);
+                    acc[n0 + 1] = e.mma(&a, [&r[2], &r[3]], &acc[n0 + 1]);
+                }
+            }
+        }
+        let mut next = frag_names(&dk);
+        next.extend(frag_names(&dv));
+        next
+    });
+    let (dk, dv) = (frags_of(&res[..4 * nt_d]), frags_of(&res[4 * nt_d..]));
+    let scale = e.f32c(p.scale as f32);
     let kv_row_ptr = |e: &mut Em, base: &str, key: &str| -> String {
         let k = e.addi(&kv0, key);
         let k64 = e.ext64(&k);
@@ -307,362 +828,6 @@ fn bwd_body(p: &Problem, io: &Io, acc_elems: i64) -> String {
         let o = e.bin("addi", &o, &c64, "i64");
         e.gep(base, 1, &o, "i64", "bf16")
     };
-    // Per-lane ldmatrix offsets.
-    // A (row-major, 16 rows): row = lane % 16, col = (lane / 16) * 8.
-    let l16 = e.remk(&lane, 16);
-    let l16r = e.mulk(&l16, st);
-    let lhi = e.divk(&lane, 16);
-    let lhc = e.mulk(&lhi, 8);
-    let a_off = e.addi(&l16r, &lhc);
-    let wrow = e.mulk(&warp, 16 * st);
-    let a_off = e.addi(&a_off, &wrow);
-    let k_a = e.gep(&ks, 3, &a_off, "i32", "bf16");
-    let v_a = e.gep(&vs, 3, &a_off, "i32", "bf16");
-    // B non-trans (rows = n): row = (mi / 2) * 8 + r, col = (mi % 2) * 8.
-    let bn_r = e.mulk(&mi_hi, 8);
-    let bn_r = e.addi(&bn_r, &r8);
-    let bn_ro = e.mulk(&bn_r, st);
-    let bn_c = e.mulk(&mi_lo, 8);
-    let bn_off = e.addi(&bn_ro, &bn_c);
-    let q_bn = e.gep(&qs, 3, &bn_off, "i32", "bf16");
-    let do_bn = e.gep(&dos, 3, &bn_off, "i32", "bf16");
-    // B trans (rows = k): row = (mi % 2) * 8 + r, col = (mi / 2) * 8.
-    let bt_r = e.mulk(&mi_lo, 8);
-    let bt_r = e.addi(&bt_r, &r8);
-    let bt_ro = e.mulk(&bt_r, st);
-    let bt_c = e.mulk(&mi_hi, 8);
-    let bt_off = e.addi(&bt_ro, &bt_c);
-    let q_bt = e.gep(&qs, 3, &bt_off, "i32", "bf16");
-    let do_bt = e.gep(&dos, 3, &bt_off, "i32", "bf16");
-    // dQ: A = dS (trans from dS^T [key][q]): key = (mi / 2) * 8 + r, q = 16 * (warp % 2) + (mi % 2) * 8.
-    let mt = e.remk(&warp, mtiles);
-    let nhalf = e.divk(&warp, mtiles);
-    let dsa_r = e.mulk(&mi_hi, 8);
-    let dsa_r = e.addi(&dsa_r, &r8);
-    let dsa_ro = e.mulk(&dsa_r, DS_STRIDE);
-    let mt16 = e.mulk(&mt, 16);
-    let dsa_c = e.addi(&bn_c, &mt16);
-    let dsa_off = e.addi(&dsa_ro, &dsa_c);
-    let ds_a = e.gep(&dss, 3, &dsa_off, "i32", "bf16");
-    // dQ: B = K (trans, two k-steps per x4): key = mi * 8 + r, dim = the n-tile's.
-    let kb_r = e.mulk(&mi, 8);
-    let kb_r = e.addi(&kb_r, &r8);
-    let kb_ro = e.mulk(&kb_r, st);
-    let nh_dims = e.mulk(&nhalf, d * mtiles / 4);
-    let kb_off = e.addi(&kb_ro, &nh_dims);
-    let k_bt = e.gep(&ks, 3, &kb_off, "i32", "bf16");
-    let c = e.f32c((p.scale * std::f64::consts::LOG2_E) as f32);
-    let scale = e.f32c(p.scale as f32);
-    let log2e = e.f32c(std::f32::consts::LOG2_E);
-    let zf = e.f32c(0.0);
-    let nt_d = (d / 8) as usize;
-    let init: Vec<String> = vec![zf.clone(); 8 * nt_d];
-    let t_start = if p.causal { e.mulk(&j, BN / bm) } else { zero_i.clone() };
-    let t_end = e.i32c(nqt);
-    let grp_c = e.i32c(grp);
-    let kh_g = e.mulk(&kh, grp);
-    let res = for_f32(&mut e, &zero_i, &grp_c, &init, |e, hh, carried| {
-        let h = e.addi(&kh_g, hh);
-        let h64 = e.ext64(&h);
-        let hd = e.bin("muli", &h64, &d64, "i64");
-        let q_base = e.bin("addi", &q_bbase, &hd, "i64");
-        let bh = e.mulk(&bi, p.hq);
-        let bh = e.addi(&bh, &h);
-        let lse_row0 = e.mulk(&bh, p.s);
-        let cnt_row0 = e.mulk(&bh, nqt);
-        for_f32(e, &t_start, &t_end, carried, |e, t, carried| {
-            let (mut dk, mut dv) = (frags_of(&carried[..4 * nt_d]), frags_of(&carried[4 * nt_d..]));
-            let q0 = e.mulk(t, bm);
-            // Everyone is done with the previous tile's shared buffers.
-            e.barrier();
-            // Q and dO tiles -> shared.
-            let crow = e.divk(&tid, cpr);
-            let cch = e.remk(&tid, cpr);
-            let cc8 = e.mulk(&cch, 8);
-            let s_row = e.mulk(&crow, st);
-            let s_off = e.addi(&s_row, &cc8);
-            let grow = e.addi(&q0, &crow);
-            let grow64 = e.ext64(&grow);
-            let qr = e.i64c(q_row);
-            let go = e.bin("muli", &grow64, &qr, "i64");
-            let cc864 = e.ext64(&cc8);
-            let go = e.bin("addi", &go, &cc864, "i64");
-            let go = e.bin("addi", &go, &q_base, "i64");
-            let chunks = bm * d / 8;
-            let rows_per_iter = THREADS / cpr;
-            let copy = |e: &mut Em, it: i64| {
-                let gk = e.i64c(it * rows_per_iter * q_row);
-                let go2 = e.bin("addi", &go, &gk, "i64");
-                for (src, dst) in [(&io.q, &qs), (&io.dout, &dos)] {
-                    let gp = e.gep(src, 1, &go2, "i64", "bf16");
-                    let s0 = e.gep(dst, 3, &s_off, "i32", "bf16");
-                    let sp = e.gepk(&s0, 3, it * rows_per_iter * st);
-                    e.cp_async16(&sp, &gp);
-                }
-            };
-            if chunks < THREADS {
-                let lim = e.i32c(chunks);
-                let ok = e.op(&format!("arith.cmpi ult, {tid}, {lim} : i32"));
-                if_then(e, &ok, |e| copy(e, 0));
-            } else {
-                for it in 0..chunks / THREADS {
-                    copy(e, it);
-                }
-            }
-            e.commit();
-            // D = rowsum(dO o O) and lse (log2 domain) of the tile's rows: 4 threads per row.
-            let drow = e.divk(&tid, tpr);
-            let dpart = e.remk(&tid, tpr);
-            let qrow = e.addi(&q0, &drow);
-            let qrow64 = e.ext64(&qrow);
-            let qr = e.i64c(q_row);
-            let ro = e.bin("muli", &qrow64, &qr, "i64");
-            let ro = e.bin("addi", &ro, &q_base, "i64");
-            let pc = e.mulk(&dpart, d / tpr);
-            let pc64 = e.ext64(&pc);
-            let ro = e.bin("addi", &ro, &pc64, "i64");
-            let op = e.gep(&io.o, 1, &ro, "i64", "bf16");
-            let dp = e.gep(&io.dout, 1, &ro, "i64", "bf16");
-            let mut acc = zf.clone();
-            for k in 0..d / tpr / 2 {
-                let a = e.gepk(&op, 1, 2 * k);
-                let b = e.gepk(&dp, 1, 2 * k);
-                let av = e.op(&format!("llvm.load {a} {{alignment = 4 : i64}} : !llvm.ptr<1> -> vector<2xbf16>"));
-                let bv = e.op(&format!("llvm.load {b} {{alignment = 4 : i64}} : !llvm.ptr<1> -> vector<2xbf16>"));
-                let af = e.op(&format!("arith.extf {av} : vector<2xbf16> to vector<2xf32>"));
-                let bf = e.op(&format!("arith.extf {bv} : vector<2xbf16> to vector<2xf32>"));
-                for i in 0..2 {
-                    let x = e.op(&format!("vector.extract {af}[{i}] : f32 from vector<2xf32>"));
-                    let y = e.op(&format!("vector.extract {bf}[{i}] : f32 from vector<2xf32>"));
-                    acc = e.fma(&x, &y, &acc);
-                }
-            }
-            for off in (0..).map(|i| 1i64 << i).take_while(|&o| o < tpr) {
-                let o = e.shfl_xor(&acc, off);
-                acc = e.fadd(&acc, &o);
-            }
-            let first = e.op(&format!("arith.cmpi eq, {dpart}, {zero_i} : i32"));
-            if_then(e, &first, |e| {
-                let dptr = e.gep(&dsm, 3, &drow, "i32", "f32");
-                e.line(&format!("llvm.store {acc}, {dptr} {{alignment = 4 : i64}} : f32, !llvm.ptr<3>"));
-                let li = e.addi(&lse_row0, &qrow);
-                let li64 = e.ext64(&li);
-                let lp = e.gep(&io.lse, 1, &li64, "i64", "f32");
-                let l = e.op(&format!("llvm.load {lp} {{alignment = 4 : i64}} : !llvm.ptr<1> -> f32"));
-                let l2 = e.fmul(&l, &log2e);
-                let lsp = e.gep(&lses, 3, &drow, "i32", "f32");
-                e.line(&format!("llvm.store {l2}, {lsp} {{alignment = 4 : i64}} : f32, !llvm.ptr<3>"));
-            });
-            e.wait_group(0);
-            e.barrier();
-            // S^T = K Q^T: 16 keys x 32 queries per warp (4 n-tiles).
-            let z = zf.clone();
-            let mut s: Vec<[String; 4]> = (0..qn).map(|_| [0; 4].map(|_| z.clone())).collect();
-            for kstep in 0..d / 16 {
-                let pa = e.gepk(&k_a, 3, 16 * kstep);
-                let a = e.ldmatrix4(&pa, false);
-                for np in 0..bm / 16 {
-                    let pb = e.gepk(&q_bn, 3, 16 * np * st + 16 * kstep);
-                    let r = e.ldmatrix4(&pb, false);
-                    let n0 = (2 * np) as usize;
-                    s[n0] = e.mma(&a, [&r[0], &r[1]], &s[n0]);
-                    s[n0 + 1] = e.mma(&a, [&r[2], &r[3]], &s[n0 + 1]);
-                }
-            }
-            // P^T and the tile's D per column (query).
-            let mut dcol = Vec::new();
-            for nt in 0..qn as i64 {
-                for i in 0..2i64 {
-                    let col = e.addk(&kcol, nt * 8 + i);
-                    let lp = e.gep(&lses, 3, &col, "i32", "f32");
-                    let l = e.op(&format!("llvm.load {lp} {{alignment = 4 : i64}} : !llvm.ptr<3> -> f32"));
-                    let nl = e.op(&format!("arith.negf {l} : f32"));
-                    dcol.push((nl, col));
-                }
-            }
-            let mut pt: Vec<[String; 4]> = Vec::new();
-            for (nt, tile) in s.iter().enumerate() {
-                let mut out: [String; 4] = Default::default();
-                for (i, x) in tile.iter().enumerate() {
-                    let (nl, col) = &dcol[nt * 2 + i % 2];
-                    let y = e.fma(x, &c, nl);
-                    let mut pv = e.ex2(&y);
-                    if p.causal {
-                        // key (kv0 + key row) > query (q0 + col) -> 0
-                        let kr = if i / 2 == 0 { &key0 } else { &key1 };
-                        let ka = e.addi(&kv0, kr);
-                        let qa = e.addi(&q0, col);
-                        let gt = e.op(&format!("arith.cmpi ugt, {ka}, {qa} : i32"));
-                        pv = e.op(&format!("arith.select {gt}, {zf}, {pv} : f32"));
-                    }
-                    out[i] = pv;
-                }
-                pt.push(out);
-            }
-            let to_a = |e: &mut Em, f: &[[String; 4]], kk: usize| -> [String; 4] {
-                let (t0, t1) = (&f[2 * kk], &f[2 * kk + 1]);
-                [e.pack_bf16(&t0[0], &t0[1]), e.pack_bf16(&t0[2], &t0[3]), e.pack_bf16(&t1[0], &t1[1]), e.pack_bf16(&t1[2], &t1[3])]
-            };
-            // dP^T = V dO^T.
-            let mut dpt: Vec<[String; 4]> = (0..qn).map(|_| [0; 4].map(|_| z.clone())).collect();
-            for kstep in 0..d / 16 {
-                let pa = e.gepk(&v_a, 3, 16 * kstep);
-                let a = e.ldmatrix4(&pa, false);
-                for np in 0..bm / 16 {
-                    let pb = e.gepk(&do_bn, 3, 16 * np * st + 16 * kstep);
-                    let r = e.ldmatrix4(&pb, false);
-                    let n0 = (2 * np) as usize;
-                    dpt[n0] = e.mma(&a, [&r[0], &r[1]], &dpt[n0]);
-                    dpt[n0 + 1] = e.mma(&a, [&r[2], &r[3]], &dpt[n0 + 1]);
-                }
-            }
-            // dS^T = P^T o (dP^T - D); D re-read from shared memory here (fewer live registers).
-            let dcol: Vec<String> = dcol
-                .iter()
-                .map(|(_, col)| {
-                    let dp = e.gep(&dsm, 3, col, "i32", "f32");
-                    e.op(&format!("llvm.load {dp} {{alignment = 4 : i64}} : !llvm.ptr<3> -> f32"))
-                })
-                .collect();
-            let mut dst: Vec<[String; 4]> = Vec::new();
-            for nt in 0..qn {
-                let mut out: [String; 4] = Default::default();
-                for (i, o) in out.iter_mut().enumerate() {
-                    let dd = &dcol[nt * 2 + i % 2];
-                    let x = e.fsub(&dpt[nt][i], dd);
-                    *o = e.fmul(&pt[nt][i], &x);
-                }
-                dst.push(out);
-            }
-            // dV += P^T dO.
-            for kk in 0..mtiles as usize {
-                let a = to_a(e, &pt, kk);
-                for dp in 0..d / 16 {
-                    let pb = e.gepk(&do_bt, 3, 16 * kk as i64 * st + 16 * dp);
-                    let r = e.ldmatrix4(&pb, true);
-                    let n0 = (2 * dp) as usize;
-                    dv[n0] = e.mma(&a, [&r[0], &r[1]], &dv[n0]);
-                    dv[n0 + 1] = e.mma(&a, [&r[2], &r[3]], &dv[n0 + 1]);
-                }
-            }
-            // dK += dS^T Q (scaled at the end).
-            for kk in 0..mtiles as usize {
-                let a = to_a(e, &dst, kk);
-                for dp in 0..d / 16 {
-                    let pb = e.gepk(&q_bt, 3, 16 * kk as i64 * st + 16 * dp);
-                    let r = e.ldmatrix4(&pb, true);
-                    let n0 = (2 * dp) as usize;
-                    dk[n0] = e.mma(&a, [&r[0], &r[1]], &dk[n0]);
-                    dk[n0 + 1] = e.mma(&a, [&r[2], &r[3]], &dk[n0 + 1]);
-                }
-            }
-            // dS^T -> shared ([key][query]).
-            let r0 = e.mulk(&key0, DS_STRIDE);
-            let r0 = e.addi(&r0, &kcol);
-            let dsp = e.gep(&dss, 3, &r0, "i32", "bf16");
-            for (nt, t) in dst.iter().enumerate() {
-                for half in 0..2usize {
-                    let pk = e.pack_bf16(&t[2 * half], &t[2 * half + 1]);
-                    let ptr = e.gepk(&dsp, 3, nt as i64 * 8 + half as i64 * 8 * DS_STRIDE);
-                    e.line(&format!("llvm.store {pk}, {ptr} {{alignment = 4 : i64}} : i32, !llvm.ptr<3>"));
-                }
-            }
-            e.barrier();
-            // dQ partial = dS K scale: warp -> query m-tile (warp % 2), d/16 n-tiles from (warp / 2) d/2.
-            let af: Vec<[String; 4]> = (0..4i64)
-                .map(|kstep| {
-                    let pa = e.gepk(&ds_a, 3, 16 * kstep * DS_STRIDE);
-                    e.ldmatrix4(&pa, true)
-                })
-                .collect();
-            let dqrow = e.addi(&q0, &mt16);
-            let dqrow = e.addi(&dqrow, &g);
-            let dr64 = e.ext64(&dqrow);
-            let qr = e.i64c(q_row);
-            let dro = e.bin("muli", &dr64, &qr, "i64");
-            let dro = e.bin("addi", &dro, &q_base, "i64");
-            let nd64 = e.ext64(&nh_dims);
-            let dro = e.bin("addi", &dro, &nd64, "i64");
-            let kc64 = e.ext64(&kcol);
-            let dro = e.bin("addi", &dro, &kc64, "i64");
-            let wsrow = e.gep(&io.ws, 1, &dro, "i64", "f32");
-            for ni in 0..d * mtiles / 32 {
-                let mut acc4 = [0; 4].map(|_| z.clone());
-                for kp in 0..2i64 {
-                    let pb = e.gepk(&k_bt, 3, 32 * kp * st + 8 * ni);
-                    let r = e.ldmatrix4(&pb, true);
-                    acc4 = e.mma(&af[2 * kp as usize], [&r[0], &r[1]], &acc4);
-                    acc4 = e.mma(&af[2 * kp as usize + 1], [&r[2], &r[3]], &acc4);
-                }
-                for (i, x) in acc4.iter().enumerate() {
-                    let v = e.fmul(x, &scale);
-                    let off = e.i64c(8 * ni + (i % 2) as i64 + if i >= 2 { 8 * q_row } else { 0 });
-                    let ptr = e.gep(&wsrow, 1, &off, "i64", "f32");
-                    e.op(&format!("llvm.atomicrmw fadd {ptr}, {v} monotonic : !llvm.ptr<1>, f32"));
-                }
-            }
-            // Arrival on the tile's counter; the last contributor converts and clears the tile.
-            e.line("llvm.fence syncscope(\"device\") acq_rel");
-            e.barrier();
-            let is_t0 = e.op(&format!("arith.cmpi eq, {tid}, {zero_i} : i32"));
-            let expected = if p.causal {
-                let h2 = e.divk(t, BN / bm);
-                e.addk(&h2, 1)
-            } else {
-                e.i32c(p.s / BN)
-            };
-            let ci = e.addi(&cnt_row0, t);
-            let ci64 = e.ext64(&ci);
-            let cbase = e.i64c(acc_elems);
-            let ci64 = e.bin("addi", &ci64, &cbase, "i64");
-            let cptr = e.op(&format!("llvm.getelementptr {}[{ci64}] : (!llvm.ptr<1>, i64) -> !llvm.ptr<1>, i32", io.ws));
-            if_then(e, &is_t0, |e| {
-                let one = e.i32c(1);
-                let old = e.op(&format!("llvm.atomicrmw add {cptr}, {one} monotonic : !llvm.ptr<1>, i32"));
-                let old1 = e.addi(&old, &one);
-                let last = e.op(&format!("arith.cmpi eq, {old1}, {expected} : i32"));
-                let lv = e.op(&format!("arith.extui {last} : i1 to i32"));
-                e.line(&format!("llvm.store {lv}, {flag} {{alignment = 4 : i64}} : i32, !llvm.ptr<3>"));
-                e.line("llvm.fence syncscope(\"device\") acq_rel");
-            });
-            e.barrier();
-            let fl = e.op(&format!("llvm.load {flag} {{alignment = 4 : i64}} : !llvm.ptr<3> -> i32"));
-            let is_last = e.op(&format!("arith.cmpi ne, {fl}, {zero_i} : i32"));
-            if_then(e, &is_last, |e| {
-                e.line("llvm.fence syncscope(\"device\") acq_rel");
-                let pairs = bm * d / 2;
-                let zero_f = zf.clone();
-                for it in 0..pairs / THREADS {
-                    let pi = e.addk(&tid, it * THREADS);
-                    let row = e.divk(&pi, d / 2);
-                    let cp = e.remk(&pi, d / 2);
-                    let col = e.mulk(&cp, 2);
-                    let rr = e.addi(&q0, &row);
-                    let rr64 = e.ext64(&rr);
-                    let qr = e.i64c(q_row);
-                    let o = e.bin("muli", &rr64, &qr, "i64");
-                    let o = e.bin("addi", &o, &q_base, "i64");
-                    let c64 = e.ext64(&col);
-                    let o = e.bin("addi", &o, &c64, "i64");
-                    let wp = e.gep(&io.ws, 1, &o, "i64", "f32");
-                    let x0 = e.op(&format!("llvm.atomicrmw xchg {wp}, {zero_f} monotonic : !llvm.ptr<1>, f32"));
-                    let one64 = e.i64c(1);
-                    let wp1 = e.gep(&wp, 1, &one64, "i64", "f32");
-                    let x1 = e.op(&format!("llvm.atomicrmw xchg {wp1}, {zero_f} monotonic : !llvm.ptr<1>, f32"));
-                    let pk = e.pack_bf16(&x0, &x1);
-                    let dqp = e.gep(&io.dq, 1, &o, "i64", "bf16");
-                    e.line(&format!("llvm.store {pk}, {dqp} {{alignment = 4 : i64}} : i32, !llvm.ptr<1>"));
-                }
-                if_then(e, &is_t0, |e| {
-                    e.op(&format!("llvm.atomicrmw xchg {cptr}, {zero_i} monotonic : !llvm.ptr<1>, i32"));
-                });
-            });
-            let mut next = frag_names(&dk);
-            next.extend(frag_names(&dv));
-            next
-        })
-    });
-    let (dk, dv) = (frags_of(&res[..4 * nt_d]), frags_of(&res[4 * nt_d..]));
     let dkrow = [kv_row_ptr(&mut e, &io.dk, &key0), kv_row_ptr(&mut e, &io.dk, &key1)];
     let dvrow = [kv_row_ptr(&mut e, &io.dv, &key0), kv_row_ptr(&mut e, &io.dv, &key1)];
     for n in 0..nt_d {

@@ -1217,7 +1217,7 @@ fn gen_flat(b: &Body, a: &Analysis, entry: &str) -> GenResult<Generated> {
         let parts = Partials { scalar: parts.into_iter().map(|x| vec![x]).collect(), col: vec![] };
         finish_accs(&mut f, &mut ev, a, &p, parts, &geo)?;
     }
-    Ok(Generated { mlir: f.finish(entry, threads as u32, grid as u32), block: threads as u32, grid: grid as u32, workspace_bytes: ws_bytes })
+    Ok(Generated::new(f.finish(entry, threads as u32, grid as u32), threads as u32, grid as u32, ws_bytes))
 }
 
 /// A work item of a row kernel: its positions (two for half-layout RoPE) and validity.
@@ -1751,7 +1751,7 @@ fn gen_rows(b: &Body, a: &Analysis, entry: &str) -> GenResult<Generated> {
         let geom = Geometry { threads: threads as u32, grid, d: a.d, lanes, col_of, smem, tid, bid };
         finish_accs(&mut f, &mut rg.ev, a, &rg.p, Partials { scalar, col }, &geom)?;
     }
-    Ok(Generated { mlir: f.finish(entry, threads as u32, grid as u32), block: threads as u32, grid: grid as u32, workspace_bytes: ws_bytes })
+    Ok(Generated::new(f.finish(entry, threads as u32, grid as u32), threads as u32, grid as u32, ws_bytes))
 }
 
 #[cfg(test)]

@@ -90,5 +90,5 @@ pub(crate) fn generate(g: &Graph, r: &Region, entry: &str) -> GenResult<Generate
         f.store_at(x, op, dst, align);
         vec![]
     });
-    Ok(Generated { mlir: f.finish(entry, BLOCK as u32, grid as u32), block: BLOCK as u32, grid: grid as u32, workspace_bytes: 0 })
+    Ok(Generated::new(f.finish(entry, BLOCK as u32, grid as u32), BLOCK as u32, grid as u32, 0))
 }

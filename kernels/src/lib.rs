@@ -20,7 +20,7 @@ mod ptxas;
 mod scatter;
 mod values;
 
-use titan_ir::artifact::Launch;
+use titan_ir::artifact::{Launch, Prologue};
 use titan_ir::{BlockId, Graph, KernelKind};
 
 pub use ptxas::{PtxasReport, assemble_cubin, assemble_cubin_with, find_ptxas, ptxas_check};
@@ -34,8 +34,12 @@ pub struct CompiledKernel {
     /// The `gpu.module` before lowering, for snapshots and debugging.
     pub mlir: String,
     pub launch: Launch,
+    /// A first phase launched before `entry` with the same arguments.
+    pub prologue: Option<Prologue>,
     /// Zeroed scratch the kernel needs; passed as the last pointer.
     pub workspace_bytes: u64,
+    /// The kernel writes every workspace byte before reading it: no zeroing needed, none left.
+    pub workspace_scratch: bool,
 }
 
 /// Why a kernel could not be generated.
@@ -60,7 +64,20 @@ pub(crate) struct Generated {
     pub(crate) mlir: String,
     pub(crate) block: u32,
     pub(crate) grid: u32,
+    /// Dynamic shared memory per block.
+    pub(crate) shared_bytes: u32,
+    /// A first phase: (entry suffix, grid, block, dynamic shared bytes) of a second `gpu.func`
+    /// of the module, named `<entry><suffix>`.
+    pub(crate) prologue: Option<(&'static str, u32, u32, u32)>,
     pub(crate) workspace_bytes: u64,
+    pub(crate) workspace_scratch: bool,
+}
+
+impl Generated {
+    /// One launch, no dynamic shared memory, a zeroed workspace of `workspace_bytes`.
+    pub(crate) fn new(mlir: String, block: u32, grid: u32, workspace_bytes: u64) -> Generated {
+        Generated { mlir, block, grid, shared_bytes: 0, prologue: None, workspace_bytes, workspace_scratch: false }
+    }
 }
 
 /// Internal generator errors, given the kernel's name and kind by [`compile_kernel`].
@@ -117,12 +134,18 @@ pub fn compile_kernel(graph: &Graph, body: BlockId, kind: KernelKind, name: &str
 /// Lower a generated module to PTX.
 fn lower(entry: String, generated: Generated) -> Result<CompiledKernel, KernelError> {
     let ptx = pipeline::to_ptx(&generated.mlir)?;
+    let prologue = generated.prologue.map(|(suffix, grid, block, shared_bytes)| Prologue {
+        entry: format!("{entry}{suffix}"),
+        launch: Launch { grid: [grid, 1, 1], block: [block, 1, 1], shared_bytes },
+    });
     Ok(CompiledKernel {
         entry,
         ptx,
         mlir: generated.mlir,
-        launch: Launch { grid: [generated.grid, 1, 1], block: [generated.block, 1, 1], shared_bytes: 0 },
+        launch: Launch { grid: [generated.grid, 1, 1], block: [generated.block, 1, 1], shared_bytes: generated.shared_bytes },
+        prologue,
         workspace_bytes: generated.workspace_bytes,
+        workspace_scratch: generated.workspace_scratch,
     })
 }
 

@@ -133,7 +133,7 @@ pub(crate) fn generate(g: &Graph, r: &Region, entry: &str) -> GenResult<Generate
             Ok(vec![])
         })
     })?;
-    Ok(Generated { mlir: f.finish(entry, BLOCK as u32, grid as u32), block: BLOCK as u32, grid: grid as u32, workspace_bytes: 0 })
+    Ok(Generated::new(f.finish(entry, BLOCK as u32, grid as u32), BLOCK as u32, grid as u32, 0))
 }
 
 /// The scalars of one adamw node, in f64 where the interpreter uses f64.

@@ -395,5 +395,5 @@ pub(crate) fn generate(g: &Graph, r: &Region, entry: &str) -> GenResult<Generate
         );
         vec![]
     });
-    Ok(Generated { mlir: f.finish(entry, THREADS as u32, grid as u32), block: THREADS as u32, grid: grid as u32, workspace_bytes: 0 })
+    Ok(Generated::new(f.finish(entry, THREADS as u32, grid as u32), THREADS as u32, grid as u32, 0))
 }

@@ -315,19 +315,26 @@ fn attention_bwd_assembles_without_spills() {
     ] {
         let id = attention_bwd_body(&mut g, shape, causal);
         let k = compile(&g, id, KernelKind::AttentionBwd, name);
-        let [b, s, hq, _, d] = shape;
-        assert!(k.workspace_bytes > b * s * hq * d * 4);
-        match ptxas_check(&k.ptx, &k.entry) {
-            Ok(r) => {
-                println!(
-                    "{name}: {} registers, {} spill stores, {} spill loads, {} bytes smem (grid {})",
-                    r.registers, r.spill_stores, r.spill_loads, r.shared_bytes, k.launch.grid[0]
-                );
-                if r.spill_stores > 0 || r.spill_loads > 0 {
-                    failures.push(format!("{name}: spills"));
+        let [b, s, hq, _, _] = shape;
+        // Two phases: the dQ pass (which writes D and lse for the second) first; scratch workspace.
+        assert_eq!(k.workspace_bytes, 2 * b * s * hq * 4);
+        assert!(k.workspace_scratch);
+        let pro = k.prologue.as_ref().expect("attention_bwd has a dQ phase");
+        assert_eq!(pro.entry, format!("{}_dq", k.entry));
+        assert_eq!(pro.launch.grid[0] as u64, s / 64 * b * hq);
+        for (entry, launch) in [(&pro.entry, &pro.launch), (&k.entry, &k.launch)] {
+            match ptxas_check(&k.ptx, entry) {
+                Ok(r) => {
+                    println!(
+                        "{name} {entry}: {} registers, {} spill stores, {} spill loads, {} bytes static smem, {} bytes dynamic (grid {})",
+                        r.registers, r.spill_stores, r.spill_loads, r.shared_bytes, launch.shared_bytes, launch.grid[0]
+                    );
+                    if r.spill_stores > 0 || r.spill_loads > 0 {
+                        failures.push(format!("{name} {entry}: spills"));
+                    }
                 }
+                Err(e) => failures.push(format!("{name}: {e}")),
             }
-            Err(e) => failures.push(format!("{name}: {e}")),
         }
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
@@ -894,16 +901,15 @@ fn gpu_reference_dump() {
         }
         let max_abs = match kind {
             KernelKind::Attention => ", \"max_abs\": [2e-2, 1e-3]",
-            // dq is accumulated with f32 atomics in arrival order.
-            KernelKind::AttentionBwd => ", \"nondeterministic\": true",
             _ => "",
         };
         manifest.push(format!(
-            "{{\"name\": \"{name}\", \"ptx\": \"{name}.ptx\", \"entry\": \"{}\", \"grid\": {}, \"block\": {}, \"ws\": {}, \"min_within1\": {min_within1}, \"max_rel\": {max_rel}, \"max_rel_scalar\": {}{max_abs}, \"args\": [{}], \"outs\": [{}]}}",
+            "{{\"name\": \"{name}\", \"ptx\": \"{name}.ptx\", \"entry\": \"{}\", \"grid\": {}, \"block\": {}, \"ws\": {}{}, \"min_within1\": {min_within1}, \"max_rel\": {max_rel}, \"max_rel_scalar\": {}{max_abs}, \"args\": [{}], \"outs\": [{}]}}",
             k.entry,
             k.launch.grid[0],
             k.launch.block[0],
             k.workspace_bytes,
+            launch_extras(&k),
             // The interpreter sums millions of squares sequentially in f32 and drifts by ~1e-3
             // (the GPU's tree order matches an f64 sum to ~1e-8).
             if name.starts_with("grad_norm") { 3e-3 } else { 1e-3 },
@@ -915,6 +921,16 @@ fn gpu_reference_dump() {
         std::fs::write(dir.join("cases.json"), format!("[\n{}\n]\n", manifest.join(",\n"))).expect("write manifest");
         std::fs::write(dir.join("perf.json"), perf_manifest(dir)).expect("write perf manifest");
     }
+}
+
+/// Launch fields beyond grid, block and workspace for `gpu_check.py`: dynamic shared memory, a
+/// scratch workspace, and the prologue phase (entry, grid, shared memory).
+fn launch_extras(k: &titan_kernels::CompiledKernel) -> String {
+    let mut s = format!(", \"shared\": {}, \"scratch\": {}", k.launch.shared_bytes, k.workspace_scratch);
+    if let Some(p) = &k.prologue {
+        s += &format!(", \"pre_entry\": \"{}\", \"pre_grid\": {}, \"pre_shared\": {}", p.entry, p.launch.grid[0], p.launch.shared_bytes);
+    }
+    s
 }
 
 /// Llama-3-8B-sized kernels for `gpu_check.py <dir> perf` (PTX and buffer sizes only).
@@ -1010,11 +1026,12 @@ fn perf_manifest(dir: &std::path::Path) -> String {
             _ => String::new(),
         };
         out.push(format!(
-            "{{\"name\": \"{name}\", \"ptx\": \"{name}.ptx\", \"entry\": \"{}\", \"grid\": {}, \"block\": {}, \"ws\": {}, \"bytes\": {bytes}{flops}, \"args\": [{}], \"outs\": [{}]}}",
+            "{{\"name\": \"{name}\", \"ptx\": \"{name}.ptx\", \"entry\": \"{}\", \"grid\": {}, \"block\": {}, \"ws\": {}{}, \"bytes\": {bytes}{flops}, \"args\": [{}], \"outs\": [{}]}}",
             k.entry,
             k.launch.grid[0],
             k.launch.block[0],
             k.workspace_bytes,
+            launch_extras(&k),
             args.join(", "),
             outs.join(", ")
         ));

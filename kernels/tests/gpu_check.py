@@ -7,7 +7,9 @@ Usage: python3 kernels/tests/gpu_check.py <dir> [perf]   (needs only the CUDA dr
 with `flops`). `TITAN_GPU_ONLY=<substring>` restricts both modes to the matching case names.
 
 Each kernel runs twice on the same inputs with one zeroed workspace: the second run checks
-that the kernel left the workspace zeroed and that results are bitwise reproducible.
+that the kernel left the workspace zeroed (unless it is `scratch`, then it is poisoned before each
+run) and that results are bitwise reproducible. A case with `pre_entry` launches that entry of the
+same module first (a kernel's prologue phase), with the same arguments.
 """
 import ctypes
 import json
@@ -102,10 +104,8 @@ def main(d):
             print(f"{c['name']}: module load failed ({rc})")
             ok_all = False
             continue
-        fn = ctypes.c_void_p()
-        check(cu.cuModuleGetFunction(ctypes.byref(fn), mod, c["entry"].encode()), "get function")
+        fns = loader(c, mod)
         ptrs = []
-        host_args = []
         for a in c["args"]:
             raw = open(os.path.join(d, a["file"]), "rb").read()
             p = ctypes.c_uint64()
@@ -129,7 +129,9 @@ def main(d):
         params = (ctypes.c_void_p * len(ptrs))(*[ctypes.cast(ctypes.pointer(p), ctypes.c_void_p) for p in ptrs])
         results = []
         for run in range(2):
-            check(cu.cuLaunchKernel(fn, c["grid"], 1, 1, c["block"], 1, 1, 0, None, params, None), "launch")
+            if ws is not None and c.get("scratch"):
+                check(cu.cuMemsetD8_v2(ws, 0xFF, c["ws"]), "poison ws")
+            launch(c, fns, params)
             rc = cu.cuCtxSynchronize()
             if rc != 0:
                 print(f"{c['name']}: kernel failed ({rc})")
@@ -140,7 +142,7 @@ def main(d):
                 check(cu.cuMemcpyDtoH_v2(buf, p, nbytes), "d2h")
                 got.append(buf.raw)
             results.append(got)
-            if ws is not None:
+            if ws is not None and not c.get("scratch"):
                 buf = ctypes.create_string_buffer(c["ws"])
                 check(cu.cuMemcpyDtoH_v2(buf, ws, c["ws"]), "d2h ws")
                 if any(buf.raw):
@@ -149,9 +151,8 @@ def main(d):
         same = results[0] == results[1]
         line = [f"{c['name']}:"]
         if not same:
-            # f32 atomics in arrival order (attention_bwd's dq) are expected to differ in the last bits.
-            line.append("not bitwise reproducible (expected)" if c.get("nondeterministic") else "NOT REPRODUCIBLE")
-            ok_all = ok_all and bool(c.get("nondeterministic"))
+            line.append("NOT REPRODUCIBLE")
+            ok_all = False
         for oi, ((p, nbytes, o), raw) in enumerate(zip(outs, results[0])):
             got = decode(raw, o["dtype"])
             exp = decode(open(os.path.join(d, o["expected"]), "rb").read(), o["dtype"])
@@ -177,6 +178,26 @@ def main(d):
 
 
 
+def loader(c, mod):
+    """The case's launches in order: [(function, grid, shared bytes)], prologue first."""
+    out = []
+    for entry, grid, shared in [(c.get("pre_entry"), c.get("pre_grid"), c.get("pre_shared", 0)), (c["entry"], c["grid"], c.get("shared", 0))]:
+        if entry is None:
+            continue
+        fn = ctypes.c_void_p()
+        check(cu.cuModuleGetFunction(ctypes.byref(fn), mod, entry.encode()), "get function " + entry)
+        if shared > 48 * 1024:
+            # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+            check(cu.cuFuncSetAttribute(fn, 8, shared), "allow shared memory")
+        out.append((fn, grid, shared))
+    return out
+
+
+def launch(c, fns, params):
+    for fn, grid, shared in fns:
+        check(cu.cuLaunchKernel(fn, grid, 1, 1, c["block"], 1, 1, shared, None, params, None), "launch")
+
+
 def perf(d):
     """Time kernels listed in perf.json on device-filled inputs; print achieved bandwidth."""
     import random
@@ -193,8 +214,7 @@ def perf(d):
         ptx = open(os.path.join(d, c["ptx"]), "rb").read() + b"\0"
         mod = ctypes.c_void_p()
         check(cu.cuModuleLoadData(ctypes.byref(mod), ctypes.c_char_p(ptx)), "load " + c["name"])
-        fn = ctypes.c_void_p()
-        check(cu.cuModuleGetFunction(ctypes.byref(fn), mod, c["entry"].encode()), "get function")
+        fns = loader(c, mod)
         ptrs = []
         for a in c["args"] + c["outs"]:
             nbytes = a["numel"] * SIZES[a["dtype"]]
@@ -219,11 +239,11 @@ def perf(d):
         check(cu.cuEventCreate(ctypes.byref(start), 0), "event")
         check(cu.cuEventCreate(ctypes.byref(stop), 0), "event")
         for _ in range(3):
-            check(cu.cuLaunchKernel(fn, c["grid"], 1, 1, c["block"], 1, 1, 0, None, params, None), "launch")
+            launch(c, fns, params)
         iters = 20
         check(cu.cuEventRecord(start, None), "record")
         for _ in range(iters):
-            check(cu.cuLaunchKernel(fn, c["grid"], 1, 1, c["block"], 1, 1, 0, None, params, None), "launch")
+            launch(c, fns, params)
         check(cu.cuEventRecord(stop, None), "record")
         check(cu.cuEventSynchronize(stop), "sync")
         ms = ctypes.c_float()

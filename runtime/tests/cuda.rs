@@ -125,7 +125,7 @@ struct Diff {
     unwritten: usize,
 }
 
-/// Attention kernels (tensor-core MMA, online softmax in the log2 domain, f32 atomics for dq)
+/// Attention kernels (tensor-core MMA, online softmax in the log2 domain, tiled sums over keys)
 /// sum in another order than the interpreter: every element within 5% of the reference's rms
 /// plus 2 ulp, no per-ulp majority rule (validated bounds of the attention engineer's harness).
 fn compare_attention(gpu: &Tensor<f32>, cpu: &Tensor<f32>) -> Diff {

@@ -280,7 +280,9 @@ struct Code {
     entry: String,
     ptx: String,
     launch: titan_ir::artifact::Launch,
+    prologue: Option<titan_ir::artifact::Prologue>,
     workspace_bytes: u64,
+    workspace_scratch: bool,
 }
 
 /// Run the code generator on every body, in body order. Serial on purpose: MLIR registers
@@ -294,7 +296,14 @@ fn codegen(fused: &Graph, bodies: &[(BlockId, KernelKind, String)], notes: &mut 
     bodies
         .iter()
         .map(|(body, kind, name)| match titan_kernels::compile_kernel(fused, *body, *kind, name) {
-            Ok(Some(c)) => Ok(Some(Code { entry: c.entry, ptx: c.ptx, launch: c.launch, workspace_bytes: c.workspace_bytes })),
+            Ok(Some(c)) => Ok(Some(Code {
+                entry: c.entry,
+                ptx: c.ptx,
+                launch: c.launch,
+                prologue: c.prologue,
+                workspace_bytes: c.workspace_bytes,
+                workspace_scratch: c.workspace_scratch,
+            })),
             Ok(None) => Ok(None),
             Err(e @ KernelError::Unsupported { .. }) => {
                 notes.push(format!("no GPU code: {e}; the artifact runs on the CPU backend only"));
@@ -424,8 +433,10 @@ fn compile(model: &Graph, model_text: &str, opts: &BuildOptions, generate_code: 
             cubin: None,
             entry: None,
             launch: None,
+            prologue: None,
             gemm,
             workspace_bytes: 0,
+            workspace_scratch: false,
             bytes_read,
             bytes_written,
         });
@@ -442,7 +453,9 @@ fn compile(model: &Graph, model_text: &str, opts: &BuildOptions, generate_code: 
         k.ptx = Some(path.clone());
         k.entry = Some(c.entry);
         k.launch = Some(c.launch);
+        k.prologue = c.prologue;
         k.workspace_bytes = c.workspace_bytes;
+        k.workspace_scratch = c.workspace_scratch;
         ptx.push((path, c.ptx));
     }
     phases.codegen = t.elapsed();

@@ -328,7 +328,7 @@ fn builds_are_byte_identical_and_hashed() {
     let json = std::fs::read_to_string(a.join(titan_ir::artifact::MANIFEST_FILE)).unwrap_or_default();
     let back = Manifest::from_json("manifest.json", &json).unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(back.content_hash, sa.content_hash);
-    assert!(json.starts_with("{\n  \"format_version\": 1,"), "format_version comes first");
+    assert!(json.starts_with(&format!("{{\n  \"format_version\": {},", titan_ir::artifact::FORMAT_VERSION)), "format_version comes first");
     let _ = std::fs::remove_dir_all(&dir);
 }
 

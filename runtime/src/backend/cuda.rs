@@ -108,6 +108,8 @@ enum Loaded {
         _module: Module,
         func: Function,
         launch: titan_ir::artifact::Launch,
+        /// A first phase launched before `func` with the same arguments.
+        prologue: Option<(Function, titan_ir::artifact::Launch)>,
         workspace: Option<DeviceBuffer>,
     },
     Gemm {
@@ -204,10 +206,20 @@ impl LoadedCode {
                 }
             };
             if launch.shared_bytes > 48 * 1024 {
-                gpu.allow_shared(&func, launch.shared_bytes, &format!("kernel `{}`", k.name))?;
+                gpu.allow_shared(&func, launch.shared_bytes, &what)?;
             }
+            let prologue = match &k.prologue {
+                Some(p) => {
+                    let f = Gpu::function(&module, &p.entry, &what, "module")?;
+                    if p.launch.shared_bytes > 48 * 1024 {
+                        gpu.allow_shared(&f, p.launch.shared_bytes, &what)?;
+                    }
+                    Some((f, p.launch.clone()))
+                }
+                None => None,
+            };
             let workspace = if k.workspace_bytes > 0 { Some(gpu.alloc(k.workspace_bytes, 0, &format!("the workspace of kernel `{}`", k.name))?) } else { None };
-            Ok(Loaded::Ptx { _module: module, func, launch: launch.clone(), workspace })
+            Ok(Loaded::Ptx { _module: module, func, launch: launch.clone(), prologue, workspace })
         };
         let threads = init_threads().clamp(1, ptx_jobs.len().max(1));
         let next = AtomicUsize::new(0);
@@ -253,12 +265,15 @@ impl LoadedCode {
     fn launch(&self, gpu: &Gpu, artifact: &Artifact, pos: usize, ins: &[u64], outs: &[u64], at: &dyn Fn() -> String) -> Result<(), CudaError> {
         let name = &artifact.manifest.kernels[pos].name;
         match &self.kernels[pos] {
-            Loaded::Ptx { func, launch, workspace, .. } => {
+            Loaded::Ptx { func, launch, prologue, workspace, .. } => {
                 let mut ptrs: Vec<u64> = Vec::with_capacity(ins.len() + outs.len() + 1);
                 ptrs.extend_from_slice(ins);
                 ptrs.extend_from_slice(outs);
                 if let Some(w) = workspace {
                     ptrs.push(w.ptr);
+                }
+                if let Some((f, l)) = prologue {
+                    gpu.launch(f, l.grid, l.block, l.shared_bytes, &ptrs, || format!("launching the first phase of kernel `{name}` ({})", at()))?;
                 }
                 gpu.launch(func, launch.grid, launch.block, launch.shared_bytes, &ptrs, || format!("launching kernel `{name}` ({})", at()))
             }
@@ -914,7 +929,7 @@ type Operands = (Vec<DeviceBuffer>, Vec<DeviceBuffer>, Vec<Operand>);
 pub struct KernelRun {
     /// Each output's bytes.
     pub outputs: Vec<Vec<u8>>,
-    /// Whether the kernel's workspace is all zero again (true when it has none).
+    /// Whether the kernel's workspace is all zero again (true when it has none or it is scratch).
     pub workspace_zeroed: bool,
 }
 
@@ -1013,6 +1028,11 @@ impl<'a> KernelRunner<'a> {
         self.check_extent(pos, &din, &dout)?;
         let ip: Vec<u64> = din.iter().map(|b| b.ptr).collect();
         let op: Vec<u64> = dout.iter().map(|b| b.ptr).collect();
+        let scratch = self.artifact.manifest.kernels[pos].workspace_scratch;
+        if let (true, Loaded::Ptx { workspace: Some(w), .. }) = (scratch, &self.code.kernels[pos]) {
+            // A scratch workspace may hold anything: poison it so a read before write shows.
+            self.gpu.memset(w.ptr, fill, w.bytes as usize, || format!("poisoning the workspace of kernel `{name}`"))?;
+        }
         self.code.launch(&self.gpu, self.artifact, pos, &ip, &op, &|| "differential test".into())?;
         self.gpu.sync(|| format!("running kernel `{name}`"))?;
         let mut outputs = Vec::new();
@@ -1022,7 +1042,7 @@ impl<'a> KernelRunner<'a> {
             outputs.push(host);
         }
         let workspace_zeroed = match &self.code.kernels[pos] {
-            Loaded::Ptx { workspace: Some(w), .. } => {
+            Loaded::Ptx { workspace: Some(w), .. } if !scratch => {
                 let mut host = vec![0u8; w.bytes as usize];
                 self.gpu.download(&mut host, w.ptr, || format!("reading the workspace of kernel `{name}`"))?;
                 host.iter().all(|&b| b == 0)

@@ -113,8 +113,10 @@ impl Fixture {
             cubin: None,
             entry: None,
             launch: None,
+            prologue: None,
             gemm: None,
             workspace_bytes: 0,
+            workspace_scratch: false,
             bytes_read: 0,
             bytes_written: 0,
         });

@@ -156,13 +156,19 @@ impl Gpu {
     }
 
     fn lookup(module: Module, entry: &str, what: &str, kind: &str) -> Result<(Module, Function), CudaError> {
+        let f = Self::function(&module, entry, what, kind)?;
+        Ok((module, f))
+    }
+
+    /// Look up another entry of a loaded module (`kind` names the image in errors).
+    pub fn function(module: &Module, entry: &str, what: &str, kind: &str) -> Result<Function, CudaError> {
         let name = CString::new(entry).map_err(|_| CudaError::Call { what: what.into(), message: format!("entry `{entry}` contains a NUL byte") })?;
         // SAFETY: `module` is loaded.
         let f = unsafe { result::module::get_function(module.0, name) }.map_err(|e| CudaError::Call {
             what: what.into(),
             message: format!("the {kind} has no entry `{entry}` ({}); the manifest and kernels/ disagree, rebuild the artifact", describe(e)),
         })?;
-        Ok((module, Function(f)))
+        Ok(Function(f))
     }
 
     /// Let `f` use `bytes` of dynamic shared memory (needed above 48 KiB).
