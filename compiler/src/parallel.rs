@@ -5,7 +5,7 @@
 //! Three layers of checks, each a hard error that says what to change:
 //! 1. [`ParallelDims::resolve`]: the degrees among themselves and against the world size;
 //! 2. [`ParallelDims::check_model`]: the degrees against the model (`seq_len % (tp * 2 * cp)`,
-//!    heads, kv heads, ffn and vocab divisible by `tp`);
+//!    heads, ffn and vocab divisible by `tp`, `tp` dividing the kv heads or a multiple of them);
 //! 3. [`ParallelDims::require_built`]: degrees whose parallelism titan does not build yet are
 //!    rejected as "not supported yet" rather than ignored.
 
@@ -146,7 +146,21 @@ impl ParallelDims {
         };
         let seq = model.dims.get("seq").copied().map_or_else(|| get("seq_len"), Ok)?;
         let (tp, cp) = (u64::from(self.tp), u64::from(self.cp));
-        for key in ["n_heads", "n_kv_heads", "ffn_dim", "vocab_size"] {
+        let n_heads = get("n_heads")?;
+        if n_heads % tp != 0 {
+            return Err(ParallelError::Invalid(format!("tp={tp} does not divide n_heads={n_heads}; choose tp in {}", divisors(n_heads))));
+        }
+        // kv heads: whole heads per rank (tp divides them) or kv-head replication, each kv
+        // head shared by tp / n_kv_heads ranks (n_kv_heads divides tp; `shard-tp`).
+        let n_kv = get("n_kv_heads")?;
+        if n_kv % tp != 0 && tp % n_kv != 0 {
+            let ok: Vec<String> = (1..=n_heads).filter(|t| n_heads % t == 0 && (n_kv % t == 0 || t % n_kv == 0)).map(|t| t.to_string()).collect();
+            return Err(ParallelError::Invalid(format!(
+                "tp={tp} neither divides n_kv_heads={n_kv} nor is a multiple of it (each rank needs whole kv heads, or one kv head shared by tp/n_kv_heads ranks); choose tp in {{{}}}",
+                ok.join(", ")
+            )));
+        }
+        for key in ["ffn_dim", "vocab_size"] {
             let n = get(key)?;
             if n % tp != 0 {
                 return Err(ParallelError::Invalid(format!("tp={tp} does not divide {key}={n}; choose tp in {}", divisors(n))));
@@ -280,9 +294,16 @@ mod tests {
             dims(3, 1).check_model(&g).unwrap_err().to_string(),
             "invalid parallel config: tp=3 does not divide n_heads=32; choose tp in {1, 2, 4, 8, 16, 32}"
         );
+        // tp = 16 > n_kv_heads = 8: kv-head replication, two ranks per kv head.
+        dims(16, 1).check_model(&g).unwrap();
+        let mut cfg = crate::LlamaConfig::preset(crate::Preset::B8);
+        cfg.n_layers = 1;
+        cfg.n_heads = 48;
+        cfg.dim = 6144;
+        let g48 = crate::build_llama3(&cfg, "m").unwrap();
         assert_eq!(
-            dims(16, 1).check_model(&g).unwrap_err().to_string(),
-            "invalid parallel config: tp=16 does not divide n_kv_heads=8; choose tp in {1, 2, 4, 8}"
+            dims(12, 1).check_model(&g48).unwrap_err().to_string(),
+            "invalid parallel config: tp=12 neither divides n_kv_heads=8 nor is a multiple of it (each rank needs whole kv heads, or one kv head shared by tp/n_kv_heads ranks); choose tp in {1, 2, 4, 8, 16, 24, 48}"
         );
         let odd = model(8196);
         assert!(dims(8, 1).check_model(&odd).unwrap_err().to_string().contains("seq_len=8196 is not divisible by tp*2*cp = 8*2*1 = 16"));

@@ -233,9 +233,15 @@ fn lower_with_parallel_degrees_writes_an_spmd_graph_or_says_what_is_missing() {
     assert!(out.status.success(), "{}", text(&out.stderr));
     let g = text(&out.stdout);
     assert!(g.contains("all_reduce(") && g.contains("mesh_dim = tp") && g.contains("#[Replicate, Shard(2), Shard(1)]"), "{g}");
-    for (args, needle) in
-        [(vec!["--tp", "4"], "tp=4"), (vec!["--pp", "2"], "pipeline parallelism (pp=2) is not supported yet"), (vec!["--dp-shard", "3"], "dp_shard")]
-    {
+    // tp = 4 over the debug model's 2 kv heads: kv-head replication.
+    let out = titanc(&["lower", m, "--to", "train", "--tp", "4"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert!(text(&out.stdout).contains("take_shard(%wk.repeated) {mesh_dim = tp, dim = 0, size = 4}"), "{}", text(&out.stdout));
+    for (args, needle) in [
+        (vec!["--tp", "3"], "tp=3 does not divide n_heads=4; choose tp in {1, 2, 4}"),
+        (vec!["--pp", "2"], "pipeline parallelism (pp=2) is not supported yet"),
+        (vec!["--dp-shard", "3"], "dp_shard"),
+    ] {
         let mut all = vec!["lower", m, "--to", "train"];
         all.extend(args.iter().copied());
         let out = titanc(&all);

@@ -277,7 +277,7 @@ pub fn infer_types(op: &Op, inputs: &[&TensorType], declared: Option<&[TensorTyp
             need_rank(step, 0, "adamw step")?;
             vec![p.clone(), p.clone(), p.clone()]
         }
-        Op::AllGather { dim, size, .. } | Op::ReduceScatter { dim, size, .. } => {
+        Op::AllGather { dim, size, .. } | Op::ReduceScatter { dim, size, .. } | Op::TakeShard { dim, size, .. } | Op::PlaceShard { dim, size, .. } => {
             let x = inputs[0];
             need_float(x, &format!("{} operand", op.name()))?;
             let d = *dim as usize;
@@ -290,11 +290,11 @@ pub fn infer_types(op: &Op, inputs: &[&TensorType], declared: Option<&[TensorTyp
             let n = resolve_dim(&x.shape[d], dims).ok_or_else(|| format!("{}: dim {} is not bound in `dims`", op.name(), x.shape[d]))?;
             let size = u64::from(*size);
             let mut s = x.shape.clone();
-            s[d] = if matches!(op, Op::AllGather { .. }) {
-                Dim::Fixed(n.checked_mul(size).ok_or_else(|| format!("all_gather: dim {d} overflows"))?)
+            s[d] = if matches!(op, Op::AllGather { .. } | Op::PlaceShard { .. }) {
+                Dim::Fixed(n.checked_mul(size).ok_or_else(|| format!("{}: dim {d} overflows", op.name()))?)
             } else {
                 if !n.is_multiple_of(size) {
-                    return Err(format!("reduce_scatter: dim {d} of {x} is not divisible by size {size}"));
+                    return Err(format!("{}: dim {d} of {x} is not divisible by size {size}", op.name()));
                 }
                 Dim::Fixed(n / size)
             };

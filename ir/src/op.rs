@@ -250,6 +250,22 @@ pub enum Op {
         mesh_dim: MeshDim,
         reduce: CollectiveReduce,
     },
+    /// `(x) -> x` with dim `dim` divided by `size`: rank `r` of the `size` ranks along
+    /// `mesh_dim` keeps slice `r` of its (replicated) operand. Rank-local, no communication:
+    /// DTensor's `Replicate -> Shard` redistribution.
+    TakeShard {
+        mesh_dim: MeshDim,
+        dim: u32,
+        size: u32,
+    },
+    /// `(x) -> x` with dim `dim` multiplied by `size`: zeros except slice `r` (rank `r` along
+    /// `mesh_dim`), which is `x`. Rank-local, no communication: the VJP of `take_shard` (and
+    /// the other way around).
+    PlaceShard {
+        mesh_dim: MeshDim,
+        dim: u32,
+        size: u32,
+    },
 
     // ---- structure ----
     /// Run `block` `count` times. Inputs: `carry` carried values, then `stacked` per-layer
@@ -397,6 +413,8 @@ impl Op {
             Op::AllGather { .. } => "all_gather",
             Op::ReduceScatter { .. } => "reduce_scatter",
             Op::AllReduce { .. } => "all_reduce",
+            Op::TakeShard { .. } => "take_shard",
+            Op::PlaceShard { .. } => "place_shard",
         }
     }
 
@@ -410,6 +428,7 @@ impl Op {
             Op::AttentionBwd { .. } => 6,
             Op::Unary(_) | Op::Cast | Op::Reduce { .. } | Op::Reshape | Op::Transpose { .. } => 1,
             Op::AllGather { .. } | Op::ReduceScatter { .. } | Op::AllReduce { .. } => 1,
+            Op::TakeShard { .. } | Op::PlaceShard { .. } => 1,
             Op::Broadcast { .. } | Op::LrSchedule(_) => 1,
             Op::Binary(_) | Op::Matmul { .. } | Op::Gather | Op::ScatterAdd => 2,
             Op::Constant { .. } => 0,
@@ -443,6 +462,15 @@ impl Op {
         match self {
             Op::AllGather { mesh_dim, .. } | Op::ReduceScatter { mesh_dim, .. } | Op::AllReduce { mesh_dim, .. } => Some(*mesh_dim),
             _ => None,
+        }
+    }
+
+    /// The mesh dimension an op's result depends on: collectives and the rank-local
+    /// `take_shard`/`place_shard`, whose result depends on the rank's coordinate.
+    pub fn mesh_dim(&self) -> Option<MeshDim> {
+        match self {
+            Op::TakeShard { mesh_dim, .. } | Op::PlaceShard { mesh_dim, .. } => Some(*mesh_dim),
+            _ => self.collective_mesh_dim(),
         }
     }
 
@@ -504,7 +532,7 @@ impl Op {
                 ("reverse", b(*reverse)),
             ],
             Op::Kernel { body, kind } => vec![("body", AttrValue::Symbol(block_name(*body))), ("kind", word(kind.name()))],
-            Op::AllGather { mesh_dim, dim, size } => {
+            Op::AllGather { mesh_dim, dim, size } | Op::TakeShard { mesh_dim, dim, size } | Op::PlaceShard { mesh_dim, dim, size } => {
                 vec![("mesh_dim", word(mesh_dim.name())), ("dim", i(u64::from(*dim))), ("size", i(u64::from(*size)))]
             }
             Op::ReduceScatter { mesh_dim, dim, size, reduce } => {
@@ -617,7 +645,7 @@ impl Op {
                 })?;
                 Op::Kernel { body, kind }
             }
-            "all_gather" | "reduce_scatter" | "all_reduce" => {
+            "all_gather" | "reduce_scatter" | "all_reduce" | "take_shard" | "place_shard" => {
                 let mesh_name = a.take_ident("mesh_dim")?;
                 let mesh_dim =
                     MeshDim::from_name(&mesh_name).ok_or_else(|| format!("unknown mesh dim `{mesh_name}`; expected `dp_replicate`, `dp_shard` or `tp`"))?;
@@ -634,6 +662,8 @@ impl Op {
                 };
                 match name {
                     "all_gather" => Op::AllGather { mesh_dim, dim: small(&mut a, "dim")?, size: small(&mut a, "size")? },
+                    "take_shard" => Op::TakeShard { mesh_dim, dim: small(&mut a, "dim")?, size: small(&mut a, "size")? },
+                    "place_shard" => Op::PlaceShard { mesh_dim, dim: small(&mut a, "dim")?, size: small(&mut a, "size")? },
                     "reduce_scatter" => {
                         let dim = small(&mut a, "dim")?;
                         let size = small(&mut a, "size")?;

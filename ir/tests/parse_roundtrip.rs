@@ -95,6 +95,8 @@ pub const EVERY_OP: &str = r#"graph @every_op {
     %68 = all_gather(%master) {mesh_dim = dp_shard, dim = 1, size = 2} : f32[16, 16] #[Replicate, Replicate, Replicate]
     %69 = reduce_scatter(%68) {mesh_dim = tp, dim = 0, size = 4, reduce = sum} : f32[4, 16] #[Replicate, Replicate, Shard(0)]
     %70 = all_reduce(%69) {mesh_dim = dp_replicate, reduce = max} : f32[4, 16]
+    %71 = take_shard(%master) {mesh_dim = tp, dim = 0, size = 4} : f32[4, 8] #[Replicate, Replicate, Shard(0)]
+    %72 = place_shard(%71) {mesh_dim = tp, dim = 1, size = 2} : f32[4, 16]
     output loss = %loss
     output lse = %lse
     output stats = %42
@@ -519,6 +521,8 @@ fn every_op_round_trips() {
         "all_gather",
         "reduce_scatter",
         "all_reduce",
+        "take_shard",
+        "place_shard",
     ]
     .into_iter()
     .chain(UnaryOp::ALL.iter().map(|u| u.name()))

@@ -6,7 +6,7 @@
 //! and `kernel` (a fused body); this pass checks, collecting every problem:
 //!
 //! - a graph with collectives names a mesh in its `meta`, and each collective's `mesh_dim`
-//!   and `size` match it;
+//!   and `size` match it (also checked for the rank-local `take_shard`/`place_shard`);
 //! - no collective is inside a `kernel` body (fusing collectives is not supported yet);
 //! - every collective's operand has a static shape (all ranks send the same number of
 //!   elements);
@@ -95,6 +95,20 @@ fn walk(g: &Graph, region: &Region, mesh: Option<&Mesh>, calls: &mut Vec<Collect
                 match elems {
                     Some(elems) => calls.push(CollectiveCall { mesh_dim: m, what, elems }),
                     None => errors.push(format!("{what} has an operand without a static shape; every rank must send the same number of elements")),
+                }
+            }
+            // Rank-local slicing: no communication, but its `size` must match the mesh too.
+            Op::TakeShard { mesh_dim, size, .. } | Op::PlaceShard { mesh_dim, size, .. } => {
+                let what = describe(&node.op, g, region, nid);
+                match mesh {
+                    None => errors
+                        .push(format!("{what} needs a device mesh; give the graph `meta` entries world_size, mesh_dp_replicate, mesh_dp_shard and mesh_tp")),
+                    Some(mesh) if *size != mesh.size(*mesh_dim) => errors.push(format!(
+                        "{what} has size = {size} but mesh dim {mesh_dim} has {} ranks; set size = {}",
+                        mesh.size(*mesh_dim),
+                        mesh.size(*mesh_dim)
+                    )),
+                    Some(_) => {}
                 }
             }
             _ => {}

@@ -295,7 +295,11 @@ fn run_adamw(g: &mut Graph, ctx: &PassContext) -> Result<PassStats, PassError> {
 
 fn run_shard_tp(g: &mut Graph, _: &PassContext) -> Result<PassStats, PassError> {
     let s = crate::shard_tp::shard_tp(g).map_err(fail("shard-tp"))?;
-    Ok(PassStats::new().with("column_parallel", s.column_parallel as u64).with("row_parallel", s.row_parallel as u64).with("collectives", s.collectives as u64))
+    Ok(PassStats::new()
+        .with("column_parallel", s.column_parallel as u64)
+        .with("row_parallel", s.row_parallel as u64)
+        .with("kv_replicated", s.kv_replicated as u64)
+        .with("collectives", s.collectives as u64))
 }
 
 fn run_shard_dp(g: &mut Graph, _: &PassContext) -> Result<PassStats, PassError> {

@@ -16,7 +16,33 @@
 //! - norms and `tok_embeddings` stay replicated: `sync-grads` all-reduces their gradients.
 //!
 //! The reshapes of the block that split heads follow: their head dim (or last dim) shrinks by
-//! `tp`. Parameters are recognized by their checkpoint names.
+//! the factor their operand shrank. Parameters are recognized by their checkpoint names.
+//!
+//! **kv-head replication** (`tp > n_kv_heads`, Megatron / TorchTitan): when `tp` is a multiple
+//! of `n_kv_heads` (from the graph's `meta`), rank `r` owns query heads
+//! `r * n_heads / tp ..` and they all use kv head `r / rep`, `rep = tp / n_kv_heads`. Each rank
+//! then needs one whole kv head, shared with the `rep - 1` other ranks of its group. The design:
+//! `wk`/`wv` stay **replicated** on `tp` (full type, placement `Replicate`) and each layer
+//! slices its kv head locally, in front of the column-parallel linear:
+//!
+//! ```text
+//! reshape [n_kv * hd, in] -> [n_kv, hd, in]; broadcast -> [n_kv, rep, hd, in];
+//! reshape -> [tp * hd, in]; take_shard {mesh_dim = tp, dim = 0, size = tp} -> [hd, in]
+//! ```
+//!
+//! (slice `r` of the head-repeated weight is kv head `r / rep`). The gradient then needs no
+//! new collective and no subgroup communicator: the VJP of `take_shard` is `place_shard` (the
+//! rank's `dW` at its slot, zeros elsewhere), the broadcast's VJP sums the `rep` slots, and
+//! because the parameter is replicated on `tp`, `sync-grads` all-reduces its gradient over
+//! `tp`, which adds the contributions of exactly the ranks that share each kv head (the others
+//! contribute zeros, which add exactly). So every rank holds the same full `wk`/`wv`, equal to
+//! the single-rank parameter, and AdamW updates it identically everywhere (the gradient norm
+//! counts a gradient replicated on `tp` once). The price: the
+//! all-reduce moves all kv heads over all of `tp` (`n_kv_heads` times the bytes of a per-group
+//! all-reduce of one head) and every rank keeps the full `wk`/`wv` and their AdamW moments.
+//! The alternative, a `Shard`-like placement whose shards repeat across a group plus a
+//! subgroup all-reduce, would need a new placement kind in the runtime's init/gather and a
+//! communicator per kv group.
 
 use titan_ir::infer::{InferCtx, infer_types};
 use titan_ir::{ArgKind, CollectiveReduce, Dim, DimTable, Graph, Mesh, MeshDim, Op, Placement, Region, TensorType, Value, ValueDef};
@@ -27,6 +53,8 @@ use crate::util::replace_uses;
 pub struct ShardTpStats {
     pub column_parallel: usize,
     pub row_parallel: usize,
+    /// `wk`/`wv` replicated on `tp` and sliced per kv head (`tp > n_kv_heads`).
+    pub kv_replicated: usize,
     pub collectives: usize,
 }
 
@@ -35,6 +63,32 @@ enum Plan {
     Column,
     Row,
     Replicate,
+    /// `wk`/`wv` when `tp` is a multiple of `n_kv_heads`: replicated, each rank slices the kv
+    /// head its query heads use.
+    KvReplicate,
+}
+
+const KV: [&str; 2] = [".attention.wk.weight", ".attention.wv.weight"];
+
+/// How `tp` splits the kv heads: `None` when each rank holds `n_kv_heads / tp` whole heads
+/// (or the model's `meta` does not say), `Some((n_kv_heads, rep))` when each kv head is
+/// replicated on `rep = tp / n_kv_heads` ranks; an error when `tp` is neither.
+fn kv_replication(g: &Graph, tp: u32) -> Result<Option<(u64, u64)>, String> {
+    let Some(n_kv) = g.meta_i64("n_kv_heads").filter(|&v| v > 0).map(|v| v as u64) else { return Ok(None) };
+    let tp = u64::from(tp);
+    if n_kv.is_multiple_of(tp) {
+        return Ok(None);
+    }
+    if tp.is_multiple_of(n_kv) {
+        return Ok(Some((n_kv, tp / n_kv)));
+    }
+    let n_heads = g.meta_i64("n_heads").filter(|&v| v > 0).map_or(n_kv, |v| v as u64);
+    let ok: Vec<String> =
+        (1..=n_heads).filter(|t| n_heads.is_multiple_of(*t) && (n_kv.is_multiple_of(*t) || t.is_multiple_of(n_kv))).map(|t| t.to_string()).collect();
+    Err(format!(
+        "tp = {tp} neither divides n_kv_heads = {n_kv} nor is a multiple of it: each rank needs whole kv heads (tp divides n_kv_heads) or one kv head shared by tp / n_kv_heads ranks (n_kv_heads divides tp); choose tp in {{{}}}",
+        ok.join(", ")
+    ))
 }
 
 const COLUMN: [&str; 6] =
@@ -75,25 +129,30 @@ pub fn shard_tp(g: &mut Graph) -> Result<ShardTpStats, String> {
     if n == 1 {
         return Ok(stats);
     }
+    let kv = kv_replication(g, n)?;
     // Parameters: local types and placements.
     let mut plans: Vec<(Value, Plan, usize)> = Vec::new();
     for i in 0..g.main.args.len() {
         let ArgKind::Param(info) = g.main.args[i].kind.clone() else { continue };
         let v = g.main.args[i].value;
-        let plan = plan_of(&info.name);
+        let plan = if kv.is_some() && KV.iter().any(|s| info.name.ends_with(s)) { Plan::KvReplicate } else { plan_of(&info.name) };
         let ty = g.main.ty(v).clone();
         let first = usize::from(info.is_stacked());
         if ty.rank() != first + 2 && plan != Plan::Replicate {
             return Err(format!("tensor-parallel parameter `{}` must be a {}matrix, found {ty}", info.name, if first == 1 { "stacked " } else { "" }));
         }
         let d = match plan {
-            Plan::Column => first,
+            Plan::Column | Plan::KvReplicate => first,
             Plan::Row => first + 1,
             Plan::Replicate => 0,
         };
         let placement = g.main.value(v).placement.clone();
-        if plan == Plan::Replicate {
+        if matches!(plan, Plan::Replicate | Plan::KvReplicate) {
             g.main.values[v.index()].placement = with_placement(&placement, MeshDim::Tp, Placement::Replicate);
+            if plan == Plan::KvReplicate {
+                stats.kv_replicated += 1;
+                plans.push((v, plan, d));
+            }
             continue;
         }
         g.main.values[v.index()].ty = shrink(&ty, d, n, &g.dims, &format!("parameter `{}`", info.name))?;
@@ -117,6 +176,11 @@ pub fn shard_tp(g: &mut Graph) -> Result<ShardTpStats, String> {
             let per_layer = j >= carry as usize && j < (carry + stacked) as usize;
             let bd = if per_layer { d - 1 } else { d };
             let arg = region.args[j].value;
+            if plan == Plan::KvReplicate {
+                let (n_kv, rep) = kv.ok_or("invariant: kv-head replication has a layout")?;
+                cols.push(slice_kv_head(&mut region, arg, n_kv, rep, n, &g.dims)?);
+                continue;
+            }
             let ty = region.ty(arg).clone();
             region.values[arg.index()].ty = shrink(&ty, bd, n, &g.dims, &format!("argument {j} of @{}", region.name))?;
             let placement = region.value(arg).placement.clone();
@@ -197,6 +261,52 @@ pub fn shard_tp(g: &mut Graph) -> Result<ShardTpStats, String> {
     Ok(stats)
 }
 
+/// kv-head replication: slice this rank's kv head out of the replicated block argument `w`
+/// (`[n_kv * hd, in]`, see the module doc) right before its first use; every use of `w` reads
+/// the slice instead. Returns the slice.
+fn slice_kv_head(region: &mut Region, w: Value, n_kv: u64, rep: u64, tp: u32, dims: &DimTable) -> Result<Value, String> {
+    let ty = region.ty(w).clone();
+    let what = format!("kv-head replication in @{}", region.name);
+    if ty.rank() != 2 {
+        return Err(format!("{what}: a kv projection must be a matrix, found {ty}"));
+    }
+    let shape = crate::util::fixed_dims(&ty, dims)?;
+    if !shape[0].is_multiple_of(n_kv) {
+        return Err(format!("{what}: dim 0 of {ty} is not divisible by n_kv_heads = {n_kv}"));
+    }
+    let (hd, inner) = (shape[0] / n_kv, shape[1]);
+    let fixed = |s: &[u64]| TensorType::new(ty.dtype, s.iter().map(|&x| Dim::Fixed(x)).collect());
+    let steps = [
+        (Op::Reshape, fixed(&[n_kv, hd, inner])),
+        (Op::Broadcast { dims: vec![0, 2, 3] }, fixed(&[n_kv, rep, hd, inner])),
+        (Op::Reshape, fixed(&[n_kv * rep * hd, inner])),
+        (Op::TakeShard { mesh_dim: MeshDim::Tp, dim: 0, size: tp }, fixed(&[hd, inner])),
+    ];
+    let name = region.value(w).name.clone();
+    let at = region.order.iter().position(|&m| region.node(m).inputs.contains(&w)).unwrap_or(0);
+    let mut x = w;
+    let mut first = None;
+    for (k, (op, out)) in steps.into_iter().enumerate() {
+        let node = region.add_node(op, vec![x], vec![out]);
+        region.order.pop();
+        region.order.insert(at + k, node);
+        first.get_or_insert(node);
+        x = region.node(node).results[0];
+        let suffix = match k {
+            2 => "repeated",
+            3 => "kv_head",
+            _ => continue,
+        };
+        if let Some(name) = &name {
+            region.values[x.index()].name = Some(format!("{name}.{suffix}"));
+        }
+    }
+    let placement = region.value(w).placement.clone();
+    region.values[x.index()].placement = with_placement(&placement, MeshDim::Tp, Placement::Shard(0));
+    replace_uses(region, w, x, first);
+    Ok(x)
+}
+
 /// Sequence parallelism: all-gather (over `tp`, along `seq`) the input of every linear whose
 /// weight is one of `weights` (column-parallel), once per input, right after it is defined;
 /// only those linears read the gathered copy. Returns the number of gathers.
@@ -234,7 +344,8 @@ fn gather_sequence(region: &mut Region, weights: &[Value], n: u32) -> usize {
 }
 
 /// Recompute every result type of `region` after its arguments shrank; a `reshape` that
-/// splits (or merges) heads shrinks its head dim (rank 4) or its last dim by `tp`.
+/// splits (or merges) heads shrinks its head dim (rank 4) or its last dim by the factor its
+/// operand shrank (`tp`, or `n_kv_heads` for the kv heads under kv-head replication).
 fn reinfer(region: &mut Region, dims: &DimTable, blocks: &[Region], tp: u32) -> Result<(), String> {
     let ctx = InferCtx { dims, blocks };
     for nid in region.order.clone() {
@@ -247,7 +358,12 @@ fn reinfer(region: &mut Region, dims: &DimTable, blocks: &[Region], tp: u32) -> 
             if have != want {
                 let out = &declared[0];
                 let d = if out.rank() == 4 { 2 } else { out.rank().saturating_sub(1) };
-                declared[0] = shrink(out, d, tp, dims, &format!("reshape in @{}", region.name))?;
+                let what = format!("reshape in @{}", region.name);
+                let factor = match (have, want) {
+                    (Some(h), Some(w)) if h > 0 && w % h == 0 && u32::try_from(w / h).is_ok() => (w / h) as u32,
+                    _ => return Err(format!("{what}: its operand {} does not split {out} over tp = {tp}", ins[0])),
+                };
+                declared[0] = shrink(out, d, factor, dims, &what)?;
             }
         }
         let types = if node.op.result_type_declared() { infer_types(&node.op, &refs, Some(&declared), &ctx) } else { infer_types(&node.op, &refs, None, &ctx) }

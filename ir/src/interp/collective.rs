@@ -1,7 +1,8 @@
 //! Semantics of the collective ops (`all_gather`, `reduce_scatter`, `all_reduce`) on top of a
 //! [`Communicator`]: the one primitive a mesh backend provides is an ordered exchange among the
 //! ranks of one mesh dimension; every reduction is then computed identically on every rank, in
-//! rank order, so results are deterministic and bit-identical across ranks.
+//! rank order, so results are deterministic and bit-identical across ranks. The rank-local
+//! `take_shard` and `place_shard` only read the rank's coordinate.
 
 use crate::interp::Real;
 use crate::interp::round::round_to_dtype;
@@ -34,8 +35,23 @@ fn floats<T: Real>(t: &Tensor<T>) -> Result<&[T], String> {
 
 /// Evaluate one collective op on this rank's operand.
 pub fn eval_collective<T: Real>(op: &Op, x: &Tensor<T>, comm: &dyn Communicator, precision: Precision) -> Result<Tensor<T>, String> {
-    let mesh_dim = op.collective_mesh_dim().ok_or_else(|| format!("`{}` is not a collective", op.name()))?;
+    let mesh_dim = op.mesh_dim().ok_or_else(|| format!("`{}` is not a collective", op.name()))?;
     let group = comm.sizes()[mesh_dim.index()];
+    let check_size = |size: u32| -> Result<(), String> {
+        if size as usize == group { Ok(()) } else { Err(format!("`{}` has size = {size} but mesh dim {mesh_dim} has {group} ranks", op.name())) }
+    };
+    // Rank-local ops: no exchange (they are not in the collective schedule).
+    match op {
+        Op::TakeShard { dim, size, .. } => {
+            check_size(*size)?;
+            return shard_of(x, *dim as usize, group, comm.coords()[mesh_dim.index()]).map_err(|e| format!("take_shard: {e}"));
+        }
+        Op::PlaceShard { dim, size, .. } => {
+            check_size(*size)?;
+            return place_shard(x, *dim as usize, group, comm.coords()[mesh_dim.index()]);
+        }
+        _ => {}
+    }
     let xs = floats(x)?;
     let parts = comm.exchange(mesh_dim, xs.iter().map(|&v| Real::to_f64(v)).collect())?;
     if parts.len() != group || parts.iter().any(|p| p.len() != xs.len()) {
@@ -58,9 +74,6 @@ pub fn eval_collective<T: Real>(op: &Op, x: &Tensor<T>, comm: &dyn Communicator,
             }
         }
         acc
-    };
-    let check_size = |size: u32| -> Result<(), String> {
-        if size as usize == group { Ok(()) } else { Err(format!("`{}` has size = {size} but mesh dim {mesh_dim} has {group} ranks", op.name())) }
     };
     match op {
         Op::AllReduce { reduce: kind, .. } => Tensor::from_vec(x.dtype, x.shape.clone(), reduce(*kind)),
@@ -133,6 +146,24 @@ pub fn shard_of<T: Real>(full: &Tensor<T>, dim: usize, size: usize, coord: usize
     }
 }
 
+/// `x` as slice `coord` of `size` along `dim` of an otherwise zero tensor: what `place_shard`
+/// computes on rank `coord` (the adjoint of [`shard_of`]).
+fn place_shard<T: Real>(x: &Tensor<T>, dim: usize, size: usize, coord: usize) -> Result<Tensor<T>, String> {
+    if dim >= x.rank() || coord >= size {
+        return Err(format!("place_shard: cannot place {} as shard {coord} of {size} along dim {dim}", x.type_string()));
+    }
+    let xs = floats(x)?;
+    let (outer, n, inner) = split(&x.shape, dim);
+    let mut out = vec![T::zero(); xs.len() * size];
+    for o in 0..outer {
+        let start = (o * size + coord) * n * inner;
+        out[start..start + n * inner].copy_from_slice(&xs[o * n * inner..(o + 1) * n * inner]);
+    }
+    let mut shape = x.shape.clone();
+    shape[dim] = n * size;
+    Tensor::from_vec(x.dtype, shape, out)
+}
+
 /// Concatenate shards (in rank order) along `dim`: the inverse of [`shard_of`].
 pub fn concat<T: Real>(parts: &[Tensor<T>], dim: usize) -> Result<Tensor<T>, String> {
     let first = parts.first().ok_or("nothing to concatenate")?;
@@ -194,6 +225,15 @@ mod tests {
         assert_eq!((r1.shape.clone(), r1.to_f64_vec()), (vec![2, 1], vec![22.0, 44.0]));
         let max = Op::AllReduce { mesh_dim: MeshDim::DpShard, reduce: CollectiveReduce::Max };
         assert_eq!(eval_collective(&max, &t(&[2], &[-1.0, 2.0]), &me0, Precision::Exact).expect("max").to_f64_vec(), vec![-1.0, 20.0]);
+        // Rank-local: rank 1 keeps / is placed at slice 1, nothing is exchanged.
+        let take = Op::TakeShard { mesh_dim: MeshDim::DpShard, dim: 1, size: 2 };
+        let mine = eval_collective(&take, &x, &me1, Precision::Exact).expect("take_shard");
+        assert_eq!((mine.shape.clone(), mine.to_f64_vec()), (vec![2, 1], vec![2.0, 4.0]));
+        let place = Op::PlaceShard { mesh_dim: MeshDim::DpShard, dim: 1, size: 2 };
+        let placed = eval_collective(&place, &mine, &me1, Precision::Exact).expect("place_shard");
+        assert_eq!((placed.shape.clone(), placed.to_f64_vec()), (vec![2, 2], vec![0.0, 2.0, 0.0, 4.0]));
+        let placed0 = eval_collective(&place, &x, &me0, Precision::Exact).expect("place_shard");
+        assert_eq!((placed0.shape.clone(), placed0.to_f64_vec()), (vec![2, 4], vec![1.0, 2.0, 0.0, 0.0, 3.0, 4.0, 0.0, 0.0]));
         let bad = Op::AllGather { mesh_dim: MeshDim::DpShard, dim: 0, size: 4 };
         let err = eval_collective(&bad, &x, &me0, Precision::Exact).expect_err("size 4 on 2 ranks");
         assert!(err.contains("has size = 4 but mesh dim dp_shard has 2 ranks"), "{err}");
@@ -215,5 +255,9 @@ mod tests {
         let ty = crate::shape::TensorType::fixed(DType::F32, &[2]);
         let err = crate::interp::eval_op(&op, &[&x], &[ty], &Default::default(), Precision::Exact).expect_err("no mesh");
         assert!(err.contains("`all_reduce` needs a device mesh"), "{err}");
+        let take = Op::TakeShard { mesh_dim: MeshDim::Tp, dim: 0, size: 2 };
+        let half = crate::shape::TensorType::fixed(DType::F32, &[1]);
+        let err = crate::interp::eval_op(&take, &[&x], &[half], &Default::default(), Precision::Exact).expect_err("no mesh");
+        assert!(err.contains("`take_shard` needs a device mesh"), "{err}");
     }
 }

@@ -256,7 +256,7 @@ impl<'g> Interpreter<'g> {
                             e
                         })?
                     }
-                    op if op.is_collective() && self.comm.is_some() => {
+                    op if op.mesh_dim().is_some() && self.comm.is_some() => {
                         let comm = self.comm.as_deref().ok_or_else(|| err("no communicator".into()))?;
                         vec![eval_collective(op, inputs[0], comm, self.precision).map_err(err)?]
                     }

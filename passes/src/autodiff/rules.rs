@@ -311,6 +311,15 @@ pub fn vjp(op: &Op, a: &VjpArgs, b: &mut Builder) -> Result<Vec<Option<Value>>, 
             let Some(dy) = dy0 else { return Ok(none(1)) };
             vec![Some(b.push1(Op::AllReduce { mesh_dim: *mesh_dim, reduce: CollectiveReduce::Sum }, &[dy])?)]
         }
+        // Rank-local slicing is linear and local: its VJP is its adjoint on the same rank.
+        Op::TakeShard { mesh_dim, dim, size } => {
+            let Some(dy) = dy0 else { return Ok(none(1)) };
+            vec![Some(b.push1(Op::PlaceShard { mesh_dim: *mesh_dim, dim: *dim, size: *size }, &[dy])?)]
+        }
+        Op::PlaceShard { mesh_dim, dim, size } => {
+            let Some(dy) = dy0 else { return Ok(none(1)) };
+            vec![Some(b.push1(Op::TakeShard { mesh_dim: *mesh_dim, dim: *dim, size: *size }, &[dy])?)]
+        }
         Op::AllReduce { reduce: CollectiveReduce::Max, .. } => {
             return Err("differentiating `all_reduce` with `reduce = max` is not supported yet".into());
         }

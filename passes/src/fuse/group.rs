@@ -81,6 +81,12 @@ pub fn classify(op: &Op, ins: &[&TensorType], outs: &[&TensorType], dims: &DimTa
                 op.name()
             ));
         }
+        Op::TakeShard { .. } | Op::PlaceShard { .. } => {
+            return Err(format!(
+                "fusing the rank-dependent `{}` (run SPMD training graphs on the simulated mesh with `titan-run train.ir`) is not supported yet",
+                op.name()
+            ));
+        }
         Op::Linear | Op::Matmul { .. } => Class::Single(KernelKind::Gemm),
         Op::Attention { .. } => Class::Single(KernelKind::Attention),
         Op::AttentionBwd { .. } => Class::Single(KernelKind::AttentionBwd),

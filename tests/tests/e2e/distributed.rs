@@ -143,11 +143,26 @@ fn tp_2_matches_single_rank() {
     check(Mesh::new(1, 1, 2));
 }
 
-/// tp = 4 needs 4 kv heads (each rank owns whole heads): this run uses the debug model with
-/// `n_kv_heads = 4` for both the single-rank and the mesh run.
+/// tp = 4 with 4 kv heads: each rank owns one whole query head and its kv head (the debug
+/// model with `n_kv_heads = 4` for both the single-rank and the mesh run).
 #[test]
 fn tp_4_with_four_kv_heads_matches_single_rank() {
     check_model(Mesh::new(1, 1, 4), mha_model);
+}
+
+/// tp = 4 on the stock debug model (2 kv heads): kv-head replication. Ranks 0, 1 use kv head
+/// 0 and ranks 2, 3 kv head 1; `wk`/`wv` stay replicated on `tp` and their gradients are
+/// summed over the ranks, so they match the single-rank parameters.
+#[test]
+fn tp_4_with_two_kv_heads_matches_single_rank() {
+    check(Mesh::new(1, 1, 4));
+}
+
+/// FSDP x TP with kv-head replication (world 8): `wk`/`wv` sharded on `dp_shard`, replicated
+/// on `tp`.
+#[test]
+fn fsdp_dp_shard_2_tp_4_matches_single_rank() {
+    check(Mesh::new(1, 2, 4));
 }
 
 #[test]
@@ -160,10 +175,30 @@ fn hsdp_dp_replicate_2_dp_shard_2_tp_2_matches_single_rank() {
     check(Mesh::new(2, 2, 2));
 }
 
+/// The layer block under kv-head replication: each rank slices its kv head out of the
+/// replicated `wk`/`wv` (`take_shard` of the head-repeated weight) and the backward places
+/// the weight gradient back (`place_shard`) for `sync-grads` to all-reduce over `tp`.
 #[test]
-fn tp_4_with_two_kv_heads_is_rejected() {
-    let err = spmd_graph(Mesh::new(1, 1, 4)).expect_err("2 kv heads over 4 ranks");
-    assert!(err.contains("not divisible by tp = 4"), "{err}");
+fn kv_head_replication_slices_the_replicated_kv_weights() {
+    let g = spmd_graph(Mesh::new(1, 1, 4)).expect("spmd lowering");
+    let text = titan_ir::print::print_graph(&g);
+    assert!(text.contains("= take_shard(%wk.repeated) {mesh_dim = tp, dim = 0, size = 4} : f32[16, 64] #[Replicate, Replicate, Shard(0)]"), "{text}");
+    assert!(text.contains("= take_shard(%wv.repeated) {mesh_dim = tp, dim = 0, size = 4} : f32[16, 64]"), "{text}");
+    assert_eq!(text.matches("place_shard(").count(), 2, "{text}");
+    assert!(text.contains("%k = reshape(%") && text.contains(": f32[batch, seq, 1, 16]"), "{text}");
+}
+
+/// A tp that neither divides the kv heads nor is a multiple of them cannot give every rank
+/// whole kv heads: n_heads 6, n_kv_heads 2, tp 3.
+#[test]
+fn a_tp_that_splits_a_kv_head_is_rejected() {
+    fn six_heads() -> Graph {
+        let cfg = LlamaConfig { dtype: DType::F32, dim: 96, n_heads: 6, n_kv_heads: 2, seq_len: 96, vocab_size: 258, ..LlamaConfig::preset(Preset::Debug) };
+        build_llama3(&cfg, "llama3_debug_6h").expect("debug model")
+    }
+    let err = spmd_graph_of(Mesh::new(1, 1, 3), six_heads).expect_err("2 kv heads over 3 ranks");
+    assert!(err.contains("tp = 3 neither divides n_kv_heads = 2 nor is a multiple of it") && err.ends_with("choose tp in {1, 2, 6}"), "{err}");
+    spmd_graph_of(Mesh::new(1, 1, 6), six_heads).expect("tp = 6: three ranks per kv head");
 }
 
 #[test]
