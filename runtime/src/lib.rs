@@ -10,6 +10,7 @@
 pub mod artifact;
 pub mod backend;
 pub mod checkpoint;
+pub mod cli;
 pub mod data;
 pub mod dist;
 pub mod init;

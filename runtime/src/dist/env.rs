@@ -30,7 +30,7 @@ impl Launcher {
     pub fn name(self) -> &'static str {
         match self {
             Launcher::Single => "single process",
-            Launcher::Torchrun => "torchrun",
+            Launcher::Torchrun => "torchrun-style env",
             Launcher::Slurm => "slurm",
         }
     }

@@ -100,6 +100,9 @@ pub fn launch_local(nproc: usize, program: &Path, args: &[OsString]) -> Result<(
     let mut first_failure: Option<(usize, ExitStatus, Instant)> = None;
     let mut killed = Vec::new();
     while status.iter().any(Option::is_none) {
+        // Ranks seen failing in this round: a rank that dies makes the others fail soon after,
+        // so when several are seen at once, the one killed by a signal is the cause.
+        let mut failed_now = Vec::new();
         for (r, c) in children.iter_mut().enumerate() {
             if status[r].is_some() {
                 continue;
@@ -107,13 +110,18 @@ pub fn launch_local(nproc: usize, program: &Path, args: &[OsString]) -> Result<(
             match c.try_wait() {
                 Ok(Some(s)) => {
                     status[r] = Some(s);
-                    if !s.success() && first_failure.is_none() {
-                        first_failure = Some((r, s, Instant::now()));
+                    if !s.success() {
+                        failed_now.push((r, s));
                     }
                 }
                 Ok(None) => {}
                 Err(e) => return Err(DistError::Launch(format!("cannot wait for rank {r}: {e}"))),
             }
+        }
+        if first_failure.is_none()
+            && let Some(&(r, s)) = failed_now.iter().find(|(_, s)| s.code().is_none()).or(failed_now.first())
+        {
+            first_failure = Some((r, s, Instant::now()));
         }
         if let Some((_, _, at)) = first_failure
             && at.elapsed() >= GRACE

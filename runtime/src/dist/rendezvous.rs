@@ -486,7 +486,7 @@ impl ProcessGroup {
         if size == 1 {
             return Ok(vec![data]);
         }
-        let what = if group.kind == WORLD { format!("barrier #{seq}") } else { format!("collective #{seq} on mesh dim {}", group.kind) };
+        let what = if group.kind == WORLD { format!("barrier #{seq}") } else { format!("collective #{seq}") };
         let msg = Msg::Exchange { group, index: index as u32, size: size as u32, seq, data };
         let timeout = self.collective_timeout;
         let reply = match &self.role {
