@@ -11,10 +11,12 @@
 //!   ordered by mesh coordinate, exactly as on the simulated mesh.
 //! - [`trainer`] runs this process's rank of an SPMD training graph.
 //! - [`launch`] is `titan-run --nproc-per-node N`: N copies of titan-run on this host.
-//! - [`nccl`] creates NCCL communicators (world, then one per mesh dim) from the rendezvous.
+//! - [`nccl`] creates NCCL communicators (world, then one per mesh dim) from the rendezvous
+//!   (compiled, untested on multi-GPU: no such machine has run it yet).
 
 pub mod env;
 pub mod launch;
+pub mod nccl;
 pub mod rendezvous;
 pub mod tcp_comm;
 pub mod trainer;

@@ -84,7 +84,7 @@ mod tests {
     fn exchanges_follow_the_mesh_layout() {
         let mesh = Mesh::new(2, 1, 2);
         let groups = local_groups(4, "id");
-        let out: Vec<(usize, Vec<Vec<f64>>, Vec<Vec<f64>>)> = std::thread::scope(|s| {
+        let out: Vec<_> = std::thread::scope(|s| {
             let hs: Vec<_> = groups
                 .into_iter()
                 .map(|g| {
