@@ -10,7 +10,9 @@
 pub mod artifact;
 pub mod backend;
 pub mod checkpoint;
+pub mod cli;
 pub mod data;
+pub mod dist;
 pub mod init;
 pub mod log;
 
@@ -33,4 +35,7 @@ pub enum RuntimeError {
     Artifact(#[from] titan_ir::artifact::ArtifactError),
     #[error(transparent)]
     Interp(#[from] titan_ir::interp::InterpError),
+    /// A multi-process run could not start or a rank failed.
+    #[error(transparent)]
+    Dist(#[from] dist::DistError),
 }

@@ -108,6 +108,40 @@ impl Communicator for RankComm {
     }
 }
 
+/// Whether `graph` shards `tokens` along `seq` on `tp` (sequence parallelism).
+pub fn is_seq_parallel(graph: &Graph, mesh: Mesh) -> bool {
+    graph
+        .main
+        .find("tokens")
+        .is_some_and(|v| matches!(graph.main.value(v).placement.get(MeshDim::Tp.index()), Some(Placement::Shard(1))) && mesh.size(MeshDim::Tp) > 1)
+}
+
+/// The part of the global `batch` the rank at `coords` trains on: data-parallel index
+/// `i = dp_replicate coord * dp_shard + dp_shard coord` takes rows `i * b .. (i + 1) * b`
+/// (`b = local_batch`), and with sequence parallelism its `tp` slice of each row's tokens.
+/// Shared by the simulated mesh and the multi-process run, so both feed every rank alike.
+pub fn rank_batch(mesh: Mesh, coords: [usize; 3], batch: &Batch, local_batch: usize, seq: usize, seq_parallel: bool) -> Result<Batch, RuntimeError> {
+    let rows = local_batch * seq;
+    if batch.tokens.len() != rows * mesh.dp() as usize || batch.targets.len() != batch.tokens.len() {
+        return Err(RuntimeError::Data(format!(
+            "a batch has {} tokens, the mesh step takes global batch {} x seq {seq}",
+            batch.tokens.len(),
+            local_batch * mesh.dp() as usize
+        )));
+    }
+    let c = coords;
+    let i = c[0] * mesh.sizes[1] as usize + c[1];
+    let targets = batch.targets[i * rows..(i + 1) * rows].to_vec();
+    let mut tokens = batch.tokens[i * rows..(i + 1) * rows].to_vec();
+    if seq_parallel {
+        // `tokens` is `Shard(1)` on `tp`: this rank's slice of every row.
+        let (tp, t) = (mesh.sizes[2] as usize, c[2]);
+        let part = seq / tp;
+        tokens = tokens.chunks(seq).flat_map(|row| row[t * part..(t + 1) * part].to_vec()).collect();
+    }
+    Ok(Batch { tokens, targets })
+}
+
 /// Runs an SPMD training graph on a simulated mesh of `world_size` CPU ranks.
 pub struct MeshTrainer<'g> {
     mesh: Mesh,
@@ -133,10 +167,7 @@ impl<'g> MeshTrainer<'g> {
             ranks.push(CpuTrainer::with_rank(graph, seed, Some(RankContext { mesh, coords, comm }))?);
         }
         let local_batch = ranks.first().map_or(0, CpuTrainer::batch_size);
-        let seq_parallel = graph
-            .main
-            .find("tokens")
-            .is_some_and(|v| matches!(graph.main.value(v).placement.get(MeshDim::Tp.index()), Some(Placement::Shard(1))) && mesh.size(MeshDim::Tp) > 1);
+        let seq_parallel = is_seq_parallel(graph, mesh);
         Ok(MeshTrainer { mesh, rv, ranks, local_batch, seq_parallel })
     }
 
@@ -153,34 +184,16 @@ impl<'g> MeshTrainer<'g> {
     /// of the global batch.
     pub fn step(&mut self, batch: &Batch) -> Result<StepMetrics, RuntimeError> {
         let seq = self.ranks.first().map_or(0, CpuTrainer::seq_len);
-        let rows = self.local_batch * seq;
-        if batch.tokens.len() != rows * self.mesh.dp() as usize || batch.targets.len() != batch.tokens.len() {
-            return Err(RuntimeError::Data(format!(
-                "a batch has {} tokens, the mesh step takes global batch {} x seq {seq}",
-                batch.tokens.len(),
-                self.global_batch()
-            )));
-        }
         let mesh = self.mesh;
+        let locals =
+            (0..self.ranks.len()).map(|r| rank_batch(mesh, mesh.coords(r), batch, self.local_batch, seq, self.seq_parallel)).collect::<Result<Vec<_>, _>>()?;
         let rv = &self.rv;
-        let seq_parallel = self.seq_parallel;
         let results: Vec<Result<StepMetrics, RuntimeError>> = std::thread::scope(|s| {
             let handles: Vec<_> = self
                 .ranks
                 .iter_mut()
-                .enumerate()
-                .map(|(r, trainer)| {
-                    let c = mesh.coords(r);
-                    let i = c[0] * mesh.sizes[1] as usize + c[1];
-                    let targets = batch.targets[i * rows..(i + 1) * rows].to_vec();
-                    let mut tokens = batch.tokens[i * rows..(i + 1) * rows].to_vec();
-                    if seq_parallel {
-                        // `tokens` is `Shard(1)` on `tp`: this rank's slice of every row.
-                        let (tp, t) = (mesh.sizes[2] as usize, c[2]);
-                        let part = seq / tp;
-                        tokens = tokens.chunks(seq).flat_map(|row| row[t * part..(t + 1) * part].to_vec()).collect();
-                    }
-                    let local = Batch { tokens, targets };
+                .zip(locals)
+                .map(|(trainer, local)| {
                     s.spawn(move || {
                         let out = trainer.step(&local);
                         if out.is_err() {

@@ -8,6 +8,7 @@ mod checkpoint_e2e;
 mod distributed;
 mod example_files;
 mod fusion;
+mod launch;
 mod ptx_presets;
 mod train_debug;
 mod train_graph;

@@ -1,0 +1,422 @@
+//! `titan-run`: train a model from its artifact (`titanc build model.ir -o DIR`), or from an
+//! unfused training graph `.ir` (`titanc lower --to train`) in graph mode. The command line
+//! lives in the library so the end-to-end tests can build the same program (`titan-run-e2e`)
+//! and launch it as separate processes.
+
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use crate::checkpoint::{self, TrainerState};
+use crate::data::{check_vocab, load_tokens};
+use crate::dist::{DistEnv, ProcessGroup, ProcessMeshTrainer, RendezvousOptions};
+use crate::log::{H200_MEMORY_BYTES, MetricsRecord, MetricsWriter, Progress, format_memory_check, format_startup, memory_summary};
+use crate::{Artifact, Batcher, CpuArtifactTrainer, CpuTrainer, DataFormat, LogContext, MeshTrainer, Trainer, byte_tokens, format_step_with};
+use anyhow::{Context, Result, bail};
+use clap::Parser;
+
+/// Run training steps of a titan artifact or training graph.
+#[derive(Parser, Debug)]
+#[command(name = "titan-run", version, about)]
+struct Cli {
+    /// An artifact directory (`titanc build model.ir -o DIR`), or a training-step graph `.ir`
+    /// file (`titanc lower model.ir --to train`) to run unfused in graph mode.
+    path: PathBuf,
+    /// Total number of training steps (a resumed run continues up to it).
+    #[arg(long, default_value_t = 100)]
+    steps: u64,
+    /// Data file: text tokenized byte by byte, or pre-tokenized tokens (see --data-format); the
+    /// bundled corpus when omitted.
+    #[arg(long)]
+    data: Option<PathBuf>,
+    /// How --data encodes its tokens: `auto` (llm.c when the file starts with its magic, else
+    /// text), `text` (bytes), `u16` / `u32` (raw little-endian arrays, nanoGPT), `llmc`.
+    #[arg(long, default_value = "auto")]
+    data_format: String,
+    /// Seed for parameter initialization and batch sampling (default 0; a resumed run uses the
+    /// checkpoint's).
+    #[arg(long)]
+    seed: Option<u64>,
+    /// Write one JSON object per step to this `.jsonl` file (appended to on --resume).
+    #[arg(long)]
+    metrics: Option<PathBuf>,
+    /// Write checkpoints to CKPT/step-<n>/ (model.safetensors, optimizer.safetensors,
+    /// trainer_state.json), after the last step and every --checkpoint-every steps.
+    #[arg(long, value_name = "CKPT")]
+    checkpoint_dir: Option<PathBuf>,
+    /// Also write a checkpoint every K steps.
+    #[arg(long, value_name = "K")]
+    checkpoint_every: Option<u64>,
+    /// Resume from a checkpoint: CKPT/step-<n>, or CKPT for its latest step.
+    #[arg(long)]
+    resume: Option<PathBuf>,
+    /// Start from the parameters of a model.safetensors (Hugging Face Llama names; bf16, f16 or
+    /// f32); the optimizer state starts at zero.
+    #[arg(long, value_name = "FILE")]
+    init_from: Option<PathBuf>,
+    /// Resume from a checkpoint written by another build of the model (same shapes).
+    #[arg(long)]
+    allow_different_build: bool,
+    /// Print every K-th step (the first and last are always printed).
+    #[arg(long, default_value_t = 1)]
+    log_every: u64,
+    /// Execution backend: `cpu` (the reference executor) or `cuda` (one GPU, artifacts only).
+    #[arg(long, default_value = "cpu")]
+    backend: String,
+    /// Print the time spent per kernel after the run (artifacts only).
+    #[arg(long)]
+    profile: bool,
+    /// Write every step's tokens and targets to FILE: int32 little-endian, per step
+    /// `[batch, seq]` tokens then `[batch, seq]` targets (see docs/checkpoints.md).
+    #[arg(long, value_name = "FILE")]
+    dump_batches: Option<PathBuf>,
+    /// Run N processes on this host, one per rank of the SPMD graph (its mesh must have N
+    /// ranks), torchrun-style; only rank 0 prints the step log. Under torchrun or Slurm
+    /// (`WORLD_SIZE` / `SLURM_NTASKS` > 1) titan-run runs its own rank without this flag.
+    #[arg(long, value_name = "N")]
+    nproc_per_node: Option<usize>,
+    /// Seconds every rank waits for the others at the rendezvous of a multi-process run.
+    #[arg(long, value_name = "SECS", default_value_t = 300)]
+    rendezvous_timeout: u64,
+}
+
+fn check_backend(name: &str) -> Result<()> {
+    match name {
+        "cpu" => Ok(()),
+        "cuda" => Ok(()),
+        other => bail!("unknown backend `{other}`; use --backend cpu or --backend cuda"),
+    }
+}
+
+/// Whether `path` names a graph file rather than an artifact directory.
+fn is_graph_file(path: &Path) -> bool {
+    path.extension().is_some_and(|e| e == "ir") && !path.is_dir()
+}
+
+/// The memory denominator of the log line: the device's memory on a GPU backend, none on the CPU.
+fn log_context(trainer: &dyn Trainer, backend: &str) -> LogContext {
+    LogContext { flops_per_token: trainer.flops_per_token(), device_memory_bytes: (backend != "cpu").then_some(H200_MEMORY_BYTES) }
+}
+
+/// Check the checkpoint flags before any work is done.
+fn check_checkpoint_flags(cli: &Cli) -> Result<()> {
+    if cli.resume.is_some() && cli.init_from.is_some() {
+        bail!("--resume restores the parameters already; drop --init-from (or --resume to start a new run from the weights)");
+    }
+    match (cli.checkpoint_every, &cli.checkpoint_dir) {
+        (Some(0), _) => bail!("--checkpoint-every must be at least 1"),
+        (Some(_), None) => bail!("--checkpoint-every needs --checkpoint-dir CKPT to write to"),
+        _ => Ok(()),
+    }
+}
+
+/// `--nproc-per-node N`: launch N copies of this program as the ranks of one host.
+fn launch_local(n: usize) -> Result<()> {
+    let env = DistEnv::from_process_env()?;
+    if env.is_distributed() {
+        bail!(
+            "--nproc-per-node launches its own ranks, but this process is already rank {} of {} ({}); drop --nproc-per-node",
+            env.rank,
+            env.world_size,
+            env.launcher.name()
+        );
+    }
+    let program = std::env::current_exe().context("cannot find the titan-run executable to launch")?;
+    // The same arguments, less --nproc-per-node (the children run one rank each).
+    let mut args = Vec::new();
+    let mut it = std::env::args_os().skip(1);
+    while let Some(a) = it.next() {
+        if a == "--nproc-per-node" {
+            it.next();
+        } else if !a.to_string_lossy().starts_with("--nproc-per-node=") {
+            args.push(a);
+        }
+    }
+    crate::dist::launch::launch_local(n, &program, &args)?;
+    Ok(())
+}
+
+/// Fingerprint of the run every rank must share: this build, the graph, the data and the seed.
+fn run_identity(graph_identity: &str, tokens: &[u32], seed: u64) -> String {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for t in tokens {
+        for b in t.to_le_bytes() {
+            h ^= u64::from(b);
+            h = h.wrapping_mul(0x100_0000_01b3);
+        }
+    }
+    format!("titan-run {} {graph_identity} data-fnv1a:{h:016x} ({} tokens) seed {seed}", env!("CARGO_PKG_VERSION"), tokens.len())
+}
+
+/// This process is one rank of a multi-process run (torchrun, Slurm, `--nproc-per-node`): join
+/// the rendezvous and run its rank of the SPMD graph with the TCP process group.
+fn run_rank(cli: &Cli, env: &DistEnv, tokens: Vec<u32>, data_name: &str) -> Result<()> {
+    let (rank, world) = (env.rank, env.world_size);
+    if !is_graph_file(&cli.path) {
+        bail!(
+            "a multi-process run (WORLD_SIZE={world}) takes an SPMD training graph `.ir` (`titanc lower --to train --tp/--dp-shard ...`) on the cpu backend for now; artifacts do not carry collectives yet"
+        );
+    }
+    if cli.backend != "cpu" {
+        bail!("a multi-process run of a graph runs on the cpu backend only; drop --backend {}", cli.backend);
+    }
+    let unsupported = [
+        (cli.checkpoint_dir.is_some(), "--checkpoint-dir"),
+        (cli.resume.is_some(), "--resume"),
+        (cli.init_from.is_some(), "--init-from"),
+        (cli.profile, "--profile"),
+    ];
+    if let Some((_, flag)) = unsupported.iter().find(|(set, _)| *set) {
+        bail!("{flag} is not supported in a multi-process run yet; run the graph on the simulated mesh (one process) for it");
+    }
+    let graph_text = std::fs::read_to_string(&cli.path).with_context(|| format!("cannot read `{}`", cli.path.display()))?;
+    let graph = titan_ir::parse_file(&cli.path).map_err(|e| anyhow::anyhow!("{e}"))?;
+    let Some(mesh) = titan_ir::Mesh::from_graph(&graph).map_err(|e| anyhow::anyhow!("{e}"))? else {
+        bail!(
+            "WORLD_SIZE={world} but `{}` is a single-rank graph (no mesh in its meta); lower it with a mesh (`titanc lower --to train --tp N ...`) or run one process",
+            cli.path.display()
+        );
+    };
+    let [r, s, t] = mesh.sizes;
+    if mesh.world_size() as usize != world {
+        bail!(
+            "WORLD_SIZE={world} but the graph's mesh has {} ranks (dp_replicate {r} x dp_shard {s} x tp {t}); launch {} processes",
+            mesh.world_size(),
+            mesh.world_size()
+        );
+    }
+    let (addr, port) = env.master.clone().ok_or_else(|| anyhow::anyhow!("a multi-process run needs MASTER_ADDR and MASTER_PORT"))?;
+    let seed = cli.seed.unwrap_or(0);
+    let identity = run_identity(&checkpoint::graph_identity(&graph_text), &tokens, seed);
+    let opts = RendezvousOptions { join_timeout: std::time::Duration::from_secs(cli.rendezvous_timeout), ..RendezvousOptions::default() };
+    let group = std::sync::Arc::new(ProcessGroup::rendezvous(rank, world, (&addr, port), &identity, Vec::new(), opts)?);
+    let mut trainer = match ProcessMeshTrainer::new(&graph, seed, std::sync::Arc::clone(&group)) {
+        Ok(t) => t,
+        Err(e) => {
+            group.abort(&e.to_string());
+            return Err(e.into());
+        }
+    };
+    if rank == 0 {
+        eprintln!(
+            "titan-run: {} (graph mode, SPMD) on {world} cpu processes ({}, rendezvous {addr}:{port}; dp_replicate {r} x dp_shard {s} x tp {t}), global batch {} x seq {}, {} steps, data {data_name}",
+            graph.name,
+            env.launcher.name(),
+            trainer.batch_size(),
+            Trainer::seq_len(&trainer),
+            cli.steps
+        );
+    }
+    if let Err(e) = train(&mut trainer, cli, tokens, data_name, &checkpoint::graph_identity(&graph_text), rank == 0) {
+        group.abort(&format!("{e:#}"));
+        return Err(e);
+    }
+    group.finish()?;
+    Ok(())
+}
+
+fn run(cli: Cli) -> Result<()> {
+    let started = std::time::Instant::now();
+    check_backend(&cli.backend)?;
+    check_checkpoint_flags(&cli)?;
+    if let Some(n) = cli.nproc_per_node {
+        return launch_local(n);
+    }
+    let env = DistEnv::from_process_env()?;
+    let format = DataFormat::parse(&cli.data_format)?;
+    let tokens = match &cli.data {
+        Some(p) => load_tokens(p, format)?,
+        None => byte_tokens(crate::BUNDLED_CORPUS.as_bytes()),
+    };
+    let data_name = cli.data.as_ref().map_or("bundled corpus".to_string(), |p| p.display().to_string());
+    if env.is_distributed() {
+        return run_rank(&cli, &env, tokens, &data_name);
+    }
+    let seed = cli.seed.unwrap_or(0);
+    if is_graph_file(&cli.path) {
+        if cli.backend == "cuda" {
+            bail!("graph mode (a `.ir` file) runs on the cpu backend only; build an artifact with `titanc build` for --backend cuda");
+        }
+        if cli.profile {
+            bail!("--profile times the kernels of an artifact; build one with `titanc build` and pass its directory");
+        }
+        let graph_text = std::fs::read_to_string(&cli.path).with_context(|| format!("cannot read `{}`", cli.path.display()))?;
+        let graph = titan_ir::parse_file(&cli.path).map_err(|e| anyhow::anyhow!("{e}"))?;
+        if let Some(mesh) = titan_ir::Mesh::from_graph(&graph).map_err(|e| anyhow::anyhow!("{e}"))?
+            && mesh.world_size() > 1
+        {
+            let mut trainer = MeshTrainer::new(&graph, seed)?;
+            let [r, s, t] = mesh.sizes;
+            eprintln!(
+                "titan-run: {} (graph mode, SPMD) on a simulated cpu mesh of {} ranks (dp_replicate {r} x dp_shard {s} x tp {t}), global batch {} x seq {}, {} steps, data {data_name}",
+                graph.name,
+                mesh.world_size(),
+                trainer.batch_size(),
+                Trainer::seq_len(&trainer),
+                cli.steps
+            );
+            return train(&mut trainer, &cli, tokens, &data_name, &checkpoint::graph_identity(&graph_text), true);
+        }
+        let mut trainer = CpuTrainer::new(&graph, seed)?;
+        eprintln!(
+            "titan-run: {} (graph mode, unfused) on the cpu backend, batch {} x seq {}, {} steps, data {data_name}",
+            graph.name,
+            trainer.batch_size(),
+            trainer.seq_len(),
+            cli.steps
+        );
+        return train(&mut trainer, &cli, tokens, &data_name, &checkpoint::graph_identity(&graph_text), true);
+    }
+    if cli.path.is_file() {
+        bail!("`{}` is neither an artifact directory nor a `.ir` training graph; pass the directory `titanc build -o DIR` wrote", cli.path.display());
+    }
+    let loading = std::time::Instant::now();
+    let artifact = Artifact::load(&cli.path)?;
+    let load_s = loading.elapsed().as_secs_f64();
+    if cli.backend == "cuda" {
+        return run_cuda(&cli, &artifact, tokens, &data_name, started, load_s);
+    }
+    let mut trainer = CpuArtifactTrainer::new(&artifact, seed)?;
+    if cli.profile {
+        trainer.enable_profile();
+    }
+    let m = &artifact.manifest;
+    eprintln!(
+        "titan-run: artifact {} ({} kernels, {} launches per step, target {}) on the cpu backend, batch {} x seq {}, {} steps, data {data_name}",
+        cli.path.display(),
+        m.kernels.len(),
+        artifact.launches_per_step(),
+        m.target.arch,
+        trainer.batch_size(),
+        trainer.seq_len(),
+        cli.steps
+    );
+    eprintln!("titan-run: {}", memory_summary(&artifact));
+    train(&mut trainer, &cli, tokens, &data_name, &artifact.manifest.content_hash, true)?;
+    if let Some(p) = trainer.profile() {
+        print_profile(&artifact, p);
+    }
+    Ok(())
+}
+
+/// Run steps up to `--steps`, resuming or loading weights first, logging every step and
+/// writing checkpoints. `identity` is the artifact's content hash (checked on resume). Only the
+/// `logger` prints steps and writes metrics and batch dumps (rank 0 of a multi-process run).
+fn train(trainer: &mut dyn Trainer, cli: &Cli, tokens: Vec<u32>, data_name: &str, identity: &str, logger: bool) -> Result<()> {
+    check_vocab(&tokens, trainer.vocab_size())?;
+    let mut seed = cli.seed.unwrap_or(0);
+    let mut data_position = 0;
+    if let Some(path) = &cli.resume {
+        let (dir, state) = checkpoint::resume(path, trainer, identity, cli.allow_different_build)?;
+        if let Some(s) = cli.seed
+            && s != state.seed
+        {
+            bail!("--seed {s} differs from the checkpoint's seed {}; drop --seed to resume the same run", state.seed);
+        }
+        if state.step >= cli.steps {
+            bail!("the checkpoint is at step {} already; pass --steps with the total number of steps, more than {}", state.step, state.step);
+        }
+        seed = state.seed;
+        data_position = state.data_position;
+        eprintln!("titan-run: resumed from {} at step {}", dir.display(), state.step);
+    }
+    if let Some(path) = &cli.init_from {
+        checkpoint::init_from(path, trainer)?;
+        eprintln!("titan-run: parameters loaded from {}; optimizer state starts at zero", path.display());
+    }
+    let mut batcher = Batcher::new(tokens, trainer.batch_size(), trainer.seq_len(), seed).map_err(anyhow::Error::msg)?;
+    batcher.seek(data_position);
+    let ctx = log_context(trainer, &cli.backend);
+    let mut metrics = match &cli.metrics {
+        Some(p) if logger => Some(MetricsWriter::create(p, cli.resume.is_some())?),
+        _ => None,
+    };
+    let mut dump = cli.dump_batches.as_deref().filter(|_| logger).map(crate::data::BatchDump::create).transpose()?;
+    let first = trainer.steps_done() + 1;
+    let steps = cli.steps + 1 - first.min(cli.steps + 1);
+    let progress = if logger { Progress::new(steps) } else { Progress::with_visibility(steps, false) };
+    let started = std::time::Instant::now();
+    for s in first..=cli.steps {
+        let batch = batcher.next_batch();
+        if let Some(d) = dump.as_mut() {
+            d.write(&batch)?;
+        }
+        let m = trainer.step(&batch)?;
+        progress.step(&m);
+        if let Some(w) = metrics.as_mut() {
+            w.write(&MetricsRecord::new(&m, &ctx, m.measured_peak_bytes, started.elapsed().as_secs_f64()))?;
+        }
+        if !m.loss.is_finite() {
+            progress.finish();
+            bail!("step {s}: loss is {}; lower the learning rate", m.loss);
+        }
+        if logger && (s == first || s == cli.steps || s % cli.log_every.max(1) == 0) {
+            progress.println(&format_step_with(&m, &ctx));
+        }
+        if let Some(dir) = &cli.checkpoint_dir
+            && (s == cli.steps || cli.checkpoint_every.is_some_and(|k| s % k == 0))
+        {
+            let state = TrainerState {
+                format_version: checkpoint::CHECKPOINT_FORMAT_VERSION,
+                step: s,
+                seed,
+                data_position: batcher.position(),
+                content_hash: identity.to_string(),
+                data: data_name.to_string(),
+            };
+            let written = checkpoint::save(dir, trainer, &state)?;
+            progress.println(&format!("titan-run: checkpoint written to {}", written.display()));
+        }
+    }
+    progress.finish();
+    Ok(())
+}
+
+fn print_profile(artifact: &Artifact, times: &[crate::backend::cpu_artifact::KernelTime]) {
+    let total: f64 = times.iter().map(|t| t.seconds).sum();
+    let mut rows: Vec<_> = artifact.manifest.kernels.iter().zip(times).filter(|(_, t)| t.launches > 0).collect();
+    rows.sort_by(|a, b| b.1.seconds.total_cmp(&a.1.seconds));
+    eprintln!("titan-run: time per kernel on the cpu backend ({total:.3} s in kernels):");
+    for (k, t) in rows.iter().take(20) {
+        eprintln!("  {:>8.3} s {:>5.1}% {:>6} launches  {} ({})", t.seconds, 100.0 * t.seconds / total.max(1e-12), t.launches, k.name, k.kind.name());
+    }
+}
+
+/// `--backend cuda`: the schedule on one GPU.
+/// `started` is when titan-run started, `load_s` the seconds reading the artifact took.
+fn run_cuda(cli: &Cli, artifact: &Artifact, tokens: Vec<u32>, data_name: &str, started: std::time::Instant, load_s: f64) -> Result<()> {
+    if cli.profile {
+        bail!("--profile is not supported yet on the cuda backend; use --backend cpu");
+    }
+    let mut trainer = crate::backend::cuda::CudaArtifactTrainer::new(artifact, cli.seed.unwrap_or(0))?;
+    let m = &artifact.manifest;
+    eprintln!(
+        "titan-run: artifact {} ({} kernels, {} launches per step, target {}) on the cuda backend ({}), batch {} x seq {}, {} steps, data {data_name}",
+        cli.path.display(),
+        m.kernels.len(),
+        artifact.launches_per_step(),
+        m.target.arch,
+        trainer.device_name(),
+        trainer.batch_size(),
+        trainer.seq_len(),
+        cli.steps
+    );
+    eprintln!("titan-run: {}", memory_summary(artifact));
+    let mut startup = trainer.startup();
+    startup.load_s += load_s;
+    eprintln!("titan-run: {}", format_startup(started.elapsed().as_secs_f64(), &startup));
+    trainer.set_log_capture(true);
+    train(&mut trainer, cli, tokens, data_name, &m.content_hash, true)?;
+    eprintln!("titan-run: {}", format_memory_check(m.memory.peak_bytes, trainer.measured_peak_bytes()));
+    Ok(())
+}
+
+/// `titan-run`'s `main`.
+pub fn main() -> ExitCode {
+    match run(Cli::parse()) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,96 @@
+//! This process's rank of an SPMD training graph, its collectives over a [`TcpComm`].
+//!
+//! Every rank reads the whole global batch (same data, same seed) and trains on its part of it
+//! ([`rank_batch`], shared with the simulated mesh), starting from its shard of the single-rank
+//! initialization: a run of N processes computes what the simulated mesh of N ranks computes.
+
+use std::sync::Arc;
+
+use titan_ir::interp::Tensor;
+use titan_ir::{Graph, Mesh};
+
+use super::TcpComm;
+use super::rendezvous::ProcessGroup;
+use crate::RuntimeError;
+use crate::backend::cpu_graph::RankContext;
+use crate::backend::sim_mesh::{is_seq_parallel, rank_batch};
+use crate::backend::{CpuTrainer, StepMetrics, Trainer};
+use crate::data::Batch;
+
+/// One rank of a multi-process mesh run on the CPU.
+pub struct ProcessMeshTrainer<'g> {
+    mesh: Mesh,
+    coords: [usize; 3],
+    group: Arc<ProcessGroup>,
+    trainer: CpuTrainer<'g>,
+    local_batch: usize,
+    seq_parallel: bool,
+}
+
+impl<'g> ProcessMeshTrainer<'g> {
+    /// Prepare rank `group.rank()` of the mesh `graph`'s meta names (its size must be the
+    /// group's).
+    pub fn new(graph: &'g Graph, seed: u64, group: Arc<ProcessGroup>) -> Result<ProcessMeshTrainer<'g>, RuntimeError> {
+        let mesh = Mesh::from_graph(graph)
+            .map_err(RuntimeError::Graph)?
+            .ok_or_else(|| RuntimeError::Graph("the graph's meta names no device mesh (world_size); a multi-process run needs an SPMD graph".into()))?;
+        let comm = Arc::new(TcpComm::new(Arc::clone(&group), mesh)?);
+        let coords = comm.coords_of_rank();
+        let trainer = CpuTrainer::with_rank(graph, seed, Some(RankContext { mesh, coords, comm }))?;
+        let local_batch = trainer.batch_size();
+        Ok(ProcessMeshTrainer { mesh, coords, group, trainer, local_batch, seq_parallel: is_seq_parallel(graph, mesh) })
+    }
+
+    pub fn mesh(&self) -> Mesh {
+        self.mesh
+    }
+
+    pub fn group(&self) -> &Arc<ProcessGroup> {
+        &self.group
+    }
+
+    /// Run this rank's part of one step of the global `batch`. A failure is reported to the
+    /// other ranks, whose next collective then fails naming this rank.
+    pub fn step(&mut self, batch: &Batch) -> Result<StepMetrics, RuntimeError> {
+        let out =
+            rank_batch(self.mesh, self.coords, batch, self.local_batch, self.trainer.seq_len(), self.seq_parallel).and_then(|local| self.trainer.step(&local));
+        match out {
+            Ok(mut m) => {
+                m.tokens_per_s *= f64::from(self.mesh.dp());
+                Ok(m)
+            }
+            Err(e) => {
+                self.group.abort(&e.to_string());
+                Err(e)
+            }
+        }
+    }
+}
+
+impl Trainer for ProcessMeshTrainer<'_> {
+    fn step(&mut self, batch: &Batch) -> Result<StepMetrics, RuntimeError> {
+        ProcessMeshTrainer::step(self, batch)
+    }
+
+    fn batch_size(&self) -> usize {
+        self.local_batch * self.mesh.dp() as usize
+    }
+
+    fn seq_len(&self) -> usize {
+        self.trainer.seq_len()
+    }
+
+    fn vocab_size(&self) -> usize {
+        self.trainer.vocab_size()
+    }
+
+    fn steps_done(&self) -> u64 {
+        self.trainer.steps_done()
+    }
+
+    fn states(&self) -> Result<Vec<(String, Tensor<f32>)>, RuntimeError> {
+        Err(RuntimeError::Backend(
+            "gathering the state of a multi-process run (checkpoints) is not supported yet; checkpoint with the simulated mesh or one rank".into(),
+        ))
+    }
+}

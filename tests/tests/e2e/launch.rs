@@ -1,0 +1,242 @@
+//! Multi-process runs: `titan-run --nproc-per-node N` launches one process per rank of an SPMD
+//! graph, which meet at a TCP rendezvous and exchange their collectives over TCP. The losses
+//! must be exactly the simulated mesh's (same reductions, same order) and match the
+//! single-rank run within the distributed tolerance; bad launches fail with clear errors, and a
+//! rank that dies makes the others fail instead of hanging.
+//!
+//! The program under test is `titan-run-e2e`, this package's build of `titan_runtime::cli`
+//! (Cargo gives tests the path of their own package's binaries only).
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use titan_compiler::{LlamaConfig, Preset, build_llama3};
+use titan_ir::{DType, Graph, Mesh};
+use titan_passes::{TrainOptions, lower_to_train};
+
+const TITAN_RUN: &str = env!("CARGO_BIN_EXE_titan-run-e2e");
+const STEPS: usize = 4;
+/// The single-rank run sums in a different order (see `distributed.rs`).
+const LOSS_TOL: f64 = 1e-5;
+
+/// The debug model (f32), lowered with `mesh` in its meta (or single-rank), written to a file.
+fn graph_file(name: &str, mesh: Option<Mesh>) -> PathBuf {
+    let cfg = LlamaConfig { dtype: DType::F32, ..LlamaConfig::preset(Preset::Debug) };
+    let mut m: Graph = build_llama3(&cfg, "llama3_debug").expect("debug model");
+    if let Some(mesh) = mesh {
+        mesh.write_meta(&mut m);
+    }
+    let opts = TrainOptions { lr: 3e-3, warmup_steps: 2, decay_steps: 10, ..TrainOptions::default() };
+    let g = lower_to_train(&m, &opts).expect("lowering");
+    let dir = std::env::temp_dir().join(format!("titan-e2e-launch-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let path = dir.join(format!("{name}.ir"));
+    std::fs::write(&path, titan_ir::print::print_graph(&g)).expect("write graph");
+    path
+}
+
+fn p(path: &Path) -> &str {
+    path.to_str().expect("utf-8 path")
+}
+
+fn titan_run(args: &[&str]) -> Output {
+    Command::new(TITAN_RUN).args(args).output().expect("run titan-run-e2e")
+}
+
+fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+/// The `loss` of every line of a metrics `.jsonl` (printed exactly by serde_json).
+fn losses(metrics: &Path) -> Vec<f64> {
+    let s = std::fs::read_to_string(metrics).expect("metrics file");
+    s.lines()
+        .map(|l| {
+            let at = l.find("\"loss\":").expect("a loss field") + 7;
+            let rest = &l[at..];
+            let end = rest.find([',', '}']).expect("end of the loss");
+            rest[..end].parse::<f64>().expect("a number")
+        })
+        .collect()
+}
+
+/// Train `graph` for STEPS steps with `extra` arguments; returns the losses and stdout, stderr.
+fn train(graph: &Path, tag: &str, extra: &[&str]) -> (Vec<f64>, String, String) {
+    let metrics = graph.with_file_name(format!("{tag}.jsonl"));
+    let _ = std::fs::remove_file(&metrics);
+    let steps = STEPS.to_string();
+    let mut args = vec![p(graph), "--steps", &steps, "--metrics", p(&metrics)];
+    args.extend_from_slice(extra);
+    let out = titan_run(&args);
+    let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
+    assert!(out.status.success(), "titan-run {args:?} failed:\n{stderr}");
+    (losses(&metrics), stdout, stderr)
+}
+
+/// `--nproc-per-node 2` on the SPMD graph of `mesh` matches the simulated mesh exactly and the
+/// single-rank run within tolerance; only rank 0 prints the step log.
+fn check_two_processes(mesh: Mesh, name: &str) {
+    let spmd = graph_file(name, Some(mesh));
+    let started = Instant::now();
+    let (procs, stdout, stderr) = train(&spmd, &format!("{name}-procs"), &["--nproc-per-node", "2"]);
+    let procs_s = started.elapsed().as_secs_f64();
+    let (sim, sim_stdout, _) = train(&spmd, &format!("{name}-sim"), &[]);
+    let single = graph_file(&format!("{name}-single"), None);
+    let (one, _, _) = train(&single, &format!("{name}-single"), &[]);
+    println!("{name}: 2 processes {procs:?} ({procs_s:.2} s); simulated mesh {sim:?}; single rank {one:?}");
+    assert_eq!(procs.len(), STEPS, "{stdout}\n{stderr}");
+    // Bit-identical to the simulated mesh: the same exchanges, reduced in the same order.
+    assert_eq!(procs, sim, "the processes and the simulated mesh differ");
+    let diff = procs.iter().zip(&one).map(|(a, b)| (a - b).abs()).fold(0.0, f64::max);
+    assert!(diff <= LOSS_TOL, "losses differ from the single-rank run by {diff}: {procs:?} vs {one:?}");
+    // The step log is rank 0's alone, and prints what the simulated mesh prints.
+    assert_eq!(stdout.lines().filter(|l| l.starts_with("step:")).count(), STEPS, "{stdout}");
+    let loss_cols = |s: &str| s.lines().map(|l| l.split("tps:").next().unwrap_or("").to_string()).collect::<Vec<_>>();
+    assert_eq!(loss_cols(&stdout), loss_cols(&sim_stdout));
+    assert!(!stdout.contains("[rank 1]") && !stderr.contains("[rank 1]"), "rank 1 printed:\n{stdout}\n{stderr}");
+    assert!(stderr.contains("on 2 cpu processes"), "{stderr}");
+}
+
+#[test]
+fn two_processes_tp_2_match_the_simulated_mesh() {
+    check_two_processes(Mesh::new(1, 1, 2), "tp2");
+}
+
+#[test]
+fn two_processes_dp_shard_2_match_the_simulated_mesh() {
+    check_two_processes(Mesh::new(1, 2, 1), "fsdp2");
+}
+
+#[test]
+fn bad_launches_are_refused_clearly() {
+    let spmd = graph_file("bad-tp2", Some(Mesh::new(1, 1, 2)));
+    let single = graph_file("bad-single", None);
+    let err = |args: &[&str], envs: &[(&str, &str)]| -> String {
+        let out = Command::new(TITAN_RUN).args(args).envs(envs.iter().copied()).output().expect("run");
+        assert!(!out.status.success(), "{args:?} {envs:?} should fail");
+        text(&out.stderr)
+    };
+    let e = err(&[p(&spmd), "--nproc-per-node", "0"], &[]);
+    assert!(e.contains("--nproc-per-node must be at least 1"), "{e}");
+    // Every rank says why, rank 0 plainly, the others prefixed; the launch names the first.
+    let e = err(&[p(&spmd), "--steps", "2", "--nproc-per-node", "3"], &[]);
+    assert!(e.contains("WORLD_SIZE=3 but the graph's mesh has 2 ranks (dp_replicate 1 x dp_shard 1 x tp 2); launch 2 processes"), "{e}");
+    assert!(e.contains("[rank 2] error: WORLD_SIZE=3"), "{e}");
+    assert!(e.contains("error: launch: rank "), "{e}");
+    let e = err(&[p(&single), "--steps", "2", "--nproc-per-node", "2"], &[]);
+    assert!(e.contains("is a single-rank graph (no mesh in its meta)"), "{e}");
+    // Under a launcher's variables.
+    let e = err(&[p(&spmd), "--steps", "2"], &[("RANK", "0"), ("WORLD_SIZE", "2")]);
+    assert!(e.contains("WORLD_SIZE=2 needs MASTER_ADDR"), "{e}");
+    let e = err(&[p(&spmd), "--steps", "2"], &[("RANK", "2"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "1")]);
+    assert!(e.contains("RANK=2 is not below WORLD_SIZE=2"), "{e}");
+    let e = err(&[p(&spmd), "--steps", "2", "--nproc-per-node", "2"], &[("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "h"), ("MASTER_PORT", "9")]);
+    assert!(e.contains("--nproc-per-node launches its own ranks"), "{e}");
+    let e = err(&[p(&spmd), "--steps", "2", "--nproc-per-node", "2", "--checkpoint-dir", "/tmp/x"], &[]);
+    assert!(e.contains("--checkpoint-dir is not supported in a multi-process run yet"), "{e}");
+    // Slurm: the rendezvous host is the first of the nodelist; rank 0 not there times out, naming it.
+    let e = err(
+        &[p(&spmd), "--steps", "2", "--rendezvous-timeout", "1"],
+        &[("SLURM_PROCID", "1"), ("SLURM_NTASKS", "2"), ("SLURM_LOCALID", "0"), ("SLURM_JOB_NODELIST", "localhost,gpu[2-3]"), ("MASTER_PORT", "1")],
+    );
+    assert!(e.contains("could not reach rank 0 at localhost:1"), "{e}");
+    // Rank 0 alone: the missing rank is named.
+    let port = free_port();
+    let e = err(
+        &[p(&spmd), "--steps", "2", "--rendezvous-timeout", "1"],
+        &[("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", &port)],
+    );
+    assert!(e.contains("rank 1 of 2 did not show up (joined: 0)"), "{e}");
+}
+
+fn free_port() -> String {
+    let l = std::net::TcpListener::bind(("127.0.0.1", 0)).expect("bind");
+    l.local_addr().expect("addr").port().to_string()
+}
+
+/// Start rank `rank` of 2 on `port` for many steps, output piped.
+fn start_rank(graph: &Path, rank: usize, port: &str) -> Child {
+    Command::new(TITAN_RUN)
+        .args([p(graph), "--steps", "100000"])
+        .envs([("RANK", rank.to_string().as_str()), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", port)])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start a rank")
+}
+
+/// Wait for `child` to exit, at most `limit`; kill it and fail the test if it hangs.
+fn wait_at_most(child: &mut Child, limit: Duration) -> std::process::ExitStatus {
+    let start = Instant::now();
+    loop {
+        if let Some(s) = child.try_wait().expect("wait") {
+            return s;
+        }
+        if start.elapsed() > limit {
+            let _ = child.kill();
+            panic!("the rank still runs {limit:?} after the other died: it hangs");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Read `child`'s stdout until its first step line.
+fn wait_for_first_step(child: &mut Child) {
+    let out = child.stdout.take().expect("stdout");
+    let mut lines = BufReader::new(out).lines();
+    let first = lines.next().expect("a line").expect("utf-8");
+    assert!(first.starts_with("step:  1"), "{first}");
+    // Keep draining so the rank never blocks on a full pipe.
+    std::thread::spawn(move || lines.for_each(drop));
+}
+
+#[test]
+fn a_killed_rank_makes_the_other_exit_with_an_error() {
+    let spmd = graph_file("kill-tp2", Some(Mesh::new(1, 1, 2)));
+    for victim in [1, 0] {
+        let port = free_port();
+        let mut r0 = start_rank(&spmd, 0, &port);
+        let mut r1 = start_rank(&spmd, 1, &port);
+        wait_for_first_step(&mut r0);
+        let (dead, survivor) = if victim == 1 { (&mut r1, &mut r0) } else { (&mut r0, &mut r1) };
+        dead.kill().expect("kill");
+        let _ = dead.wait();
+        let killed = Instant::now();
+        let status = wait_at_most(survivor, Duration::from_secs(30));
+        let mut stderr = String::new();
+        std::io::Read::read_to_string(&mut survivor.stderr.take().expect("stderr"), &mut stderr).expect("stderr");
+        println!("rank {victim} killed: the other exited after {:.2} s: {stderr}", killed.elapsed().as_secs_f64());
+        assert!(!status.success());
+        let want = if victim == 1 { "rank 1 failed: its process exited or lost its connection" } else { "lost the connection to rank 0" };
+        assert!(stderr.contains(want), "{stderr}");
+    }
+}
+
+/// Under the launcher: a rank killed from outside fails the launch (the other rank exits on
+/// its own through the control plane), naming the rank.
+#[test]
+fn the_launcher_fails_when_a_rank_dies() {
+    let spmd = graph_file("launch-kill-tp2", Some(Mesh::new(1, 1, 2)));
+    let mut launcher = Command::new(TITAN_RUN)
+        .args([p(&spmd), "--steps", "100000", "--nproc-per-node", "2"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start the launcher");
+    wait_for_first_step(&mut launcher);
+    // The launcher's children (Linux: /proc/PID/task/PID/children).
+    let children = std::fs::read_to_string(format!("/proc/{0}/task/{0}/children", launcher.id())).expect("children of the launcher");
+    let pids: Vec<&str> = children.split_whitespace().collect();
+    assert_eq!(pids.len(), 2, "{children}");
+    let status = Command::new("kill").args(["-9", pids[1]]).status().expect("kill");
+    assert!(status.success());
+    let status = wait_at_most(&mut launcher, Duration::from_secs(30));
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(&mut launcher.stderr.take().expect("stderr"), &mut stderr).expect("stderr");
+    println!("{stderr}");
+    assert!(!status.success());
+    assert!(stderr.contains("was killed by signal 9"), "{stderr}");
+    assert!(stderr.contains("error: launch: rank "), "{stderr}");
+}
