@@ -24,6 +24,7 @@ use titan_ir::{DType, Op, Region, TensorType, ValueDef};
 
 use crate::RuntimeError;
 use crate::artifact::{Artifact, arena_name};
+use crate::backend::KernelTime;
 use crate::backend::codec::{decode, encode, encode_floats, encode_ints};
 use crate::backend::{StepMetrics, Trainer, check_batch};
 use crate::data::Batch;
@@ -125,13 +126,6 @@ impl BodyPlan {
     }
 }
 
-/// Time spent per kernel, summed over steps (for `--profile`).
-#[derive(Clone, Debug, Default)]
-pub struct KernelTime {
-    pub launches: u64,
-    pub seconds: f64,
-}
-
 /// Runs an artifact's schedule (rank 0) on the CPU.
 pub struct CpuArtifactTrainer<'a> {
     artifact: &'a Artifact,
@@ -151,6 +145,8 @@ pub struct CpuArtifactTrainer<'a> {
     poison: bool,
     /// Per kernel (in `manifest.kernels` order) when profiling.
     profile: Option<Vec<KernelTime>>,
+    /// Steps run since profiling was enabled.
+    profiled_steps: u64,
     /// Per kernel (in `manifest.kernels` order): how to stream its body, if it can be.
     plans: Rc<Vec<Option<BodyPlan>>>,
     streaming: bool,
@@ -211,6 +207,7 @@ impl<'a> CpuArtifactTrainer<'a> {
             poison: true,
             streaming: true,
             profile: None,
+            profiled_steps: 0,
             plans: Rc::new(m.kernels.iter().map(|k| artifact.graph.block_by_name(&k.body).and_then(|b| BodyPlan::new(artifact.graph.block(b)))).collect()),
         };
         trainer.init_state(seed)?;
@@ -247,9 +244,10 @@ impl<'a> CpuArtifactTrainer<'a> {
         self.profile = Some(vec![KernelTime::default(); self.artifact.manifest.kernels.len()]);
     }
 
-    /// Time per kernel (in `manifest.kernels` order), when profiling.
-    pub fn profile(&self) -> Option<&[KernelTime]> {
-        self.profile.as_deref()
+    /// Time per kernel (in `manifest.kernels` order) summed over the profiled steps, and their
+    /// number, when profiling.
+    pub fn profile(&self) -> Option<(&[KernelTime], u64)> {
+        self.profile.as_deref().map(|p| (p, self.profiled_steps))
     }
 
     pub fn artifact(&self) -> &Artifact {
@@ -504,6 +502,9 @@ impl<'a> CpuArtifactTrainer<'a> {
     pub fn step(&mut self, batch: &Batch) -> Result<StepMetrics, RuntimeError> {
         check_batch(batch, self.batch, self.seq, self.vocab)?;
         self.step += 1;
+        if self.profile.is_some() {
+            self.profiled_steps += 1;
+        }
         let start = Instant::now();
         if self.poison {
             for a in [Arena::Grads, Arena::Activations] {
