@@ -62,20 +62,21 @@ impl Cotangents {
 
 /// How a primal value becomes available in the region the backward is emitted into.
 trait PrimalMap {
-    fn get(&mut self, b: &mut Builder, primal: &Region, v: Value) -> Value;
+    fn get(&mut self, b: &mut Builder, primal: &Region, v: Value) -> Result<Value, String>;
 }
 
 /// `main` is differentiated in place: primal values are used directly.
 struct Identity;
 
 impl PrimalMap for Identity {
-    fn get(&mut self, _b: &mut Builder, _primal: &Region, v: Value) -> Value {
-        v
+    fn get(&mut self, _b: &mut Builder, _primal: &Region, v: Value) -> Result<Value, String> {
+        Ok(v)
     }
 }
 
 /// In a block's backward, primal values become arguments: stacked/invariant inputs are
-/// passed again, everything else is saved by the forward.
+/// passed again, parameter gathers are re-issued (see [`BlockPrimals::regathered`]), everything
+/// else is saved by the forward.
 struct BlockPrimals {
     n_carry: usize,
     n_stacked: usize,
@@ -85,10 +86,50 @@ struct BlockPrimals {
     saved: Vec<Value>,
 }
 
+impl BlockPrimals {
+    /// Whether `v` is a parameter gather: computed from the block's stacked/invariant arguments
+    /// (the layer's parameter shards) by `all_gather`, `take_shard`, `reshape` and `broadcast`
+    /// only, with at least one `all_gather`/`take_shard`. Such values are re-issued in the
+    /// backward instead of saved: FSDP's reshard-after-forward (the gathered weights of every
+    /// layer would otherwise stay alive from the forward to the backward) and the kv-head slice
+    /// of replicated kv weights. The backward then issues its own all-gathers, in its order,
+    /// the same on every rank.
+    fn regathered(&self, primal: &Region, v: Value) -> bool {
+        fn walk(primal: &Region, v: Value, first_param: usize, collective: &mut bool) -> bool {
+            match primal.value(v).def {
+                ValueDef::Arg(i) => i as usize >= first_param,
+                ValueDef::Result { node: n, .. } => {
+                    let node = primal.node(n);
+                    match node.op {
+                        Op::AllGather { .. } | Op::TakeShard { .. } => *collective = true,
+                        Op::Reshape | Op::Broadcast { .. } => {}
+                        _ => return false,
+                    }
+                    node.inputs.iter().all(|&x| walk(primal, x, first_param, collective))
+                }
+            }
+        }
+        let mut collective = false;
+        walk(primal, v, self.n_carry, &mut collective) && collective
+    }
+}
+
 impl PrimalMap for BlockPrimals {
-    fn get(&mut self, b: &mut Builder, primal: &Region, v: Value) -> Value {
+    fn get(&mut self, b: &mut Builder, primal: &Region, v: Value) -> Result<Value, String> {
         if let Some(&m) = self.mapped.get(&v) {
-            return m;
+            return Ok(m);
+        }
+        if let ValueDef::Result { node: n, index: 0 } = primal.value(v).def
+            && self.regathered(primal, v)
+        {
+            let node = primal.node(n);
+            let ins = node.inputs.iter().map(|&x| self.get(b, primal, x)).collect::<Result<Vec<_>, _>>()?;
+            let r = b.push_typed(node.op.clone(), &ins, primal.ty(v).clone())?;
+            if let Some(name) = primal.value(v).name.clone() {
+                b.name(r, &name);
+            }
+            self.mapped.insert(v, r);
+            return Ok(r);
         }
         let ty = primal.ty(v).clone();
         let name = primal.value(v).name.clone();
@@ -106,7 +147,7 @@ impl PrimalMap for BlockPrimals {
             }
         }
         self.mapped.insert(v, arg);
-        arg
+        Ok(arg)
     }
 }
 
@@ -125,8 +166,10 @@ fn backprop(primal: &Region, b: &mut Builder, cot: &mut Cotangents, pm: &mut dyn
             repeat_vjp(b, n, &dy)?
         } else {
             let need = vjp_needs(&node.op, node.inputs.len(), node.results.len());
-            let x: Vec<Option<Value>> = node.inputs.iter().zip(&need.inputs).map(|(&v, &w)| w.then(|| pm.get(b, primal, v))).collect();
-            let y: Vec<Option<Value>> = node.results.iter().zip(&need.results).map(|(&v, &w)| w.then(|| pm.get(b, primal, v))).collect();
+            let x: Vec<Option<Value>> =
+                node.inputs.iter().zip(&need.inputs).map(|(&v, &w)| w.then(|| pm.get(b, primal, v)).transpose()).collect::<Result<_, _>>()?;
+            let y: Vec<Option<Value>> =
+                node.results.iter().zip(&need.results).map(|(&v, &w)| w.then(|| pm.get(b, primal, v)).transpose()).collect::<Result<_, _>>()?;
             let x_ty: Vec<TensorType> = node.inputs.iter().map(|&v| primal.ty(v).clone()).collect();
             let y_ty: Vec<TensorType> = node.results.iter().map(|&v| primal.ty(v).clone()).collect();
             let args = VjpArgs { x: &x, y: &y, x_ty: &x_ty, y_ty: &y_ty, dy: &dy };

@@ -175,6 +175,24 @@ fn hsdp_dp_replicate_2_dp_shard_2_tp_2_matches_single_rank() {
     check(Mesh::new(2, 2, 2));
 }
 
+/// FSDP reshards after the forward: the layer's forward saves no gathered weight for the
+/// backward (the 9 per-layer parameter gathers are not among its outputs), and the backward
+/// block gathers them again itself.
+#[test]
+fn fsdp_regathers_the_weights_in_the_backward() {
+    let g = spmd_graph(Mesh::new(1, 2, 1)).expect("spmd lowering");
+    let fwd = g.block(g.block_by_name("layer").expect("layer block"));
+    let gathered: Vec<_> = fwd
+        .outputs
+        .iter()
+        .filter(|o| matches!(fwd.value(o.value).def, titan_ir::ValueDef::Result { node, .. } if matches!(fwd.node(node).op, titan_ir::Op::AllGather { .. })))
+        .collect();
+    assert!(gathered.is_empty(), "the forward saves {} gathered values", gathered.len());
+    let bwd = g.blocks.iter().find(|b| b.name.starts_with("layer") && b.name != "layer").expect("backward block");
+    let regathers = bwd.order.iter().filter(|&&n| matches!(bwd.node(n).op, titan_ir::Op::AllGather { .. })).count();
+    assert_eq!(regathers, 9, "one gather per layer parameter in `{}`", bwd.name);
+}
+
 /// The layer block under kv-head replication: each rank slices its kv head out of the
 /// replicated `wk`/`wv` (`take_shard` of the head-repeated weight) and the backward places
 /// the weight gradient back (`place_shard`) for `sync-grads` to all-reduce over `tp`.
