@@ -321,7 +321,10 @@ mod tests {
     fn unbuilt_parallelism_is_rejected_not_ignored() {
         ParallelDims::single().require_built().unwrap();
         let cases = [
-            (req(1, 1, 2, 1, 1, 1, None), "context parallelism (cp=2) is not supported yet; titan builds meshes of dp_replicate, dp_shard and tp today; set cp to 1"),
+            (
+                req(1, 1, 2, 1, 1, 1, None),
+                "context parallelism (cp=2) is not supported yet; titan builds meshes of dp_replicate, dp_shard and tp today; set cp to 1",
+            ),
             (req(1, 1, 1, 1, 2, 1, None), "pipeline parallelism (pp=2) is not supported yet"),
             (req(1, 2, 1, 1, 1, 2, None), "expert parallelism (ep=2) is not supported yet"),
         ];

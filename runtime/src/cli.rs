@@ -10,7 +10,9 @@ use crate::checkpoint::{self, TrainerState};
 use crate::data::{check_vocab, load_tokens};
 use crate::dist::{DistEnv, ProcessGroup, ProcessMeshTrainer, RendezvousOptions};
 use crate::log::{H200_MEMORY_BYTES, MetricsRecord, MetricsWriter, Progress, format_memory_check, format_startup, memory_summary};
-use crate::{Artifact, Batcher, CpuArtifactTrainer, CpuTrainer, DataFormat, LogContext, MeshTrainer, Trainer, byte_tokens, format_step_with};
+use crate::{
+    Artifact, ArtifactMeshTrainer, Batcher, CpuArtifactTrainer, CpuTrainer, DataFormat, LogContext, MeshTrainer, Trainer, byte_tokens, format_step_with,
+};
 use anyhow::{Context, Result, bail};
 use clap::Parser;
 
@@ -153,7 +155,7 @@ fn run_rank(cli: &Cli, env: &DistEnv, tokens: Vec<u32>, data_name: &str) -> Resu
     let (rank, world) = (env.rank, env.world_size);
     if !is_graph_file(&cli.path) {
         bail!(
-            "a multi-process run (WORLD_SIZE={world}) takes an SPMD training graph `.ir` (`titanc lower --to train --tp/--dp-shard ...`) on the cpu backend for now; artifacts do not carry collectives yet"
+            "a multi-process run (WORLD_SIZE={world}) takes an SPMD training graph `.ir` (`titanc lower --to train --tp/--dp-shard ...`) on the cpu backend for now; multi-process runs of artifacts are not built yet, run an SPMD artifact on the simulated mesh (one process: `titan-run DIR`)"
         );
     }
     if cli.backend != "cpu" {
@@ -272,6 +274,36 @@ fn run(cli: Cli) -> Result<()> {
     let loading = std::time::Instant::now();
     let artifact = Artifact::load(&cli.path)?;
     let load_s = loading.elapsed().as_secs_f64();
+    let m = &artifact.manifest;
+    if m.mesh.world_size > 1 {
+        let dims: Vec<String> = m.mesh.dims.iter().map(|d| format!("{} {}", d.name, d.size)).collect();
+        if cli.backend == "cuda" {
+            bail!(
+                "the artifact is built for a mesh of {} ranks ({}): NCCL execution of collectives is not built yet; run it with --backend cpu (simulated mesh)",
+                m.mesh.world_size,
+                dims.join(" x ")
+            );
+        }
+        if cli.profile {
+            bail!("--profile is not supported yet on a simulated mesh; build the artifact without a mesh to profile its kernels");
+        }
+        let mut trainer = ArtifactMeshTrainer::new(&artifact, seed)?;
+        eprintln!(
+            "titan-run: artifact {} ({} kernels, {} launches and {} collectives per step per rank, target {}) on a simulated cpu mesh of {} ranks ({}), global batch {} x seq {}, {} steps, data {data_name}",
+            cli.path.display(),
+            m.kernels.len(),
+            artifact.launches_per_step(),
+            artifact.collectives_per_step(),
+            m.target.arch,
+            m.mesh.world_size,
+            dims.join(" x "),
+            trainer.batch_size(),
+            Trainer::seq_len(&trainer),
+            cli.steps
+        );
+        eprintln!("titan-run: per rank: {}", memory_summary(&artifact));
+        return train(&mut trainer, &cli, tokens, &data_name, &artifact.manifest.content_hash, true);
+    }
     if cli.backend == "cuda" {
         return run_cuda(&cli, &artifact, tokens, &data_name, started, load_s);
     }

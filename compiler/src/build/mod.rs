@@ -26,8 +26,8 @@ use std::time::{Duration, Instant};
 
 use sha2::{Digest, Sha256};
 use titan_ir::artifact::{
-    Arena, ArenaPlan, BufRef, CollectiveOp, CommVolume, FORMAT_VERSION, KERNEL_DIR, Kernel, Manifest, MemoryPlan, Mesh, MeshDim, MeshReport, RankMemory, RankSchedule,
-    Step, Target, TrainingInfo,
+    Arena, ArenaPlan, BufRef, CollectiveOp, CommVolume, FORMAT_VERSION, KERNEL_DIR, Kernel, Manifest, MemoryPlan, Mesh, MeshDim, MeshReport, RankMemory,
+    RankSchedule, Step, Target, TrainingInfo,
 };
 use titan_ir::attr::fmt_float;
 use titan_ir::{AttrValue, BlockId, Graph, KernelKind};
@@ -240,13 +240,24 @@ impl fmt::Display for BuildSummary {
 /// The mesh part of the summary: per-rank memory by class and communication per mesh dim.
 fn write_mesh_report(f: &mut fmt::Formatter<'_>, mesh: &Mesh, collectives: u64, r: &MeshReport) -> fmt::Result {
     let dims: Vec<String> = mesh.dims.iter().map(|d| format!("{} {}", d.name, d.size)).collect();
-    writeln!(f, "mesh:         world {} = {} (SPMD: every rank runs this schedule on its shards; {collectives} collectives per step)", mesh.world_size, dims.join(" x "))?;
+    writeln!(
+        f,
+        "mesh:         world {} = {} (SPMD: every rank runs this schedule on its shards; {collectives} collectives per step)",
+        mesh.world_size,
+        dims.join(" x ")
+    )?;
     let m = &r.memory;
     writeln!(f, "per-rank memory (predicted, each of the {} ranks):", mesh.world_size)?;
     writeln!(f, "  params           {:>12}  fp32 master weights (this rank's shards)", human_bytes(m.params))?;
     writeln!(f, "  optimizer_state  {:>12}  AdamW moments", human_bytes(m.optimizer_state))?;
     writeln!(f, "  grads            {:>12}  gradients (bf16 and the fp32 copies the optimizer reads), planned", human_bytes(m.grads))?;
-    writeln!(f, "  activations      {:>12}  planned; includes {} of FSDP-gathered weights, {} of them saved for the backward", human_bytes(m.activations), human_bytes(m.gathered_weights), human_bytes(m.gathered_weights_saved))?;
+    writeln!(
+        f,
+        "  activations      {:>12}  planned; includes {} of FSDP-gathered weights, {} of them saved for the backward",
+        human_bytes(m.activations),
+        human_bytes(m.gathered_weights),
+        human_bytes(m.gathered_weights_saved)
+    )?;
     writeln!(f, "  inputs           {:>12}", human_bytes(m.inputs))?;
     writeln!(f, "predicted peak memory: each rank: {} ({} bytes, excluding library workspaces and communication buffers)", human_bytes(m.peak), m.peak)?;
     writeln!(
@@ -271,11 +282,7 @@ fn write_mesh_report(f: &mut fmt::Formatter<'_>, mesh: &Mesh, collectives: u64, 
 
 /// The manifest's mesh of a [`titan_ir::Mesh`]: the dims of more than one rank, outermost first.
 pub fn manifest_mesh(mesh: &titan_ir::Mesh) -> Mesh {
-    let dims = titan_ir::MeshDim::ALL
-        .into_iter()
-        .filter(|&d| mesh.size(d) > 1)
-        .map(|d| MeshDim { name: d.name().to_string(), size: mesh.size(d) })
-        .collect();
+    let dims = titan_ir::MeshDim::ALL.into_iter().filter(|&d| mesh.size(d) > 1).map(|d| MeshDim { name: d.name().to_string(), size: mesh.size(d) }).collect();
     Mesh { world_size: mesh.world_size(), dims }
 }
 
