@@ -325,6 +325,19 @@ pub enum CollectiveOp {
     PlaceShard,
 }
 
+/// What a collective step does, without its operands: [`CollectiveOp::of_op`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CollectiveSpec {
+    pub op: CollectiveOp,
+    pub mesh_dim: GraphMeshDim,
+    /// Ranks along `mesh_dim`.
+    pub group: u32,
+    /// The tensor dim gathered, scattered or sliced (not for `all_reduce`).
+    pub dim: Option<u32>,
+    /// For `all_reduce` and `reduce_scatter`.
+    pub reduce: Option<ReduceOp>,
+}
+
 /// The reduction of an `all_reduce` or `reduce_scatter`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -357,19 +370,19 @@ impl CollectiveOp {
         }
     }
 
-    /// The step of the IR op `op` (a collective, `take_shard` or `place_shard`): its kind, mesh
-    /// dim, group size, tensor dim and reduction.
-    pub fn of_op(op: &Op, mesh: &crate::placement::Mesh) -> Option<(CollectiveOp, GraphMeshDim, u32, Option<u32>, Option<ReduceOp>)> {
+    /// The step of the IR op `op` (a collective, `take_shard` or `place_shard`) on `mesh`.
+    pub fn of_op(op: &Op, mesh: &crate::placement::Mesh) -> Option<CollectiveSpec> {
         let red = |r: &CollectiveReduce| match r {
             CollectiveReduce::Sum => ReduceOp::Sum,
             CollectiveReduce::Max => ReduceOp::Max,
         };
+        let spec = |op, mesh_dim, group, dim, reduce| CollectiveSpec { op, mesh_dim, group, dim, reduce };
         Some(match op {
-            Op::AllGather { mesh_dim, dim, size } => (CollectiveOp::AllGather, *mesh_dim, *size, Some(*dim), None),
-            Op::ReduceScatter { mesh_dim, dim, size, reduce } => (CollectiveOp::ReduceScatter, *mesh_dim, *size, Some(*dim), Some(red(reduce))),
-            Op::AllReduce { mesh_dim, reduce } => (CollectiveOp::AllReduce, *mesh_dim, mesh.size(*mesh_dim), None, Some(red(reduce))),
-            Op::TakeShard { mesh_dim, dim, size } => (CollectiveOp::TakeShard, *mesh_dim, *size, Some(*dim), None),
-            Op::PlaceShard { mesh_dim, dim, size } => (CollectiveOp::PlaceShard, *mesh_dim, *size, Some(*dim), None),
+            Op::AllGather { mesh_dim, dim, size } => spec(CollectiveOp::AllGather, *mesh_dim, *size, Some(*dim), None),
+            Op::ReduceScatter { mesh_dim, dim, size, reduce } => spec(CollectiveOp::ReduceScatter, *mesh_dim, *size, Some(*dim), Some(red(reduce))),
+            Op::AllReduce { mesh_dim, reduce } => spec(CollectiveOp::AllReduce, *mesh_dim, mesh.size(*mesh_dim), None, Some(red(reduce))),
+            Op::TakeShard { mesh_dim, dim, size } => spec(CollectiveOp::TakeShard, *mesh_dim, *size, Some(*dim), None),
+            Op::PlaceShard { mesh_dim, dim, size } => spec(CollectiveOp::PlaceShard, *mesh_dim, *size, Some(*dim), None),
             _ => return None,
         })
     }

@@ -13,7 +13,7 @@
 
 use std::collections::HashMap;
 
-use titan_ir::artifact::{BufRef, CollectiveOp, Step};
+use titan_ir::artifact::{BufRef, CollectiveOp, CollectiveSpec, Step};
 use titan_ir::{BlockId, Graph, KernelKind, Mesh, Node, Op, Region};
 use titan_passes::fuse::is_collective_step;
 
@@ -85,7 +85,7 @@ fn launch(
 /// The step of a collective (or `take_shard`/`place_shard`) node: the op, its mesh dim and
 /// group, the operand and result shapes, the buffers and the ring send volume.
 fn collective(g: &Graph, mesh: &Mesh, region: &Region, node: &Node, refs: &[Option<BufRef>]) -> Result<Step, BuildError> {
-    let (op, mesh_dim, group, dim, reduce) =
+    let CollectiveSpec { op, mesh_dim, group, dim, reduce } =
         CollectiveOp::of_op(&node.op, mesh).ok_or_else(|| internal(format!("`{}` in @{} is not a collective", node.op.name(), region.name)))?;
     let (Some(&x), Some(&y)) = (node.inputs.first(), node.results.first()) else {
         return Err(internal(format!("`{}` in @{} without operand or result", node.op.name(), region.name)));
