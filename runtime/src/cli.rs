@@ -150,16 +150,11 @@ fn run_identity(graph_identity: &str, tokens: &[u32], seed: u64) -> String {
 }
 
 /// This process is one rank of a multi-process run (torchrun, Slurm, `--nproc-per-node`): join
-/// the rendezvous and run its rank of the SPMD graph with the TCP process group.
+/// the rendezvous and run its rank of the SPMD graph (or artifact) with the TCP process group.
 fn run_rank(cli: &Cli, env: &DistEnv, tokens: Vec<u32>, data_name: &str) -> Result<()> {
     let (rank, world) = (env.rank, env.world_size);
-    if !is_graph_file(&cli.path) {
-        bail!(
-            "a multi-process run (WORLD_SIZE={world}) takes an SPMD training graph `.ir` (`titanc lower --to train --tp/--dp-shard ...`) on the cpu backend for now; multi-process runs of artifacts are not built yet, run an SPMD artifact on the simulated mesh (one process: `titan-run DIR`)"
-        );
-    }
     if cli.backend != "cpu" {
-        bail!("a multi-process run of a graph runs on the cpu backend only; drop --backend {}", cli.backend);
+        bail!("a multi-process run runs on the cpu backend only (NCCL execution of collectives is not built yet); drop --backend {}", cli.backend);
     }
     let unsupported = [
         (cli.checkpoint_dir.is_some(), "--checkpoint-dir"),
@@ -169,6 +164,9 @@ fn run_rank(cli: &Cli, env: &DistEnv, tokens: Vec<u32>, data_name: &str) -> Resu
     ];
     if let Some((_, flag)) = unsupported.iter().find(|(set, _)| *set) {
         bail!("{flag} is not supported in a multi-process run yet; run the graph on the simulated mesh (one process) for it");
+    }
+    if !is_graph_file(&cli.path) {
+        return run_artifact_rank(cli, env, tokens, data_name);
     }
     let graph_text = std::fs::read_to_string(&cli.path).with_context(|| format!("cannot read `{}`", cli.path.display()))?;
     let graph = titan_ir::parse_file(&cli.path).map_err(|e| anyhow::anyhow!("{e}"))?;
@@ -209,6 +207,53 @@ fn run_rank(cli: &Cli, env: &DistEnv, tokens: Vec<u32>, data_name: &str) -> Resu
         );
     }
     if let Err(e) = train(&mut trainer, cli, tokens, data_name, &checkpoint::graph_identity(&graph_text), rank == 0) {
+        group.abort(&format!("{e:#}"));
+        return Err(e);
+    }
+    group.finish()?;
+    Ok(())
+}
+
+/// This process is one rank of a multi-process run of an SPMD artifact: the artifact's one
+/// schedule on the cpu backend, its collective steps over the TCP process group.
+fn run_artifact_rank(cli: &Cli, env: &DistEnv, tokens: Vec<u32>, data_name: &str) -> Result<()> {
+    let (rank, world) = (env.rank, env.world_size);
+    let artifact = Artifact::load(&cli.path)?;
+    let m = &artifact.manifest;
+    if m.mesh.world_size as usize != world {
+        let dims: Vec<String> = m.mesh.dims.iter().map(|d| format!("{} {}", d.name, d.size)).collect();
+        bail!(
+            "WORLD_SIZE={world} but the artifact is built for {} rank(s){}; launch {} processes (or rebuild it with `titanc build --tp/--dp-shard ...` for {world})",
+            m.mesh.world_size,
+            if dims.is_empty() { String::new() } else { format!(" ({})", dims.join(" x ")) },
+            m.mesh.world_size
+        );
+    }
+    let (addr, port) = env.master.clone().ok_or_else(|| anyhow::anyhow!("a multi-process run needs MASTER_ADDR and MASTER_PORT"))?;
+    let seed = cli.seed.unwrap_or(0);
+    let identity = run_identity(&format!("artifact {}", m.content_hash), &tokens, seed);
+    let opts = RendezvousOptions { join_timeout: std::time::Duration::from_secs(cli.rendezvous_timeout), ..RendezvousOptions::default() };
+    let group = std::sync::Arc::new(ProcessGroup::rendezvous(rank, world, (&addr, port), &identity, Vec::new(), opts)?);
+    let mut trainer = match ProcessMeshTrainer::for_artifact(&artifact, seed, std::sync::Arc::clone(&group)) {
+        Ok(t) => t,
+        Err(e) => {
+            group.abort(&e.to_string());
+            return Err(e.into());
+        }
+    };
+    if rank == 0 {
+        eprintln!(
+            "titan-run: artifact {} (SPMD, {} launches and {} collectives per step per rank) on {world} cpu processes ({}, rendezvous {addr}:{port}), global batch {} x seq {}, {} steps, data {data_name}",
+            cli.path.display(),
+            artifact.launches_per_step(),
+            artifact.collectives_per_step(),
+            env.launcher.name(),
+            trainer.batch_size(),
+            Trainer::seq_len(&trainer),
+            cli.steps
+        );
+    }
+    if let Err(e) = train(&mut trainer, cli, tokens, data_name, &m.content_hash, rank == 0) {
         group.abort(&format!("{e:#}"));
         return Err(e);
     }
