@@ -55,6 +55,22 @@ run)
     cat "$out/tests.log"
     echo "== titan-run --backend cuda"
     timeout 120 "$dir/titan-run" "$dir/noattn" --backend cuda --steps 50 --log-every 10 2>&1 | tee "$out/run.log" || rc=1
+    echo "== --resume on the GPU: 10 steps straight vs 5 steps, checkpoint, resume to 10"
+    ck=$(mktemp -d)
+    timeout 120 "$dir/titan-run" "$dir/debug" --backend cuda --steps 10 --metrics "$ck/straight.jsonl" --log-every 5 >"$out/resume.log" 2>&1 || rc=1
+    timeout 120 "$dir/titan-run" "$dir/debug" --backend cuda --steps 5 --checkpoint-dir "$ck/ckpt" --metrics "$ck/resumed.jsonl" --log-every 5 >>"$out/resume.log" 2>&1 || rc=1
+    timeout 120 "$dir/titan-run" "$dir/debug" --backend cuda --steps 10 --resume "$ck/ckpt" --metrics "$ck/resumed.jsonl" --log-every 5 >>"$out/resume.log" 2>&1 || rc=1
+    python3 - "$ck/straight.jsonl" "$ck/resumed.jsonl" <<'PY' || rc=1
+import json, sys
+a = {r["step"]: r["loss"] for r in map(json.loads, open(sys.argv[1]))}
+b = {r["step"]: r["loss"] for r in map(json.loads, open(sys.argv[2]))}
+assert sorted(a) == list(range(1, 11)) and sorted(b) == list(range(1, 11)), (sorted(a), sorted(b))
+worst = max(abs(a[s] - b[s]) for s in a)
+bitwise = all(a[s] == b[s] for s in a)
+print(f"resume on the GPU: steps 1-10 straight vs 1-5 + resume 6-10: max |dloss| {worst:.3g}, bitwise equal: {bitwise}")
+sys.exit(0 if worst <= 1e-6 else 1)
+PY
+    rm -rf "$ck"
     if [ -d "$dir/8b4" ]; then
         echo "== kernel times (8B shape, 4 layers)"
         TITAN_CUDA_TIME_ARTIFACT="$dir/8b4" timeout 300 "$dir/cuda-test" --test-threads=1 --nocapture kernel_times >"$out/times.log" 2>&1 || rc=1

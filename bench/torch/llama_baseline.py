@@ -3,7 +3,10 @@
 Runs, in ONE process on the GPU machine, a PyTorch Llama-3 written to match titan's model
 (tools/llama_ref.py: HF rotate-half RoPE, HF-order RMSNorm, SwiGLU, GQA, untied head, AdamW) on
 random tokens, then
-`titan-run ARTIFACT --backend cuda --metrics`, and prints tok/s, MFU and peak memory side by side.
+`titan-run ARTIFACT --backend cuda --metrics`, and prints tok/s, MFU and peak memory side by side,
+then where the time goes: titan-run's per-kernel profile (`--profile`, top 10 with their share,
+GB/s and TFLOP/s) and torch.compile's (torch.profiler over one step, top 10 CUDA kernels), with
+both grouped into attention / GEMM / optimizer / other.
 
 MFU = (6 * N_non_embedding + 12 * L * H * Dh * T) FLOPs per token / 989 TFLOP/s (TorchTitan's).
 Precision policies: "fp32-master" = fp32 parameters and AdamW state under bf16 autocast (titan's
@@ -14,6 +17,7 @@ usage: python3 llama_baseline.py --dim 4096 --n-layers 4 --n-heads 32 --n-kv-hea
 """
 
 import argparse
+import re
 import json
 import math
 import os
@@ -42,7 +46,30 @@ def flops_per_token(a):
     return 6 * n + 12 * a.n_layers * a.n_heads * hd * a.seq
 
 
-def run_torch(a, compile_blocks, bf16_params):
+def kernel_group(name):
+    """attention | gemm | optimizer | other, from a CUDA kernel's (or titan kernel kind's) name."""
+    n = name.lower()
+    if any(k in n for k in ("flash", "fmha", "attention", "sdpa", "cudnn")):
+        return "attention"
+    if any(k in n for k in ("gemm", "cutlass", "xmma", "nvjet", "matmul", "linear")):
+        return "gemm"
+    if any(k in n for k in ("adam", "optimizer", "multi_tensor")):
+        return "optimizer"
+    return "other"
+
+
+def print_groups(title, rows):
+    """rows: [(name, ms per step)]; prints the per-group totals."""
+    groups = {}
+    for name, ms in rows:
+        g = kernel_group(name)
+        groups[g] = groups.get(g, 0.0) + ms
+    total = sum(groups.values())
+    parts = ", ".join(f"{g} {ms:.1f} ms ({100 * ms / total:.0f}%)" for g, ms in sorted(groups.items(), key=lambda x: -x[1]))
+    print(f"{title}: {total:.1f} ms of GPU time per step: {parts}")
+
+
+def run_torch(a, compile_blocks, bf16_params, profile=False):
     torch.manual_seed(0)
     dev = torch.device("cuda")
     model = Llama(ref_config(a)).to(dev)
@@ -78,9 +105,42 @@ def run_torch(a, compile_blocks, bf16_params):
     dt = (time.perf_counter() - t0) / a.steps
     tps = a.batch * a.seq / dt
     peak = torch.cuda.max_memory_allocated()
+    kernels = None
+    if profile:
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as torch_profile
+
+        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+            step()
+            torch.cuda.synchronize()
+        kernels = []
+        for e in prof.key_averages():
+            us = getattr(e, "device_time_total", None)
+            if us is None:
+                us = getattr(e, "cuda_time_total", 0.0)
+            if us > 0:
+                kernels.append((e.key, us / 1e3, e.count))
+        kernels.sort(key=lambda r: -r[1])
     del model, opt
     torch.cuda.empty_cache()
-    return dict(tps=tps, mfu=tps * flops_per_token(a) / PEAK_FLOPS, peak=peak, warmup_s=warm, loss=float(loss))
+    return dict(tps=tps, mfu=tps * flops_per_token(a) / PEAK_FLOPS, peak=peak, warmup_s=warm, loss=float(loss.detach()), kernels=kernels)
+
+
+def titan_profile(a):
+    """titan-run's per-kernel profile: [(line, name, kind, ms per step)] from `--profile`."""
+    cmd = [a.titan_run, a.artifact, "--backend", "cuda", "--steps", "4", "--profile"]
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    if p.returncode != 0:
+        sys.stderr.write(p.stderr[-3000:])
+        return None
+    rows = []
+    for line in p.stderr.splitlines():
+        m = re.match(r"^\s+([0-9.]+)\s+[0-9.]+%\s+[0-9]+\s+[0-9.]+\s+[0-9.]*\s+(\S+) \((\w+)\)$", line)
+        if m:
+            rows.append((line, m.group(2), m.group(3), float(m.group(1))))
+        elif "time per kernel" in line or "ms/step" in line or "copies and memsets" in line:
+            rows.append((line, None, None, 0.0))
+    return rows
 
 
 def run_titan(a):
@@ -119,7 +179,7 @@ def main():
         results["titan-run (fp32 master, bf16 compute)"] = run_titan(a)
     if a.only in ("all", "torch"):
         results["pytorch eager, fp32 params + bf16 autocast"] = run_torch(a, False, False)
-        results["torch.compile per block, fp32 params + bf16 autocast"] = run_torch(a, True, False)
+        results["torch.compile per block, fp32 params + bf16 autocast"] = run_torch(a, True, False, profile=True)
         results["pytorch eager, bf16 params"] = run_torch(a, False, True)
         results["torch.compile per block, bf16 params"] = run_torch(a, True, True)
     print(f"{'variant':<56} {'tok/s':>10} {'MFU':>7} {'peak GiB':>9} {'warm-up s':>9} {'loss':>8}")
@@ -128,6 +188,22 @@ def main():
             print(f"{k:<56} failed")
             continue
         print(f"{k:<56} {r['tps']:>10.0f} {100 * r['mfu']:>6.1f}% {r['peak'] / 2**30:>9.1f} {r['warmup_s']:>9.1f} {r['loss']:>8.4f}")
+    if a.only in ("all", "titan") and a.titan_run and a.artifact:
+        prof = titan_profile(a)
+        if prof:
+            print("\n# titan-run --profile (eager steps with an event around every launch; top 10 kernels)")
+            kernels = [r for r in prof if r[1] is not None]
+            for line, name, _, _ in [r for r in prof if r[1] is None][:2] + kernels[:10]:
+                print(line)
+            print_groups("titan-run", [(f"{name} {kind}", ms) for _, name, kind, ms in kernels])
+    compiled = results.get("torch.compile per block, fp32 params + bf16 autocast")
+    if compiled and compiled.get("kernels"):
+        ks = compiled["kernels"]
+        total = sum(ms for _, ms, _ in ks)
+        print(f"\n# torch.compile per block, fp32 params + bf16 autocast: torch.profiler over one step ({total:.1f} ms of kernels; top 10)")
+        for name, ms, count in ks[:10]:
+            print(f"  {ms:>10.3f} {100 * ms / total:>5.1f}% {count:>8}  {name[:110]}")
+        print_groups("torch.compile", [(name, ms) for name, ms, _ in ks])
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ use titan_ir::{DType, Op, Region, TensorType, ValueDef};
 
 use crate::RuntimeError;
 use crate::artifact::{Artifact, arena_name};
+use crate::backend::KernelTime;
 use crate::backend::codec::{decode, encode, encode_floats, encode_ints};
 use crate::backend::cpu_graph::{RankContext, init_state_shard};
 use crate::backend::{StepMetrics, Trainer, check_batch};
@@ -133,13 +134,6 @@ impl BodyPlan {
     }
 }
 
-/// Time spent per kernel, summed over steps (for `--profile`).
-#[derive(Clone, Debug, Default)]
-pub struct KernelTime {
-    pub launches: u64,
-    pub seconds: f64,
-}
-
 /// Runs an artifact's schedule on the CPU (one device, or one rank of an SPMD artifact).
 pub struct CpuArtifactTrainer<'a> {
     artifact: &'a Artifact,
@@ -163,6 +157,8 @@ pub struct CpuArtifactTrainer<'a> {
     rank: Option<RankContext>,
     /// Per kernel (in `manifest.kernels` order) when profiling.
     profile: Option<Vec<KernelTime>>,
+    /// Steps run since profiling was enabled.
+    profiled_steps: u64,
     /// Per kernel (in `manifest.kernels` order): how to stream its body, if it can be.
     plans: Arc<Vec<Option<BodyPlan>>>,
     streaming: bool,
@@ -258,6 +254,7 @@ impl<'a> CpuArtifactTrainer<'a> {
             rank,
             streaming: true,
             profile: None,
+            profiled_steps: 0,
             plans: Arc::new(m.kernels.iter().map(|k| artifact.graph.block_by_name(&k.body).and_then(|b| BodyPlan::new(artifact.graph.block(b)))).collect()),
         };
         trainer.init_state(seed)?;
@@ -297,9 +294,10 @@ impl<'a> CpuArtifactTrainer<'a> {
         self.profile = Some(vec![KernelTime::default(); self.artifact.manifest.kernels.len()]);
     }
 
-    /// Time per kernel (in `manifest.kernels` order), when profiling.
-    pub fn profile(&self) -> Option<&[KernelTime]> {
-        self.profile.as_deref()
+    /// Time per kernel (in `manifest.kernels` order) summed over the profiled steps, and their
+    /// number, when profiling.
+    pub fn profile(&self) -> Option<(&[KernelTime], u64)> {
+        self.profile.as_deref().map(|p| (p, self.profiled_steps))
     }
 
     pub fn artifact(&self) -> &Artifact {
@@ -581,6 +579,9 @@ impl<'a> CpuArtifactTrainer<'a> {
             }
         }
         self.step += 1;
+        if self.profile.is_some() {
+            self.profiled_steps += 1;
+        }
         let start = Instant::now();
         if self.poison {
             for a in [Arena::Grads, Arena::Activations] {

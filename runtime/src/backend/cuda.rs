@@ -45,6 +45,7 @@ use self::driver::{CudaError, DeviceBuffer, Event, Function, Gpu, Graph, Module}
 use self::gemm::{Blas, GemmPlan, pow2_align};
 use crate::RuntimeError;
 use crate::artifact::{Artifact, arena_name};
+use crate::backend::KernelTime;
 use crate::backend::codec::{decode, encode_floats, encode_ints};
 use crate::backend::{StepMetrics, Trainer, check_batch};
 use crate::data::Batch;
@@ -442,6 +443,9 @@ pub struct CudaArtifactTrainer<'a> {
     ops: Vec<Op>,
     graph: Option<Graph>,
     use_graph: bool,
+    /// With `--profile`: one event before each op and one after the last (steps then run
+    /// eagerly), and the time per kernel of the profiled steps.
+    profile: Option<Profile>,
     /// Host staging of the fed inputs (alive until the stream has copied them).
     feed_tokens: Vec<u8>,
     feed_targets: Vec<u8>,
@@ -470,6 +474,15 @@ pub struct CudaArtifactTrainer<'a> {
     code: LoadedCode,
     _memory: Vec<DeviceBuffer>,
     gpu: Gpu,
+}
+
+/// Per-op timing events and the accumulated time per kernel.
+struct Profile {
+    events: Vec<Event>,
+    kernels: Vec<KernelTime>,
+    /// Time in copies and memsets of the schedule.
+    other: KernelTime,
+    steps: u64,
 }
 
 /// One chunk of a state's initial values.
@@ -542,6 +555,7 @@ impl<'a> CudaArtifactTrainer<'a> {
             ops,
             graph: None,
             use_graph: true,
+            profile: None,
             feed_tokens: vec![0; usize_of(tokens.bytes, "tokens")?],
             feed_targets: vec![0; usize_of(targets.bytes, "targets")?],
             feed_step: vec![0; usize_of(step_buf.bytes, "step")?],
@@ -753,13 +767,58 @@ impl<'a> CudaArtifactTrainer<'a> {
     }
 
     fn enqueue_ops(&self) -> Result<(), CudaError> {
-        for op in &self.ops {
+        let events = self.profile.as_ref().map(|p| &p.events);
+        for (i, op) in self.ops.iter().enumerate() {
+            if let Some(ev) = events {
+                self.gpu.record(&ev[i])?;
+            }
             match op {
                 Op::Launch { kernel, ins, outs, at } => self.code.launch(&self.gpu, self.artifact, *kernel, ins, outs, &|| at.clone())?,
                 Op::Copy { dst, src, bytes, at } => self.gpu.copy(*dst, *src, *bytes, || format!("copy of {bytes} bytes ({at})"))?,
                 Op::Memset { dst, bytes, at } => self.gpu.memset(*dst, 0, *bytes, || format!("memset of {bytes} bytes ({at})"))?,
             }
         }
+        if let Some(ev) = events {
+            self.gpu.record(&ev[self.ops.len()])?;
+        }
+        Ok(())
+    }
+
+    /// Time every op of the following steps with CUDA events (the steps then run eagerly, not
+    /// from a CUDA graph; the first step after this is a warm-up and is not counted). The times
+    /// include the launch gaps between ops, which a graph replay mostly hides.
+    pub fn enable_profile(&mut self) -> Result<(), RuntimeError> {
+        self.gpu.bind()?;
+        let events = (0..=self.ops.len()).map(|_| Event::new()).collect::<Result<Vec<_>, _>>()?;
+        let kernels = vec![KernelTime::default(); self.artifact.manifest.kernels.len()];
+        self.profile = Some(Profile { events, kernels, other: KernelTime::default(), steps: 0 });
+        self.set_graphs(false);
+        Ok(())
+    }
+
+    /// Time per kernel (in `manifest.kernels` order) summed over the profiled steps, the time in
+    /// copies and memsets, and the number of profiled steps.
+    pub fn profile(&self) -> Option<(&[KernelTime], KernelTime, u64)> {
+        self.profile.as_ref().map(|p| (p.kernels.as_slice(), p.other, p.steps))
+    }
+
+    /// Add the event times of the step that just finished to the profile.
+    fn collect_profile(&mut self) -> Result<(), RuntimeError> {
+        let warm = self.steps_run <= 1;
+        let Some(p) = self.profile.as_mut() else { return Ok(()) };
+        if warm {
+            return Ok(());
+        }
+        for (i, op) in self.ops.iter().enumerate() {
+            let secs = f64::from(p.events[i].elapsed_ms(&p.events[i + 1])?) * 1e-3;
+            let t = match op {
+                Op::Launch { kernel, .. } => &mut p.kernels[*kernel],
+                Op::Copy { .. } | Op::Memset { .. } => &mut p.other,
+            };
+            t.launches += 1;
+            t.seconds += secs;
+        }
+        p.steps += 1;
         Ok(())
     }
 
@@ -812,6 +871,7 @@ impl<'a> CudaArtifactTrainer<'a> {
         self.gpu.sync(|| format!("step {n}: waiting for the step to finish (an asynchronous error from an earlier kernel shows here; rerun with CUDA_LAUNCH_BLOCKING=1 to find it)"))?;
         // The capture is reported on its own ([`CudaArtifactTrainer::capture_seconds`]).
         let secs = start.elapsed().as_secs_f64() - capture_s;
+        self.collect_profile()?;
         self.measure_memory()?;
         let mut vals = [f64::NAN; 3];
         for (v, o) in vals.iter_mut().zip(&self.outputs) {

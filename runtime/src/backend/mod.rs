@@ -83,3 +83,10 @@ pub(crate) fn check_batch(batch: &Batch, b: usize, s: usize, vocab: usize) -> Re
     }
     Ok(())
 }
+
+/// Time spent per kernel, summed over steps (for `--profile`).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct KernelTime {
+    pub launches: u64,
+    pub seconds: f64,
+}
