@@ -526,7 +526,13 @@ impl BuildArgs {
                 return Err(CliError::Usage(format!("unsupported --target `{other}`; titan generates code for {} (H100/H200)", TARGETS.join(", "))));
             }
         };
-        Ok(BuildOptions { train, pipeline: PipelineOptions { verify_each: false, dump_after, timings: self.timings }, target, report: self.report })
+        Ok(BuildOptions {
+            train,
+            pipeline: PipelineOptions { verify_each: false, dump_after, timings: self.timings },
+            target,
+            report: self.report,
+            mesh: titan_ir::Mesh::new(1, 1, 1),
+        })
     }
 }
 
@@ -542,7 +548,8 @@ fn cmd_build(a: &BuildArgs) -> Result<Outcome, CliError> {
     let dims = crate::parallel::ParallelDims::resolve(&request)?;
     dims.check_model(&model)?;
     dims.require_built()?;
-    let opts = a.build_options(job.as_ref())?;
+    let mut opts = a.build_options(job.as_ref())?;
+    opts.mesh = dims.spmd_mesh()?;
     let summary = build_artifact(&model, &text, &opts, &a.output)?;
     let mut out = Outcome { stdout: summary.to_string(), stderr: String::new() };
     for (pass, ir) in &summary.pipeline.dumps {

@@ -6,8 +6,8 @@
 //! 1. [`ParallelDims::resolve`]: the degrees among themselves and against the world size;
 //! 2. [`ParallelDims::check_model`]: the degrees against the model (`seq_len % (tp * 2 * cp)`,
 //!    heads, ffn and vocab divisible by `tp`, `tp` dividing the kv heads or a multiple of them);
-//! 3. [`ParallelDims::require_built`]: degrees whose parallelism titan does not build yet are
-//!    rejected as "not supported yet" rather than ignored.
+//! 3. [`ParallelDims::require_built`]: degrees whose parallelism titan does not build yet (cp,
+//!    pp, ep) are rejected as "not supported yet" rather than ignored.
 
 use std::fmt;
 
@@ -175,19 +175,16 @@ impl ParallelDims {
         Ok(())
     }
 
-    /// Reject degrees whose parallelism is not built yet.
+    /// Reject degrees whose parallelism is not built yet: data parallelism (DDP/FSDP/HSDP) and
+    /// TP build into SPMD artifacts; context, pipeline and expert parallelism do not yet.
     pub fn require_built(&self) -> Result<(), ParallelError> {
-        let checks = [
-            (self.cp, "context parallelism", "cp"),
-            (self.pp, "pipeline parallelism", "pp"),
-            (self.ep, "expert parallelism", "ep"),
-            (self.tp, "tensor parallelism", "tp"),
-            (self.dp_shard, "FSDP (sharded data parallelism)", "dp_shard"),
-            (self.dp_replicate, "replicated data parallelism (DDP/HSDP)", "dp_replicate"),
-        ];
+        let checks = [(self.cp, "context parallelism", "cp"), (self.pp, "pipeline parallelism", "pp"), (self.ep, "expert parallelism", "ep")];
         for (d, what, name) in checks {
             if d > 1 {
-                return Err(ParallelError::Unsupported(format!("{what} ({name}={d})"), format!("titan builds for one GPU today; set {name} to 1")));
+                return Err(ParallelError::Unsupported(
+                    format!("{what} ({name}={d})"),
+                    format!("titan builds meshes of dp_replicate, dp_shard and tp today; set {name} to 1"),
+                ));
             }
         }
         Ok(())
@@ -324,16 +321,20 @@ mod tests {
     fn unbuilt_parallelism_is_rejected_not_ignored() {
         ParallelDims::single().require_built().unwrap();
         let cases = [
-            (req(1, 1, 2, 1, 1, 1, None), "context parallelism (cp=2) is not supported yet; titan builds for one GPU today; set cp to 1"),
+            (
+                req(1, 1, 2, 1, 1, 1, None),
+                "context parallelism (cp=2) is not supported yet; titan builds meshes of dp_replicate, dp_shard and tp today; set cp to 1",
+            ),
             (req(1, 1, 1, 1, 2, 1, None), "pipeline parallelism (pp=2) is not supported yet"),
             (req(1, 2, 1, 1, 1, 2, None), "expert parallelism (ep=2) is not supported yet"),
-            (req(1, 1, 1, 4, 1, 1, None), "tensor parallelism (tp=4) is not supported yet"),
-            (req(1, 4, 1, 1, 1, 1, None), "FSDP (sharded data parallelism) (dp_shard=4) is not supported yet"),
-            (req(2, 1, 1, 1, 1, 1, None), "replicated data parallelism (DDP/HSDP) (dp_replicate=2) is not supported yet"),
         ];
         for (r, want) in cases {
             let got = ParallelDims::resolve(&r).unwrap().require_built().unwrap_err().to_string();
             assert!(got.contains(want), "{got}");
+        }
+        // Data parallelism and TP are built (SPMD artifacts).
+        for r in [req(1, 1, 1, 4, 1, 1, None), req(1, 4, 1, 1, 1, 1, None), req(2, 1, 1, 1, 1, 1, None), req(2, 2, 1, 2, 1, 1, None)] {
+            ParallelDims::resolve(&r).unwrap().require_built().unwrap();
         }
     }
 }

@@ -201,8 +201,8 @@ fn build_errors_say_what_to_change() {
         (&["build", &model, "-o", o, "--tp", "0"], "tp must be a degree >= 1, found 0"),
         (&["build", &model, "-o", o, "--dp-shard", "2", "--world-size", "8"], "= 2 does not match world size 8"),
         (&["build", &model, "-o", o, "--tp", "4", "--dp-shard", "-1", "--world-size", "6"], "world size 6 is not divisible by"),
-        (&["build", &model, "-o", o, "--tp", "2"], "tensor parallelism (tp=2) is not supported yet"),
-        (&["build", &model, "-o", o, "--dp-shard", "-1", "--world-size", "4"], "FSDP (sharded data parallelism) (dp_shard=4) is not supported yet"),
+        (&["build", &model, "-o", o, "--dp-shard", "-1", "--world-size", "16"], "batch = 8 is not divisible by dp_replicate x dp_shard = 16"),
+        (&["build", &model, "-o", o, "--tp", "2", "--cp", "2"], "context parallelism (cp=2) is not supported yet"),
         (&["build", &model, "-o", o, "--job-config", par.to_str().unwrap()], "pipeline parallelism (pp=2) is not supported yet"),
     ];
     for (args, needle) in cases {
@@ -212,6 +212,24 @@ fn build_errors_say_what_to_change() {
         assert!(text(&out.stderr).contains(needle), "{args:?}: expected `{needle}` in\n{}", text(&out.stderr));
         assert!(!dir.join("out").exists(), "{args:?} left a partial artifact");
     }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `titanc build --tp 2 --dp-shard 2` builds an SPMD artifact and prints the per-rank memory and
+/// the communication per mesh dim; `titan-run` refuses it on the cuda backend.
+#[test]
+fn build_with_parallel_degrees_prints_the_mesh_report() {
+    let dir = scratch("build-spmd");
+    let o = dir.join("out");
+    let model = workspace_file("examples/llama3-debug.ir");
+    let out = titanc(&["build", &model, "-o", o.to_str().unwrap(), "--tp", "2", "--dp-shard", "2"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let s = text(&out.stdout);
+    assert!(s.contains("mesh:         world 4 = dp_shard 2 x tp 2 (SPMD: every rank runs this schedule on its shards;"), "{s}");
+    assert!(s.contains("per-rank memory (predicted, each of the 4 ranks):") && s.contains("predicted peak memory: each rank: "), "{s}");
+    assert!(s.contains("  dp_shard     ( 2 ranks): ") && s.contains("  tp           ( 2 ranks): "), "{s}");
+    let manifest = std::fs::read_to_string(o.join("manifest.json")).unwrap();
+    assert!(manifest.contains("\"op\": \"collective\"") && manifest.contains("\"report\": {"), "{manifest}");
     let _ = std::fs::remove_dir_all(&dir);
 }
 

@@ -10,10 +10,13 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 
 use crate::dtype::DType;
-use crate::op::KernelKind;
+use crate::op::{CollectiveReduce, KernelKind, Op};
+use crate::placement::MeshDim as GraphMeshDim;
 
-/// Bumped on every change a reader of an older version would misread.
-pub const FORMAT_VERSION: u32 = 2;
+/// Bumped on every change a reader of an older version would misread. Version 3 added the
+/// `collective` schedule step and the optional mesh `report` (SPMD artifacts): a version-2
+/// reader would reject the unknown step and run a mesh artifact as one rank.
+pub const FORMAT_VERSION: u32 = 3;
 pub const MANIFEST_FILE: &str = "manifest.json";
 /// The fused training graph; each kernel's `body` names one of its blocks.
 pub const GRAPH_FILE: &str = "graph.ir";
@@ -278,6 +281,129 @@ pub enum Step {
     /// `reverse`). Iteration `t` (0-based, in execution order) reads carry slot `c` from
     /// `carries[c][t % 2]` and writes it to `carries[c][(t + 1) % 2]`.
     Loop { count: u32, reverse: bool, carries: Vec<[u32; 2]>, body: Vec<Step> },
+    /// One collective of an SPMD schedule (or a rank-local `take_shard`/`place_shard`), a step of
+    /// its own: `output` gets `collective` of `input` over the `group` ranks that differ from
+    /// this one only along `mesh_dim`. `input` is `in_shape` and `output` `out_shape`, both of
+    /// `dtype`, row-major (the shapes are the IR value's, which may be a view of its buffer).
+    Collective {
+        collective: CollectiveOp,
+        /// `dp_replicate`, `dp_shard` or `tp`.
+        mesh_dim: String,
+        /// Ranks along `mesh_dim` (the mesh's size of that dim).
+        group: u32,
+        /// The tensor dim gathered, scattered or sliced; absent for `all_reduce`.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        dim: Option<u32>,
+        /// `sum` or `max` for `all_reduce` and `reduce_scatter`.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        reduce: Option<ReduceOp>,
+        dtype: DType,
+        in_shape: Vec<u64>,
+        out_shape: Vec<u64>,
+        input: BufRef,
+        output: BufRef,
+        /// Bytes this rank sends per call with ring algorithms (and receives as many):
+        /// [`CollectiveOp::ring_send_bytes`].
+        send_bytes: u64,
+        stream: u32,
+    },
+}
+
+/// What a [`Step::Collective`] computes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CollectiveOp {
+    /// Concatenate every rank's `input` along `dim`, in coordinate order.
+    AllGather,
+    /// Reduce every rank's `input` elementwise (in coordinate order); keep this rank's slice of `dim`.
+    ReduceScatter,
+    /// Reduce every rank's `input` elementwise (in coordinate order); every rank gets the result.
+    AllReduce,
+    /// Rank-local: this rank's slice of `dim` (no communication).
+    TakeShard,
+    /// Rank-local: `input` at this rank's slot of `dim`, zeros elsewhere (no communication).
+    PlaceShard,
+}
+
+/// What a collective step does, without its operands: [`CollectiveOp::of_op`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CollectiveSpec {
+    pub op: CollectiveOp,
+    pub mesh_dim: GraphMeshDim,
+    /// Ranks along `mesh_dim`.
+    pub group: u32,
+    /// The tensor dim gathered, scattered or sliced (not for `all_reduce`).
+    pub dim: Option<u32>,
+    /// For `all_reduce` and `reduce_scatter`.
+    pub reduce: Option<ReduceOp>,
+}
+
+/// The reduction of an `all_reduce` or `reduce_scatter`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ReduceOp {
+    Sum,
+    Max,
+}
+
+impl CollectiveOp {
+    pub fn name(self) -> &'static str {
+        match self {
+            CollectiveOp::AllGather => "all_gather",
+            CollectiveOp::ReduceScatter => "reduce_scatter",
+            CollectiveOp::AllReduce => "all_reduce",
+            CollectiveOp::TakeShard => "take_shard",
+            CollectiveOp::PlaceShard => "place_shard",
+        }
+    }
+
+    /// Bytes each of `group` ranks sends per call (and receives as many) with the standard
+    /// ring algorithms: `all_gather` `(n-1)/n` of its (full) output, `reduce_scatter` `(n-1)/n`
+    /// of its (full) input, `all_reduce` `2(n-1)/n` of its input; rank-local ops send nothing.
+    pub fn ring_send_bytes(self, group: u32, in_bytes: u64, out_bytes: u64) -> u64 {
+        let n = u64::from(group.max(1));
+        match self {
+            CollectiveOp::AllGather => out_bytes / n * (n - 1),
+            CollectiveOp::ReduceScatter => in_bytes / n * (n - 1),
+            CollectiveOp::AllReduce => 2 * (in_bytes / n * (n - 1)),
+            CollectiveOp::TakeShard | CollectiveOp::PlaceShard => 0,
+        }
+    }
+
+    /// The step of the IR op `op` (a collective, `take_shard` or `place_shard`) on `mesh`.
+    pub fn of_op(op: &Op, mesh: &crate::placement::Mesh) -> Option<CollectiveSpec> {
+        let red = |r: &CollectiveReduce| match r {
+            CollectiveReduce::Sum => ReduceOp::Sum,
+            CollectiveReduce::Max => ReduceOp::Max,
+        };
+        let spec = |op, mesh_dim, group, dim, reduce| CollectiveSpec { op, mesh_dim, group, dim, reduce };
+        Some(match op {
+            Op::AllGather { mesh_dim, dim, size } => spec(CollectiveOp::AllGather, *mesh_dim, *size, Some(*dim), None),
+            Op::ReduceScatter { mesh_dim, dim, size, reduce } => spec(CollectiveOp::ReduceScatter, *mesh_dim, *size, Some(*dim), Some(red(reduce))),
+            Op::AllReduce { mesh_dim, reduce } => spec(CollectiveOp::AllReduce, *mesh_dim, mesh.size(*mesh_dim), None, Some(red(reduce))),
+            Op::TakeShard { mesh_dim, dim, size } => spec(CollectiveOp::TakeShard, *mesh_dim, *size, Some(*dim), None),
+            Op::PlaceShard { mesh_dim, dim, size } => spec(CollectiveOp::PlaceShard, *mesh_dim, *size, Some(*dim), None),
+            _ => return None,
+        })
+    }
+
+    /// The IR op a collective step runs (its semantics are the interpreter's).
+    pub fn to_op(self, mesh_dim: &str, group: u32, dim: Option<u32>, reduce: Option<ReduceOp>) -> Result<Op, String> {
+        let m = GraphMeshDim::from_name(mesh_dim).ok_or_else(|| format!("unknown mesh dim `{mesh_dim}` (dp_replicate, dp_shard or tp)"))?;
+        let dim = || dim.ok_or_else(|| format!("a `{}` step needs `dim`", self.name()));
+        let reduce = || match reduce {
+            Some(ReduceOp::Sum) => Ok(CollectiveReduce::Sum),
+            Some(ReduceOp::Max) => Ok(CollectiveReduce::Max),
+            None => Err(format!("a `{}` step needs `reduce`", self.name())),
+        };
+        Ok(match self {
+            CollectiveOp::AllGather => Op::AllGather { mesh_dim: m, dim: dim()?, size: group },
+            CollectiveOp::ReduceScatter => Op::ReduceScatter { mesh_dim: m, dim: dim()?, size: group, reduce: reduce()? },
+            CollectiveOp::AllReduce => Op::AllReduce { mesh_dim: m, reduce: reduce()? },
+            CollectiveOp::TakeShard => Op::TakeShard { mesh_dim: m, dim: dim()?, size: group },
+            CollectiveOp::PlaceShard => Op::PlaceShard { mesh_dim: m, dim: dim()?, size: group },
+        })
+    }
 }
 
 /// The schedule of one rank.
@@ -298,6 +424,58 @@ pub struct TrainingInfo {
     pub flops_per_token: u64,
 }
 
+/// Per-rank memory of an SPMD build, by what the bytes hold.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RankMemory {
+    /// fp32 master weights (this rank's shards).
+    pub params: u64,
+    /// AdamW moments.
+    pub optimizer_state: u64,
+    /// The planned gradient arena (bf16 gradients and their fp32 copies).
+    pub grads: u64,
+    /// The planned activation arena (everything else computed in the step), which includes
+    /// `gathered_weights`.
+    pub activations: u64,
+    /// `tokens`, `targets`, `step`.
+    pub inputs: u64,
+    /// Bytes of the buffers written by `all_gather`s over `dp_shard` (FSDP's gathered compute
+    /// weights), part of `activations`.
+    pub gathered_weights: u64,
+    /// Of `gathered_weights`, the per-layer stacked buffers that stay live from the forward to
+    /// the backward (the gathered weights saved as activations: no reshard after forward).
+    pub gathered_weights_saved: u64,
+    /// The sum of the arenas: the predicted peak of the step.
+    pub peak: u64,
+}
+
+/// Communication of one mesh dimension per training step, per rank.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CommVolume {
+    pub mesh_dim: String,
+    pub group: u32,
+    /// Collective calls per step (loops counted `count` times).
+    pub calls: u64,
+    /// Bytes each rank sends per step (ring algorithms; it receives as many), by op.
+    pub all_gather_bytes: u64,
+    pub reduce_scatter_bytes: u64,
+    pub all_reduce_bytes: u64,
+}
+
+impl CommVolume {
+    pub fn total_bytes(&self) -> u64 {
+        self.all_gather_bytes + self.reduce_scatter_bytes + self.all_reduce_bytes
+    }
+}
+
+/// The build report of an SPMD artifact: what one rank holds and sends per step (every rank
+/// runs the same schedule on shards of equal size, so one rank stands for all).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MeshReport {
+    pub memory: RankMemory,
+    /// One entry per mesh dim of more than one rank, outermost first.
+    pub comm: Vec<CommVolume>,
+}
+
 /// `manifest.json`. `format_version` is the first field so any reader can check it first.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Manifest {
@@ -315,8 +493,11 @@ pub struct Manifest {
     pub buffers: Vec<Buffer>,
     pub memory: MemoryPlan,
     pub kernels: Vec<Kernel>,
-    /// One schedule per rank.
+    /// One schedule per rank; an SPMD artifact has one schedule that every rank runs (`rank 0`).
     pub ranks: Vec<RankSchedule>,
+    /// Per-rank memory and communication of an SPMD artifact; absent on one device.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub report: Option<MeshReport>,
 }
 
 /// Why an artifact cannot be used.

@@ -19,8 +19,8 @@ pub mod util;
 
 pub use fuse::{FuseStats, FusionReport, fuse, fusion_report};
 pub use pipeline::{
-    BUILD_PIPELINE, DumpAfter, PassContext, PassFn, PassInfo, PassRecord, PassStats, PipelineOptions, PipelineReport, SPMD_TRAIN_PIPELINE, TRAIN_PIPELINE,
-    compile_train_graph, lookup_passes, pass_table, run_pipeline,
+    BUILD_PIPELINE, DumpAfter, PassContext, PassFn, PassInfo, PassRecord, PassStats, PipelineOptions, PipelineReport, SPMD_BUILD_PIPELINE, SPMD_TRAIN_PIPELINE,
+    TRAIN_PIPELINE, build_pipeline, compile_train_graph, lookup_passes, pass_table, run_pipeline,
 };
 pub use train::{TrainOptions, TrainStats, lower_to_train, lower_to_train_with_stats, train_pipeline};
 

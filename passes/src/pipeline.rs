@@ -90,6 +90,18 @@ pub const SPMD_TRAIN_PIPELINE: [&str; 9] = ["shard-tp", "shard-dp", "master-weig
 /// The passes of `titanc build`: the training lowering, then fusion.
 pub const BUILD_PIPELINE: [&str; 6] = ["master-weights", "autodiff", "adamw", "cse", "dce", "fuse"];
 
+/// The passes of `titanc build` for a model whose `meta` names a mesh: the SPMD training
+/// lowering, then fusion (collectives stay steps of their own).
+pub const SPMD_BUILD_PIPELINE: [&str; 10] =
+    ["shard-tp", "shard-dp", "master-weights", "autodiff", "sync-grads", "adamw", "cse", "dce", "check-collectives", "fuse"];
+
+/// The build pipeline for `model`: [`SPMD_BUILD_PIPELINE`] when its `meta` names a mesh of more
+/// than one rank, else [`BUILD_PIPELINE`].
+pub fn build_pipeline(model: &Graph) -> Result<&'static [&'static str], PassError> {
+    let mesh = titan_ir::Mesh::from_graph(model).map_err(|message| PassError::Failed { pass: "build", message })?;
+    Ok(if mesh.is_some_and(|m| m.world_size() > 1) { &SPMD_BUILD_PIPELINE } else { &BUILD_PIPELINE })
+}
+
 /// Every pass: those of [`BUILD_PIPELINE`] with the SPMD ones of [`SPMD_TRAIN_PIPELINE`] in place.
 pub fn pass_table() -> &'static [PassInfo] {
     &PASSES
@@ -230,9 +242,10 @@ pub fn run_pipeline(g: &mut Graph, passes: &[PassInfo], train: &TrainOptions, po
 }
 
 /// The whole compile of `titanc build`: copy `model` as `<name>_train`, lower it to the training
-/// step and fuse it into kernels ([`BUILD_PIPELINE`]). Returns the kernel graph and the report.
+/// step and fuse it into kernels ([`build_pipeline`]: the SPMD passes first when `model`'s meta
+/// names a mesh). Returns the kernel graph and the report.
 pub fn compile_train_graph(model: &Graph, opts: &TrainOptions, popts: &PipelineOptions) -> Result<(Graph, PipelineReport), PassError> {
-    let passes = lookup_passes(&BUILD_PIPELINE)?;
+    let passes = lookup_passes(build_pipeline(model)?)?;
     crate::train::run_on_copy(model, opts, &passes, popts)
 }
 

@@ -199,6 +199,22 @@ impl Artifact {
         self.manifest.buffers.iter().find(|b| b.feed.as_deref() == Some(feed))
     }
 
+    /// Collective steps per training step (rank-local `take_shard`/`place_shard` included),
+    /// loops expanded.
+    pub fn collectives_per_step(&self) -> u64 {
+        fn count(steps: &[Step]) -> u64 {
+            steps
+                .iter()
+                .map(|s| match s {
+                    Step::Collective { .. } => 1,
+                    Step::Loop { count: n, body, .. } => u64::from(*n).saturating_mul(count(body)),
+                    _ => 0,
+                })
+                .fold(0u64, u64::saturating_add)
+        }
+        self.manifest.ranks.first().map_or(0, |r| count(&r.steps))
+    }
+
     /// Number of schedule steps of rank 0, loops expanded.
     pub fn launches_per_step(&self) -> u64 {
         fn count(steps: &[Step]) -> u64 {
@@ -364,6 +380,28 @@ impl Artifact {
                     let v = self.check_ref(&format!("{at} (memset)"), dst, scopes)?;
                     if *bytes > v.bytes {
                         return Err(invalid(format!("{at}: zeroes {bytes} bytes, its destination holds {}", v.bytes)));
+                    }
+                }
+                Step::Collective { collective, mesh_dim, group, dim, reduce, dtype, in_shape, out_shape, input, output, .. } => {
+                    let at = format!("{} ({} over {mesh_dim})", loc(rank, path), collective.name());
+                    let m = &self.manifest.mesh;
+                    let size = m.dims.iter().find(|d| d.name == *mesh_dim).map_or(1, |d| d.size);
+                    if size != *group || m.world_size < 2 {
+                        return Err(invalid(format!(
+                            "{at}: a collective over {group} ranks of `{mesh_dim}`, but the artifact's mesh (world size {}) has {size} there; rebuild the artifact with `titanc build`",
+                            m.world_size
+                        )));
+                    }
+                    collective.to_op(mesh_dim, *group, *dim, *reduce).map_err(|e| invalid(format!("{at}: {e}")))?;
+                    for (what, r, shape) in [("input", input, in_shape), ("output", output, out_shape)] {
+                        let v = self.check_ref(&format!("{at}, {what}"), r, scopes)?;
+                        let want = tensor_bytes(*dtype, shape).ok_or_else(|| invalid(format!("{at}: the {what} shape {shape:?} overflows")))?;
+                        if v.dtype != *dtype || v.bytes != want {
+                            return Err(invalid(format!(
+                                "{at}: the {what} is {dtype}{shape:?} ({want} bytes), the schedule binds {}{:?} ({} bytes)",
+                                v.dtype, v.shape, v.bytes
+                            )));
+                        }
                     }
                 }
                 Step::Loop { count, carries, body, .. } => {

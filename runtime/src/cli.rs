@@ -11,7 +11,9 @@ use crate::checkpoint::{self, TrainerState};
 use crate::data::{check_vocab, load_tokens};
 use crate::dist::{DistEnv, ProcessGroup, ProcessMeshTrainer, RendezvousOptions};
 use crate::log::{H200_MEMORY_BYTES, MetricsRecord, MetricsWriter, Progress, format_memory_check, format_startup, memory_summary};
-use crate::{Artifact, Batcher, CpuArtifactTrainer, CpuTrainer, DataFormat, LogContext, MeshTrainer, Trainer, byte_tokens, format_step_with};
+use crate::{
+    Artifact, ArtifactMeshTrainer, Batcher, CpuArtifactTrainer, CpuTrainer, DataFormat, LogContext, MeshTrainer, Trainer, byte_tokens, format_step_with,
+};
 use anyhow::{Context, Result, bail};
 use clap::Parser;
 
@@ -149,16 +151,11 @@ fn run_identity(graph_identity: &str, tokens: &[u32], seed: u64) -> String {
 }
 
 /// This process is one rank of a multi-process run (torchrun, Slurm, `--nproc-per-node`): join
-/// the rendezvous and run its rank of the SPMD graph with the TCP process group.
+/// the rendezvous and run its rank of the SPMD graph (or artifact) with the TCP process group.
 fn run_rank(cli: &Cli, env: &DistEnv, tokens: Vec<u32>, data_name: &str) -> Result<()> {
     let (rank, world) = (env.rank, env.world_size);
-    if !is_graph_file(&cli.path) {
-        bail!(
-            "a multi-process run (WORLD_SIZE={world}) takes an SPMD training graph `.ir` (`titanc lower --to train --tp/--dp-shard ...`) on the cpu backend for now; artifacts do not carry collectives yet"
-        );
-    }
     if cli.backend != "cpu" {
-        bail!("a multi-process run of a graph runs on the cpu backend only; drop --backend {}", cli.backend);
+        bail!("a multi-process run runs on the cpu backend only (NCCL execution of collectives is not built yet); drop --backend {}", cli.backend);
     }
     let unsupported = [
         (cli.checkpoint_dir.is_some(), "--checkpoint-dir"),
@@ -168,6 +165,9 @@ fn run_rank(cli: &Cli, env: &DistEnv, tokens: Vec<u32>, data_name: &str) -> Resu
     ];
     if let Some((_, flag)) = unsupported.iter().find(|(set, _)| *set) {
         bail!("{flag} is not supported in a multi-process run yet; run the graph on the simulated mesh (one process) for it");
+    }
+    if !is_graph_file(&cli.path) {
+        return run_artifact_rank(cli, env, tokens, data_name);
     }
     let graph_text = std::fs::read_to_string(&cli.path).with_context(|| format!("cannot read `{}`", cli.path.display()))?;
     let graph = titan_ir::parse_file(&cli.path).map_err(|e| anyhow::anyhow!("{e}"))?;
@@ -208,6 +208,53 @@ fn run_rank(cli: &Cli, env: &DistEnv, tokens: Vec<u32>, data_name: &str) -> Resu
         );
     }
     if let Err(e) = train(&mut trainer, cli, tokens, data_name, &checkpoint::graph_identity(&graph_text), rank == 0) {
+        group.abort(&format!("{e:#}"));
+        return Err(e);
+    }
+    group.finish()?;
+    Ok(())
+}
+
+/// This process is one rank of a multi-process run of an SPMD artifact: the artifact's one
+/// schedule on the cpu backend, its collective steps over the TCP process group.
+fn run_artifact_rank(cli: &Cli, env: &DistEnv, tokens: Vec<u32>, data_name: &str) -> Result<()> {
+    let (rank, world) = (env.rank, env.world_size);
+    let artifact = Artifact::load(&cli.path)?;
+    let m = &artifact.manifest;
+    if m.mesh.world_size as usize != world {
+        let dims: Vec<String> = m.mesh.dims.iter().map(|d| format!("{} {}", d.name, d.size)).collect();
+        bail!(
+            "WORLD_SIZE={world} but the artifact is built for {} rank(s){}; launch {} processes (or rebuild it with `titanc build --tp/--dp-shard ...` for {world})",
+            m.mesh.world_size,
+            if dims.is_empty() { String::new() } else { format!(" ({})", dims.join(" x ")) },
+            m.mesh.world_size
+        );
+    }
+    let (addr, port) = env.master.clone().ok_or_else(|| anyhow::anyhow!("a multi-process run needs MASTER_ADDR and MASTER_PORT"))?;
+    let seed = cli.seed.unwrap_or(0);
+    let identity = run_identity(&format!("artifact {}", m.content_hash), &tokens, seed);
+    let opts = RendezvousOptions { join_timeout: std::time::Duration::from_secs(cli.rendezvous_timeout), ..RendezvousOptions::default() };
+    let group = std::sync::Arc::new(ProcessGroup::rendezvous(rank, world, (&addr, port), &identity, Vec::new(), opts)?);
+    let mut trainer = match ProcessMeshTrainer::for_artifact(&artifact, seed, std::sync::Arc::clone(&group)) {
+        Ok(t) => t,
+        Err(e) => {
+            group.abort(&e.to_string());
+            return Err(e.into());
+        }
+    };
+    if rank == 0 {
+        eprintln!(
+            "titan-run: artifact {} (SPMD, {} launches and {} collectives per step per rank) on {world} cpu processes ({}, rendezvous {addr}:{port}), global batch {} x seq {}, {} steps, data {data_name}",
+            cli.path.display(),
+            artifact.launches_per_step(),
+            artifact.collectives_per_step(),
+            env.launcher.name(),
+            trainer.batch_size(),
+            Trainer::seq_len(&trainer),
+            cli.steps
+        );
+    }
+    if let Err(e) = train(&mut trainer, cli, tokens, data_name, &m.content_hash, rank == 0) {
         group.abort(&format!("{e:#}"));
         return Err(e);
     }
@@ -273,6 +320,36 @@ fn run(cli: Cli) -> Result<()> {
     let loading = std::time::Instant::now();
     let artifact = Artifact::load(&cli.path)?;
     let load_s = loading.elapsed().as_secs_f64();
+    let m = &artifact.manifest;
+    if m.mesh.world_size > 1 {
+        let dims: Vec<String> = m.mesh.dims.iter().map(|d| format!("{} {}", d.name, d.size)).collect();
+        if cli.backend == "cuda" {
+            bail!(
+                "the artifact is built for a mesh of {} ranks ({}): NCCL execution of collectives is not built yet; run it with --backend cpu (simulated mesh)",
+                m.mesh.world_size,
+                dims.join(" x ")
+            );
+        }
+        if cli.profile {
+            bail!("--profile is not supported yet on a simulated mesh; build the artifact without a mesh to profile its kernels");
+        }
+        let mut trainer = ArtifactMeshTrainer::new(&artifact, seed)?;
+        eprintln!(
+            "titan-run: artifact {} ({} kernels, {} launches and {} collectives per step per rank, target {}) on a simulated cpu mesh of {} ranks ({}), global batch {} x seq {}, {} steps, data {data_name}",
+            cli.path.display(),
+            m.kernels.len(),
+            artifact.launches_per_step(),
+            artifact.collectives_per_step(),
+            m.target.arch,
+            m.mesh.world_size,
+            dims.join(" x "),
+            trainer.batch_size(),
+            Trainer::seq_len(&trainer),
+            cli.steps
+        );
+        eprintln!("titan-run: per rank: {}", memory_summary(&artifact));
+        return train(&mut trainer, &cli, tokens, &data_name, &artifact.manifest.content_hash, true);
+    }
     if cli.backend == "cuda" {
         return run_cuda(&cli, &artifact, tokens, &data_name, started, load_s);
     }

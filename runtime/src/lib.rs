@@ -17,7 +17,7 @@ pub mod init;
 pub mod log;
 
 pub use artifact::{Artifact, KNOWN_TARGETS, format_bytes};
-pub use backend::{CpuArtifactTrainer, CpuTrainer, MeshTrainer, StepMetrics, Trainer};
+pub use backend::{ArtifactMeshTrainer, CpuArtifactTrainer, CpuTrainer, MeshTrainer, StepMetrics, Trainer};
 pub use data::{BUNDLED_CORPUS, Batch, Batcher, DataFormat, byte_tokens};
 pub use log::{LogContext, format_step, format_step_with};
 

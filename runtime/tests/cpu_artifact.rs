@@ -9,7 +9,7 @@ use std::process::Command;
 
 use common::{BIGRAM_IR, Fixture, Scratch, bigram, looped, looped_ir, temp_dir, whole};
 use titan_ir::DType;
-use titan_ir::artifact::{BufRef, Step};
+use titan_ir::artifact::{BufRef, CollectiveOp, ReduceOp, Step};
 use titan_runtime::{Artifact, BUNDLED_CORPUS, Batcher, CpuArtifactTrainer, CpuTrainer, Trainer, byte_tokens};
 
 fn write(name: &str, f: &Fixture, graph: &str) -> Scratch {
@@ -223,6 +223,31 @@ fn layer_slices_need_the_loop_count_as_dim_0() {
     let e = Artifact::load(&dir).expect_err("bad memset").to_string();
     assert!(e.contains("zeroes 1048576 bytes"), "{e}");
     let _ = whole;
+}
+
+/// A collective step in an artifact without a mesh (or over a mesh dim it lacks) is refused at
+/// load, naming the step.
+#[test]
+fn a_collective_step_needs_the_mesh_it_names() {
+    let mut l = looped(DType::F32);
+    let r = BufRef::Buffer { buffer: l.bias, layer: false };
+    l.fixture.steps.push(Step::Collective {
+        collective: CollectiveOp::AllReduce,
+        mesh_dim: "tp".into(),
+        group: 2,
+        dim: None,
+        reduce: Some(ReduceOp::Sum),
+        dtype: DType::F32,
+        in_shape: vec![1],
+        out_shape: vec![1],
+        input: r,
+        output: r,
+        send_bytes: 4,
+        stream: 0,
+    });
+    let dir = write("collective-without-mesh", &l.fixture, &looped_ir("f32"));
+    let e = Artifact::load(&dir).expect_err("no mesh").to_string();
+    assert!(e.contains("(all_reduce over tp): a collective over 2 ranks of `tp`, but the artifact's mesh (world size 1) has 1 there"), "{e}");
 }
 
 fn titan_run(args: &[&str]) -> (bool, String, String) {

@@ -7,6 +7,9 @@
 //!
 //! - `main` arguments: `input`s (class `Input`, with their `feed` name) and `state`s (fp32
 //!   masters are `Param`, the AdamW moments `.exp_avg`/`.exp_avg_sq` are `OptimizerState`).
+//! - collective results (`all_gather`, `reduce_scatter`, `all_reduce`, `take_shard`,
+//!   `place_shard` of an SPMD graph): one buffer each, like kernel results (in `main` never
+//!   in place; inside a repeated block they may be written straight into a block output).
 //! - `kernel` results of `main`: one buffer each, except an `update %p <- %v` whose `%v` is
 //!   written in place into `%p`'s buffer (AdamW is elementwise); when that is not safe (`%p` is
 //!   read after `%v` is computed) the schedule copies `%v` into `%p` at the end of the step.
@@ -25,8 +28,8 @@
 //!   value is a temporary of the loop, reused by every iteration.
 //!
 //! Classes: `Grad` for the `main` values the optimizer kernel reads as gradients, traced back
-//! through pointwise kernels and views to the GEMM, `scatter_add` and backward-`repeat` results
-//! that produce them; `Activation` for everything else computed in the step.
+//! through pointwise kernels, views and collectives (the gradient all-reduce or reduce-scatter
+//! and its operand) to the GEMM, `scatter_add` and backward-`repeat` results that produce them; `Activation` for everything else computed in the step.
 //!
 //! # Placement
 //!
@@ -44,6 +47,8 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use titan_ir::artifact::{Arena, ArenaPlan, BufRef, Buffer, BufferClass, MemoryPlan, StateInfo, Step};
 use titan_ir::print::ValueNames;
 use titan_ir::{ArgKind, DType, Graph, KernelKind, NodeId, Op, Region, Value, ValueDef};
+
+use titan_passes::fuse::is_collective_step;
 
 use super::BuildError;
 
@@ -218,6 +223,8 @@ pub fn grad_values(g: &Graph) -> HashSet<Value> {
         let n = main.node(node);
         match n.op {
             Op::Reshape => work.extend(n.inputs.first().copied()),
+            // A gradient reduced (or scattered) across ranks: its operand is the rank's partial gradient.
+            ref op if is_collective_step(op) => work.extend(n.inputs.first().copied()),
             Op::Kernel { body, kind: KernelKind::Fused } => {
                 let Some(b) = g.blocks.get(body.index()) else { continue };
                 let Some(out) = b.outputs.get(index as usize) else { continue };
@@ -419,6 +426,13 @@ pub fn assign_storage(g: &Graph) -> Result<Storage, BuildError> {
     for (p, n) in main.order.iter().enumerate() {
         let node = main.node(*n);
         match &node.op {
+            op if is_collective_step(op) => {
+                // A collective writes a fresh buffer (never its operand's: ranks read it).
+                for &r in &node.results {
+                    let rf = BufRef::Buffer { buffer: b.add_value(r, None)?, layer: false };
+                    b.s.main[r.index()] = Some(rf);
+                }
+            }
             Op::Kernel { .. } => {
                 for &r in &node.results {
                     let rf = match in_place.get(&r) {
@@ -590,7 +604,7 @@ fn assign_loop(
     for n in &blk.order {
         let bn = blk.node(*n);
         match &bn.op {
-            Op::Kernel { .. } => {
+            op if matches!(op, Op::Kernel { .. }) || is_collective_step(op) => {
                 for &r in &bn.results {
                     producer.insert(r, *n);
                     let rf = match claim.get(&r) {
@@ -640,6 +654,7 @@ fn step_refs(s: &Step) -> Vec<BufRef> {
         Step::Launch { inputs, outputs, .. } => inputs.iter().chain(outputs).copied().collect(),
         Step::Copy { src, dst, .. } => vec![*src, *dst],
         Step::Memset { dst, .. } => vec![*dst],
+        Step::Collective { input, output, .. } => vec![*input, *output],
         Step::Loop { .. } => vec![],
     }
 }

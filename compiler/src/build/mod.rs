@@ -25,12 +25,15 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use sha2::{Digest, Sha256};
-use titan_ir::artifact::{ArenaPlan, FORMAT_VERSION, KERNEL_DIR, Kernel, Manifest, MemoryPlan, Mesh, RankSchedule, Target, TrainingInfo};
+use titan_ir::artifact::{
+    Arena, ArenaPlan, BufRef, CollectiveOp, CommVolume, FORMAT_VERSION, KERNEL_DIR, Kernel, Manifest, MemoryPlan, Mesh, MeshDim, MeshReport, RankMemory,
+    RankSchedule, Step, Target, TrainingInfo,
+};
 use titan_ir::attr::fmt_float;
 use titan_ir::{AttrValue, BlockId, Graph, KernelKind};
 use titan_kernels::KernelError;
 use titan_passes::fuse::FusionReport;
-use titan_passes::pipeline::BUILD_PIPELINE;
+use titan_passes::pipeline::{BUILD_PIPELINE, SPMD_BUILD_PIPELINE};
 use titan_passes::{PassError, PipelineOptions, PipelineReport, TrainOptions, compile_train_graph, fusion_report, lower_to_train};
 
 use self::memory::{Lifetime, Storage, bytes_of, shape_of};
@@ -49,11 +52,20 @@ pub struct BuildOptions {
     pub target: Target,
     /// Also compute the fusion report (one more lowering, without fusion, to compare with).
     pub report: bool,
+    /// The device mesh (`--dp-replicate/--dp-shard/--tp`); one rank builds the single-device
+    /// step, more build the SPMD step every rank runs.
+    pub mesh: titan_ir::Mesh,
 }
 
 impl Default for BuildOptions {
     fn default() -> BuildOptions {
-        BuildOptions { train: TrainOptions::default(), pipeline: PipelineOptions::default(), target: Target::sm90a(), report: false }
+        BuildOptions {
+            train: TrainOptions::default(),
+            pipeline: PipelineOptions::default(),
+            target: Target::sm90a(),
+            report: false,
+            mesh: titan_ir::Mesh::new(1, 1, 1),
+        }
     }
 }
 
@@ -68,10 +80,12 @@ impl BuildOptions {
             titan_ir::DecayKind::Cosine => "cosine",
         };
         let max_norm = t.max_norm.map_or_else(|| "none".to_string(), fmt_float);
-        [
+        let spmd = self.mesh.world_size() > 1;
+        let pipeline: &[&str] = if spmd { &SPMD_BUILD_PIPELINE } else { &BUILD_PIPELINE };
+        let mut lines = vec![
             format!("titan_version = {}", env!("CARGO_PKG_VERSION")),
             format!("format_version = {FORMAT_VERSION}"),
-            format!("pipeline = {}", BUILD_PIPELINE.join(",")),
+            format!("pipeline = {}", pipeline.join(",")),
             format!("train.lr = {}", fmt_float(t.lr)),
             format!("train.warmup_steps = {}", t.warmup_steps),
             format!("train.decay_steps = {}", t.decay_steps),
@@ -84,10 +98,12 @@ impl BuildOptions {
             format!("train.max_norm = {max_norm}"),
             format!("target.arch = {}", self.target.arch),
             format!("target.ptx_isa = {}", self.target.ptx_isa),
-        ]
-        .iter()
-        .map(|l| format!("{l}\n"))
-        .collect()
+        ];
+        if spmd {
+            let [r, d, t] = self.mesh.sizes;
+            lines.push(format!("mesh = dp_replicate {r}, dp_shard {d}, tp {t}"));
+        }
+        lines.iter().map(|l| format!("{l}\n")).collect()
     }
 }
 
@@ -154,6 +170,12 @@ pub struct BuildSummary {
     pub fusion: Option<FusionReport>,
     /// Kernels left without GPU code, a build without cubins, and why.
     pub notes: Vec<String>,
+    /// The mesh of an SPMD build (empty on one device) and its world size.
+    pub mesh: Mesh,
+    /// Collective steps per training step (SPMD).
+    pub collectives_per_step: u64,
+    /// Per-rank memory and communication of an SPMD build.
+    pub report: Option<MeshReport>,
 }
 
 /// `1.50 GiB`.
@@ -184,8 +206,13 @@ impl fmt::Display for BuildSummary {
         }
         let planned = self.arenas.iter().find(|a| a.arena == titan_ir::artifact::Arena::Activations).map_or(0, |a| a.bytes);
         writeln!(f, "  activations are {} planned, {} if no buffer were reused", human_bytes(planned), human_bytes(self.activation_bytes_unplanned))?;
-        for (rank, peak) in self.peak_bytes_per_rank.iter().enumerate() {
-            writeln!(f, "predicted peak memory: rank {rank}: {} ({peak} bytes, excluding library workspaces)", human_bytes(*peak))?;
+        match &self.report {
+            Some(r) => write_mesh_report(f, &self.mesh, self.collectives_per_step, r)?,
+            None => {
+                for (rank, peak) in self.peak_bytes_per_rank.iter().enumerate() {
+                    writeln!(f, "predicted peak memory: rank {rank}: {} ({peak} bytes, excluding library workspaces)", human_bytes(*peak))?;
+                }
+            }
         }
         let p = &self.phases;
         let ptxas = if p.ptxas > Duration::ZERO { format!(", ptxas {}", secs(p.ptxas)) } else { String::new() };
@@ -207,6 +234,135 @@ impl fmt::Display for BuildSummary {
             write!(f, "{r}")?;
         }
         Ok(())
+    }
+}
+
+/// The mesh part of the summary: per-rank memory by class and communication per mesh dim.
+fn write_mesh_report(f: &mut fmt::Formatter<'_>, mesh: &Mesh, collectives: u64, r: &MeshReport) -> fmt::Result {
+    let dims: Vec<String> = mesh.dims.iter().map(|d| format!("{} {}", d.name, d.size)).collect();
+    writeln!(
+        f,
+        "mesh:         world {} = {} (SPMD: every rank runs this schedule on its shards; {collectives} collectives per step)",
+        mesh.world_size,
+        dims.join(" x ")
+    )?;
+    let m = &r.memory;
+    writeln!(f, "per-rank memory (predicted, each of the {} ranks):", mesh.world_size)?;
+    writeln!(f, "  params           {:>12}  fp32 master weights (this rank's shards)", human_bytes(m.params))?;
+    writeln!(f, "  optimizer_state  {:>12}  AdamW moments", human_bytes(m.optimizer_state))?;
+    writeln!(f, "  grads            {:>12}  gradients (bf16 and the fp32 copies the optimizer reads), planned", human_bytes(m.grads))?;
+    writeln!(
+        f,
+        "  activations      {:>12}  planned; includes {} of FSDP-gathered weights, {} of them saved for the backward",
+        human_bytes(m.activations),
+        human_bytes(m.gathered_weights),
+        human_bytes(m.gathered_weights_saved)
+    )?;
+    writeln!(f, "  inputs           {:>12}", human_bytes(m.inputs))?;
+    writeln!(f, "predicted peak memory: each rank: {} ({} bytes, excluding library workspaces and communication buffers)", human_bytes(m.peak), m.peak)?;
+    writeln!(
+        f,
+        "communication per step, bytes each rank sends (and receives) with ring algorithms: all_gather and reduce_scatter (n-1)/n of the full buffer, all_reduce 2(n-1)/n:"
+    )?;
+    for c in &r.comm {
+        writeln!(
+            f,
+            "  {:<12} ({:>2} ranks): {:>5} calls, all_gather {:>11}, reduce_scatter {:>11}, all_reduce {:>11}, total {:>11}",
+            c.mesh_dim,
+            c.group,
+            c.calls,
+            human_bytes(c.all_gather_bytes),
+            human_bytes(c.reduce_scatter_bytes),
+            human_bytes(c.all_reduce_bytes),
+            human_bytes(c.total_bytes())
+        )?;
+    }
+    Ok(())
+}
+
+/// The manifest's mesh of a [`titan_ir::Mesh`]: the dims of more than one rank, outermost first.
+pub fn manifest_mesh(mesh: &titan_ir::Mesh) -> Mesh {
+    let dims = titan_ir::MeshDim::ALL.into_iter().filter(|&d| mesh.size(d) > 1).map(|d| MeshDim { name: d.name().to_string(), size: mesh.size(d) }).collect();
+    Mesh { world_size: mesh.world_size(), dims }
+}
+
+/// The per-rank memory by class and the communication per step of an SPMD plan.
+pub fn mesh_report(plan: &Plan, mesh: &titan_ir::Mesh) -> MeshReport {
+    let arena = |a: Arena| plan.memory.arenas.iter().find(|p| p.arena == a).map_or(0, |p| p.bytes);
+    let buffers = &plan.storage.buffers;
+    // Buffers written by FSDP's all-gathers, and those written a layer slice at a time (stacked
+    // results that stay live until the backward reads them).
+    let mut gathered: BTreeMap<u32, bool> = BTreeMap::new();
+    let mut comm: BTreeMap<usize, CommVolume> = BTreeMap::new();
+    fn walk(steps: &[Step], times: u64, carries: &[[u32; 2]], gathered: &mut BTreeMap<u32, bool>, comm: &mut BTreeMap<usize, CommVolume>) {
+        for s in steps {
+            match s {
+                Step::Loop { count, carries, body, .. } => walk(body, times * u64::from(*count), carries, gathered, comm),
+                Step::Collective { collective, mesh_dim, group, output, send_bytes, .. } => {
+                    if matches!(collective, CollectiveOp::TakeShard | CollectiveOp::PlaceShard) {
+                        continue;
+                    }
+                    let Some(m) = titan_ir::MeshDim::from_name(mesh_dim) else { continue };
+                    if *collective == CollectiveOp::AllGather && m == titan_ir::MeshDim::DpShard {
+                        match *output {
+                            BufRef::Buffer { buffer, layer } => *gathered.entry(buffer).or_default() |= layer,
+                            BufRef::Carry { carry, .. } => {
+                                for &b in carries.get(carry as usize).into_iter().flatten() {
+                                    gathered.entry(b).or_default();
+                                }
+                            }
+                        }
+                    }
+                    let c = comm.entry(m.index()).or_insert_with(|| CommVolume {
+                        mesh_dim: mesh_dim.clone(),
+                        group: *group,
+                        calls: 0,
+                        all_gather_bytes: 0,
+                        reduce_scatter_bytes: 0,
+                        all_reduce_bytes: 0,
+                    });
+                    c.calls += times;
+                    let bytes = send_bytes * times;
+                    match collective {
+                        CollectiveOp::AllGather => c.all_gather_bytes += bytes,
+                        CollectiveOp::ReduceScatter => c.reduce_scatter_bytes += bytes,
+                        _ => c.all_reduce_bytes += bytes,
+                    }
+                }
+                _ => {}
+            }
+        }
+    }
+    walk(&plan.schedule.steps, 1, &[], &mut gathered, &mut comm);
+    let bytes_of_buffer = |id: u32| buffers.get(id as usize).map_or(0, |b| b.bytes);
+    let gathered_weights = gathered.keys().map(|&b| bytes_of_buffer(b)).sum();
+    let gathered_weights_saved = gathered.iter().filter(|(_, saved)| **saved).map(|(&b, _)| bytes_of_buffer(b)).sum();
+    let comm = titan_ir::MeshDim::ALL
+        .into_iter()
+        .filter(|&d| mesh.size(d) > 1)
+        .map(|d| {
+            comm.remove(&d.index()).unwrap_or(CommVolume {
+                mesh_dim: d.name().to_string(),
+                group: mesh.size(d),
+                calls: 0,
+                all_gather_bytes: 0,
+                reduce_scatter_bytes: 0,
+                all_reduce_bytes: 0,
+            })
+        })
+        .collect();
+    MeshReport {
+        memory: RankMemory {
+            params: arena(Arena::Params),
+            optimizer_state: arena(Arena::OptimizerState),
+            grads: arena(Arena::Grads),
+            activations: arena(Arena::Activations),
+            inputs: arena(Arena::Inputs),
+            gathered_weights,
+            gathered_weights_saved,
+            peak: plan.memory.peak_bytes,
+        },
+        comm,
     }
 }
 
@@ -391,6 +547,16 @@ fn compile(model: &Graph, model_text: &str, opts: &BuildOptions, generate_code: 
         let errors = errors.iter().map(|e| format!("  {e}")).collect::<Vec<_>>().join("\n");
         return Err(BuildError::Invalid(format!("the model graph does not verify; fix these errors first:\n{errors}")));
     }
+    let spmd = opts.mesh.world_size() > 1;
+    let meshed;
+    let model = if spmd {
+        let mut m = model.clone();
+        opts.mesh.write_meta(&mut m);
+        meshed = m;
+        &meshed
+    } else {
+        model
+    };
     let (fused, pipeline) = compile_train_graph(model, &opts.train, &opts.pipeline)?;
     phases.pipeline = t.elapsed();
 
@@ -406,6 +572,7 @@ fn compile(model: &Graph, model_text: &str, opts: &BuildOptions, generate_code: 
 
     let t = Instant::now();
     let plan = plan_kernel_graph(&fused)?;
+    let report = spmd.then(|| mesh_report(&plan, &opts.mesh));
     let mut bodies = Vec::with_capacity(plan.schedule.kernels.len());
     for &(body, kind) in &plan.schedule.kernels {
         let region = fused.blocks.get(body.index()).ok_or_else(|| BuildError::Internal(format!("kernel body #{} does not exist", body.0)))?;
@@ -506,12 +673,13 @@ fn compile(model: &Graph, model_text: &str, opts: &BuildOptions, generate_code: 
         target: opts.target.clone(),
         model: model.meta.entries.iter().map(|(k, v)| (k.clone(), meta_json(v))).collect(),
         dims: dims.into_iter().collect(),
-        mesh: Mesh { world_size: 1, dims: vec![] },
+        mesh: manifest_mesh(&opts.mesh),
         training: TrainingInfo { batch, seq_len, vocab_size, tokens_per_step: batch * seq_len, flops_per_token },
         buffers: plan.storage.buffers.clone(),
         memory: plan.memory.clone(),
         kernels,
         ranks: vec![RankSchedule { rank: 0, steps: plan.schedule.steps.clone() }],
+        report: report.clone(),
     };
     let summary = BuildSummary {
         out_dir: PathBuf::new(),
@@ -530,6 +698,9 @@ fn compile(model: &Graph, model_text: &str, opts: &BuildOptions, generate_code: 
         pipeline,
         fusion,
         notes,
+        mesh: manifest_mesh(&opts.mesh),
+        collectives_per_step: plan.schedule.collectives_per_step,
+        report,
     };
     let graph_text = titan_ir::print::print_graph(&fused);
     Ok((Artifact { manifest, graph_text, ptx, cubins }, summary))

@@ -3,7 +3,8 @@
 //! Steps follow `main`'s order: a `kernel` node becomes a `Launch` (inputs bind the body's
 //! arguments, outputs its results, as [`BufRef`]s from the memory plan); a `repeat` becomes a
 //! `Loop` whose body launches the block's kernels with `Carry` and `layer` references; a
-//! `reshape` is a view and becomes nothing. `Copy` steps appear where the memory plan asks for
+//! `reshape` is a view and becomes nothing; a collective (`all_gather`, `reduce_scatter`,
+//! `all_reduce`, `take_shard`, `place_shard` of an SPMD graph) becomes a `Collective` step. `Copy` steps appear where the memory plan asks for
 //! them (a carried operand still read after its loop, block outputs that are block arguments
 //! or already written elsewhere, updates and outputs that could not be written in place), and
 //! a `Memset` zeroes the table before every `scatter_add` kernel (it sums rows into zeros).
@@ -12,11 +13,12 @@
 
 use std::collections::HashMap;
 
-use titan_ir::artifact::{BufRef, Step};
-use titan_ir::{BlockId, Graph, KernelKind, Node, Op, Region};
+use titan_ir::artifact::{BufRef, CollectiveOp, CollectiveSpec, Step};
+use titan_ir::{BlockId, Graph, KernelKind, Mesh, Node, Op, Region};
+use titan_passes::fuse::is_collective_step;
 
 use super::BuildError;
-use super::memory::{CopyOp, Storage, internal, ref_bytes};
+use super::memory::{CopyOp, Storage, bytes_of, internal, ref_bytes, shape_of};
 
 /// All steps run on stream 0 for now.
 pub const STREAM: u32 = 0;
@@ -29,6 +31,8 @@ pub struct Schedule {
     pub kernels: Vec<(BlockId, KernelKind)>,
     /// Launches per training step, counting each loop body `count` times.
     pub launches_per_step: u64,
+    /// Collective steps per training step (SPMD), counted the same way.
+    pub collectives_per_step: u64,
 }
 
 struct Table {
@@ -78,18 +82,53 @@ fn launch(
     Ok(())
 }
 
-/// Rank 0's steps over the kernel graph `g` with the storage of the memory plan.
+/// The step of a collective (or `take_shard`/`place_shard`) node: the op, its mesh dim and
+/// group, the operand and result shapes, the buffers and the ring send volume.
+fn collective(g: &Graph, mesh: &Mesh, region: &Region, node: &Node, refs: &[Option<BufRef>]) -> Result<Step, BuildError> {
+    let CollectiveSpec { op, mesh_dim, group, dim, reduce } =
+        CollectiveOp::of_op(&node.op, mesh).ok_or_else(|| internal(format!("`{}` in @{} is not a collective", node.op.name(), region.name)))?;
+    let (Some(&x), Some(&y)) = (node.inputs.first(), node.results.first()) else {
+        return Err(internal(format!("`{}` in @{} without operand or result", node.op.name(), region.name)));
+    };
+    let lookup = |v: titan_ir::Value| refs.get(v.index()).copied().flatten().ok_or_else(|| internal(format!("value {v} of @{} has no storage", region.name)));
+    let (in_shape, out_shape) = (shape_of(g, region, x)?, shape_of(g, region, y)?);
+    let dtype = region.ty(x).dtype;
+    let send_bytes = op.ring_send_bytes(group, bytes_of(dtype, &in_shape), bytes_of(dtype, &out_shape));
+    Ok(Step::Collective {
+        collective: op,
+        mesh_dim: mesh_dim.name().to_string(),
+        group,
+        dim,
+        reduce,
+        dtype,
+        in_shape,
+        out_shape,
+        input: lookup(x)?,
+        output: lookup(y)?,
+        send_bytes,
+        stream: STREAM,
+    })
+}
+
+/// Rank 0's steps over the kernel graph `g` with the storage of the memory plan. In an SPMD
+/// graph (its meta names a mesh) every rank runs these same steps.
 pub fn build_schedule(g: &Graph, storage: &Storage) -> Result<Schedule, BuildError> {
     let main = &g.main;
+    let mesh = Mesh::from_graph(g).map_err(BuildError::Invalid)?.unwrap_or(Mesh::new(1, 1, 1));
     let mut table = Table { ids: HashMap::new(), kernels: Vec::new() };
     let mut steps = Vec::new();
     let mut launches = 0u64;
+    let mut collectives = 0u64;
     for n in &main.order {
         let node = main.node(*n);
         match &node.op {
             Op::Kernel { .. } => {
                 launch(&mut table, main, node, &storage.main, storage, &[], &mut steps)?;
                 launches += 1;
+            }
+            op if is_collective_step(op) => {
+                steps.push(collective(g, &mesh, main, node, &storage.main)?);
+                collectives += 1;
             }
             Op::Reshape => {}
             Op::Repeat { block, count, reverse, .. } => {
@@ -98,28 +137,34 @@ pub fn build_schedule(g: &Graph, storage: &Storage) -> Result<Schedule, BuildErr
                 steps.extend(ls.copies_before.iter().map(copy_step));
                 let mut body: Vec<Step> = ls.copies_at_start.iter().map(copy_step).collect();
                 let mut body_launches = 0u64;
+                let mut body_collectives = 0u64;
                 for bn in &blk.order {
                     let bnode = blk.node(*bn);
                     match bnode.op {
                         Op::Kernel { .. } => {
                             launch(&mut table, blk, bnode, &ls.values, storage, &ls.carries, &mut body)?;
                             body_launches += 1;
-                            if let Some(copies) = ls.copies_after.get(bn) {
-                                body.extend(copies.iter().map(copy_step));
-                            }
                         }
-                        Op::Reshape => {}
+                        ref op if is_collective_step(op) => {
+                            body.push(collective(g, &mesh, blk, bnode, &ls.values)?);
+                            body_collectives += 1;
+                        }
+                        Op::Reshape => continue,
                         ref other => return Err(internal(format!("`{}` in @{} of the kernel graph", other.name(), blk.name))),
+                    }
+                    if let Some(copies) = ls.copies_after.get(bn) {
+                        body.extend(copies.iter().map(copy_step));
                     }
                 }
                 launches += body_launches * u64::from(*count);
+                collectives += body_collectives * u64::from(*count);
                 steps.push(Step::Loop { count: *count, reverse: *reverse, carries: ls.carries.clone(), body });
             }
             other => return Err(internal(format!("`{}` in `main` of the kernel graph", other.name()))),
         }
     }
     steps.extend(storage.final_copies.iter().map(copy_step));
-    Ok(Schedule { steps, kernels: table.kernels, launches_per_step: launches })
+    Ok(Schedule { steps, kernels: table.kernels, launches_per_step: launches, collectives_per_step: collectives })
 }
 
 /// Ops that say nothing about what a kernel does (left out of its name).

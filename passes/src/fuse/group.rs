@@ -39,7 +39,9 @@ impl Space {
 /// What the fusion pass does with one node.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Class {
-    /// Stays a region-level node: `reshape` (a view), `repeat`, an existing `kernel`.
+    /// Stays a region-level node: `reshape` (a view), `repeat`, an existing `kernel`, a
+    /// collective (`all_gather`, `reduce_scatter`, `all_reduce`) or a rank-local
+    /// `take_shard`/`place_shard`.
     Keep,
     /// A rank-0 `constant`: copied into every fused/optimizer kernel that reads it.
     ScalarConstant,
@@ -75,18 +77,9 @@ pub fn classify(op: &Op, ins: &[&TensorType], outs: &[&TensorType], dims: &DimTa
     let rows_of = |t: &TensorType| -> Result<Class, String> { Ok(Class::Fusible(Space::Elems { elems: numel(t, dims)?, row: Some(last_dim(t, dims)?) })) };
     Ok(match op {
         Op::Reshape | Op::Repeat { .. } | Op::Kernel { .. } => Class::Keep,
-        Op::AllGather { .. } | Op::ReduceScatter { .. } | Op::AllReduce { .. } => {
-            return Err(format!(
-                "fusing the collective `{}` (run SPMD training graphs on the simulated mesh with `titan-run train.ir`) is not supported yet",
-                op.name()
-            ));
-        }
-        Op::TakeShard { .. } | Op::PlaceShard { .. } => {
-            return Err(format!(
-                "fusing the rank-dependent `{}` (run SPMD training graphs on the simulated mesh with `titan-run train.ir`) is not supported yet",
-                op.name()
-            ));
-        }
+        // Collectives (and the rank-local shard ops) are schedule steps of their own: they
+        // never join a kernel, and the convexity check sees paths through them.
+        Op::AllGather { .. } | Op::ReduceScatter { .. } | Op::AllReduce { .. } | Op::TakeShard { .. } | Op::PlaceShard { .. } => Class::Keep,
         Op::Linear | Op::Matmul { .. } => Class::Single(KernelKind::Gemm),
         Op::Attention { .. } => Class::Single(KernelKind::Attention),
         Op::AttentionBwd { .. } => Class::Single(KernelKind::AttentionBwd),

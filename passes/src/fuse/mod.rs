@@ -1,7 +1,9 @@
 //! Per-block fusion: groups the ops of every region (`main` and each block, each block once
 //! however many layers repeat it) into kernels, the torch.compile analogue. The result is the
 //! *kernel graph*: every region holds only `kernel` nodes, `reshape` nodes (views, left between
-//! kernels) and, in `main`, `repeat` nodes. Each kernel's body is a new block
+//! kernels), collectives (`all_gather`, `reduce_scatter`, `all_reduce` and the rank-local
+//! `take_shard`/`place_shard` of an SPMD graph: each one step of the schedule, never inside a
+//! kernel) and, in `main`, `repeat` nodes. Each kernel's body is a new block
 //! `@<region>.k<N>`, numbered in program order, whose arguments are the group's external
 //! inputs and whose results are the group's values read outside it (or region results).
 //!
@@ -45,6 +47,9 @@
 //!    non-scalar constant is a fused kernel of its own (a fill). Reductions over inner axes are
 //!    kernels of their own.
 //! 7. `reshape` is never inside a kernel, so fusion does not cross views.
+//! 8. Collectives and `take_shard`/`place_shard` are never inside a kernel: they split groups
+//!    like any node left in place, and rule 4 sees the paths through them (a producer of an
+//!    `all_gather` operand never merges with a consumer of its result).
 //!
 //! Kernels are scheduled in a topological order, earliest first op first. The interpreter runs
 //! a kernel's body op by op, so the fused graph computes bit-identical results.
@@ -77,9 +82,17 @@ pub struct FuseStats {
     pub constants_copied: usize,
 }
 
-/// Whether a region is already a kernel region: only kernels, views and repeats.
+/// Whether `op` stays a region-level step of the kernel graph besides kernels, views and
+/// repeats: a collective or a rank-local shard op.
+pub fn is_collective_step(op: &Op) -> bool {
+    op.is_collective() || matches!(op, Op::TakeShard { .. } | Op::PlaceShard { .. })
+}
+
+/// Whether a region is already a kernel region: only kernels, views, collectives and repeats.
 fn is_kernel_region(r: &Region) -> bool {
-    r.order.iter().all(|n| r.nodes.get(n.index()).is_some_and(|node| matches!(node.op, Op::Kernel { .. } | Op::Reshape | Op::Repeat { .. })))
+    r.order.iter().all(|n| {
+        r.nodes.get(n.index()).is_some_and(|node| matches!(node.op, Op::Kernel { .. } | Op::Reshape | Op::Repeat { .. }) || is_collective_step(&node.op))
+    })
 }
 
 /// The blocks that are bodies of `kernel` nodes.
@@ -102,9 +115,9 @@ fn fail(message: String) -> PassError {
     }
 }
 
-/// Check the shape of a kernel graph: regions (other than kernel bodies) hold only `kernel`
-/// and `reshape` nodes, plus `repeat` in `main`; bodies hold no `kernel`, `reshape` or
-/// `repeat`; a `gemm`, `attention`, `attention_bwd`, `gather` or `scatter_add` kernel holds
+/// Check the shape of a kernel graph: regions (other than kernel bodies) hold only `kernel`,
+/// `reshape` and collective nodes, plus `repeat` in `main`; bodies hold no `kernel`, `reshape`,
+/// `repeat` or collective; a `gemm`, `attention`, `attention_bwd`, `gather` or `scatter_add` kernel holds
 /// exactly its one op. Returns every violation.
 pub fn check_kernel_graph(g: &Graph) -> Vec<String> {
     let bodies = kernel_bodies(g);
@@ -115,9 +128,9 @@ pub fn check_kernel_graph(g: &Graph) -> Vec<String> {
         for node in r.order.iter().filter_map(|n| r.nodes.get(n.index())) {
             let op = &node.op;
             let allowed = if is_body {
-                !matches!(op, Op::Kernel { .. } | Op::Reshape | Op::Repeat { .. })
+                !matches!(op, Op::Kernel { .. } | Op::Reshape | Op::Repeat { .. }) && !is_collective_step(op)
             } else {
-                matches!(op, Op::Kernel { .. } | Op::Reshape) || (id.is_none() && matches!(op, Op::Repeat { .. }))
+                matches!(op, Op::Kernel { .. } | Op::Reshape) || is_collective_step(op) || (id.is_none() && matches!(op, Op::Repeat { .. }))
             };
             if !allowed && is_body {
                 errors.push(format!("@{}: a kernel body cannot hold `{}`", r.name, op.name()));

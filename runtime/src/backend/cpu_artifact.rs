@@ -14,21 +14,29 @@
 //!
 //! The activation and gradient arenas are filled with NaN bytes before every step, as device
 //! memory holds garbage: a kernel reading a buffer nothing wrote this step poisons the loss.
+//!
+//! An SPMD artifact (a mesh in its manifest) runs one trainer per rank
+//! ([`CpuArtifactTrainer::with_rank`], driven by `sim_mesh::ArtifactMeshTrainer`): every rank
+//! runs the same schedule, its `collective` steps go through the rank's [`Communicator`]
+//! (the interpreter's `eval_collective`, so the same bits as graph mode), and each state buffer
+//! starts as the rank's shard of the single-rank initialization.
+//!
+//! [`Communicator`]: titan_ir::interp::Communicator
 
-use std::rc::Rc;
+use std::sync::Arc;
 use std::time::Instant;
 
 use titan_ir::artifact::{Arena, BufRef, Buffer, BufferClass, Step};
-use titan_ir::interp::{Interpreter, Precision, Tensor, eval_op};
+use titan_ir::interp::{Interpreter, Precision, Tensor, eval_collective, eval_op};
 use titan_ir::{DType, Op, Region, TensorType, ValueDef};
 
 use crate::RuntimeError;
 use crate::artifact::{Artifact, arena_name};
 use crate::backend::KernelTime;
 use crate::backend::codec::{decode, encode, encode_floats, encode_ints};
+use crate::backend::cpu_graph::{RankContext, init_state_shard};
 use crate::backend::{StepMetrics, Trainer, check_batch};
 use crate::data::Batch;
-use crate::init::init_values;
 
 /// The byte every element of a poisoned arena starts with: `0xff..` is NaN in every float
 /// format and -1 as an integer.
@@ -126,7 +134,7 @@ impl BodyPlan {
     }
 }
 
-/// Runs an artifact's schedule (rank 0) on the CPU.
+/// Runs an artifact's schedule on the CPU (one device, or one rank of an SPMD artifact).
 pub struct CpuArtifactTrainer<'a> {
     artifact: &'a Artifact,
     interp: Interpreter<'a>,
@@ -140,15 +148,19 @@ pub struct CpuArtifactTrainer<'a> {
     lr: Option<&'a Buffer>,
     batch: usize,
     seq: usize,
+    /// Elements of `tokens`: `batch * seq`, or this rank's share with sequence parallelism.
+    tokens_len: usize,
     vocab: usize,
     step: u64,
     poison: bool,
+    /// The rank of an SPMD artifact: mesh, coordinates and communicator.
+    rank: Option<RankContext>,
     /// Per kernel (in `manifest.kernels` order) when profiling.
     profile: Option<Vec<KernelTime>>,
     /// Steps run since profiling was enabled.
     profiled_steps: u64,
     /// Per kernel (in `manifest.kernels` order): how to stream its body, if it can be.
-    plans: Rc<Vec<Option<BodyPlan>>>,
+    plans: Arc<Vec<Option<BodyPlan>>>,
     streaming: bool,
 }
 
@@ -159,15 +171,40 @@ fn usize_of(x: u64, what: &str) -> Result<usize, RuntimeError> {
 impl<'a> CpuArtifactTrainer<'a> {
     /// Allocate the arenas of `artifact`'s memory plan and initialize every parameter and
     /// optimizer-state buffer from `graph.ir`'s state arguments with `seed` (the same values
-    /// graph mode starts from).
+    /// graph mode starts from). A single-device artifact only; see [`Self::with_rank`].
     pub fn new(artifact: &'a Artifact, seed: u64) -> Result<CpuArtifactTrainer<'a>, RuntimeError> {
+        CpuArtifactTrainer::with_rank(artifact, seed, None)
+    }
+
+    /// [`Self::new`], as rank `rank` of an SPMD artifact: collective steps go through
+    /// `rank.comm`, and each state buffer starts as this rank's shard (by the placement of its
+    /// `graph.ir` state argument) of the single-rank initialization.
+    pub fn with_rank(artifact: &'a Artifact, seed: u64, rank: Option<RankContext>) -> Result<CpuArtifactTrainer<'a>, RuntimeError> {
         let m = &artifact.manifest;
-        if m.ranks.len() != 1 || m.mesh.world_size > 1 {
+        if m.ranks.len() != 1 {
             return Err(RuntimeError::Backend(format!(
-                "the artifact has {} ranks (mesh world size {}); the cpu backend runs single-device artifacts, rebuild without a mesh",
-                m.ranks.len(),
-                m.mesh.world_size
+                "the artifact has {} schedules; titan artifacts carry one (SPMD: every rank runs it), rebuild it with `titanc build`",
+                m.ranks.len()
             )));
+        }
+        match &rank {
+            None if m.mesh.world_size > 1 => {
+                return Err(RuntimeError::Backend(format!(
+                    "the artifact is built for a mesh of {} ranks; run it on the simulated mesh (`titan-run DIR` on the cpu backend), or rebuild it without a mesh",
+                    m.mesh.world_size
+                )));
+            }
+            Some(r) => {
+                let size = |name: &str| m.mesh.dims.iter().find(|d| d.name == name).map_or(1, |d| d.size);
+                let want = [size("dp_replicate"), size("dp_shard"), size("tp")];
+                if r.mesh.sizes != want || r.mesh.world_size() != m.mesh.world_size {
+                    return Err(RuntimeError::Backend(format!(
+                        "a rank of mesh {:?} (dp_replicate, dp_shard, tp) cannot run an artifact built for {want:?} (world size {})",
+                        r.mesh.sizes, m.mesh.world_size
+                    )));
+                }
+            }
+            None => {}
         }
         let mut arenas = Vec::with_capacity(ARENAS.len());
         for a in ARENAS {
@@ -181,18 +218,26 @@ impl<'a> CpuArtifactTrainer<'a> {
         }
         let feed = |f: &str| artifact.feed_buffer(f).ok_or_else(|| bad(format!("no input buffer is fed `{f}`")));
         let (tokens, targets, step_buf) = (feed("tokens")?, feed("targets")?, feed("step")?);
-        if tokens.shape != targets.shape {
+        // A sequence-parallel rank reads a slice of every row's tokens; the step's shape is the
+        // targets'.
+        let seq_parallel = tokens.shape.first() == targets.shape.first() && rank.as_ref().is_some_and(|r| r.mesh.sizes[2] > 1);
+        if tokens.shape != targets.shape && !seq_parallel {
             return Err(bad(format!("the tokens buffer is {:?} and the targets buffer {:?}; they must match", tokens.shape, targets.shape)));
         }
         let t = &m.training;
-        let (batch, seq) = (usize_of(tokens.shape[0], "batch")?, usize_of(tokens.shape[1], "seq")?);
-        if (t.batch, t.seq_len) != (tokens.shape[0], tokens.shape[1]) {
-            return Err(bad(format!("the manifest trains batch {} x seq {}, its tokens buffer is {:?}", t.batch, t.seq_len, tokens.shape)));
+        let (batch, seq) = (usize_of(targets.shape[0], "batch")?, usize_of(targets.shape[1], "seq")?);
+        if (t.batch, t.seq_len) != (targets.shape[0], targets.shape[1]) {
+            return Err(bad(format!("the manifest trains batch {} x seq {}, its targets buffer is {:?}", t.batch, t.seq_len, targets.shape)));
         }
+        let tokens_len = usize_of(tokens.shape.iter().product(), "tokens")?;
         let loss = artifact.output_buffer("loss").ok_or_else(|| bad("no buffer holds the `loss` output".into()))?;
+        let interp = match &rank {
+            Some(r) => Interpreter::new(&artifact.graph, Precision::Emulate).with_communicator(Arc::clone(&r.comm)),
+            None => Interpreter::new(&artifact.graph, Precision::Emulate),
+        };
         let mut trainer = CpuArtifactTrainer {
             artifact,
-            interp: Interpreter::new(&artifact.graph, Precision::Emulate),
+            interp,
             arenas,
             tokens,
             targets,
@@ -202,27 +247,32 @@ impl<'a> CpuArtifactTrainer<'a> {
             lr: artifact.output_buffer("lr"),
             batch,
             seq,
+            tokens_len,
             vocab: usize_of(t.vocab_size, "vocab_size")?,
             step: 0,
             poison: true,
+            rank,
             streaming: true,
             profile: None,
             profiled_steps: 0,
-            plans: Rc::new(m.kernels.iter().map(|k| artifact.graph.block_by_name(&k.body).and_then(|b| BodyPlan::new(artifact.graph.block(b)))).collect()),
+            plans: Arc::new(m.kernels.iter().map(|k| artifact.graph.block_by_name(&k.body).and_then(|b| BodyPlan::new(artifact.graph.block(b)))).collect()),
         };
         trainer.init_state(seed)?;
         Ok(trainer)
     }
 
     /// Fill every persistent buffer from the state argument of `graph.ir`'s `main` with the
-    /// same checkpoint name.
+    /// same checkpoint name (this rank's shard of it on a mesh).
     fn init_state(&mut self, seed: u64) -> Result<(), RuntimeError> {
+        let main = &self.artifact.graph.main;
         for slot in self.artifact.state_slots()? {
             let (b, p) = (slot.buffer, slot.info);
-            let values = init_values(p.init, slot.layers, slot.per_layer, seed, &|l| p.layer_name(l))
-                .map_err(|e| RuntimeError::Graph(format!("initializing `{}`: {e}", p.name)))?;
+            let placement = main.args.iter().find(|a| a.kind.param_info().is_some_and(|q| q.name == p.name)).map(|a| main.value(a.value).placement.clone());
+            let shape: Vec<usize> = b.shape.iter().map(|&d| usize_of(d, &p.name)).collect::<Result<_, _>>()?;
+            let t = init_state_shard(p, &shape, &placement.unwrap_or_default(), self.rank.as_ref(), seed)?;
+            let values = t.floats().ok_or_else(|| bad(format!("state `{}` is not a float tensor", p.name)))?;
             let v = self.whole(b)?;
-            encode_floats(&values, b.dtype, &mut self.arenas[v.arena][v.start..v.start + v.len]).map_err(|e| bad(format!("state `{}`: {e}", p.name)))?;
+            encode_floats(values, b.dtype, &mut self.arenas[v.arena][v.start..v.start + v.len]).map_err(|e| bad(format!("state `{}`: {e}", p.name)))?;
         }
         Ok(())
     }
@@ -347,6 +397,24 @@ impl<'a> CpuArtifactTrainer<'a> {
                         self.exec(body, Some(Frame { layer, t, carries }))?;
                     }
                 }
+                Step::Collective { collective, mesh_dim, group, dim, reduce, dtype, in_shape, out_shape, input, output, .. } => {
+                    let what = || format!("`{}` over {mesh_dim}", collective.name());
+                    let comm = self.rank.as_ref().map(|r| Arc::clone(&r.comm)).ok_or_else(|| {
+                        RuntimeError::Backend(format!("{}: a collective step outside a mesh run; run the artifact on the simulated mesh", what()))
+                    })?;
+                    let op = collective.to_op(mesh_dim, *group, *dim, *reduce).map_err(|e| bad(format!("{}: {e}", what())))?;
+                    let (i, o) = (self.view(input, frame)?, self.view(output, frame)?);
+                    let shape = |s: &[u64]| s.iter().map(|&d| usize_of(d, "a collective operand")).collect::<Result<Vec<_>, _>>();
+                    if i.dtype != *dtype || o.dtype != *dtype {
+                        return Err(bad(format!("{}: the step is {dtype}, the schedule binds {} and {} buffers", what(), i.dtype, o.dtype)));
+                    }
+                    let x = decode(self.bytes(i), *dtype, shape(in_shape)?).map_err(|e| bad(format!("{}: input: {e}", what())))?;
+                    let y = eval_collective(&op, &x, comm.as_ref(), Precision::Emulate).map_err(|e| RuntimeError::Backend(format!("{}: {e}", what())))?;
+                    if y.shape != shape(out_shape)? {
+                        return Err(bad(format!("{}: the result is {:?}, the step declares {out_shape:?}", what(), y.shape)));
+                    }
+                    encode(&y, &mut self.arenas[o.arena][o.start..o.start + o.len]).map_err(|e| bad(format!("{}: output: {e}", what())))?;
+                }
             }
         }
         Ok(())
@@ -362,7 +430,7 @@ impl<'a> CpuArtifactTrainer<'a> {
         let ins = inputs.iter().map(|r| self.view(r, frame)).collect::<Result<Vec<_>, _>>()?;
         let outs = outputs.iter().map(|r| self.view(r, frame)).collect::<Result<Vec<_>, _>>()?;
         let start = self.profile.is_some().then(Instant::now);
-        let plans = Rc::clone(&self.plans);
+        let plans = Arc::clone(&self.plans);
         let plan = plans.get(pos).ok_or_else(|| bad(format!("kernel `{}` has no execution plan", k.name)))?;
         let result = match plan {
             Some(plan) if self.streaming => self.run_streaming(body, plan, &ins, &outs),
@@ -500,7 +568,16 @@ impl<'a> CpuArtifactTrainer<'a> {
 
     /// Run one training step on `batch`.
     pub fn step(&mut self, batch: &Batch) -> Result<StepMetrics, RuntimeError> {
-        check_batch(batch, self.batch, self.seq, self.vocab)?;
+        if self.tokens_len == self.batch * self.seq {
+            check_batch(batch, self.batch, self.seq, self.vocab)?;
+        } else {
+            // A sequence-parallel rank: its tokens are a slice, its targets the whole step.
+            let whole = Batch { tokens: batch.targets.clone(), targets: batch.targets.clone() };
+            check_batch(&whole, self.batch, self.seq, self.vocab)?;
+            if batch.tokens.len() != self.tokens_len {
+                return Err(RuntimeError::Data(format!("this rank reads {} tokens per step, {} were given", self.tokens_len, batch.tokens.len())));
+            }
+        }
         self.step += 1;
         if self.profile.is_some() {
             self.profiled_steps += 1;

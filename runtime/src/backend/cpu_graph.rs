@@ -29,6 +29,47 @@ pub struct RankContext {
     pub comm: std::sync::Arc<dyn titan_ir::interp::Communicator>,
 }
 
+/// The initial value of state `p` on the rank `rank` (or the single rank): the single-rank
+/// initialization with `seed` of the full tensor, of which a rank keeps its shard along every
+/// mesh dim of more than one rank where `placement` says `Shard(d)`. `local_shape` is the
+/// state's (per-rank) shape. Shared by the graph and artifact backends, so every backend and
+/// mesh starts from exactly the parameters of the single-rank run.
+pub(crate) fn init_state_shard(
+    p: &ParamInfo,
+    local_shape: &[usize],
+    placement: &[titan_ir::Placement],
+    rank: Option<&RankContext>,
+    seed: u64,
+) -> Result<Tensor<f32>, RuntimeError> {
+    // The full (single-rank) shape, and the shards this rank holds of it.
+    let mut shape = local_shape.to_vec();
+    let mut shards = Vec::new();
+    if let Some(r) = rank {
+        for (m, pl) in placement.iter().enumerate() {
+            let n = r.mesh.sizes.get(m).copied().unwrap_or(1) as usize;
+            if let (titan_ir::Placement::Shard(d), true) = (pl, n > 1) {
+                let d = *d as usize;
+                let dim = shape.get_mut(d).ok_or_else(|| RuntimeError::Graph(format!("state `{}` is sharded along dim {d} it does not have", p.name)))?;
+                *dim *= n;
+                shards.push((d, n, r.coords[m]));
+            }
+        }
+    }
+    let (layers, per_layer) = if p.is_stacked() {
+        let l = shape.first().copied().ok_or_else(|| RuntimeError::Graph(format!("stacked parameter `{}` must have a leading layer dim", p.name)))?;
+        (l, shape[1..].iter().product())
+    } else {
+        (1, shape.iter().product())
+    };
+    let values =
+        init_values(p.init, layers, per_layer, seed, &|l| p.layer_name(l)).map_err(|e| RuntimeError::Graph(format!("initializing `{}`: {e}", p.name)))?;
+    let mut t = Tensor::from_vec(DType::F32, shape, values).map_err(RuntimeError::Graph)?;
+    for (d, n, c) in shards {
+        t = titan_ir::interp::shard_of(&t, d, n, c).map_err(RuntimeError::Graph)?;
+    }
+    Ok(t)
+}
+
 /// Runs steps of a training graph on the CPU reference interpreter.
 pub struct CpuTrainer<'g> {
     graph: &'g Graph,
@@ -107,37 +148,7 @@ impl<'g> CpuTrainer<'g> {
                     if ty.dtype.is_int() {
                         return Err(RuntimeError::Graph(format!("state `{}` has an integer type {ty}; titan-run initializes float state only", p.name)));
                     }
-                    // The full (single-rank) shape, and the shards this rank holds of it.
-                    let mut shape = shape;
-                    let mut shards = Vec::new();
-                    if let Some(r) = &rank {
-                        for (m, pl) in main.value(a.value).placement.iter().enumerate() {
-                            let n = r.mesh.sizes.get(m).copied().unwrap_or(1) as usize;
-                            if let (titan_ir::Placement::Shard(d), true) = (pl, n > 1) {
-                                let d = *d as usize;
-                                let dim = shape
-                                    .get_mut(d)
-                                    .ok_or_else(|| RuntimeError::Graph(format!("state `{}` is sharded along dim {d} it does not have", p.name)))?;
-                                *dim *= n;
-                                shards.push((d, n, r.coords[m]));
-                            }
-                        }
-                    }
-                    let (layers, per_layer) = if p.is_stacked() {
-                        let l = shape
-                            .first()
-                            .copied()
-                            .ok_or_else(|| RuntimeError::Graph(format!("stacked parameter `{}` must have a leading layer dim", p.name)))?;
-                        (l, shape[1..].iter().product())
-                    } else {
-                        (1, shape.iter().product())
-                    };
-                    let values = init_values(p.init, layers, per_layer, seed, &|l| p.layer_name(l))
-                        .map_err(|e| RuntimeError::Graph(format!("initializing `{}`: {e}", p.name)))?;
-                    let mut t = Tensor::from_vec(DType::F32, shape, values).map_err(RuntimeError::Graph)?;
-                    for (d, n, c) in shards {
-                        t = titan_ir::interp::shard_of(&t, d, n, c).map_err(RuntimeError::Graph)?;
-                    }
+                    let mut t = init_state_shard(p, &shape, &main.value(a.value).placement, rank.as_ref(), seed)?;
                     if ty.dtype != DType::F32 {
                         // Parameters stored in a low-precision dtype start from rounded values.
                         if let Some(xs) = t.floats_mut() {

@@ -388,6 +388,12 @@ impl Arenas<'_> {
                         ops.push(Op::Memset { dst: d.0, bytes, at });
                     }
                 }
+                Step::Collective { collective, mesh_dim, .. } => {
+                    return Err(RuntimeError::Backend(format!(
+                        "{at}: `{}` over {mesh_dim}: NCCL execution of collectives is not built yet; run it with --backend cpu (simulated mesh)",
+                        collective.name()
+                    )));
+                }
                 Step::Loop { count, reverse, carries, body } => {
                     let count = *count as usize;
                     for t in 0..count {

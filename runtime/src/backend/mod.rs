@@ -2,7 +2,8 @@
 //! [`CpuArtifactTrainer`] executes an artifact's schedule over its memory plan (the reference for
 //! the CUDA backend), [`CpuTrainer`] runs an unfused training graph whole (the reference the
 //! artifact is compared against). [`cuda::CudaArtifactTrainer`] executes the same schedule on
-//! one GPU (PTX kernels, cuBLASLt GEMMs, a CUDA graph per step).
+//! one GPU (PTX kernels, cuBLASLt GEMMs, a CUDA graph per step). [`MeshTrainer`] and
+//! [`ArtifactMeshTrainer`] run an SPMD graph or artifact on a simulated mesh of CPU ranks.
 
 pub mod codec;
 pub mod cpu_artifact;
@@ -12,7 +13,7 @@ pub mod sim_mesh;
 
 pub use cpu_artifact::CpuArtifactTrainer;
 pub use cpu_graph::{CpuTrainer, RankContext};
-pub use sim_mesh::MeshTrainer;
+pub use sim_mesh::{ArtifactMeshTrainer, MeshTrainer};
 
 use titan_ir::interp::Tensor;
 

@@ -1,6 +1,8 @@
-//! The CPU simulated mesh: an SPMD training graph run by N ranks, one thread each, every rank
-//! a [`CpuTrainer`] on its shard of the data and of the parameters. Collectives meet at a
-//! shared rendezvous; each rank reduces the contributions itself in rank order, so results are
+//! The CPU simulated mesh: an SPMD training graph ([`MeshTrainer`], every rank a
+//! [`CpuTrainer`]) or an SPMD artifact ([`ArtifactMeshTrainer`], every rank a
+//! [`CpuArtifactTrainer`] running the artifact's one schedule) run by N ranks, one thread each,
+//! each on its shard of the data and of the parameters. Collectives meet at a shared
+//! rendezvous; each rank reduces the contributions itself in rank order, so results are
 //! deterministic and identical on every rank.
 
 use std::collections::HashMap;
@@ -11,8 +13,9 @@ use titan_ir::interp::{Communicator, Tensor, concat};
 use titan_ir::{Graph, Mesh, MeshDim, Placement};
 
 use crate::RuntimeError;
+use crate::artifact::Artifact;
 use crate::backend::cpu_graph::RankContext;
-use crate::backend::{CpuTrainer, StepMetrics, Trainer};
+use crate::backend::{CpuArtifactTrainer, CpuTrainer, StepMetrics, Trainer};
 use crate::data::Batch;
 
 /// How long a rank waits for the others at a collective before the run is declared stuck.
@@ -159,13 +162,8 @@ impl<'g> MeshTrainer<'g> {
         let mesh = Mesh::from_graph(graph)
             .map_err(RuntimeError::Graph)?
             .ok_or_else(|| RuntimeError::Graph("the graph's meta names no device mesh (world_size); run it with the single-rank graph mode".into()))?;
-        let rv = Arc::new(Rendezvous { mesh, meetings: Mutex::new((HashMap::new(), false)), arrived: Condvar::new() });
-        let mut ranks = Vec::new();
-        for r in 0..mesh.world_size() as usize {
-            let coords = mesh.coords(r);
-            let comm = Arc::new(RankComm { rv: Arc::clone(&rv), coords, calls: Mutex::new([0; 3]) });
-            ranks.push(CpuTrainer::with_rank(graph, seed, Some(RankContext { mesh, coords, comm }))?);
-        }
+        let (rv, contexts) = rank_contexts(mesh);
+        let ranks = contexts.into_iter().map(|c| CpuTrainer::with_rank(graph, seed, Some(c))).collect::<Result<Vec<_>, _>>()?;
         let local_batch = ranks.first().map_or(0, CpuTrainer::batch_size);
         let seq_parallel = is_seq_parallel(graph, mesh);
         Ok(MeshTrainer { mesh, rv, ranks, local_batch, seq_parallel })
@@ -183,79 +181,222 @@ impl<'g> MeshTrainer<'g> {
     /// Run one step: rank `r` with data-parallel index `i` takes rows `i * b .. (i + 1) * b`
     /// of the global batch.
     pub fn step(&mut self, batch: &Batch) -> Result<StepMetrics, RuntimeError> {
-        let seq = self.ranks.first().map_or(0, CpuTrainer::seq_len);
-        let mesh = self.mesh;
-        let locals =
-            (0..self.ranks.len()).map(|r| rank_batch(mesh, mesh.coords(r), batch, self.local_batch, seq, self.seq_parallel)).collect::<Result<Vec<_>, _>>()?;
-        let rv = &self.rv;
-        let results: Vec<Result<StepMetrics, RuntimeError>> = std::thread::scope(|s| {
-            let handles: Vec<_> = self
-                .ranks
-                .iter_mut()
-                .zip(locals)
-                .map(|(trainer, local)| {
-                    s.spawn(move || {
-                        let out = trainer.step(&local);
-                        if out.is_err() {
-                            rv.abort();
-                        }
-                        out
-                    })
-                })
-                .collect();
-            handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(RuntimeError::Backend("a rank thread panicked".into())))).collect()
-        });
-        let mut first = None;
-        for (r, res) in results.into_iter().enumerate() {
-            match res {
-                Ok(m) if r == 0 => first = Some(m),
-                Ok(_) => {}
-                Err(e) => return Err(RuntimeError::Backend(format!("rank {r}: {e}"))),
-            }
-        }
-        let mut m = first.ok_or_else(|| RuntimeError::Backend("the mesh has no ranks".into()))?;
-        m.tokens_per_s *= f64::from(mesh.dp());
-        Ok(m)
+        mesh_step(self.mesh, &self.rv, &mut self.ranks, batch, self.local_batch, self.seq_parallel)
     }
 
     /// Every state buffer, gathered from its shards into the single-rank tensor.
     pub fn gathered_states(&self) -> Result<Vec<(String, Tensor<f32>)>, RuntimeError> {
         let first = self.ranks.first().ok_or_else(|| RuntimeError::Backend("the mesh has no ranks".into()))?;
         let graph = first.graph();
+        let state = |r: usize, k: usize| self.ranks.get(r).and_then(|t| t.states().nth(k)).map(|(_, t)| t.clone());
         let mut out = Vec::new();
         for (k, (p, _)) in first.states().enumerate() {
-            let v = graph.main.args.iter().find(|a| a.kind.param_info().is_some_and(|q| q.name == p.name)).map(|a| a.value);
-            let placement = v.map(|v| graph.main.value(v).placement.clone()).unwrap_or_default();
-            let sharded: Vec<(usize, u32)> = placement
-                .iter()
-                .enumerate()
-                .filter_map(|(m, pl)| match pl {
-                    Placement::Shard(d) if self.mesh.sizes[m] > 1 => Some((m, *d)),
-                    _ => None,
-                })
-                .collect();
-            let full = self.gather(k, [0; 3], &sharded).map_err(|e| RuntimeError::Backend(format!("gathering `{}`: {e}", p.name)))?;
+            let sharded = sharded_dims(self.mesh, &state_placement(graph, &p.name));
+            let full = gather(self.mesh, &state, k, [0; 3], &sharded).map_err(|e| RuntimeError::Backend(format!("gathering `{}`: {e}", p.name)))?;
             out.push((p.name.clone(), full));
         }
         Ok(out)
     }
 }
 
-impl MeshTrainer<'_> {
-    /// State `k` reassembled over the mesh dims in `sharded` (`(mesh dim, tensor dim)`, on
-    /// distinct tensor dims), starting from the rank at `coords`.
-    fn gather(&self, k: usize, coords: [usize; 3], sharded: &[(usize, u32)]) -> Result<Tensor<f32>, String> {
-        let Some((&(m, d), rest)) = sharded.split_first() else {
-            let r = (0..self.ranks.len()).find(|&r| self.mesh.coords(r) == coords).ok_or("rank not found")?;
-            return self.ranks[r].states().nth(k).map(|(_, t)| t.clone()).ok_or_else(|| "the ranks disagree on their states".to_string());
-        };
-        let mut parts = Vec::new();
-        for c in 0..self.mesh.sizes[m] as usize {
-            let mut at = coords;
-            at[m] = c;
-            parts.push(self.gather(k, at, rest)?);
+/// State `k` reassembled over the mesh dims in `sharded` (`(mesh dim, tensor dim)`, on
+/// distinct tensor dims), starting from the rank at `coords`; `state(r, k)` is rank `r`'s shard.
+fn gather(
+    mesh: Mesh,
+    state: &dyn Fn(usize, usize) -> Option<Tensor<f32>>,
+    k: usize,
+    coords: [usize; 3],
+    sharded: &[(usize, u32)],
+) -> Result<Tensor<f32>, String> {
+    let Some((&(m, d), rest)) = sharded.split_first() else {
+        let r = (0..mesh.world_size() as usize).find(|&r| mesh.coords(r) == coords).ok_or("rank not found")?;
+        return state(r, k).ok_or_else(|| "the ranks disagree on their states".to_string());
+    };
+    let mut parts = Vec::new();
+    for c in 0..mesh.sizes[m] as usize {
+        let mut at = coords;
+        at[m] = c;
+        parts.push(gather(mesh, state, k, at, rest)?);
+    }
+    concat(&parts, d as usize)
+}
+
+/// The (mesh dim, tensor dim) pairs along which a state with `placement` is sharded on `mesh`.
+fn sharded_dims(mesh: Mesh, placement: &[Placement]) -> Vec<(usize, u32)> {
+    placement
+        .iter()
+        .enumerate()
+        .filter_map(|(m, pl)| match pl {
+            Placement::Shard(d) if mesh.sizes[m] > 1 => Some((m, *d)),
+            _ => None,
+        })
+        .collect()
+}
+
+/// The placement of the state argument named `name` of `graph`'s `main`.
+fn state_placement(graph: &Graph, name: &str) -> Vec<Placement> {
+    let v = graph.main.args.iter().find(|a| a.kind.param_info().is_some_and(|q| q.name == name)).map(|a| a.value);
+    v.map(|v| graph.main.value(v).placement.clone()).unwrap_or_default()
+}
+
+/// Run one step on every rank, each on its part of `batch` (see [`rank_batch`]), one thread
+/// each; rank 0's metrics with the throughput of the whole mesh.
+fn mesh_step<T: Trainer + Send>(
+    mesh: Mesh,
+    rv: &Rendezvous,
+    ranks: &mut [T],
+    batch: &Batch,
+    local_batch: usize,
+    seq_parallel: bool,
+) -> Result<StepMetrics, RuntimeError> {
+    let seq = ranks.first().map_or(0, |t| t.seq_len());
+    let locals = (0..ranks.len()).map(|r| rank_batch(mesh, mesh.coords(r), batch, local_batch, seq, seq_parallel)).collect::<Result<Vec<_>, _>>()?;
+    let results: Vec<Result<StepMetrics, RuntimeError>> = std::thread::scope(|s| {
+        let handles: Vec<_> = ranks
+            .iter_mut()
+            .zip(locals)
+            .map(|(trainer, local)| {
+                s.spawn(move || {
+                    let out = trainer.step(&local);
+                    if out.is_err() {
+                        rv.abort();
+                    }
+                    out
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(RuntimeError::Backend("a rank thread panicked".into())))).collect()
+    });
+    let mut first = None;
+    for (r, res) in results.into_iter().enumerate() {
+        match res {
+            Ok(m) if r == 0 => first = Some(m),
+            Ok(_) => {}
+            Err(e) => return Err(RuntimeError::Backend(format!("rank {r}: {e}"))),
         }
-        concat(&parts, d as usize)
+    }
+    let mut m = first.ok_or_else(|| RuntimeError::Backend("the mesh has no ranks".into()))?;
+    m.tokens_per_s *= f64::from(mesh.dp());
+    Ok(m)
+}
+
+/// The shared rendezvous of `mesh` and one rank context per rank, in rank order.
+fn rank_contexts(mesh: Mesh) -> (Arc<Rendezvous>, Vec<RankContext>) {
+    let rv = Arc::new(Rendezvous { mesh, meetings: Mutex::new((HashMap::new(), false)), arrived: Condvar::new() });
+    let ranks = (0..mesh.world_size() as usize)
+        .map(|r| {
+            let coords = mesh.coords(r);
+            let comm: Arc<dyn Communicator> = Arc::new(RankComm { rv: Arc::clone(&rv), coords, calls: Mutex::new([0; 3]) });
+            RankContext { mesh, coords, comm }
+        })
+        .collect();
+    (rv, ranks)
+}
+
+/// Runs an SPMD artifact (a mesh in its manifest) on a simulated mesh of CPU ranks: every rank
+/// a [`CpuArtifactTrainer`] executing the artifact's one schedule over its own arenas, its
+/// `collective` steps meeting at the shared rendezvous. Ranks, data and parameter shards are
+/// laid out exactly as in [`MeshTrainer`], so the artifact run tracks the graph run and the
+/// single-rank runs.
+pub struct ArtifactMeshTrainer<'a> {
+    artifact: &'a Artifact,
+    mesh: Mesh,
+    rv: Arc<Rendezvous>,
+    ranks: Vec<CpuArtifactTrainer<'a>>,
+    local_batch: usize,
+    seq_parallel: bool,
+}
+
+impl<'a> ArtifactMeshTrainer<'a> {
+    /// Prepare every rank of the mesh the artifact's `graph.ir` meta names (checked against the
+    /// manifest's mesh by each rank).
+    pub fn new(artifact: &'a Artifact, seed: u64) -> Result<ArtifactMeshTrainer<'a>, RuntimeError> {
+        let graph = &artifact.graph;
+        let mesh = Mesh::from_graph(graph)
+            .map_err(RuntimeError::Graph)?
+            .filter(|m| m.world_size() > 1)
+            .ok_or_else(|| RuntimeError::Backend("the artifact's graph.ir names no device mesh; run it with the single-device cpu backend".into()))?;
+        let (rv, contexts) = rank_contexts(mesh);
+        let ranks = contexts.into_iter().map(|c| CpuArtifactTrainer::with_rank(artifact, seed, Some(c))).collect::<Result<Vec<_>, _>>()?;
+        let local_batch = ranks.first().map_or(0, |r| r.batch_size());
+        let seq_parallel = is_seq_parallel(graph, mesh);
+        Ok(ArtifactMeshTrainer { artifact, mesh, rv, ranks, local_batch, seq_parallel })
+    }
+
+    pub fn mesh(&self) -> Mesh {
+        self.mesh
+    }
+
+    /// The global batch: per-rank rows times `dp_replicate x dp_shard`.
+    pub fn global_batch(&self) -> usize {
+        self.local_batch * self.mesh.dp() as usize
+    }
+
+    /// Run one step: rank `r` with data-parallel index `i` takes rows `i * b .. (i + 1) * b`
+    /// of the global batch.
+    pub fn step(&mut self, batch: &Batch) -> Result<StepMetrics, RuntimeError> {
+        mesh_step(self.mesh, &self.rv, &mut self.ranks, batch, self.local_batch, self.seq_parallel)
+    }
+
+    /// Turn the NaN poisoning of every rank's activation and gradient arenas on or off.
+    pub fn set_poison(&mut self, on: bool) {
+        for r in &mut self.ranks {
+            r.set_poison(on);
+        }
+    }
+
+    /// Every state buffer, gathered from its shards into the single-rank tensor.
+    pub fn gathered_states(&self) -> Result<Vec<(String, Tensor<f32>)>, RuntimeError> {
+        let per_rank = self.ranks.iter().map(CpuArtifactTrainer::states).collect::<Result<Vec<_>, _>>()?;
+        let first = per_rank.first().ok_or_else(|| RuntimeError::Backend("the mesh has no ranks".into()))?;
+        let state = |r: usize, k: usize| per_rank.get(r).and_then(|s| s.get(k)).map(|(_, t)| t.clone());
+        let mut out = Vec::new();
+        for (k, (name, _)) in first.iter().enumerate() {
+            let sharded = sharded_dims(self.mesh, &state_placement(&self.artifact.graph, name));
+            let full = gather(self.mesh, &state, k, [0; 3], &sharded).map_err(|e| RuntimeError::Backend(format!("gathering `{name}`: {e}")))?;
+            out.push((name.clone(), full));
+        }
+        Ok(out)
+    }
+}
+
+impl Trainer for ArtifactMeshTrainer<'_> {
+    fn step(&mut self, batch: &Batch) -> Result<StepMetrics, RuntimeError> {
+        ArtifactMeshTrainer::step(self, batch)
+    }
+
+    fn batch_size(&self) -> usize {
+        self.global_batch()
+    }
+
+    fn seq_len(&self) -> usize {
+        self.ranks.first().map_or(0, |r| r.seq_len())
+    }
+
+    fn vocab_size(&self) -> usize {
+        self.ranks.first().map_or(0, |r| r.vocab_size())
+    }
+
+    fn steps_done(&self) -> u64 {
+        self.ranks.first().map_or(0, |r| r.steps_done())
+    }
+
+    fn states(&self) -> Result<Vec<(String, Tensor<f32>)>, RuntimeError> {
+        self.gathered_states()
+    }
+
+    fn set_state(&mut self, name: &str, values: &[f32]) -> Result<(), RuntimeError> {
+        let _ = values;
+        Err(RuntimeError::Backend(format!("restoring state `{name}` into a simulated mesh run is not supported yet; resume with a single-device artifact")))
+    }
+
+    fn set_steps_done(&mut self, steps: u64) -> Result<(), RuntimeError> {
+        let _ = steps;
+        Err(RuntimeError::Backend("resuming a simulated mesh run is not supported yet; resume with a single-device artifact".into()))
+    }
+
+    fn flops_per_token(&self) -> Option<u64> {
+        Some(self.artifact.manifest.training.flops_per_token).filter(|&f| f > 0)
     }
 }
 

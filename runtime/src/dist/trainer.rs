@@ -1,4 +1,5 @@
-//! This process's rank of an SPMD training graph, its collectives over a [`TcpComm`].
+//! This process's rank of an SPMD training graph or SPMD artifact, its collectives over a
+//! [`TcpComm`].
 //!
 //! Every rank reads the whole global batch (same data, same seed) and trains on its part of it
 //! ([`rank_batch`], shared with the simulated mesh), starting from its shard of the single-rank
@@ -12,9 +13,10 @@ use titan_ir::{Graph, Mesh};
 use super::TcpComm;
 use super::rendezvous::ProcessGroup;
 use crate::RuntimeError;
+use crate::artifact::Artifact;
 use crate::backend::cpu_graph::RankContext;
 use crate::backend::sim_mesh::{is_seq_parallel, rank_batch};
-use crate::backend::{CpuTrainer, StepMetrics, Trainer};
+use crate::backend::{CpuArtifactTrainer, CpuTrainer, StepMetrics, Trainer};
 use crate::data::Batch;
 
 /// One rank of a multi-process mesh run on the CPU.
@@ -22,7 +24,8 @@ pub struct ProcessMeshTrainer<'g> {
     mesh: Mesh,
     coords: [usize; 3],
     group: Arc<ProcessGroup>,
-    trainer: CpuTrainer<'g>,
+    /// A [`CpuTrainer`] (graph) or [`CpuArtifactTrainer`] (artifact) of this rank.
+    trainer: Box<dyn Trainer + 'g>,
     local_batch: usize,
     seq_parallel: bool,
 }
@@ -38,7 +41,22 @@ impl<'g> ProcessMeshTrainer<'g> {
         let coords = comm.coords_of_rank();
         let trainer = CpuTrainer::with_rank(graph, seed, Some(RankContext { mesh, coords, comm }))?;
         let local_batch = trainer.batch_size();
-        Ok(ProcessMeshTrainer { mesh, coords, group, trainer, local_batch, seq_parallel: is_seq_parallel(graph, mesh) })
+        Ok(ProcessMeshTrainer { mesh, coords, group, trainer: Box::new(trainer), local_batch, seq_parallel: is_seq_parallel(graph, mesh) })
+    }
+
+    /// Prepare rank `group.rank()` of an SPMD artifact (the mesh its `graph.ir` meta names,
+    /// checked against the manifest's): the artifact's one schedule on the cpu backend, its
+    /// `collective` steps over the TCP process group.
+    pub fn for_artifact(artifact: &'g Artifact, seed: u64, group: Arc<ProcessGroup>) -> Result<ProcessMeshTrainer<'g>, RuntimeError> {
+        let graph = &artifact.graph;
+        let mesh = Mesh::from_graph(graph).map_err(RuntimeError::Graph)?.filter(|m| m.world_size() > 1).ok_or_else(|| {
+            RuntimeError::Backend("the artifact has no device mesh; a multi-process run needs an SPMD artifact (`titanc build --tp/--dp-shard ...`)".into())
+        })?;
+        let comm = Arc::new(TcpComm::new(Arc::clone(&group), mesh)?);
+        let coords = comm.coords_of_rank();
+        let trainer = CpuArtifactTrainer::with_rank(artifact, seed, Some(RankContext { mesh, coords, comm }))?;
+        let local_batch = Trainer::batch_size(&trainer);
+        Ok(ProcessMeshTrainer { mesh, coords, group, trainer: Box::new(trainer), local_batch, seq_parallel: is_seq_parallel(graph, mesh) })
     }
 
     pub fn mesh(&self) -> Mesh {

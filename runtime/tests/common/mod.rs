@@ -143,6 +143,7 @@ impl Fixture {
             memory: MemoryPlan { arenas, peak_bytes, activation_bytes_unplanned },
             kernels: self.kernels.clone(),
             ranks: vec![RankSchedule { rank: 0, steps: self.steps.clone() }],
+            report: None,
         }
     }
 

@@ -256,12 +256,28 @@ fn partitioned_debug_block() {
     insta::assert_debug_snapshot!("hsdp_tp_collective_counts", counts);
 }
 
-/// Fusion does not handle collectives yet: building an SPMD graph fails with a clear message.
+/// Fusion keeps every collective out of the kernels: the fused SPMD graph is a kernel graph
+/// whose regions hold the collectives as nodes of their own (each one schedule step of
+/// `titanc build`), as many as before fusion.
 #[test]
-fn fusing_an_spmd_graph_is_not_supported_yet() {
-    let mut g = spmd_graph(Mesh::new(1, 2, 1)).expect("spmd lowering");
-    let err = titan_passes::fuse(&mut g).expect_err("collectives are not fused").to_string();
-    assert!(err.contains("fusing the collective `all_gather`") && err.ends_with("is not supported yet"), "{err}");
+fn fusing_an_spmd_graph_keeps_collectives_as_their_own_nodes() {
+    let mut g = spmd_graph(Mesh::new(1, 2, 2)).expect("spmd lowering");
+    let count = |g: &Graph| {
+        std::iter::once(&g.main)
+            .chain(&g.blocks)
+            .flat_map(|r| r.order.iter().map(move |n| &r.node(*n).op))
+            .filter(|op| titan_passes::fuse::is_collective_step(op))
+            .count()
+    };
+    let before = count(&g);
+    titan_passes::fuse(&mut g).expect("fusion");
+    assert!(titan_passes::fuse::check_kernel_graph(&g).is_empty(), "{:?}", titan_passes::fuse::check_kernel_graph(&g));
+    assert!(before > 0);
+    assert_eq!(count(&g), before);
+    let bodies = titan_passes::fuse::kernel_bodies(&g);
+    for b in bodies {
+        assert!(!g.blocks[b.index()].order.iter().any(|n| titan_passes::fuse::is_collective_step(&g.blocks[b.index()].node(*n).op)));
+    }
 }
 
 /// The collective safety check names the offending ops: sizes that disagree with the mesh,

@@ -1,5 +1,5 @@
 //! Multi-process runs: `titan-run --nproc-per-node N` launches one process per rank of an SPMD
-//! graph, which meet at a TCP rendezvous and exchange their collectives over TCP. The losses
+//! graph (or SPMD artifact), which meet at a TCP rendezvous and exchange their collectives over TCP. The losses
 //! must be exactly the simulated mesh's (same reductions, same order) and match the
 //! single-rank run within the distributed tolerance; bad launches fail with clear errors, and a
 //! rank that dies makes the others fail instead of hanging.
@@ -107,6 +107,27 @@ fn two_processes_tp_2_match_the_simulated_mesh() {
 #[test]
 fn two_processes_dp_shard_2_match_the_simulated_mesh() {
     check_two_processes(Mesh::new(1, 2, 1), "fsdp2");
+}
+
+/// `--nproc-per-node 2` on an SPMD *artifact* (`titanc build --tp 2`): the processes run the
+/// artifact's schedule with their collective steps over TCP and match the artifact on the
+/// simulated mesh bit for bit.
+#[test]
+fn two_processes_run_an_spmd_artifact_like_the_simulated_mesh() {
+    let cfg = LlamaConfig { dtype: DType::F32, ..LlamaConfig::preset(Preset::Debug) };
+    let m: Graph = build_llama3(&cfg, "llama3_debug").expect("debug model");
+    let train_opts = TrainOptions { lr: 3e-3, warmup_steps: 2, decay_steps: 10, ..TrainOptions::default() };
+    let opts = titan_compiler::build::BuildOptions { train: train_opts, mesh: Mesh::new(1, 1, 2), ..Default::default() };
+    let dir = std::env::temp_dir().join(format!("titan-e2e-launch-{}", std::process::id())).join("tp2-artifact");
+    titan_compiler::build::build_artifact(&m, &titan_ir::print::print_graph(&m), &opts, &dir).expect("build");
+    let (procs, stdout, stderr) = train(&dir, "tp2-artifact-procs", &["--nproc-per-node", "2"]);
+    let (sim, _, sim_stderr) = train(&dir, "tp2-artifact-sim", &[]);
+    println!("tp2 artifact: 2 processes {procs:?}; simulated mesh {sim:?}");
+    assert_eq!(procs.len(), STEPS, "{stdout}\n{stderr}");
+    assert_eq!(procs, sim, "the processes and the simulated mesh differ");
+    assert!(stderr.contains("on 2 cpu processes") && stderr.contains("collectives per step per rank"), "{stderr}");
+    assert!(sim_stderr.contains("on a simulated cpu mesh of 2 ranks (tp 2)"), "{sim_stderr}");
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]

@@ -3,6 +3,7 @@
 //! their own.
 
 mod artifact_cpu;
+mod artifact_mesh;
 mod block_gradcheck;
 mod checkpoint_e2e;
 mod distributed;

@@ -1,0 +1,266 @@
+//! SPMD artifacts: `titanc build` with a mesh (dp_replicate/dp_shard/tp) lowers the SPMD
+//! training graph, fuses it with every collective as a schedule step of its own and plans one
+//! rank's memory; the CPU simulated mesh runs the one schedule on N ranks (a thread each).
+//!
+//! The mesh runs must track the single-device *artifact* run of the same model (f32 debug
+//! model, as `distributed.rs`) after 5 steps with that module's tolerances: losses within 1e-5,
+//! gradient norms within 1e-4 relative, every state element (master weights and AdamW moments,
+//! gathered from their shards) within 5e-5. The differences are summation order only (partial
+//! sums added across ranks); the artifact executes the same ops as the graph on the same
+//! interpreter, so the measured maxima equal graph mode's (printed with `--nocapture`).
+
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use titan_compiler::build::{BuildOptions, BuildSummary, build_artifact};
+use titan_compiler::{LlamaConfig, Preset, build_llama3};
+use titan_ir::artifact::{CollectiveOp, Manifest, Step};
+use titan_ir::interp::Tensor;
+use titan_ir::{DType, Graph, Mesh};
+use titan_passes::TrainOptions;
+use titan_runtime::{Artifact, ArtifactMeshTrainer, BUNDLED_CORPUS, Batch, Batcher, CpuArtifactTrainer, Trainer, byte_tokens};
+
+const STEPS: usize = 5;
+const LOSS_TOL: f64 = 1e-5;
+const STATE_TOL: f32 = 5e-5;
+
+fn model() -> Graph {
+    let cfg = LlamaConfig { dtype: DType::F32, ..LlamaConfig::preset(Preset::Debug) };
+    build_llama3(&cfg, "llama3_debug").expect("debug model")
+}
+
+fn options() -> TrainOptions {
+    TrainOptions { lr: 3e-3, warmup_steps: 2, decay_steps: 10, ..TrainOptions::default() }
+}
+
+/// An output directory under the target's temp dir, removed when dropped.
+struct Scratch(PathBuf);
+
+impl AsRef<Path> for Scratch {
+    fn as_ref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn build(model: &Graph, mesh: Mesh, name: &str) -> (Scratch, BuildSummary) {
+    let dir = Scratch(PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("artifact-mesh-{name}-{}", std::process::id())));
+    let _ = std::fs::remove_dir_all(&dir.0);
+    let text = titan_ir::print::print_graph(model);
+    let opts = BuildOptions { train: options(), mesh, ..BuildOptions::default() };
+    let summary = build_artifact(model, &text, &opts, dir.as_ref()).unwrap_or_else(|e| panic!("building {name}: {e}"));
+    (dir, summary)
+}
+
+struct Run {
+    losses: Vec<f64>,
+    grad_norms: Vec<f64>,
+    states: Vec<(String, Tensor<f32>)>,
+}
+
+fn run(t: &mut dyn Trainer) -> Run {
+    let mut batcher = Batcher::new(byte_tokens(BUNDLED_CORPUS.as_bytes()), t.batch_size(), t.seq_len(), 7).expect("batcher");
+    let batches: Vec<Batch> = (0..STEPS).map(|_| batcher.next_batch()).collect();
+    let (mut losses, mut grad_norms) = (Vec::new(), Vec::new());
+    for b in &batches {
+        let m = t.step(b).expect("step");
+        losses.push(m.loss);
+        grad_norms.push(m.grad_norm);
+    }
+    Run { losses, grad_norms, states: t.states().expect("states") }
+}
+
+fn single_rank_artifact(name: &str) -> Run {
+    let (dir, _) = build(&model(), Mesh::new(1, 1, 1), &format!("{name}-single"));
+    let artifact = Artifact::load(&dir).expect("load");
+    let mut t = CpuArtifactTrainer::new(&artifact, 0).expect("trainer");
+    run(&mut t)
+}
+
+fn check(mesh: Mesh, name: &str) {
+    let start = Instant::now();
+    let want = single_rank_artifact(name);
+    let (dir, summary) = build(&model(), mesh, name);
+    assert_eq!(summary.mesh.world_size, mesh.world_size());
+    let artifact = Artifact::load(&dir).expect("load");
+    assert!(artifact.collectives_per_step() > 0);
+    let mut t = ArtifactMeshTrainer::new(&artifact, 0).expect("mesh trainer");
+    assert_eq!(t.global_batch(), 8);
+    let got = run(&mut t);
+    let loss_diff = want.losses.iter().zip(&got.losses).map(|(a, b)| (a - b).abs()).fold(0.0, f64::max);
+    let norm_diff = want.grad_norms.iter().zip(&got.grad_norms).map(|(a, b)| (a - b).abs() / a.abs()).fold(0.0, f64::max);
+    assert_eq!(want.states.len(), got.states.len());
+    let (mut state_diff, mut worst) = (0.0f32, String::new());
+    for ((n1, t1), (n2, t2)) in want.states.iter().zip(&got.states) {
+        assert_eq!(n1, n2);
+        assert_eq!(t1.shape, t2.shape, "{n1}");
+        let d = t1.floats().expect("float").iter().zip(t2.floats().expect("float")).map(|(x, y)| (x - y).abs()).fold(0.0f32, f32::max);
+        if d > state_diff {
+            (state_diff, worst) = (d, n1.clone());
+        }
+    }
+    println!(
+        "artifact mesh {:?}: losses {:?}; max |dloss| {loss_diff:.3e}, max rel dgrad_norm {norm_diff:.3e}, max |dstate| {state_diff:.3e} ({worst}); {:.2} s",
+        mesh.sizes,
+        got.losses,
+        start.elapsed().as_secs_f64()
+    );
+    assert!(loss_diff <= LOSS_TOL, "losses differ by {loss_diff}: {:?} vs {:?}", want.losses, got.losses);
+    assert!(norm_diff <= 1e-4, "grad norms differ: {:?} vs {:?}", want.grad_norms, got.grad_norms);
+    assert!(state_diff <= STATE_TOL, "state `{worst}` differs by {state_diff}");
+}
+
+#[test]
+fn tp_2_artifact_matches_single_rank_artifact() {
+    check(Mesh::new(1, 1, 2), "tp2");
+}
+
+#[test]
+fn dp_shard_2_artifact_matches_single_rank_artifact() {
+    check(Mesh::new(1, 2, 1), "fsdp2");
+}
+
+#[test]
+fn dp_shard_2_tp_2_artifact_matches_single_rank_artifact() {
+    check(Mesh::new(1, 2, 2), "fsdp2-tp2");
+}
+
+/// Every collective step of a schedule, one line each, loops indented (for the snapshot).
+fn collective_listing(steps: &[Step], indent: usize, out: &mut String) {
+    for s in steps {
+        match s {
+            Step::Loop { count, reverse, body, .. } => {
+                out.push_str(&format!("{:indent$}loop count={count} reverse={reverse}\n", ""));
+                collective_listing(body, indent + 4, out);
+            }
+            Step::Collective { collective, mesh_dim, group, dim, reduce, dtype, in_shape, out_shape, send_bytes, .. } => {
+                let dim = dim.map_or(String::new(), |d| format!(" dim={d}"));
+                let reduce = reduce.map_or(String::new(), |r| format!(" reduce={r:?}").to_lowercase());
+                out.push_str(&format!(
+                    "{:indent$}{} over {mesh_dim}({group}){dim}{reduce}: {dtype}{in_shape:?} -> {out_shape:?}, sends {send_bytes} B\n",
+                    "",
+                    collective.name()
+                ));
+            }
+            _ => {}
+        }
+    }
+}
+
+/// The FSDP x TP schedule of the debug model: the collectives are steps between kernel
+/// launches (FSDP all-gathers of each layer's weights inside the forward loop, TP's sequence
+/// all-gathers and reduce-scatters around the column/row-parallel GEMMs, the reduce-scatters of
+/// weight gradients in the backward loop, the gradient-norm and loss all-reduces in `main`).
+#[test]
+fn fsdp_tp_schedule_has_collective_steps() {
+    let (dir, summary) = build(&model(), Mesh::new(1, 2, 2), "schedule");
+    let manifest: Manifest = Artifact::load(&dir).expect("load").manifest;
+    assert_eq!(manifest.ranks.len(), 1, "SPMD: one schedule every rank runs");
+    let mut listing = String::new();
+    collective_listing(&manifest.ranks[0].steps, 0, &mut listing);
+    insta::assert_snapshot!("fsdp2_tp2_collective_steps", listing);
+    // Ring volumes: all_gather sends (n-1)/n of its output, reduce_scatter of its input,
+    // all_reduce 2(n-1)/n of its input.
+    fn check_volumes(steps: &[Step]) {
+        for s in steps {
+            match s {
+                Step::Loop { body, .. } => check_volumes(body),
+                Step::Collective { collective, group, dtype, in_shape, out_shape, send_bytes, .. } => {
+                    let bytes = |s: &[u64]| s.iter().product::<u64>() * dtype.size_bytes() as u64;
+                    let n = u64::from(*group);
+                    let want = match collective {
+                        CollectiveOp::AllGather => bytes(out_shape) * (n - 1) / n,
+                        CollectiveOp::ReduceScatter => bytes(in_shape) * (n - 1) / n,
+                        CollectiveOp::AllReduce => 2 * bytes(in_shape) * (n - 1) / n,
+                        CollectiveOp::TakeShard | CollectiveOp::PlaceShard => 0,
+                    };
+                    assert_eq!(*send_bytes, want, "{collective:?}");
+                }
+                _ => {}
+            }
+        }
+    }
+    check_volumes(&manifest.ranks[0].steps);
+    let report = manifest.report.expect("an SPMD manifest carries the report");
+    assert_eq!(report.comm.iter().map(|c| c.mesh_dim.as_str()).collect::<Vec<_>>(), ["dp_shard", "tp"]);
+    assert_eq!(report.memory.peak, manifest.memory.peak_bytes);
+    let text = summary.to_string();
+    assert!(text.contains("mesh:         world 4 = dp_shard 2 x tp 2"), "{text}");
+}
+
+/// Llama-3 70B at tp = 8 x dp_shard = 4 (32 GPUs, seq 8192, local batch 1): the build prints
+/// per-rank memory by class and communication per mesh dim, and the numbers follow the
+/// arithmetic of `docs/distributed.md`:
+/// - fp32 masters: 4 bytes x (every parameter / 32, except `tok_embeddings` (replicated on tp:
+///   / 4) and the norms (replicated on tp: / 4)), exactly; AdamW moments twice that, exactly;
+/// - the FSDP-gathered layer weights saved for the backward: 2 bytes x (layer weights / tp),
+///   exactly;
+/// - the peak within 10% of `params x (2 + 2 + 12) / 32 + activations` (it is 5.5% above: the
+///   embedding's tp replication and the fp32 gradient copies, less the bf16 weight copies that
+///   the formula's `2` counts and the activation arena holds).
+#[test]
+fn llama3_70b_tp8_fsdp4_report_follows_the_documented_arithmetic() {
+    let start = Instant::now();
+    let mut cfg = LlamaConfig::preset(Preset::B70);
+    cfg.batch_size = 4;
+    let m = build_llama3(&cfg, "70b").expect("70b model");
+    let (dir, summary) = build(&m, Mesh::new(1, 4, 8), "70b");
+    let secs = start.elapsed().as_secs_f64();
+    let text = summary.to_string();
+    println!("{text}({secs:.2} s)");
+    assert!(text.contains("mesh:         world 32 = dp_shard 4 x tp 8"), "{text}");
+    assert!(text.contains("per-rank memory (predicted, each of the 32 ranks):") && text.contains("predicted peak memory: each rank: "), "{text}");
+    assert!(text.contains("  dp_shard     ( 4 ranks): ") && text.contains("  tp           ( 8 ranks): "), "{text}");
+    let r = Artifact::load(&dir).expect("load").manifest.report.expect("report");
+    let (dim, n_layers, vocab, ffn, kv, hd) = (8192u64, 80u64, 128_256u64, 28_672u64, 8u64, 128u64);
+    let embedding = vocab * dim;
+    let norms = n_layers * 2 * dim + dim;
+    let layer_weights = n_layers * (2 * dim * dim + 2 * dim * kv * hd + 3 * dim * ffn);
+    let params = embedding + layer_weights + norms + vocab * dim;
+    assert_eq!(params, 70_553_706_496);
+    let world = 32;
+    assert_eq!(r.memory.params, 4 * ((params - embedding - norms) / world + embedding / 4 + norms / 4));
+    assert_eq!(r.memory.optimizer_state, 2 * r.memory.params);
+    assert_eq!(r.memory.gathered_weights_saved, 2 * (layer_weights / 8 + n_layers * 2 * dim));
+    let formula = params * 16 / world + r.memory.activations;
+    let rel = (r.memory.peak as f64 - formula as f64) / formula as f64;
+    println!("peak {} vs params*16/32 + activations {formula}: {:+.2}%", r.memory.peak, rel * 100.0);
+    assert!(rel.abs() < 0.10, "{rel}");
+    // Communication per step: FSDP gathers every bf16 weight shard once (forward; the backward
+    // reuses the saved copies) and reduce-scatters every gradient once: (4-1)/4 of the bf16
+    // weights per tp rank each way.
+    let dp = &r.comm[0];
+    let weights_per_tp_rank = 2 * ((params - embedding - norms) / 8 + embedding + norms);
+    let want = weights_per_tp_rank * 3 / 4;
+    let rel = (dp.all_gather_bytes as f64 - want as f64) / want as f64;
+    assert!(rel.abs() < 0.01 && dp.reduce_scatter_bytes == dp.all_gather_bytes, "{dp:?} vs {want}");
+    assert!(secs < 60.0, "the 70B SPMD build took {secs:.1} s");
+}
+
+/// Unbuilt parallelism and impossible meshes fail the build with the reason.
+#[test]
+fn unsupported_meshes_fail_the_build_clearly() {
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("artifact-mesh-bad-{}", std::process::id()));
+    let text = titan_ir::print::print_graph(&model());
+    let opts = BuildOptions { train: options(), mesh: Mesh::new(1, 3, 1), ..BuildOptions::default() };
+    let err = build_artifact(&model(), &text, &opts, &dir).expect_err("8 rows over 3 ranks").to_string();
+    assert!(err.contains("batch = 8 is not divisible by dp_replicate x dp_shard = 3"), "{err}");
+    assert!(!dir.exists());
+    let dims = |cp: i64, pp: i64| {
+        titan_compiler::parallel::ParallelDims::resolve(&titan_compiler::parallel::ParallelRequest {
+            cp: Some(cp),
+            pp: Some(pp),
+            tp: Some(2),
+            ..Default::default()
+        })
+        .expect("degrees")
+    };
+    assert!(dims(2, 1).require_built().unwrap_err().to_string().contains("context parallelism (cp=2) is not supported yet"));
+    assert!(dims(1, 2).require_built().unwrap_err().to_string().contains("pipeline parallelism (pp=2) is not supported yet"));
+    dims(1, 1).require_built().expect("tp is built");
+}
