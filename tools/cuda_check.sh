@@ -45,6 +45,9 @@ prepare)
     ;;
 run)
     export LD_LIBRARY_PATH=/usr/local/cuda-13.0/targets/x86_64-linux/lib:/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+    # NCCL: the system's, else the one PyTorch's wheels ship (nvidia-nccl).
+    nccl_dir=$(python3 -c 'import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], "lib"))' 2>/dev/null || true)
+    [ -n "$nccl_dir" ] && export LD_LIBRARY_PATH=$LD_LIBRARY_PATH:$nccl_dir
     out=${OUT:-$dir/logs}
     mkdir -p "$out"
     nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv || true

@@ -154,8 +154,11 @@ fn run_identity(graph_identity: &str, tokens: &[u32], seed: u64) -> String {
 /// the rendezvous and run its rank of the SPMD graph (or artifact) with the TCP process group.
 fn run_rank(cli: &Cli, env: &DistEnv, tokens: Vec<u32>, data_name: &str) -> Result<()> {
     let (rank, world) = (env.rank, env.world_size);
-    if cli.backend != "cpu" {
-        bail!("a multi-process run runs on the cpu backend only (NCCL execution of collectives is not built yet); drop --backend {}", cli.backend);
+    if cli.backend != "cpu" && is_graph_file(&cli.path) {
+        bail!(
+            "graph mode (a `.ir` file) runs on the cpu backend only; build an SPMD artifact (`titanc build --tp/--dp-shard ...`) for --backend {}",
+            cli.backend
+        );
     }
     let unsupported = [
         (cli.checkpoint_dir.is_some(), "--checkpoint-dir"),
@@ -234,8 +237,16 @@ fn run_artifact_rank(cli: &Cli, env: &DistEnv, tokens: Vec<u32>, data_name: &str
     let seed = cli.seed.unwrap_or(0);
     let identity = run_identity(&format!("artifact {}", m.content_hash), &tokens, seed);
     let opts = RendezvousOptions { join_timeout: std::time::Duration::from_secs(cli.rendezvous_timeout), ..RendezvousOptions::default() };
-    let group = std::sync::Arc::new(ProcessGroup::rendezvous(rank, world, (&addr, port), &identity, Vec::new(), opts)?);
-    let mut trainer = match ProcessMeshTrainer::for_artifact(&artifact, seed, std::sync::Arc::clone(&group)) {
+    let cuda = cli.backend == "cuda";
+    // On the GPU, rank 0 hands every rank the NCCL unique id through the rendezvous.
+    let payload = if cuda && rank == 0 { crate::dist::nccl::unique_id_payload()? } else { Vec::new() };
+    let group = std::sync::Arc::new(ProcessGroup::rendezvous(rank, world, (&addr, port), &identity, payload, opts)?);
+    let made = if cuda {
+        ProcessMeshTrainer::for_cuda_artifact(&artifact, seed, std::sync::Arc::clone(&group), env.local_rank)
+    } else {
+        ProcessMeshTrainer::for_artifact(&artifact, seed, std::sync::Arc::clone(&group))
+    };
+    let mut trainer = match made {
         Ok(t) => t,
         Err(e) => {
             group.abort(&e.to_string());
@@ -244,10 +255,11 @@ fn run_artifact_rank(cli: &Cli, env: &DistEnv, tokens: Vec<u32>, data_name: &str
     };
     if rank == 0 {
         eprintln!(
-            "titan-run: artifact {} (SPMD, {} launches and {} collectives per step per rank) on {world} cpu processes ({}, rendezvous {addr}:{port}), global batch {} x seq {}, {} steps, data {data_name}",
+            "titan-run: artifact {} (SPMD, {} launches and {} collectives per step per rank) on {world} {} processes ({}, rendezvous {addr}:{port}), global batch {} x seq {}, {} steps, data {data_name}",
             cli.path.display(),
             artifact.launches_per_step(),
             artifact.collectives_per_step(),
+            cli.backend,
             env.launcher.name(),
             trainer.batch_size(),
             Trainer::seq_len(&trainer),
@@ -325,9 +337,11 @@ fn run(cli: Cli) -> Result<()> {
         let dims: Vec<String> = m.mesh.dims.iter().map(|d| format!("{} {}", d.name, d.size)).collect();
         if cli.backend == "cuda" {
             bail!(
-                "the artifact is built for a mesh of {} ranks ({}): NCCL execution of collectives is not built yet; run it with --backend cpu (simulated mesh)",
+                "the artifact is built for a mesh of {} ranks ({}): on the GPU it runs one process per GPU, `titan-run {} --backend cuda --nproc-per-node {}` (or torchrun / srun); --backend cpu runs it on the simulated mesh",
                 m.mesh.world_size,
-                dims.join(" x ")
+                dims.join(" x "),
+                cli.path.display(),
+                m.mesh.world_size
             );
         }
         if cli.profile {

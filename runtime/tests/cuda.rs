@@ -312,6 +312,31 @@ fn training_steps_match_the_cpu_backend_and_graph_replay_matches_eager() {
     assert!(g[steps - 1] < g[0], "the loss goes down: {g:?}");
 }
 
+/// The rank path of the CUDA backend (NCCL communicators from a rendezvous, states initialized
+/// as this rank's shard) on a one-rank mesh is the single-GPU trainer, bit for bit.
+#[test]
+fn a_one_rank_mesh_trainer_matches_the_single_gpu_trainer() {
+    if !have_gpu() {
+        return;
+    }
+    let Some(a) = artifact_from("TITAN_CUDA_STEP_ARTIFACT", "an artifact whose every kernel has GPU code") else { return };
+    if let Err(e) = titan_runtime::dist::nccl::check_nccl() {
+        eprintln!("skipped: {e}");
+        return;
+    }
+    let payload = titan_runtime::dist::nccl::unique_id_payload().expect("unique id");
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("port");
+    let port = listener.local_addr().expect("addr").port();
+    drop(listener);
+    let group = titan_runtime::dist::ProcessGroup::rendezvous(0, 1, ("127.0.0.1", port), "rank-test", payload, Default::default()).expect("rendezvous");
+    let setup = titan_runtime::backend::cuda::CudaRankSetup { group: &group, mesh: titan_ir::Mesh::new(1, 1, 1), device: 0 };
+    let mut ranked = CudaArtifactTrainer::with_rank(&a, 5, Some(setup)).expect("rank trainer");
+    let mut single = CudaArtifactTrainer::new(&a, 5).expect("cuda trainer");
+    assert!(state_bits(&ranked) == state_bits(&single), "the rank's shard init differs from the single-GPU init");
+    let (r, s) = (losses(&mut ranked, 4, 5), losses(&mut single, 4, 5));
+    assert_eq!(r, s, "a one-rank mesh trains exactly like one GPU");
+}
+
 /// Launches of each kernel per step (loops expanded).
 fn launches(steps: &[Step], times: u64, out: &mut std::collections::BTreeMap<u32, u64>) {
     for s in steps {
@@ -360,4 +385,115 @@ fn kernel_times_for_the_record() {
         eprintln!("{name:<44} {kind:<12} {n:>5} {ms:>10.4} {gbs:>9.1} {tf:>9.1} {:>10.3}", ms * *n as f64);
     }
     eprintln!("sum over launches with GPU code: {total:.3} ms per step");
+}
+
+/// The collective steps' building blocks on the real driver and NCCL, on the one GPU there is:
+/// the strided copies of every gather/scatter plan along every dim (for 1-4 ranks, each rank's
+/// buffers on the GPU, the NCCL exchange between them done on the host), and a one-rank NCCL
+/// communicator (rendezvous payload, `ncclCommInitRank`, the three collectives on the
+/// collectives' stream). NCCL refuses two ranks on one GPU, so the multi-rank NCCL path itself
+/// waits for a multi-GPU machine.
+#[test]
+fn collective_plans_and_a_one_rank_nccl_communicator_run_on_the_gpu() {
+    use titan_ir::DType;
+    use titan_ir::artifact::{CollectiveOp, ReduceOp};
+    use titan_runtime::backend::cuda::collective::{Action, Loc, NcclKind, StepShape, plan};
+    use titan_runtime::backend::cuda::driver::Gpu;
+    if !have_gpu() {
+        return;
+    }
+    let gpu = Gpu::open().expect("gpu");
+    let f32s = |b: &[u8]| b.chunks(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect::<Vec<f32>>();
+    let bytes = |v: &[f32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+    let down = |p: u64, n: usize| {
+        let mut h = vec![0u8; n];
+        gpu.download(&mut h, p, || "reading back".into()).expect("download");
+        h
+    };
+    for (shard, d, n) in [(vec![3u64, 4], 1usize, 2u64), (vec![2, 3, 4], 1, 4), (vec![2, 3, 4], 2, 3), (vec![5, 2], 0, 2)] {
+        let mut full = shard.clone();
+        full[d] *= n;
+        let (len, full_len) = (shard.iter().product::<u64>() as usize, full.iter().product::<u64>() as usize);
+        // all_gather: rank r's input is r * 1000 + i; the result must be their concatenation.
+        let plans: Vec<_> = (0..n)
+            .map(|c| {
+                let s = StepShape {
+                    collective: CollectiveOp::AllGather,
+                    group: n,
+                    dim: Some(d as u32),
+                    reduce: None,
+                    dtype: DType::F32,
+                    in_shape: &shard,
+                    out_shape: &full,
+                };
+                plan(&s, c).expect("plan")
+            })
+            .collect();
+        let inputs: Vec<Vec<f32>> = (0..n).map(|r| (0..len).map(|i| (r * 1000) as f32 + i as f32).collect()).collect();
+        let bufs: Vec<[titan_runtime::backend::cuda::driver::DeviceBuffer; 3]> = (0..n as usize)
+            .map(|r| {
+                let i = gpu.alloc(4 * len as u64, 0, "input").expect("alloc");
+                gpu.upload_sync(i.ptr, &bytes(&inputs[r]), || "input".into()).expect("upload");
+                [i, gpu.alloc(4 * full_len as u64, 0xAB, "output").expect("alloc"), gpu.alloc(plans[0].staging_bytes.max(4), 0xCD, "staging").expect("alloc")]
+            })
+            .collect();
+        let addr = |r: usize, l: Loc| match l {
+            Loc::Input(o) => bufs[r][0].ptr + o,
+            Loc::Output(o) => bufs[r][1].ptr + o,
+            Loc::Staging(o) => bufs[r][2].ptr + o,
+        };
+        for i in 0..plans[0].actions.len() {
+            for (r, p) in plans.iter().enumerate() {
+                match p.actions[i] {
+                    Action::Nccl { kind: NcclKind::AllGather, send, recv, count, .. } => {
+                        // What NCCL does: every rank's `count` elements, rank-major, on every rank.
+                        let all: Vec<u8> = (0..n as usize).flat_map(|q| down(addr(q, send), 4 * count as usize)).collect();
+                        gpu.upload_sync(addr(r, recv), &all, || "gathered".into()).expect("upload");
+                    }
+                    Action::Copy2d { dst, dst_pitch, src, src_pitch, width, height } => {
+                        gpu.copy_2d(gpu.stream, addr(r, dst), dst_pitch, addr(r, src), src_pitch, width, height, || "copy".into()).expect("copy_2d");
+                        gpu.sync(|| "copy".into()).expect("sync");
+                    }
+                    other => panic!("unexpected action {other:?}"),
+                }
+            }
+        }
+        let outer: usize = shard[..d].iter().product::<u64>() as usize;
+        let inner = len / outer;
+        let want: Vec<f32> = (0..outer).flat_map(|o| inputs.iter().flat_map(move |x| x[o * inner..(o + 1) * inner].to_vec())).collect();
+        for r in 0..n as usize {
+            assert_eq!(f32s(&down(bufs[r][1].ptr, 4 * full_len)), want, "all_gather {shard:?} dim {d} over {n}, rank {r}");
+        }
+    }
+    // A one-rank NCCL communicator: the rendezvous carries the unique id, and each collective
+    // (bf16 and f32, sum and max) gives its operand back.
+    let Err(e) = titan_runtime::dist::nccl::check_nccl() else {
+        let payload = titan_runtime::dist::nccl::unique_id_payload().expect("unique id");
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("port");
+        let port = listener.local_addr().expect("addr").port();
+        drop(listener);
+        let group = titan_runtime::dist::ProcessGroup::rendezvous(0, 1, ("127.0.0.1", port), "nccl-test", payload, Default::default()).expect("rendezvous");
+        gpu.bind().expect("bind");
+        let mesh = titan_runtime::dist::nccl::NcclMesh::new(&group, titan_ir::Mesh::new(1, 1, 1)).expect("communicators");
+        assert_eq!((mesh.world.rank(), mesh.world.size()), (0, 1));
+        let x: Vec<f32> = (0..4096).map(|i| (i % 97) as f32 - 48.0).collect();
+        let src = gpu.alloc(4 * 4096, 0, "send").expect("alloc");
+        gpu.upload_sync(src.ptr, &bytes(&x), || "send".into()).expect("upload");
+        for (kind, dtype, reduce) in [
+            (NcclKind::AllReduce, DType::F32, ReduceOp::Sum),
+            (NcclKind::AllReduce, DType::BF16, ReduceOp::Max),
+            (NcclKind::AllGather, DType::F32, ReduceOp::Sum),
+            (NcclKind::ReduceScatter, DType::F32, ReduceOp::Sum),
+        ] {
+            let count = 4 * 4096 / dtype.size_bytes();
+            let dst = gpu.alloc(4 * 4096, 0xAB, "recv").expect("alloc");
+            // SAFETY: both buffers hold `count` elements of `dtype` and outlive the sync below.
+            unsafe { mesh.world.run(kind, src.ptr, dst.ptr, count, dtype, reduce, gpu.comm) }.expect("nccl");
+            gpu.sync_all(|| "waiting for NCCL".into()).expect("sync");
+            assert_eq!(down(dst.ptr, 4 * 4096), bytes(&x), "{kind:?} {dtype:?} {reduce:?} over one rank is the identity");
+        }
+        eprintln!("NCCL {}: one-rank communicator and collectives ok", titan_runtime::dist::nccl::check_nccl().expect("version"));
+        return;
+    };
+    eprintln!("skipped the NCCL part: {e}");
 }

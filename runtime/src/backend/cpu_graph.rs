@@ -38,20 +38,21 @@ pub(crate) fn init_state_shard(
     p: &ParamInfo,
     local_shape: &[usize],
     placement: &[titan_ir::Placement],
-    rank: Option<&RankContext>,
+    rank: Option<([usize; 3], titan_ir::Mesh)>,
     seed: u64,
 ) -> Result<Tensor<f32>, RuntimeError> {
     // The full (single-rank) shape, and the shards this rank holds of it.
     let mut shape = local_shape.to_vec();
     let mut shards = Vec::new();
     if let Some(r) = rank {
+        let (coords, mesh) = r;
         for (m, pl) in placement.iter().enumerate() {
-            let n = r.mesh.sizes.get(m).copied().unwrap_or(1) as usize;
+            let n = mesh.sizes.get(m).copied().unwrap_or(1) as usize;
             if let (titan_ir::Placement::Shard(d), true) = (pl, n > 1) {
                 let d = *d as usize;
                 let dim = shape.get_mut(d).ok_or_else(|| RuntimeError::Graph(format!("state `{}` is sharded along dim {d} it does not have", p.name)))?;
                 *dim *= n;
-                shards.push((d, n, r.coords[m]));
+                shards.push((d, n, coords[m]));
             }
         }
     }
@@ -148,7 +149,7 @@ impl<'g> CpuTrainer<'g> {
                     if ty.dtype.is_int() {
                         return Err(RuntimeError::Graph(format!("state `{}` has an integer type {ty}; titan-run initializes float state only", p.name)));
                     }
-                    let mut t = init_state_shard(p, &shape, &main.value(a.value).placement, rank.as_ref(), seed)?;
+                    let mut t = init_state_shard(p, &shape, &main.value(a.value).placement, rank.as_ref().map(|r| (r.coords, r.mesh)), seed)?;
                     if ty.dtype != DType::F32 {
                         // Parameters stored in a low-precision dtype start from rounded values.
                         if let Some(xs) = t.floats_mut() {

@@ -30,6 +30,7 @@
 //! [`KernelRunner`] launches one kernel of an artifact on operands it allocates itself: the
 //! kernel-by-kernel differential tests and per-kernel timings use it.
 
+pub mod collective;
 pub mod driver;
 pub mod gemm;
 
@@ -41,14 +42,18 @@ use titan_ir::artifact::{Arena, BufRef, Buffer, BufferClass, Kernel, Step};
 use titan_ir::interp::Tensor;
 use titan_ir::op::KernelKind;
 
+use self::collective::{Action, Loc};
 use self::driver::{CudaError, DeviceBuffer, Event, Function, Gpu, Graph, Module};
 use self::gemm::{Blas, GemmPlan, pow2_align};
 use crate::RuntimeError;
 use crate::artifact::{Artifact, arena_name};
 use crate::backend::KernelTime;
 use crate::backend::codec::{decode, encode_floats, encode_ints};
+use crate::backend::cpu_graph::init_state_shard;
 use crate::backend::{StepMetrics, Trainer, check_batch};
 use crate::data::Batch;
+use crate::dist::nccl::NcclMesh;
+use crate::dist::rendezvous::ProcessGroup;
 use crate::init::{CHUNK_ELEMS, check_init, chunks_per_layer, fill_chunk, init_threads};
 use crate::log::StartupTimes;
 
@@ -294,9 +299,33 @@ impl LoadedCode {
 
 /// One entry of the unrolled schedule.
 enum Op {
-    Launch { kernel: usize, ins: Vec<u64>, outs: Vec<u64>, at: String },
-    Copy { dst: u64, src: u64, bytes: usize, at: String },
-    Memset { dst: u64, bytes: usize, at: String },
+    Launch {
+        kernel: usize,
+        ins: Vec<u64>,
+        outs: Vec<u64>,
+        at: String,
+    },
+    Copy {
+        dst: u64,
+        src: u64,
+        bytes: usize,
+        at: String,
+    },
+    Memset {
+        dst: u64,
+        bytes: usize,
+        at: String,
+    },
+    /// A collective step (or a rank-local `take_shard`/`place_shard`): its planned actions on
+    /// `input`/`output` (and the shared staging buffer) over mesh dim `mesh_dim`.
+    Collective {
+        plan: collective::Plan,
+        input: u64,
+        output: u64,
+        mesh_dim: usize,
+        dtype: DType,
+        at: String,
+    },
 }
 
 /// Where a step sits: `step 4.2 (layer 1)`.
@@ -321,6 +350,8 @@ struct Arenas<'a> {
     artifact: &'a Artifact,
     base: [u64; 5],
     bytes: [u64; 5],
+    /// This rank's coordinates in the mesh (zeros on one GPU).
+    coords: [usize; 3],
 }
 
 impl Arenas<'_> {
@@ -388,11 +419,26 @@ impl Arenas<'_> {
                         ops.push(Op::Memset { dst: d.0, bytes, at });
                     }
                 }
-                Step::Collective { collective, mesh_dim, .. } => {
-                    return Err(RuntimeError::Backend(format!(
-                        "{at}: `{}` over {mesh_dim}: NCCL execution of collectives is not built yet; run it with --backend cpu (simulated mesh)",
-                        collective.name()
-                    )));
+                Step::Collective { collective, mesh_dim, group, dim, reduce, dtype, in_shape, out_shape, input, output, .. } => {
+                    let m = titan_ir::MeshDim::from_name(mesh_dim).ok_or_else(|| bad(format!("{at}: unknown mesh dim `{mesh_dim}`")))?.index();
+                    let shape = collective::StepShape {
+                        collective: *collective,
+                        group: u64::from(*group),
+                        dim: *dim,
+                        reduce: *reduce,
+                        dtype: *dtype,
+                        in_shape,
+                        out_shape,
+                    };
+                    let plan =
+                        collective::plan(&shape, self.coords[m] as u64).map_err(|e| bad(format!("{at}: `{}` over {mesh_dim}: {e}", collective.name())))?;
+                    let (i, o) = (self.view(input, frame)?, self.view(output, frame)?);
+                    let e = dtype.size_bytes() as u64;
+                    let (ni, no) = (in_shape.iter().product::<u64>() * e, out_shape.iter().product::<u64>() * e);
+                    if ni > i.1 || no > o.1 {
+                        return Err(bad(format!("{at}: `{}` reads {ni} and writes {no} bytes, its buffers hold {} and {}", collective.name(), i.1, o.1)));
+                    }
+                    ops.push(Op::Collective { plan, input: i.0, output: o.0, mesh_dim: m, dtype: *dtype, at });
                 }
                 Step::Loop { count, reverse, carries, body } => {
                     let count = *count as usize;
@@ -436,7 +482,15 @@ fn check_gemm_extent(k: &Kernel, g: &titan_ir::artifact::GemmDesc, bound: [u64; 
     Ok(())
 }
 
-/// Runs an artifact's schedule (rank 0) on one GPU. Field order matters: everything device-side
+/// What one rank of an SPMD artifact needs: the process group (its rendezvous carried the NCCL
+/// unique id), the mesh, and the GPU (`LOCAL_RANK`).
+pub struct CudaRankSetup<'p> {
+    pub group: &'p ProcessGroup,
+    pub mesh: titan_ir::Mesh,
+    pub device: usize,
+}
+
+/// Runs an artifact's schedule on one GPU (one rank of it on a mesh). Field order matters: everything device-side
 /// is dropped before the context.
 pub struct CudaArtifactTrainer<'a> {
     artifact: &'a Artifact,
@@ -467,6 +521,12 @@ pub struct CudaArtifactTrainer<'a> {
     capture_s: Option<f64>,
     /// Print a line on stderr when the step is captured into a CUDA graph.
     log_capture: bool,
+    /// This rank's NCCL communicators on a mesh (dropped before the context).
+    nccl: Option<NcclMesh>,
+    /// Staging for collectives along inner dims, and the events ordering the collectives'
+    /// stream against the compute stream.
+    staging: Option<DeviceBuffer>,
+    comm_events: Option<[Event; 2]>,
     /// Device memory in use before the first allocation (`cuMemGetInfo`).
     mem_baseline: u64,
     /// The largest used-bytes delta read so far.
@@ -502,13 +562,37 @@ impl<'a> CudaArtifactTrainer<'a> {
     /// Check that every kernel has GPU code, open the GPU, load every kernel, allocate the
     /// arenas and initialize the state from `seed` (the CPU backend's values).
     pub fn new(artifact: &'a Artifact, seed: u64) -> Result<CudaArtifactTrainer<'a>, RuntimeError> {
+        Self::with_rank(artifact, seed, None)
+    }
+
+    /// [`CudaArtifactTrainer::new`] for one rank of an SPMD artifact (`rank`: `None` on one
+    /// GPU): opens GPU `rank.device`, creates the rank's NCCL communicators (collectively with
+    /// the other ranks of `rank.group`), starts each state as this rank's shard of the
+    /// single-rank initialization, and runs the schedule's collective steps through NCCL on a
+    /// stream of their own.
+    pub fn with_rank(artifact: &'a Artifact, seed: u64, rank: Option<CudaRankSetup<'_>>) -> Result<CudaArtifactTrainer<'a>, RuntimeError> {
         let m = &artifact.manifest;
-        if m.ranks.len() != 1 || m.mesh.world_size > 1 {
+        if m.ranks.len() != 1 {
             return Err(RuntimeError::Backend(format!(
-                "the artifact has {} ranks (mesh world size {}); multi-GPU execution is not supported yet, rebuild without a mesh",
-                m.ranks.len(),
-                m.mesh.world_size
+                "the artifact has {} schedules; titan artifacts carry one (SPMD), rebuild it with `titanc build`",
+                m.ranks.len()
             )));
+        }
+        match &rank {
+            None if m.mesh.world_size > 1 => {
+                return Err(RuntimeError::Backend(format!(
+                    "the artifact is built for a mesh of {} ranks: run one process per GPU (`titan-run DIR --backend cuda --nproc-per-node {}`, torchrun or srun), or run it with --backend cpu (simulated mesh)",
+                    m.mesh.world_size, m.mesh.world_size
+                )));
+            }
+            Some(r) if r.mesh.world_size() != m.mesh.world_size => {
+                return Err(RuntimeError::Backend(format!(
+                    "a rank of a {}-rank mesh cannot run an artifact built for {} ranks",
+                    r.mesh.world_size(),
+                    m.mesh.world_size
+                )));
+            }
+            _ => {}
         }
         check_gpu_code(artifact)?;
         let feed = |f: &str| artifact.feed_buffer(f).ok_or_else(|| bad(format!("no input buffer is fed `{f}`")));
@@ -519,9 +603,14 @@ impl<'a> CudaArtifactTrainer<'a> {
         let loss = artifact.output_buffer("loss").ok_or_else(|| bad("no buffer holds the `loss` output".into()))?;
         let mut startup = StartupTimes::default();
         let t = Instant::now();
-        let gpu = Gpu::open()?;
+        let gpu = Gpu::open_device(rank.as_ref().map_or(0, |r| r.device))?;
         let (free, total) = gpu.mem_info()?;
         let mem_baseline = total.saturating_sub(free);
+        let nccl = match &rank {
+            Some(r) => Some(NcclMesh::new(r.group, r.mesh).map_err(|e| RuntimeError::Backend(format!("creating the NCCL communicators: {e}")))?),
+            None => None,
+        };
+        let coords = rank.as_ref().map_or([0; 3], |r| r.mesh.coords(r.group.rank()));
         startup.load_s += t.elapsed().as_secs_f64();
         let t = Instant::now();
         let mut memory = Vec::new();
@@ -535,11 +624,18 @@ impl<'a> CudaArtifactTrainer<'a> {
             bytes[slot(a)] = n;
             memory.push(buf);
         }
-        let arenas = Arenas { artifact, base, bytes };
+        let arenas = Arenas { artifact, base, bytes, coords };
         startup.alloc_s = t.elapsed().as_secs_f64();
         let t = Instant::now();
         let mut ops = Vec::new();
         arenas.unroll(&m.ranks[0].steps, None, &mut Vec::new(), &mut ops)?;
+        let staging_bytes = ops.iter().map(|o| if let Op::Collective { plan, .. } = o { plan.staging_bytes } else { 0 }).max().unwrap_or(0);
+        let staging = if staging_bytes > 0 { Some(gpu.alloc(staging_bytes, 0, "the collectives' staging buffer")?) } else { None };
+        let has_collectives = ops.iter().any(|o| matches!(o, Op::Collective { plan, .. } if plan.communicates));
+        if has_collectives && nccl.is_none() {
+            return Err(RuntimeError::Backend("the schedule has collectives but this process has no NCCL communicators".into()));
+        }
+        let comm_events = if has_collectives { Some([Event::new()?, Event::new()?]) } else { None };
         // Per GEMM kernel: the alignment of its operands over every launch, and their extents.
         let mut align = vec![[256u64; 3]; m.kernels.len()];
         Self::gemm_operands(artifact, &arenas, &m.ranks[0].steps, None, &mut align)?;
@@ -572,13 +668,19 @@ impl<'a> CudaArtifactTrainer<'a> {
             startup,
             capture_s: None,
             log_capture: false,
+            nccl,
+            staging,
+            comm_events,
             mem_baseline,
             measured_peak: 0,
             code,
             _memory: memory,
             gpu,
         };
-        trainer.init_state(seed)?;
+        match &rank {
+            Some(r) => trainer.init_state_shards(seed, (coords, r.mesh))?,
+            None => trainer.init_state(seed)?,
+        }
         trainer.measure_memory()?;
         Ok(trainer)
     }
@@ -611,6 +713,30 @@ impl<'a> CudaArtifactTrainer<'a> {
                 }
                 _ => {}
             }
+        }
+        Ok(())
+    }
+
+    /// Fill every persistent buffer with this rank's shard (by the placement of its `graph.ir`
+    /// state argument) of the single-rank initialization: drawn on the host whole, sliced,
+    /// encoded and copied (the CPU backend's [`init_state_shard`]).
+    fn init_state_shards(&mut self, seed: u64, rank: ([usize; 3], titan_ir::Mesh)) -> Result<(), RuntimeError> {
+        self.gpu.bind()?;
+        let main = &self.artifact.graph.main;
+        for slot in self.artifact.state_slots()? {
+            let (b, p) = (slot.buffer, slot.info);
+            let placement = main.args.iter().find(|a| a.kind.param_info().is_some_and(|q| q.name == p.name)).map(|a| main.value(a.value).placement.clone());
+            let shape: Vec<usize> =
+                b.shape.iter().map(|&d| usize::try_from(d).map_err(|_| bad(format!("state `{}` is too large", p.name)))).collect::<Result<_, _>>()?;
+            let t = init_state_shard(p, &shape, &placement.unwrap_or_default(), Some(rank), seed)?;
+            let values = t.floats().ok_or_else(|| bad(format!("state `{}` is not a float tensor", p.name)))?;
+            let (ptr, len) = self.arenas.whole(b)?;
+            let mut bytes = vec![0u8; values.len() * b.dtype.size_bytes()];
+            if bytes.len() as u64 > len {
+                return Err(bad(format!("state `{}` has {} bytes, its buffer only {len}", p.name, bytes.len())));
+            }
+            encode_floats(values, b.dtype, &mut bytes).map_err(|e| bad(format!("state `{}`: {e}", p.name)))?;
+            self.gpu.upload_sync(ptr, &bytes, || format!("copying state `{}` to the GPU", p.name))?;
         }
         Ok(())
     }
@@ -776,10 +902,55 @@ impl<'a> CudaArtifactTrainer<'a> {
                 Op::Launch { kernel, ins, outs, at } => self.code.launch(&self.gpu, self.artifact, *kernel, ins, outs, &|| at.clone())?,
                 Op::Copy { dst, src, bytes, at } => self.gpu.copy(*dst, *src, *bytes, || format!("copy of {bytes} bytes ({at})"))?,
                 Op::Memset { dst, bytes, at } => self.gpu.memset(*dst, 0, *bytes, || format!("memset of {bytes} bytes ({at})"))?,
+                Op::Collective { plan, input, output, mesh_dim, dtype, at } => self.enqueue_collective(plan, *input, *output, *mesh_dim, *dtype, at)?,
             }
         }
         if let Some(ev) = events {
             self.gpu.record(&ev[self.ops.len()])?;
+        }
+        Ok(())
+    }
+
+    /// Enqueue one collective step: its copies and NCCL calls on the collectives' stream, after
+    /// the compute enqueued so far and before the compute enqueued next (rank-local
+    /// `take_shard`/`place_shard` copies stay on the compute stream).
+    fn enqueue_collective(&self, plan: &collective::Plan, input: u64, output: u64, mesh_dim: usize, dtype: DType, at: &str) -> Result<(), CudaError> {
+        let staging = self.staging.as_ref().map_or(0, |b| b.ptr);
+        let addr = |l: Loc| match l {
+            Loc::Input(o) => input + o,
+            Loc::Output(o) => output + o,
+            Loc::Staging(o) => staging + o,
+        };
+        let stream = self.gpu.stream_for(plan.communicates);
+        let events = self.comm_events.as_ref().filter(|_| plan.communicates);
+        if let Some(ev) = events {
+            self.gpu.fork_to_comm(&ev[0])?;
+        }
+        for a in &plan.actions {
+            match *a {
+                Action::Nccl { kind, send, recv, count, reduce } => {
+                    let comm = self
+                        .nccl
+                        .as_ref()
+                        .and_then(|n| n.dims[mesh_dim].as_ref())
+                        .ok_or_else(|| CudaError::Call { what: at.to_string(), message: format!("no NCCL communicator for mesh dim {mesh_dim}") })?;
+                    let count = usize::try_from(count).map_err(|_| CudaError::Call { what: at.to_string(), message: "collective too large".into() })?;
+                    // SAFETY: the operands were checked against their buffers at unroll; the
+                    // staging buffer holds the largest plan's staging bytes.
+                    unsafe { comm.run(kind, addr(send), addr(recv), count, dtype, reduce, stream) }
+                        .map_err(|e| CudaError::Call { what: at.to_string(), message: e.to_string() })?;
+                }
+                Action::Copy2d { dst, dst_pitch, src, src_pitch, width, height } => {
+                    self.gpu.copy_2d(stream, addr(dst), dst_pitch, addr(src), src_pitch, width, height, || format!("a strided copy of a collective ({at})"))?
+                }
+                Action::Zero { dst, bytes } => {
+                    let n = usize::try_from(bytes).map_err(|_| CudaError::Call { what: at.to_string(), message: "memset too large".into() })?;
+                    self.gpu.memset_on(stream, addr(dst), 0, n, || format!("zeroing the output of a collective ({at})"))?
+                }
+            }
+        }
+        if let Some(ev) = events {
+            self.gpu.join_from_comm(&ev[1])?;
         }
         Ok(())
     }
@@ -813,7 +984,7 @@ impl<'a> CudaArtifactTrainer<'a> {
             let secs = f64::from(p.events[i].elapsed_ms(&p.events[i + 1])?) * 1e-3;
             let t = match op {
                 Op::Launch { kernel, .. } => &mut p.kernels[*kernel],
-                Op::Copy { .. } | Op::Memset { .. } => &mut p.other,
+                Op::Copy { .. } | Op::Memset { .. } | Op::Collective { .. } => &mut p.other,
             };
             t.launches += 1;
             t.seconds += secs;

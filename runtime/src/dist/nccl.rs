@@ -2,18 +2,21 @@
 //! shares through the rendezvous, split into one communicator per mesh dim whose ranks are the
 //! same groups the TCP process group and the simulated mesh use.
 //!
-//! **Untested on multi-GPU:** no machine with several GPUs and NCCL has run this yet. It is
-//! compiled against cudarc's NCCL bindings (loaded at run time), and the pure parts (the id
-//! payload, the split colors) are unit-tested; the CUDA backend does not call it until the
-//! compiler puts collectives into artifacts.
+//! **Untested on multi-GPU:** no machine with several GPUs has run this yet (NCCL refuses two
+//! ranks on one GPU, and only one H200 is lent). It is compiled against cudarc's NCCL bindings
+//! (loaded at run time); the pure parts (the id payload, the split colors) are unit-tested, a
+//! one-rank communicator and its collectives run on the H200 (`runtime/tests/cuda.rs`), and the
+//! CUDA backend's collective steps (`backend/cuda/collective.rs`) call [`NcclComm::run`].
 
-use std::ffi::c_int;
-use std::sync::Arc;
+use std::ffi::{c_int, c_void};
 
-use cudarc::driver::CudaContext;
+use cudarc::driver::sys::CUstream;
 use cudarc::nccl::result;
 use cudarc::nccl::sys;
-use titan_ir::Mesh;
+use titan_ir::artifact::ReduceOp;
+use titan_ir::{DType, Mesh};
+
+pub use crate::backend::cuda::collective::NcclKind;
 
 use super::DistError;
 use super::rendezvous::ProcessGroup;
@@ -91,6 +94,36 @@ impl NcclComm {
         self.size
     }
 
+    /// Enqueue one collective on `stream` (a CUDA driver stream of the communicator's device):
+    /// `send` and `recv` are device pointers, `count` elements of `dtype` (per rank for
+    /// all-gather, of the result for reduce-scatter).
+    ///
+    /// # Safety
+    /// The pointers must be valid device memory of the communicator's GPU, at least as large as
+    /// the collective reads and writes, and stay alive until the stream has run it.
+    pub unsafe fn run(&self, kind: NcclKind, send: u64, recv: u64, count: usize, dtype: DType, reduce: ReduceOp, stream: CUstream) -> Result<(), DistError> {
+        let ty = match dtype {
+            DType::F32 => sys::ncclDataType_t::ncclFloat32,
+            DType::BF16 => sys::ncclDataType_t::ncclBfloat16,
+            DType::F16 => sys::ncclDataType_t::ncclFloat16,
+            other => return Err(DistError::Collective(format!("NCCL collectives of {other:?} are not supported"))),
+        };
+        let op = match reduce {
+            ReduceOp::Sum => sys::ncclRedOp_t::ncclSum,
+            ReduceOp::Max => sys::ncclRedOp_t::ncclMax,
+        };
+        let (s, r, st) = (send as *const c_void, recv as *mut c_void, stream.cast::<sys::CUstream_st>());
+        // SAFETY: the caller's contract; `self.raw` is a live communicator.
+        let res = unsafe {
+            match kind {
+                NcclKind::AllGather => sys::ncclAllGather(s, r, count, ty, self.raw, st),
+                NcclKind::ReduceScatter => sys::ncclReduceScatter(s, r, count, ty, op, self.raw, st),
+                NcclKind::AllReduce => sys::ncclAllReduce(s, r, count, ty, op, self.raw, st),
+            }
+        };
+        res.result().map(|_| ()).map_err(|e| nccl_err(&format!("{kind:?} of {count} {dtype:?} elements"), e))
+    }
+
     /// Check NCCL's view of this communicator against the expected rank and size.
     fn checked(self, what: &str) -> Result<NcclComm, DistError> {
         let (mut n, mut r): (c_int, c_int) = (0, 0);
@@ -125,17 +158,17 @@ pub struct NcclMesh {
 }
 
 impl NcclMesh {
-    /// Create this rank's communicators on the GPU of `ctx` from the unique id rank 0 sent at
-    /// the rendezvous (`group.payload()`, made with [`unique_id_payload`]). Every rank of the
-    /// group must call this (the init and the splits are collective).
-    pub fn new(ctx: &Arc<CudaContext>, group: &ProcessGroup, mesh: Mesh) -> Result<NcclMesh, DistError> {
+    /// Create this rank's communicators on the current thread's GPU (its context made current
+    /// by the caller) from the unique id rank 0 sent at the rendezvous (`group.payload()`, made
+    /// with [`unique_id_payload`]). Every rank of the group must call this (the init and the
+    /// splits are collective).
+    pub fn new(group: &ProcessGroup, mesh: Mesh) -> Result<NcclMesh, DistError> {
         let (rank, world) = (group.rank(), group.world_size());
         if world != mesh.world_size() as usize {
             return Err(DistError::Env(format!("the run has {world} processes but the mesh has {} ranks", mesh.world_size())));
         }
         check_nccl()?;
         let id = id_from_payload(group.payload())?;
-        ctx.bind_to_thread().map_err(|e| DistError::Collective(format!("cannot use the GPU: {e:?}")))?;
         let mut raw = std::ptr::null_mut();
         // SAFETY: `raw` is a valid out-pointer; the id is what rank 0's ncclGetUniqueId wrote.
         unsafe { result::comm_init_rank(&mut raw, world as c_int, id, rank as c_int) }.map_err(|e| nccl_err("ncclCommInitRank", e))?;

@@ -15,6 +15,7 @@ use super::rendezvous::ProcessGroup;
 use crate::RuntimeError;
 use crate::artifact::Artifact;
 use crate::backend::cpu_graph::RankContext;
+use crate::backend::cuda::{CudaArtifactTrainer, CudaRankSetup};
 use crate::backend::sim_mesh::{is_seq_parallel, rank_batch};
 use crate::backend::{CpuArtifactTrainer, CpuTrainer, StepMetrics, Trainer};
 use crate::data::Batch;
@@ -55,6 +56,24 @@ impl<'g> ProcessMeshTrainer<'g> {
         let comm = Arc::new(TcpComm::new(Arc::clone(&group), mesh)?);
         let coords = comm.coords_of_rank();
         let trainer = CpuArtifactTrainer::with_rank(artifact, seed, Some(RankContext { mesh, coords, comm }))?;
+        let local_batch = Trainer::batch_size(&trainer);
+        Ok(ProcessMeshTrainer { mesh, coords, group, trainer: Box::new(trainer), local_batch, seq_parallel: is_seq_parallel(graph, mesh) })
+    }
+
+    /// Prepare rank `group.rank()` of an SPMD artifact on GPU `device` (`LOCAL_RANK`): the
+    /// artifact's one schedule on the cuda backend, its `collective` steps through NCCL (the
+    /// communicators are created from the unique id rank 0 sent at the rendezvous).
+    pub fn for_cuda_artifact(artifact: &'g Artifact, seed: u64, group: Arc<ProcessGroup>, device: usize) -> Result<ProcessMeshTrainer<'g>, RuntimeError> {
+        let graph = &artifact.graph;
+        let mesh = Mesh::from_graph(graph).map_err(RuntimeError::Graph)?.filter(|m| m.world_size() > 1).ok_or_else(|| {
+            RuntimeError::Backend("the artifact has no device mesh; a multi-process run needs an SPMD artifact (`titanc build --tp/--dp-shard ...`)".into())
+        })?;
+        if group.world_size() != mesh.world_size() as usize {
+            return Err(RuntimeError::Backend(format!("the run has {} processes but the mesh has {} ranks", group.world_size(), mesh.world_size())));
+        }
+        let coords = mesh.coords(group.rank());
+        let setup = CudaRankSetup { group: &group, mesh, device };
+        let trainer = CudaArtifactTrainer::with_rank(artifact, seed, Some(setup))?;
         let local_batch = Trainer::batch_size(&trainer);
         Ok(ProcessMeshTrainer { mesh, coords, group, trainer: Box::new(trainer), local_batch, seq_parallel: is_seq_parallel(graph, mesh) })
     }

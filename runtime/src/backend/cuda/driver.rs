@@ -53,6 +53,9 @@ pub struct Gpu {
     ctx: sys::CUcontext,
     dev: sys::CUdevice,
     pub stream: sys::CUstream,
+    /// The stream collectives run on, ordered against `stream` by events
+    /// ([`Gpu::fork_to_comm`], [`Gpu::join_from_comm`]).
+    pub comm: sys::CUstream,
     pub name: String,
 }
 
@@ -64,8 +67,14 @@ unsafe impl Send for Gpu {}
 unsafe impl Sync for Gpu {}
 
 impl Gpu {
-    /// Open device 0 (the primary context) and create a non-blocking stream.
+    /// Open device 0 (the primary context) and create the streams.
     pub fn open() -> Result<Gpu, CudaError> {
+        Self::open_device(0)
+    }
+
+    /// Open device `ordinal` (a multi-process run's `LOCAL_RANK`), its primary context, a
+    /// non-blocking compute stream and a non-blocking stream for collectives.
+    pub fn open_device(ordinal: usize) -> Result<Gpu, CudaError> {
         if !driver_present() {
             return Err(CudaError::NoDevice(
                 "the CUDA driver library (libcuda.so) is not installed here; run on a machine with an NVIDIA driver or use --backend cpu".into(),
@@ -76,14 +85,87 @@ impl Gpu {
         if n < 1 {
             return Err(CudaError::NoDevice("the driver sees no GPU; use --backend cpu".into()));
         }
-        let dev = check(result::device::get(0), || "opening device 0".into())?;
+        if ordinal >= n as usize {
+            return Err(CudaError::NoDevice(format!(
+                "GPU {ordinal} was asked for (LOCAL_RANK) but the driver sees {n}; launch at most {n} processes per node or check CUDA_VISIBLE_DEVICES"
+            )));
+        }
+        let dev = check(result::device::get(ordinal as i32), || format!("opening device {ordinal}"))?;
         // SAFETY: `dev` is a valid device; the primary context is released in Drop.
         let ctx = check(unsafe { result::primary_ctx::retain(dev) }, || "retaining the primary context".into())?;
         // SAFETY: `ctx` was just retained.
         check(unsafe { result::ctx::set_current(ctx) }, || "making the context current".into())?;
         let stream = check(result::stream::create(result::stream::StreamKind::NonBlocking), || "creating a stream".into())?;
+        let comm = check(result::stream::create(result::stream::StreamKind::NonBlocking), || "creating the collectives' stream".into())?;
         let name = result::device::get_name(dev).unwrap_or_else(|_| "unknown GPU".into());
-        Ok(Gpu { ctx, dev, stream, name })
+        Ok(Gpu { ctx, dev, stream, comm, name })
+    }
+
+    /// Make the collectives' stream wait for the work enqueued on the compute stream so far
+    /// (`e` is recorded on the compute stream).
+    pub fn fork_to_comm(&self, e: &Event) -> Result<(), CudaError> {
+        // SAFETY: valid event and streams.
+        unsafe {
+            check(result::event::record(e.0, self.stream), || "recording an event before a collective".into())?;
+            check(result::stream::wait_event(self.comm, e.0, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT), || "ordering a collective after compute".into())
+        }
+    }
+
+    /// Make the compute stream wait for the collectives enqueued so far (`e` is recorded on the
+    /// collectives' stream).
+    pub fn join_from_comm(&self, e: &Event) -> Result<(), CudaError> {
+        // SAFETY: valid event and streams.
+        unsafe {
+            check(result::event::record(e.0, self.comm), || "recording an event after a collective".into())?;
+            check(result::stream::wait_event(self.stream, e.0, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT), || "ordering compute after a collective".into())
+        }
+    }
+
+    /// The compute stream, or the collectives' stream.
+    pub fn stream_for(&self, comm: bool) -> sys::CUstream {
+        if comm { self.comm } else { self.stream }
+    }
+
+    /// Copy `height` rows of `width` bytes from `src` (rows `src_pitch` bytes apart) to `dst`
+    /// (rows `dst_pitch` apart), device to device, on `stream`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn copy_2d(
+        &self,
+        stream: sys::CUstream,
+        dst: u64,
+        dst_pitch: u64,
+        src: u64,
+        src_pitch: u64,
+        width: u64,
+        height: u64,
+        what: impl FnOnce() -> String,
+    ) -> Result<(), CudaError> {
+        let c = sys::CUDA_MEMCPY2D {
+            srcXInBytes: 0,
+            srcY: 0,
+            srcMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+            srcHost: std::ptr::null(),
+            srcDevice: src,
+            srcArray: std::ptr::null_mut(),
+            srcPitch: src_pitch as usize,
+            dstXInBytes: 0,
+            dstY: 0,
+            dstMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+            dstHost: std::ptr::null_mut(),
+            dstDevice: dst,
+            dstArray: std::ptr::null_mut(),
+            dstPitch: dst_pitch as usize,
+            WidthInBytes: width as usize,
+            Height: height as usize,
+        };
+        // SAFETY: the ranges were checked against their buffers when the schedule was planned.
+        check(unsafe { sys::cuMemcpy2DAsync_v2(&c, stream).result() }, what)
+    }
+
+    /// Fill `bytes` at `dst` with `value` on `stream`.
+    pub fn memset_on(&self, stream: sys::CUstream, dst: u64, value: u8, bytes: usize, what: impl FnOnce() -> String) -> Result<(), CudaError> {
+        // SAFETY: the range was checked against its buffer when the schedule was planned.
+        check(unsafe { result::memset_d8_async(dst, value, bytes, stream) }, what)
     }
 
     /// Make the context current on the calling thread (tests run on several threads).
@@ -268,7 +350,9 @@ impl Drop for Gpu {
         unsafe {
             let _ = result::ctx::set_current(self.ctx);
             let _ = result::stream::synchronize(self.stream);
+            let _ = result::stream::synchronize(self.comm);
             let _ = result::stream::destroy(self.stream);
+            let _ = result::stream::destroy(self.comm);
             let _ = result::primary_ctx::release(self.dev);
         }
     }

@@ -1,0 +1,381 @@
+//! How a schedule's `collective` step runs on the GPU: NCCL moves contiguous, rank-major
+//! chunks, while the IR gathers and scatters along any tensor dim. A step becomes a short list of
+//! [`Action`]s: NCCL calls on whole buffers, and strided 2-D copies (`cuMemcpy2DAsync`) that
+//! move the rank chunks between the tensor's layout and a staging buffer when the dim is not the
+//! outermost one (`prod(shape[..dim]) > 1`). `take_shard`/`place_shard` are copies only.
+//!
+//! Row-major tensor of shape `s`, dim `d`, group `n`, element size `e`: `outer = prod(s[..d])`,
+//! and a rank's chunk is `outer` rows of `inner = prod(shard[d..])` elements. The rank-`r` chunk
+//! sits at column `r * inner` of rows that are `n * inner` long in the full tensor, and at
+//! `r * outer * inner` in the rank-major staging buffer NCCL reads or writes.
+
+use titan_ir::DType;
+use titan_ir::artifact::{CollectiveOp, ReduceOp};
+
+/// A byte offset into one of the buffers a step touches.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Loc {
+    Input(u64),
+    Output(u64),
+    Staging(u64),
+}
+
+/// The NCCL collective of an [`Action::Nccl`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum NcclKind {
+    /// `count` elements from every rank, rank-major into `recv`.
+    AllGather,
+    /// `send` holds `n * count` elements; rank `r` gets the reduction of chunk `r`.
+    ReduceScatter,
+    /// `count` elements, reduced, on every rank.
+    AllReduce,
+}
+
+/// One thing a collective step does, in order.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Action {
+    /// An NCCL call over the step's mesh dim; `count` in elements (per rank for all-gather, of
+    /// the result for reduce-scatter).
+    Nccl { kind: NcclKind, send: Loc, recv: Loc, count: u64, reduce: ReduceOp },
+    /// `height` rows of `width` bytes from `src` (rows `src_pitch` bytes apart) to `dst` (rows
+    /// `dst_pitch` apart).
+    Copy2d { dst: Loc, dst_pitch: u64, src: Loc, src_pitch: u64, width: u64, height: u64 },
+    /// Zero `bytes` at `dst`.
+    Zero { dst: Loc, bytes: u64 },
+}
+
+/// The actions of one step and the staging bytes they need.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Plan {
+    pub actions: Vec<Action>,
+    pub staging_bytes: u64,
+    /// Whether the step communicates (else it is rank-local copies).
+    pub communicates: bool,
+}
+
+/// The step's fields a plan needs.
+pub struct StepShape<'a> {
+    pub collective: CollectiveOp,
+    pub group: u64,
+    pub dim: Option<u32>,
+    pub reduce: Option<ReduceOp>,
+    pub dtype: DType,
+    pub in_shape: &'a [u64],
+    pub out_shape: &'a [u64],
+}
+
+/// `(outer, inner)`: the product of the dims before `d`, and of `d` and after.
+fn split(shape: &[u64], d: usize) -> Result<(u64, u64), String> {
+    if d >= shape.len() {
+        return Err(format!("dim {d} of a rank-{} tensor", shape.len()));
+    }
+    Ok((shape[..d].iter().product(), shape[d..].iter().product()))
+}
+
+/// Plan a step for the rank at coordinate `coord` (0-based) along the step's mesh dim.
+pub fn plan(s: &StepShape<'_>, coord: u64) -> Result<Plan, String> {
+    let n = s.group;
+    let e = s.dtype.size_bytes() as u64;
+    let numel = |shape: &[u64]| shape.iter().product::<u64>();
+    if n == 0 || coord >= n {
+        return Err(format!("rank coordinate {coord} in a group of {n}"));
+    }
+    let reduce = s.reduce.unwrap_or(ReduceOp::Sum);
+    let dim = || s.dim.map(|d| d as usize).ok_or_else(|| format!("`{}` needs a tensor dim", s.collective.name()));
+    let (actions, staging_bytes, communicates) = match s.collective {
+        CollectiveOp::AllReduce => {
+            if numel(s.in_shape) != numel(s.out_shape) {
+                return Err("all_reduce changes the element count".into());
+            }
+            (vec![Action::Nccl { kind: NcclKind::AllReduce, send: Loc::Input(0), recv: Loc::Output(0), count: numel(s.in_shape), reduce }], 0, true)
+        }
+        CollectiveOp::AllGather => {
+            let d = dim()?;
+            let (outer, inner) = split(s.in_shape, d)?;
+            if numel(s.out_shape) != n * outer * inner {
+                return Err(format!("all_gather of {:?} over {n} ranks cannot give {:?}", s.in_shape, s.out_shape));
+            }
+            let count = outer * inner;
+            if outer == 1 {
+                (vec![Action::Nccl { kind: NcclKind::AllGather, send: Loc::Input(0), recv: Loc::Output(0), count, reduce }], 0, true)
+            } else {
+                let mut a = vec![Action::Nccl { kind: NcclKind::AllGather, send: Loc::Input(0), recv: Loc::Staging(0), count, reduce }];
+                for r in 0..n {
+                    a.push(Action::Copy2d {
+                        dst: Loc::Output(r * inner * e),
+                        dst_pitch: n * inner * e,
+                        src: Loc::Staging(r * count * e),
+                        src_pitch: inner * e,
+                        width: inner * e,
+                        height: outer,
+                    });
+                }
+                (a, n * count * e, true)
+            }
+        }
+        CollectiveOp::ReduceScatter => {
+            let d = dim()?;
+            let (outer, inner) = split(s.out_shape, d)?;
+            if numel(s.in_shape) != n * outer * inner {
+                return Err(format!("reduce_scatter of {:?} over {n} ranks cannot give {:?}", s.in_shape, s.out_shape));
+            }
+            let count = outer * inner;
+            if outer == 1 {
+                (vec![Action::Nccl { kind: NcclKind::ReduceScatter, send: Loc::Input(0), recv: Loc::Output(0), count, reduce }], 0, true)
+            } else {
+                let mut a = Vec::new();
+                for r in 0..n {
+                    a.push(Action::Copy2d {
+                        dst: Loc::Staging(r * count * e),
+                        dst_pitch: inner * e,
+                        src: Loc::Input(r * inner * e),
+                        src_pitch: n * inner * e,
+                        width: inner * e,
+                        height: outer,
+                    });
+                }
+                a.push(Action::Nccl { kind: NcclKind::ReduceScatter, send: Loc::Staging(0), recv: Loc::Output(0), count, reduce });
+                (a, n * count * e, true)
+            }
+        }
+        CollectiveOp::TakeShard => {
+            let d = dim()?;
+            let (outer, inner) = split(s.out_shape, d)?;
+            if numel(s.in_shape) != n * outer * inner {
+                return Err(format!("take_shard of {:?} over {n} ranks cannot give {:?}", s.in_shape, s.out_shape));
+            }
+            let a = Action::Copy2d {
+                dst: Loc::Output(0),
+                dst_pitch: inner * e,
+                src: Loc::Input(coord * inner * e),
+                src_pitch: n * inner * e,
+                width: inner * e,
+                height: outer,
+            };
+            (vec![a], 0, false)
+        }
+        CollectiveOp::PlaceShard => {
+            let d = dim()?;
+            let (outer, inner) = split(s.in_shape, d)?;
+            if numel(s.out_shape) != n * outer * inner {
+                return Err(format!("place_shard of {:?} over {n} ranks cannot give {:?}", s.in_shape, s.out_shape));
+            }
+            let a = vec![
+                Action::Zero { dst: Loc::Output(0), bytes: n * outer * inner * e },
+                Action::Copy2d {
+                    dst: Loc::Output(coord * inner * e),
+                    dst_pitch: n * inner * e,
+                    src: Loc::Input(0),
+                    src_pitch: inner * e,
+                    width: inner * e,
+                    height: outer,
+                },
+            ];
+            (a, 0, false)
+        }
+    };
+    Ok(Plan { actions, staging_bytes, communicates })
+}
+
+#[cfg(test)]
+mod tests {
+    //! The plans run on host memory for every rank of a group, with NCCL's semantics written
+    //! out, and must give what the interpreter's collectives give (concatenation, elementwise
+    //! reduction and slicing along the dim, in coordinate order).
+    use super::*;
+
+    /// Host buffers of one rank.
+    struct Rank {
+        input: Vec<u8>,
+        output: Vec<u8>,
+        staging: Vec<u8>,
+    }
+
+    fn buf<'a>(r: &'a mut Rank, l: Loc) -> (&'a mut Vec<u8>, usize) {
+        match l {
+            Loc::Input(o) => (&mut r.input, o as usize),
+            Loc::Output(o) => (&mut r.output, o as usize),
+            Loc::Staging(o) => (&mut r.staging, o as usize),
+        }
+    }
+
+    fn read(r: &mut Rank, l: Loc, bytes: usize) -> Vec<u8> {
+        let (b, o) = buf(r, l);
+        b[o..o + bytes].to_vec()
+    }
+
+    fn write(r: &mut Rank, l: Loc, data: &[u8]) {
+        let (b, o) = buf(r, l);
+        b[o..o + data.len()].copy_from_slice(data);
+    }
+
+    fn f32s(b: &[u8]) -> Vec<f32> {
+        b.chunks(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+    }
+
+    fn bytes(v: &[f32]) -> Vec<u8> {
+        v.iter().flat_map(|x| x.to_le_bytes()).collect()
+    }
+
+    /// Run every rank's plan (the same action list shape on every rank; NCCL calls meet).
+    fn run(plans: &[Plan], ranks: &mut [Rank]) {
+        let n = ranks.len();
+        for i in 0..plans[0].actions.len() {
+            match plans[0].actions[i] {
+                Action::Nccl { kind, send, recv, count, reduce } => {
+                    let c = count as usize;
+                    let sends: Vec<Vec<f32>> = ranks
+                        .iter_mut()
+                        .map(|r| {
+                            let len = if kind == NcclKind::ReduceScatter { n * c } else { c };
+                            f32s(&read(r, send, 4 * len))
+                        })
+                        .collect();
+                    let fold = |a: f32, b: f32| if reduce == ReduceOp::Max { a.max(b) } else { a + b };
+                    for (ri, r) in ranks.iter_mut().enumerate() {
+                        let out: Vec<f32> = match kind {
+                            NcclKind::AllGather => sends.concat(),
+                            NcclKind::AllReduce => (0..c).map(|j| sends.iter().skip(1).fold(sends[0][j], |a, s| fold(a, s[j]))).collect(),
+                            NcclKind::ReduceScatter => (0..c).map(|j| sends.iter().skip(1).fold(sends[0][ri * c + j], |a, s| fold(a, s[ri * c + j]))).collect(),
+                        };
+                        write(r, recv, &bytes(&out));
+                    }
+                }
+                _ => {
+                    for (ri, r) in ranks.iter_mut().enumerate() {
+                        match plans[ri].actions[i] {
+                            Action::Copy2d { dst, dst_pitch, src, src_pitch, width, height } => {
+                                for row in 0..height {
+                                    let shift = |l: Loc, by: u64| match l {
+                                        Loc::Input(o) => Loc::Input(o + by),
+                                        Loc::Output(o) => Loc::Output(o + by),
+                                        Loc::Staging(o) => Loc::Staging(o + by),
+                                    };
+                                    let data = read(r, shift(src, row * src_pitch), width as usize);
+                                    write(r, shift(dst, row * dst_pitch), &data);
+                                }
+                            }
+                            Action::Zero { dst, bytes: b } => write(r, dst, &vec![0u8; b as usize]),
+                            Action::Nccl { .. } => unreachable!("the ranks' plans differ in shape"),
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// The reference: element `idx` (row-major in `shape`) of the concatenation along `d` of the
+    /// ranks' tensors of shape `part`.
+    fn concat_ref(parts: &[Vec<f32>], part: &[u64], d: usize) -> Vec<f32> {
+        let n = parts.len() as u64;
+        let (outer, inner) = (part[..d].iter().product::<u64>(), part[d..].iter().product::<u64>());
+        let mut out = Vec::new();
+        for o in 0..outer {
+            for p in parts {
+                out.extend_from_slice(&p[(o * inner) as usize..((o + 1) * inner) as usize]);
+            }
+        }
+        assert_eq!(out.len() as u64, n * outer * inner);
+        out
+    }
+
+    /// Slice `c` of `n` along `d` of a tensor of shape `full`.
+    fn slice_ref(x: &[f32], full: &[u64], d: usize, n: u64, c: u64) -> Vec<f32> {
+        let outer: u64 = full[..d].iter().product();
+        let row: u64 = full[d..].iter().product();
+        let inner = row / n;
+        (0..outer).flat_map(|o| x[(o * row + c * inner) as usize..(o * row + (c + 1) * inner) as usize].to_vec()).collect()
+    }
+
+    fn values(len: u64, seed: u64) -> Vec<f32> {
+        (0..len).map(|i| ((i * 7 + seed * 13) % 23) as f32 - 11.0 + seed as f32 * 0.5).collect()
+    }
+
+    fn ranks_for(n: u64, inputs: &[Vec<f32>], out_len: u64, staging: u64) -> Vec<Rank> {
+        (0..n as usize).map(|r| Rank { input: bytes(&inputs[r]), output: vec![0xAB; 4 * out_len as usize], staging: vec![0xCD; staging as usize] }).collect()
+    }
+
+    #[test]
+    fn gathers_and_scatters_along_every_dim_match_the_interpreter_semantics() {
+        let shapes: [&[u64]; 3] = [&[6], &[3, 4], &[2, 3, 4]];
+        for shard in shapes {
+            for d in 0..shard.len() {
+                for n in [1u64, 2, 4] {
+                    let mut full = shard.to_vec();
+                    full[d] *= n;
+                    let (len, full_len) = (shard.iter().product::<u64>(), full.iter().product::<u64>());
+                    let shape = |c, i: &'static [u64], o: &'static [u64]| StepShape {
+                        collective: c,
+                        group: n,
+                        dim: Some(d as u32),
+                        reduce: None,
+                        dtype: DType::F32,
+                        in_shape: i,
+                        out_shape: o,
+                    };
+                    let (shard_s, full_s): (&'static [u64], &'static [u64]) = (Vec::leak(shard.to_vec()), Vec::leak(full.clone()));
+                    // all_gather: shard -> full.
+                    let inputs: Vec<Vec<f32>> = (0..n).map(|r| values(len, r)).collect();
+                    let plans: Vec<Plan> = (0..n).map(|c| plan(&shape(CollectiveOp::AllGather, shard_s, full_s), c).expect("plan")).collect();
+                    let mut ranks = ranks_for(n, &inputs, full_len, plans[0].staging_bytes);
+                    run(&plans, &mut ranks);
+                    let want = concat_ref(&inputs, shard, d);
+                    for r in &ranks {
+                        assert_eq!(f32s(&r.output), want, "all_gather {shard:?} dim {d} n {n}");
+                    }
+                    // reduce_scatter: full -> shard, the sum of the ranks' slice c.
+                    let inputs: Vec<Vec<f32>> = (0..n).map(|r| values(full_len, r + 5)).collect();
+                    let plans: Vec<Plan> = (0..n).map(|c| plan(&shape(CollectiveOp::ReduceScatter, full_s, shard_s), c).expect("plan")).collect();
+                    let mut ranks = ranks_for(n, &inputs, len, plans[0].staging_bytes);
+                    run(&plans, &mut ranks);
+                    for (c, r) in ranks.iter().enumerate() {
+                        let mut want = vec![0.0f32; len as usize];
+                        for x in &inputs {
+                            for (w, v) in want.iter_mut().zip(slice_ref(x, &full, d, n, c as u64)) {
+                                *w += v;
+                            }
+                        }
+                        assert_eq!(f32s(&r.output), want, "reduce_scatter {full:?} dim {d} n {n} rank {c}");
+                    }
+                    // take_shard and place_shard: rank-local.
+                    let x = values(full_len, 9);
+                    for c in 0..n {
+                        let p = plan(&shape(CollectiveOp::TakeShard, full_s, shard_s), c).expect("plan");
+                        assert!(!p.communicates);
+                        let mut r = ranks_for(1, std::slice::from_ref(&x), len, 0);
+                        run(std::slice::from_ref(&p), &mut r);
+                        assert_eq!(f32s(&r[0].output), slice_ref(&x, &full, d, n, c), "take_shard");
+                        let s = values(len, 3);
+                        let p = plan(&shape(CollectiveOp::PlaceShard, shard_s, full_s), c).expect("plan");
+                        let mut r = ranks_for(1, std::slice::from_ref(&s), full_len, 0);
+                        run(std::slice::from_ref(&p), &mut r);
+                        let got = f32s(&r[0].output);
+                        assert_eq!(slice_ref(&got, &full, d, n, c), s, "place_shard slot");
+                        assert_eq!(got.iter().filter(|&&v| v != 0.0).count(), s.iter().filter(|&&v| v != 0.0).count(), "place_shard zeros elsewhere");
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn all_reduce_is_one_call_and_bad_steps_are_refused() {
+        let s = StepShape {
+            collective: CollectiveOp::AllReduce,
+            group: 4,
+            dim: None,
+            reduce: Some(ReduceOp::Max),
+            dtype: DType::BF16,
+            in_shape: &[8, 2],
+            out_shape: &[8, 2],
+        };
+        let p = plan(&s, 3).expect("plan");
+        assert_eq!(p.actions, vec![Action::Nccl { kind: NcclKind::AllReduce, send: Loc::Input(0), recv: Loc::Output(0), count: 16, reduce: ReduceOp::Max }]);
+        assert!(plan(&s, 4).expect_err("coord 4 of 4").contains("coordinate 4"));
+        let bad =
+            StepShape { collective: CollectiveOp::AllGather, group: 2, dim: Some(1), reduce: None, dtype: DType::F32, in_shape: &[2, 3], out_shape: &[2, 5] };
+        assert!(plan(&bad, 0).expect_err("5 is not 2 x 3").contains("cannot give"));
+        let no_dim = StepShape { dim: None, ..bad };
+        assert!(plan(&no_dim, 0).expect_err("no dim").contains("needs a tensor dim"));
+    }
+}
