@@ -75,8 +75,10 @@ impl PrimalMap for Identity {
 }
 
 /// In a block's backward, primal values become arguments: stacked/invariant inputs are
-/// passed again, parameter gathers are re-issued (see [`BlockPrimals::regathered`]), everything
-/// else is saved by the forward.
+/// passed again, parameter gathers are re-issued (see [`BlockPrimals::regathered`]), every
+/// other `all_gather` is re-issued on its saved operand (sequence parallelism saves the
+/// sequence shard, not the gathered sequence, as Megatron-SP does), everything else is saved by
+/// the forward.
 struct BlockPrimals {
     n_carry: usize,
     n_stacked: usize,
@@ -120,7 +122,7 @@ impl PrimalMap for BlockPrimals {
             return Ok(m);
         }
         if let ValueDef::Result { node: n, index: 0 } = primal.value(v).def
-            && self.regathered(primal, v)
+            && (self.regathered(primal, v) || matches!(primal.node(n).op, Op::AllGather { .. }))
         {
             let node = primal.node(n);
             let ins = node.inputs.iter().map(|&x| self.get(b, primal, x)).collect::<Result<Vec<_>, _>>()?;
