@@ -11,6 +11,7 @@ pub mod fuse;
 pub mod mixed_precision;
 pub mod optimizer;
 pub mod pipeline;
+pub mod prefetch;
 pub mod shard_dp;
 pub mod shard_grads;
 pub mod shard_tp;

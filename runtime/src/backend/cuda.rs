@@ -388,16 +388,25 @@ impl Arenas<'_> {
     }
 
     /// Unroll `steps` into `ops`.
-    fn unroll(&self, steps: &[Step], frame: Option<Frame<'_>>, path: &mut Vec<usize>, ops: &mut Vec<Op>) -> Result<(), RuntimeError> {
+    /// `ext` gets, per op, the byte ranges it reads or writes (for ordering collectives).
+    fn unroll(
+        &self,
+        steps: &[Step],
+        frame: Option<Frame<'_>>,
+        path: &mut Vec<usize>,
+        ops: &mut Vec<Op>,
+        ext: &mut Vec<Vec<(u64, u64)>>,
+    ) -> Result<(), RuntimeError> {
         for (i, step) in steps.iter().enumerate() {
             path.push(i);
             let at = loc(path, frame.map(|f| f.layer));
             match step {
                 Step::Launch { kernel, inputs, outputs, .. } => {
                     let pos = self.artifact.kernel_pos(*kernel).ok_or_else(|| bad(format!("{at}: kernel {kernel} does not exist")))?;
-                    let ins = inputs.iter().map(|r| self.view(r, frame).map(|v| v.0)).collect::<Result<Vec<_>, _>>()?;
-                    let outs = outputs.iter().map(|r| self.view(r, frame).map(|v| v.0)).collect::<Result<Vec<_>, _>>()?;
-                    ops.push(Op::Launch { kernel: pos, ins, outs, at });
+                    let ins = inputs.iter().map(|r| self.view(r, frame)).collect::<Result<Vec<_>, _>>()?;
+                    let outs = outputs.iter().map(|r| self.view(r, frame)).collect::<Result<Vec<_>, _>>()?;
+                    ext.push(ins.iter().chain(&outs).copied().collect());
+                    ops.push(Op::Launch { kernel: pos, ins: ins.iter().map(|v| v.0).collect(), outs: outs.iter().map(|v| v.0).collect(), at });
                 }
                 Step::Copy { src, dst, bytes, .. } => {
                     let (s, d) = (self.view(src, frame)?, self.view(dst, frame)?);
@@ -406,6 +415,7 @@ impl Arenas<'_> {
                     }
                     let bytes = usize::try_from(*bytes).map_err(|_| bad(format!("{at}: copy too large")))?;
                     if bytes > 0 {
+                        ext.push(vec![(s.0, bytes as u64), (d.0, bytes as u64)]);
                         ops.push(Op::Copy { dst: d.0, src: s.0, bytes, at });
                     }
                 }
@@ -416,6 +426,7 @@ impl Arenas<'_> {
                     }
                     let bytes = usize::try_from(*bytes).map_err(|_| bad(format!("{at}: memset too large")))?;
                     if bytes > 0 {
+                        ext.push(vec![(d.0, bytes as u64)]);
                         ops.push(Op::Memset { dst: d.0, bytes, at });
                     }
                 }
@@ -438,13 +449,14 @@ impl Arenas<'_> {
                     if ni > i.1 || no > o.1 {
                         return Err(bad(format!("{at}: `{}` reads {ni} and writes {no} bytes, its buffers hold {} and {}", collective.name(), i.1, o.1)));
                     }
+                    ext.push(vec![(i.0, ni), (o.0, no)]);
                     ops.push(Op::Collective { plan, input: i.0, output: o.0, mesh_dim: m, dtype: *dtype, at });
                 }
                 Step::Loop { count, reverse, carries, body } => {
                     let count = *count as usize;
                     for t in 0..count {
                         let layer = if *reverse { count - 1 - t } else { t };
-                        self.unroll(body, Some(Frame { layer, t, carries }), path, ops)?;
+                        self.unroll(body, Some(Frame { layer, t, carries }), path, ops, ext)?;
                     }
                 }
             }
@@ -526,7 +538,7 @@ pub struct CudaArtifactTrainer<'a> {
     /// Staging for collectives along inner dims, and the events ordering the collectives'
     /// stream against the compute stream.
     staging: Option<DeviceBuffer>,
-    comm_events: Option<[Event; 2]>,
+    comm_events: Option<CommEvents>,
     /// Device memory in use before the first allocation (`cuMemGetInfo`).
     mem_baseline: u64,
     /// The largest used-bytes delta read so far.
@@ -534,6 +546,16 @@ pub struct CudaArtifactTrainer<'a> {
     code: LoadedCode,
     _memory: Vec<DeviceBuffer>,
     gpu: Gpu,
+}
+
+/// Ordering of the collectives' stream against the compute stream: each collective starts
+/// after the compute enqueued before it (`fork`), records `done[c]` when it ends, and the
+/// compute stream waits for it only before the first later op that touches its buffers
+/// ([`collective::join_points`]), so a prefetched gather overlaps the compute in between.
+struct CommEvents {
+    fork: Event,
+    done: Vec<Event>,
+    joins: collective::Joins,
 }
 
 /// Per-op timing events and the accumulated time per kernel.
@@ -627,15 +649,21 @@ impl<'a> CudaArtifactTrainer<'a> {
         let arenas = Arenas { artifact, base, bytes, coords };
         startup.alloc_s = t.elapsed().as_secs_f64();
         let t = Instant::now();
-        let mut ops = Vec::new();
-        arenas.unroll(&m.ranks[0].steps, None, &mut Vec::new(), &mut ops)?;
+        let (mut ops, mut ext) = (Vec::new(), Vec::new());
+        arenas.unroll(&m.ranks[0].steps, None, &mut Vec::new(), &mut ops, &mut ext)?;
+        let comm: Vec<bool> = ops.iter().map(|o| matches!(o, Op::Collective { plan, .. } if plan.communicates)).collect();
+        let joins = collective::join_points(&comm, &ext);
         let staging_bytes = ops.iter().map(|o| if let Op::Collective { plan, .. } = o { plan.staging_bytes } else { 0 }).max().unwrap_or(0);
         let staging = if staging_bytes > 0 { Some(gpu.alloc(staging_bytes, 0, "the collectives' staging buffer")?) } else { None };
         let has_collectives = ops.iter().any(|o| matches!(o, Op::Collective { plan, .. } if plan.communicates));
         if has_collectives && nccl.is_none() {
             return Err(RuntimeError::Backend("the schedule has collectives but this process has no NCCL communicators".into()));
         }
-        let comm_events = if has_collectives { Some([Event::new()?, Event::new()?]) } else { None };
+        let comm_events = if has_collectives {
+            Some(CommEvents { fork: Event::new()?, done: comm.iter().filter(|&&c| c).map(|_| Event::new()).collect::<Result<Vec<_>, _>>()?, joins })
+        } else {
+            None
+        };
         // Per GEMM kernel: the alignment of its operands over every launch, and their extents.
         let mut align = vec![[256u64; 3]; m.kernels.len()];
         Self::gemm_operands(artifact, &arenas, &m.ranks[0].steps, None, &mut align)?;
@@ -894,7 +922,13 @@ impl<'a> CudaArtifactTrainer<'a> {
 
     fn enqueue_ops(&self) -> Result<(), CudaError> {
         let events = self.profile.as_ref().map(|p| &p.events);
+        let mut nth_collective = 0;
         for (i, op) in self.ops.iter().enumerate() {
+            if let Some(ce) = &self.comm_events {
+                for &c in &ce.joins.before[i] {
+                    self.gpu.wait_for(&ce.done[c])?;
+                }
+            }
             if let Some(ev) = events {
                 self.gpu.record(&ev[i])?;
             }
@@ -902,7 +936,15 @@ impl<'a> CudaArtifactTrainer<'a> {
                 Op::Launch { kernel, ins, outs, at } => self.code.launch(&self.gpu, self.artifact, *kernel, ins, outs, &|| at.clone())?,
                 Op::Copy { dst, src, bytes, at } => self.gpu.copy(*dst, *src, *bytes, || format!("copy of {bytes} bytes ({at})"))?,
                 Op::Memset { dst, bytes, at } => self.gpu.memset(*dst, 0, *bytes, || format!("memset of {bytes} bytes ({at})"))?,
-                Op::Collective { plan, input, output, mesh_dim, dtype, at } => self.enqueue_collective(plan, *input, *output, *mesh_dim, *dtype, at)?,
+                Op::Collective { plan, input, output, mesh_dim, dtype, at } => {
+                    self.enqueue_collective(plan, *input, *output, *mesh_dim, *dtype, nth_collective, at)?;
+                    nth_collective += usize::from(plan.communicates);
+                }
+            }
+        }
+        if let Some(ce) = &self.comm_events {
+            for &c in &ce.joins.at_end {
+                self.gpu.wait_for(&ce.done[c])?;
             }
         }
         if let Some(ev) = events {
@@ -911,10 +953,20 @@ impl<'a> CudaArtifactTrainer<'a> {
         Ok(())
     }
 
-    /// Enqueue one collective step: its copies and NCCL calls on the collectives' stream, after
-    /// the compute enqueued so far and before the compute enqueued next (rank-local
-    /// `take_shard`/`place_shard` copies stay on the compute stream).
-    fn enqueue_collective(&self, plan: &collective::Plan, input: u64, output: u64, mesh_dim: usize, dtype: DType, at: &str) -> Result<(), CudaError> {
+    /// Enqueue one collective step (the `nth` communicating one): its copies and NCCL calls on
+    /// the collectives' stream after the compute enqueued so far, recording `done[nth]` at its
+    /// end (rank-local `take_shard`/`place_shard` copies stay on the compute stream).
+    #[allow(clippy::too_many_arguments)]
+    fn enqueue_collective(
+        &self,
+        plan: &collective::Plan,
+        input: u64,
+        output: u64,
+        mesh_dim: usize,
+        dtype: DType,
+        nth: usize,
+        at: &str,
+    ) -> Result<(), CudaError> {
         let staging = self.staging.as_ref().map_or(0, |b| b.ptr);
         let addr = |l: Loc| match l {
             Loc::Input(o) => input + o,
@@ -923,8 +975,8 @@ impl<'a> CudaArtifactTrainer<'a> {
         };
         let stream = self.gpu.stream_for(plan.communicates);
         let events = self.comm_events.as_ref().filter(|_| plan.communicates);
-        if let Some(ev) = events {
-            self.gpu.fork_to_comm(&ev[0])?;
+        if let Some(ce) = events {
+            self.gpu.fork_to_comm(&ce.fork)?;
         }
         for a in &plan.actions {
             match *a {
@@ -949,8 +1001,8 @@ impl<'a> CudaArtifactTrainer<'a> {
                 }
             }
         }
-        if let Some(ev) = events {
-            self.gpu.join_from_comm(&ev[1])?;
+        if let Some(ce) = events {
+            self.gpu.record_on_comm(&ce.done[nth])?;
         }
         Ok(())
     }

@@ -177,7 +177,7 @@ fn hsdp_dp_replicate_2_dp_shard_2_tp_2_matches_single_rank() {
 
 /// FSDP reshards after the forward: the layer's forward saves no gathered weight for the
 /// backward (the 9 per-layer parameter gathers are not among its outputs), and the backward
-/// block gathers them again itself.
+/// block gathers them again itself; both blocks issue those gathers at their top (prefetch).
 #[test]
 fn fsdp_regathers_the_weights_in_the_backward() {
     let g = spmd_graph(Mesh::new(1, 2, 1)).expect("spmd lowering");
@@ -191,6 +191,11 @@ fn fsdp_regathers_the_weights_in_the_backward() {
     let bwd = g.blocks.iter().find(|b| b.name.starts_with("layer") && b.name != "layer").expect("backward block");
     let regathers = bwd.order.iter().filter(|&&n| matches!(bwd.node(n).op, titan_ir::Op::AllGather { .. })).count();
     assert_eq!(regathers, 9, "one gather per layer parameter in `{}`", bwd.name);
+    // Prefetch (`prefetch-gathers`): both blocks issue their 9 parameter gathers first.
+    for b in [fwd, bwd] {
+        let leading = b.order.iter().take_while(|&&n| matches!(b.node(n).op, titan_ir::Op::AllGather { .. })).count();
+        assert_eq!(leading, 9, "`{}` starts with its parameter gathers", b.name);
+    }
 }
 
 /// The layer block under kv-head replication: each rank slices its kv head out of the

@@ -177,6 +177,42 @@ pub fn plan(s: &StepShape<'_>, coord: u64) -> Result<Plan, String> {
     Ok(Plan { actions, staging_bytes, communicates })
 }
 
+/// Where the compute stream waits for each collective: `before[j]` lists the collectives (by
+/// their number among the communicating ones) to wait for before op `j`, `at_end` those no later
+/// op touches (waited for at the end of the step).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Joins {
+    pub before: Vec<Vec<usize>>,
+    pub at_end: Vec<usize>,
+}
+
+fn overlap(a: (u64, u64), b: (u64, u64)) -> bool {
+    a.1 > 0 && b.1 > 0 && a.0 < b.0 + b.1 && b.0 < a.0 + a.1
+}
+
+/// For ops in schedule order, `comm[j]` whether op `j` runs on the collectives' stream and
+/// `ranges[j]` the byte ranges it reads or writes: each collective is joined before the first
+/// later compute op whose ranges overlap the collective's (it reads the result, or reuses the
+/// operand's or the result's memory). Later collectives need no join: the collectives' stream
+/// runs them in order, and each starts after the compute enqueued before it.
+pub fn join_points(comm: &[bool], ranges: &[Vec<(u64, u64)>]) -> Joins {
+    let mut j = Joins { before: vec![Vec::new(); comm.len()], at_end: Vec::new() };
+    let mut nth = 0;
+    for (i, &c) in comm.iter().enumerate() {
+        if !c {
+            continue;
+        }
+        let mine = &ranges[i];
+        let first = (i + 1..comm.len()).find(|&k| !comm[k] && ranges[k].iter().any(|r| mine.iter().any(|m| overlap(*m, *r))));
+        match first {
+            Some(k) => j.before[k].push(nth),
+            None => j.at_end.push(nth),
+        }
+        nth += 1;
+    }
+    j
+}
+
 #[cfg(test)]
 mod tests {
     //! The plans run on host memory for every rank of a group, with NCCL's semantics written
@@ -356,6 +392,31 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn collectives_are_joined_before_the_first_op_touching_their_buffers() {
+        // op 0: compute; 1: gather A -> [100, 110); 2: gather B -> [200, 210); 3: compute on
+        // unrelated memory; 4: reads [205, 206) (B's result); 5: writes [95, 101) (reuses A's
+        // result); 6: gather C, never touched again.
+        let comm = [false, true, true, false, false, false, true];
+        let ranges = vec![
+            vec![(0, 50)],
+            vec![(60, 5), (100, 10)],
+            vec![(70, 5), (200, 10)],
+            vec![(300, 10)],
+            vec![(205, 1), (400, 4)],
+            vec![(95, 6)],
+            vec![(500, 8), (600, 8)],
+        ];
+        let j = join_points(&comm, &ranges);
+        assert_eq!(j.before, vec![vec![], vec![], vec![], vec![], vec![1], vec![0], vec![]]);
+        assert_eq!(j.at_end, vec![2]);
+        // Adjacent ranges do not overlap; empty ones never do.
+        assert!(!overlap((0, 10), (10, 5)) && overlap((0, 11), (10, 5)) && !overlap((0, 0), (0, 5)));
+        // A collective's operand being overwritten later also forces the join.
+        let j = join_points(&[true, false], &[vec![(0, 8), (100, 8)], vec![(4, 1)]]);
+        assert_eq!(j.before, vec![vec![], vec![0]]);
     }
 
     #[test]

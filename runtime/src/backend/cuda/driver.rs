@@ -54,7 +54,7 @@ pub struct Gpu {
     dev: sys::CUdevice,
     pub stream: sys::CUstream,
     /// The stream collectives run on, ordered against `stream` by events
-    /// ([`Gpu::fork_to_comm`], [`Gpu::join_from_comm`]).
+    /// ([`Gpu::fork_to_comm`], [`Gpu::record_on_comm`], [`Gpu::wait_for`]).
     pub comm: sys::CUstream,
     pub name: String,
 }
@@ -111,14 +111,18 @@ impl Gpu {
         }
     }
 
-    /// Make the compute stream wait for the collectives enqueued so far (`e` is recorded on the
-    /// collectives' stream).
-    pub fn join_from_comm(&self, e: &Event) -> Result<(), CudaError> {
-        // SAFETY: valid event and streams.
-        unsafe {
-            check(result::event::record(e.0, self.comm), || "recording an event after a collective".into())?;
-            check(result::stream::wait_event(self.stream, e.0, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT), || "ordering compute after a collective".into())
-        }
+    /// Record `e` on the collectives' stream (a collective's end).
+    pub fn record_on_comm(&self, e: &Event) -> Result<(), CudaError> {
+        // SAFETY: valid event and stream.
+        check(unsafe { result::event::record(e.0, self.comm) }, || "recording the end of a collective".into())
+    }
+
+    /// Make the compute stream wait for `e` (recorded on the collectives' stream).
+    pub fn wait_for(&self, e: &Event) -> Result<(), CudaError> {
+        // SAFETY: valid event and stream.
+        check(unsafe { result::stream::wait_event(self.stream, e.0, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT) }, || {
+            "ordering compute after a collective".into()
+        })
     }
 
     /// The compute stream, or the collectives' stream.
