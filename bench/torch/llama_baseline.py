@@ -2,7 +2,7 @@
 
 Runs, in ONE process on the GPU machine, a PyTorch Llama-3 written to match titan's model
 (tools/llama_ref.py: HF rotate-half RoPE, HF-order RMSNorm, SwiGLU, GQA, untied head, AdamW) on
-random tokens, then
+random tokens, then, on uniform random tokens too (a u32 token file),
 `titan-run ARTIFACT --backend cuda --metrics`, and prints tok/s, MFU and peak memory side by side,
 then where the time goes: titan-run's per-kernel profile (`--profile`, top 10 with their share,
 GB/s and TFLOP/s) and torch.compile's (torch.profiler over one step, top 10 CUDA kernels), with
@@ -128,7 +128,7 @@ def run_torch(a, compile_blocks, bf16_params, profile=False):
 
 def titan_profile(a):
     """titan-run's per-kernel profile: [(line, name, kind, ms per step)] from `--profile`."""
-    cmd = [a.titan_run, a.artifact, "--backend", "cuda", "--steps", "4", "--profile"]
+    cmd = titan_cmd(a, "--steps", "4", "--profile")
     p = subprocess.run(cmd, capture_output=True, text=True)
     if p.returncode != 0:
         sys.stderr.write(p.stderr[-3000:])
@@ -143,12 +143,27 @@ def titan_profile(a):
     return rows
 
 
+def random_tokens(a):
+    """A token file of uniform random ids in [0, vocab) (u32, 1M tokens, fixed seed): titan-run
+    trains on the same distribution of tokens as the PyTorch side (which draws them with
+    torch.randint), so data-dependent kernels (the embedding backward) see the same work."""
+    path = f"/tmp/titan_random_tokens_{a.vocab}.bin"
+    if not os.path.exists(path):
+        g = torch.Generator().manual_seed(0)
+        torch.randint(0, a.vocab, (1 << 20,), generator=g, dtype=torch.int64).to(torch.int32).numpy().tofile(path)
+    return path
+
+
+def titan_cmd(a, *extra):
+    return [a.titan_run, a.artifact, "--backend", "cuda", "--data", random_tokens(a), "--data-format", "u32", *extra]
+
+
 def run_titan(a):
     metrics = "/tmp/titan_metrics.jsonl"
     if os.path.exists(metrics):
         os.remove(metrics)
     steps = a.warmup + a.steps
-    cmd = [a.titan_run, a.artifact, "--backend", "cuda", "--steps", str(steps), "--metrics", metrics, "--log-every", "1"]
+    cmd = titan_cmd(a, "--steps", str(steps), "--metrics", metrics, "--log-every", "1")
     t0 = time.perf_counter()
     p = subprocess.run(cmd, capture_output=True, text=True)
     wall = time.perf_counter() - t0
