@@ -130,6 +130,33 @@ pub fn infer_types(op: &Op, inputs: &[&TensorType], declared: Option<&[TensorTyp
             need_same_type(dloss, &TensorType::scalar(DType::F32), dims, "cross_entropy_bwd: dloss must be f32[]")?;
             vec![logits.clone()]
         }
+        Op::CrossEntropyStats => {
+            let (logits, targets, shard) = (inputs[0], inputs[1], inputs[2]);
+            cross_entropy_checks(logits, targets, dims)?;
+            shard_checks(shard, "cross_entropy_stats")?;
+            let stat = stat_type(targets, Dim::Fixed(1));
+            vec![stat.clone(), stat.clone(), stat]
+        }
+        Op::CrossEntropyStatsBwd => {
+            let (logits, targets, shard) = (inputs[0], inputs[1], inputs[2]);
+            cross_entropy_checks(logits, targets, dims)?;
+            shard_checks(shard, "cross_entropy_stats_bwd")?;
+            let stat = stat_type(targets, Dim::Fixed(1));
+            for (d, what) in inputs[3..].iter().zip(["dmax", "dsumexp", "dtarget"]) {
+                need_same_type(d, &stat, dims, &format!("cross_entropy_stats_bwd: {what} must be {stat}"))?;
+            }
+            vec![logits.clone()]
+        }
+        Op::CrossEntropyCombine => {
+            let m = inputs[0];
+            if m.dtype != DType::F32 || m.rank() == 0 {
+                return Err(format!("cross_entropy_combine: max must be f32[..., shards], found {m}"));
+            }
+            for (x, what) in inputs[1..].iter().zip(["sumexp", "target"]) {
+                need_same_type(x, m, dims, &format!("cross_entropy_combine: {what} must have the type of max ({m})"))?;
+            }
+            vec![TensorType::scalar(DType::F32)]
+        }
         Op::RmsNormBwd { .. } => {
             let (x, w, dy) = (inputs[0], inputs[1], inputs[2]);
             need_float(x, "rmsnorm_bwd input")?;
@@ -388,6 +415,21 @@ fn attention_checks(q: &TensorType, k: &TensorType, v: &TensorType, dims: &DimTa
         (Some(hq), Some(hk)) if hk > 0 && hq % hk == 0 => Ok(()),
         _ => Err(format!("attention: query heads ({}) must be a multiple of kv heads ({})", q.shape[2], k.shape[2])),
     }
+}
+
+/// `shard` of the vocabulary-parallel cross-entropy: the one-hot `f32[n]` of the rank's shard.
+fn shard_checks(shard: &TensorType, what: &str) -> Result<(), String> {
+    if shard.dtype != DType::F32 || shard.rank() != 1 {
+        return Err(format!("{what}: shard must be the one-hot f32[shards] of the vocabulary shard, found {shard}"));
+    }
+    Ok(())
+}
+
+/// `f32[..., last]` for targets `[...]`.
+fn stat_type(targets: &TensorType, last: Dim) -> TensorType {
+    let mut shape = targets.shape.clone();
+    shape.push(last);
+    TensorType::new(DType::F32, shape)
 }
 
 fn cross_entropy_checks(logits: &TensorType, targets: &TensorType, dims: &DimTable) -> Result<(), String> {

@@ -189,6 +189,17 @@ pub enum Op {
     /// `(logits, targets, dloss f32[]) -> dlogits`
     CrossEntropyBwd,
 
+    // ---- vocabulary-parallel cross-entropy (loss parallelism) ----
+    /// `(logits [..., V/n], targets int[...], shard f32[n]) -> (max, sumexp, target) f32[..., 1]`:
+    /// the cross-entropy statistics of one vocabulary shard; `shard` is the one-hot of the
+    /// shard's index (its logits are classes `k V/n ..`).
+    CrossEntropyStats,
+    /// `(logits, targets, shard, dmax, dsumexp, dtarget) -> dlogits`, the VJP of `cross_entropy_stats`
+    CrossEntropyStatsBwd,
+    /// `(max, sumexp, target f32[..., n]) -> f32[]`: the mean over rows of
+    /// `logsumexp - target` from the statistics of `n` vocabulary shards
+    CrossEntropyCombine,
+
     // ---- primitives ----
     Unary(UnaryOp),
     /// Same shapes, or one side a rank-0 scalar.
@@ -395,6 +406,9 @@ impl Op {
             Op::RmsNormBwd { .. } => "rmsnorm_bwd",
             Op::AttentionBwd { .. } => "attention_bwd",
             Op::CrossEntropyBwd => "cross_entropy_bwd",
+            Op::CrossEntropyStats => "cross_entropy_stats",
+            Op::CrossEntropyStatsBwd => "cross_entropy_stats_bwd",
+            Op::CrossEntropyCombine => "cross_entropy_combine",
             Op::Unary(u) => u.name(),
             Op::Binary(b) => b.name(),
             Op::Cast => "cast",
@@ -423,7 +437,8 @@ impl Op {
         Some(match self {
             Op::Embedding | Op::Linear | Op::RmsNorm { .. } | Op::CrossEntropy => 2,
             Op::Rope(_) => 1,
-            Op::Attention { .. } => 3,
+            Op::Attention { .. } | Op::CrossEntropyStats | Op::CrossEntropyCombine => 3,
+            Op::CrossEntropyStatsBwd => 6,
             Op::RmsNormBwd { .. } | Op::CrossEntropyBwd => 3,
             Op::AttentionBwd { .. } => 6,
             Op::Unary(_) | Op::Cast | Op::Reduce { .. } | Op::Reshape | Op::Transpose { .. } => 1,
@@ -441,7 +456,7 @@ impl Op {
     pub fn num_results(&self) -> Option<usize> {
         Some(match self {
             Op::Attention { .. } | Op::RmsNormBwd { .. } => 2,
-            Op::AttentionBwd { .. } | Op::AdamW(_) => 3,
+            Op::AttentionBwd { .. } | Op::AdamW(_) | Op::CrossEntropyStats => 3,
             Op::Repeat { .. } | Op::Kernel { .. } => return None,
             _ => 1,
         })
@@ -486,6 +501,9 @@ impl Op {
             | Op::Linear
             | Op::CrossEntropy
             | Op::CrossEntropyBwd
+            | Op::CrossEntropyStats
+            | Op::CrossEntropyStatsBwd
+            | Op::CrossEntropyCombine
             | Op::Unary(_)
             | Op::Binary(_)
             | Op::Cast
@@ -552,6 +570,9 @@ impl Op {
             "linear" => Op::Linear,
             "cross_entropy" => Op::CrossEntropy,
             "cross_entropy_bwd" => Op::CrossEntropyBwd,
+            "cross_entropy_stats" => Op::CrossEntropyStats,
+            "cross_entropy_stats_bwd" => Op::CrossEntropyStatsBwd,
+            "cross_entropy_combine" => Op::CrossEntropyCombine,
             "cast" => Op::Cast,
             "reshape" => Op::Reshape,
             "gather" => Op::Gather,

@@ -495,6 +495,78 @@ fn cross_entropy_rejects_out_of_range_targets() {
     assert_eq!(e.to_string(), "in @main, node n0 (`cross_entropy`): target 4 is out of range for 4 classes");
 }
 
+/// `[rows, n * v]` logits as shard `k` of `n`: columns `k v .. (k + 1) v`.
+fn vocab_shard(logits: &[f64], rows: usize, v: usize, k: usize, n: usize) -> Vec<f64> {
+    (0..rows).flat_map(|r| logits[r * n * v + k * v..r * n * v + (k + 1) * v].to_vec()).collect()
+}
+
+fn one_hot(k: usize, n: usize) -> Tensor<f64> {
+    tf(DType::F32, &[n], &(0..n).map(|i| if i == k { 1.0 } else { 0.0 }).collect::<Vec<_>>())
+}
+
+#[test]
+fn vocab_parallel_cross_entropy_matches_cross_entropy() {
+    // Statistics of each of 3 shards, concatenated along the last dim like the all_gather over
+    // tp, then combined: the cross-entropy of the whole vocabulary.
+    let mut r = rng(13);
+    let (rows, v, n) = (6, 5, 3);
+    let logits = rand_vec(&mut r, rows * n * v).iter().map(|x| 4.0 * x).collect::<Vec<_>>();
+    let t = [0, 14, 7, 5, 9, 10];
+    let targets = ti(DType::I32, &[2, 3], &t);
+    let mut stats = vec![Vec::new(); 3];
+    for k in 0..n {
+        let shard = tf(DType::F32, &[2, 3, v], &vocab_shard(&logits, rows, v, k, n));
+        let out = run_op(Op::CrossEntropyStats, &[&shard, &targets, &one_hot(k, n)], None);
+        for (s, o) in stats.iter_mut().zip(&out) {
+            assert_eq!(o.shape, vec![2, 3, 1]);
+            s.push(vals(o));
+        }
+        // The target logit is the shard's when the target is in its range, else 0.
+        let want: Vec<f64> = t.iter().enumerate().map(|(i, &j)| if j as usize / v == k { logits[i * n * v + j as usize] } else { 0.0 }).collect();
+        assert_close(&vals(&out[2]), &want, 0.0);
+    }
+    let gathered: Vec<Tensor<f64>> =
+        stats.iter().map(|s| tf(DType::F32, &[2, 3, n], &(0..rows).flat_map(|i| (0..n).map(move |k| s[k][i])).collect::<Vec<_>>())).collect();
+    let out = run_op(Op::CrossEntropyCombine, &[&gathered[0], &gathered[1], &gathered[2]], None);
+    assert!(out[0].shape.is_empty());
+    assert_close(&vals(&out[0]), &[naive_ce(&logits, &t, n * v)], 1e-14);
+}
+
+#[test]
+fn cross_entropy_stats_bwd_matches_finite_differences() {
+    let mut r = rng(14);
+    let (rows, v, n, k) = (5, 6, 2, 1);
+    let logits = rand_vec(&mut r, rows * v);
+    let t = [6, 11, 2, 7, 0];
+    let d = [rand_vec(&mut r, rows), rand_vec(&mut r, rows), rand_vec(&mut r, rows)];
+    let dt = |x: &[f64]| tf(DType::F32, &[rows, 1], x);
+    let args = [&tf(DType::F32, &[rows, v], &logits), &ti(DType::I32, &[rows], &t), &one_hot(k, n), &dt(&d[0]), &dt(&d[1]), &dt(&d[2])];
+    let g = run_op(Op::CrossEntropyStatsBwd, &args, None);
+    let fd = fd_grad(&logits, 1e-6, |x| {
+        (0..rows)
+            .map(|i| {
+                let row = &x[i * v..(i + 1) * v];
+                let m = row.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let s: f64 = row.iter().map(|y| (y - m).exp()).sum();
+                let tl = if t[i] as usize / v == k { row[t[i] as usize % v] } else { 0.0 };
+                d[0][i] * m + d[1][i] * s + d[2][i] * tl
+            })
+            .sum()
+    });
+    assert_close(&vals(&g[0]), &fd, 1e-8);
+}
+
+#[test]
+fn cross_entropy_stats_rejects_a_bad_shard_and_out_of_range_targets() {
+    let logits = tf(DType::F32, &[2, 4], &[0.0; 8]);
+    let targets = ti(DType::I32, &[2], &[1, 8]);
+    let e = run_op_p(Op::CrossEntropyStats, &[&logits, &targets, &one_hot(0, 2)], None, Precision::Exact).expect_err("target 8 is out of range");
+    assert_eq!(e.to_string(), "in @main, node n0 (`cross_entropy_stats`): target 8 is out of range for 8 classes");
+    let two = tf(DType::F32, &[2], &[1.0, 1.0]);
+    let e = run_op_p(Op::CrossEntropyStats, &[&logits, &ti(DType::I32, &[2], &[1, 2]), &two], None, Precision::Exact).expect_err("not one-hot");
+    assert!(e.to_string().contains("shard must be a one-hot f32[shards]"), "{e}");
+}
+
 // ---------------------------------------------------------------- embedding, gather, scatter_add
 
 #[test]

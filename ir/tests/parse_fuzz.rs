@@ -150,6 +150,8 @@ const WORDS: &[&str] = &[
     "adamw",
     "lr_schedule",
     "cross_entropy",
+    "cross_entropy_stats",
+    "cross_entropy_combine",
     "true",
     "false",
     "input",

@@ -97,6 +97,11 @@ pub const EVERY_OP: &str = r#"graph @every_op {
     %70 = all_reduce(%69) {mesh_dim = dp_replicate, reduce = max} : f32[4, 16]
     %71 = take_shard(%master) {mesh_dim = tp, dim = 0, size = 4} : f32[4, 8] #[Replicate, Replicate, Shard(0)]
     %72 = place_shard(%71) {mesh_dim = tp, dim = 1, size = 2} : f32[4, 16]
+    %73 = constant() {value = 0.5} : f32[2]
+    %74, %75, %76 = cross_entropy_stats(%logits, %targets, %73) : f32[batch, seq, 1], f32[batch, seq, 1], f32[batch, seq, 1]
+    %77 = cross_entropy_stats_bwd(%logits, %targets, %73, %74, %75, %76) : f32[batch, seq, 16]
+    %78 = all_gather(%75) {mesh_dim = tp, dim = 2, size = 2} : f32[batch, seq, 2]
+    %79 = cross_entropy_combine(%78, %78, %78) : f32[]
     output loss = %loss
     output lse = %lse
     output stats = %42
@@ -110,6 +115,8 @@ pub const EVERY_OP: &str = r#"graph @every_op {
     output lr2 = %62
     output lr3 = %63
     output k = %67
+    output ce_dx = %77
+    output ce = %79
     update %master <- %64
     update %m <- %65
     update %v <- %66
@@ -523,6 +530,9 @@ fn every_op_round_trips() {
         "all_reduce",
         "take_shard",
         "place_shard",
+        "cross_entropy_stats",
+        "cross_entropy_stats_bwd",
+        "cross_entropy_combine",
     ]
     .into_iter()
     .chain(UnaryOp::ALL.iter().map(|u| u.name()))

@@ -11,8 +11,10 @@
 //!   the slice, and the input of every column-parallel linear is all-gathered along `seq`
 //!   first (their VJPs swap: reduce-scatter of the partial input cotangent, all-gather of
 //!   the output cotangent);
-//! - `output` is vocab-parallel; its logits are all-gathered over the vocabulary before the
-//!   (replicated) cross-entropy, TorchTitan's `loss_parallel = false`;
+//! - `output` is vocab-parallel and so is the loss (TorchTitan's `loss_parallel`): each rank
+//!   keeps its vocabulary shard of the logits and the cross-entropy exchanges per-token
+//!   statistics only (`loss_parallel`); a reader of the logits other than `cross_entropy`
+//!   gets them all-gathered over the vocabulary;
 //! - norms and `tok_embeddings` stay replicated: `sync-grads` all-reduces their gradients.
 //!
 //! The reshapes of the block that split heads follow: their head dim (or last dim) shrinks by
@@ -45,7 +47,7 @@
 //! communicator per kv group.
 
 use titan_ir::infer::{InferCtx, infer_types};
-use titan_ir::{ArgKind, CollectiveReduce, Dim, DimTable, Graph, Mesh, MeshDim, Op, Placement, Region, TensorType, Value, ValueDef};
+use titan_ir::{ArgKind, CollectiveReduce, DType, Dim, DimTable, Graph, Mesh, MeshDim, NodeId, Op, Placement, Region, TensorType, Value, ValueDef};
 
 use crate::util::replace_uses;
 
@@ -224,26 +226,39 @@ pub fn shard_tp(g: &mut Graph) -> Result<ShardTpStats, String> {
         reinfer(&mut region, &g.dims, &g.blocks, n)?;
         g.blocks[block.index()] = region;
     }
-    // Main: all-gather the vocab-parallel logits before anything reads them.
-    let outs: Vec<(usize, Value)> = g
+    // Main: the vocab-parallel logits feed a vocabulary-parallel cross-entropy (loss
+    // parallelism); any other reader gets them all-gathered over the vocabulary.
+    let outs: Vec<Value> = g
         .main
         .order
         .iter()
-        .enumerate()
-        .filter_map(|(pos, &m)| {
+        .filter_map(|&m| {
             let nd = g.main.node(m);
-            (matches!(nd.op, Op::Linear) && plans.iter().any(|(v, p, _)| *v == nd.inputs[1] && *p == Plan::Column)).then(|| (pos, nd.results[0]))
+            (matches!(nd.op, Op::Linear) && plans.iter().any(|(v, p, _)| *v == nd.inputs[1] && *p == Plan::Column)).then_some(nd.results[0])
         })
         .collect();
-    for (k, (pos, r)) in outs.into_iter().enumerate() {
-        let ty = g.main.ty(r).clone();
-        let last = ty.rank() - 1;
-        let ag = g.main.add_node(Op::AllGather { mesh_dim: MeshDim::Tp, dim: last as u32, size: n }, vec![r], vec![ty]);
-        g.main.order.pop();
-        g.main.order.insert(pos + 1 + k, ag);
-        let out = g.main.node(ag).results[0];
-        replace_uses(&mut g.main, r, out, Some(ag));
-        stats.collectives += 1;
+    for r in outs {
+        let losses: Vec<NodeId> =
+            g.main.order.iter().copied().filter(|&m| matches!(g.main.node(m).op, Op::CrossEntropy) && g.main.node(m).inputs[0] == r).collect();
+        let other_readers =
+            g.main.order.iter().any(|&m| !losses.contains(&m) && g.main.node(m).inputs.contains(&r)) || g.main.outputs.iter().any(|o| o.value == r);
+        if other_readers {
+            let pos = g.main.order.iter().position(|&m| g.main.node(m).results.contains(&r)).ok_or("invariant: the output head's linear is in the order")?;
+            let ty = g.main.ty(r).clone();
+            let last = ty.rank() - 1;
+            let ag = g.main.add_node(Op::AllGather { mesh_dim: MeshDim::Tp, dim: last as u32, size: n }, vec![r], vec![ty]);
+            g.main.order.pop();
+            g.main.order.insert(pos + 1, ag);
+            let out = g.main.node(ag).results[0];
+            replace_uses(&mut g.main, r, out, Some(ag));
+            for &ce in &losses {
+                g.main.nodes[ce.index()].inputs[0] = r;
+            }
+            stats.collectives += 1;
+        }
+        for ce in losses {
+            stats.collectives += loss_parallel(&mut g.main, ce, n)?;
+        }
     }
     let out_weights: Vec<Value> = plans.iter().filter(|(_, p, _)| *p == Plan::Column).map(|(v, _, _)| *v).collect();
     stats.collectives += gather_sequence(&mut g.main, &out_weights, n);
@@ -259,6 +274,58 @@ pub fn shard_tp(g: &mut Graph) -> Result<ShardTpStats, String> {
     let blocks = g.blocks.clone();
     reinfer(&mut g.main, &g.dims, &blocks, n)?;
     Ok(stats)
+}
+
+/// Loss parallelism (Megatron's vocab-parallel cross-entropy, TorchTitan's `loss_parallel`):
+/// rewrite `cross_entropy(logits, targets)` node `ce`, whose logits are this rank's vocabulary
+/// shard `[..., V / n]`, into
+///
+/// ```text
+/// %shard = place_shard(constant 1 : f32[1]) {mesh_dim = tp, dim = 0, size = n}   // one-hot of the rank's shard
+/// %max, %sumexp, %target = cross_entropy_stats(%logits, %targets, %shard)      // f32[..., 1] each
+/// %X.tp = all_gather(%X) {mesh_dim = tp, dim = last, size = n}                 // f32[..., n], X = each statistic
+/// %loss = cross_entropy_combine(%max.tp, %sumexp.tp, %target.tp)               // f32[], the same on every tp rank
+/// ```
+///
+/// Only per-token statistics cross the mesh (3 `f32[..., n]` gathers instead of the logits);
+/// the backward (the VJPs: `reduce_scatter` of the statistics' cotangents, then
+/// `cross_entropy_stats_bwd`) is `(softmax - onehot) dloss / N` on the shard, with the global
+/// log-sum-exp. Returns the number of collectives added.
+fn loss_parallel(main: &mut Region, ce: NodeId, n: u32) -> Result<usize, String> {
+    let (logits, targets) = (main.node(ce).inputs[0], main.node(ce).inputs[1]);
+    let tt = main.ty(targets).clone();
+    let stat = |last: u64| {
+        let mut shape = tt.shape.clone();
+        shape.push(Dim::Fixed(last));
+        TensorType::new(DType::F32, shape)
+    };
+    let mut pos = main.order.iter().position(|&m| m == ce).ok_or("invariant: the cross_entropy is in the order")?;
+    let mut insert = |main: &mut Region, op: Op, inputs: Vec<Value>, types: Vec<TensorType>| -> Vec<Value> {
+        let node = main.add_node(op, inputs, types);
+        main.order.pop();
+        main.order.insert(pos, node);
+        pos += 1;
+        main.node(node).results.clone()
+    };
+    let one = insert(main, Op::Constant { value: 1.0 }, vec![], vec![TensorType::new(DType::F32, vec![Dim::Fixed(1)])])[0];
+    let shard =
+        insert(main, Op::PlaceShard { mesh_dim: MeshDim::Tp, dim: 0, size: n }, vec![one], vec![TensorType::new(DType::F32, vec![Dim::Fixed(u64::from(n))])])
+            [0];
+    let local = insert(main, Op::CrossEntropyStats, vec![logits, targets, shard], vec![stat(1); 3]);
+    let base = main.value(logits).name.clone().unwrap_or_else(|| "logits".into());
+    main.values[shard.index()].name = Some(format!("{base}.vocab_shard"));
+    let mut gathered = Vec::with_capacity(3);
+    for (x, what) in local.into_iter().zip(["max", "sumexp", "target"]) {
+        main.values[x.index()].name = Some(format!("{base}.{what}"));
+        let ag = Op::AllGather { mesh_dim: MeshDim::Tp, dim: tt.rank() as u32, size: n };
+        let all = insert(main, ag, vec![x], vec![stat(u64::from(n))])[0];
+        main.values[all.index()].name = Some(format!("{base}.{what}.tp"));
+        gathered.push(all);
+    }
+    let node = &mut main.nodes[ce.index()];
+    node.op = Op::CrossEntropyCombine;
+    node.inputs = gathered;
+    Ok(3)
 }
 
 /// kv-head replication: slice this rank's kv head out of the replicated block argument `w`

@@ -20,6 +20,8 @@ enum Dist {
     Positive,
     /// Integers in [0, n).
     Index(i64),
+    /// The one-hot vector with a 1 at `k` (a vocabulary shard); never differentiated.
+    OneHot(usize),
 }
 
 struct Input {
@@ -80,6 +82,7 @@ fn random_tensor(rng: &mut ChaCha8Rng, ty: &TensorType, dist: Dist) -> Tensor<f6
         Dist::Signed => Tensor::from_vec(ty.dtype, shape, (0..n).map(|_| rng.random_range(-1.0..1.0)).collect()).expect("tensor"),
         Dist::Positive => Tensor::from_vec(ty.dtype, shape, (0..n).map(|_| rng.random_range(0.5..2.0)).collect()).expect("tensor"),
         Dist::Index(m) => Tensor::from_ints(ty.dtype, shape, (0..n).map(|_| rng.random_range(0..m)).collect()).expect("tensor"),
+        Dist::OneHot(k) => Tensor::from_vec(ty.dtype, shape, (0..n).map(|i| if i == k { 1.0 } else { 0.0 }).collect()).expect("tensor"),
     }
 }
 
@@ -234,6 +237,30 @@ fn cross_entropy_and_embedding() {
     check("embedding", vec![input(&[2, 3], Dist::Index(5)), input(&[5, 4], Dist::Signed)], 1, &one(Op::Embedding));
     check("gather", vec![input(&[6, 2, 3], Dist::Signed), input(&[4], Dist::Index(6))], 1, &one(Op::Gather));
     check("scatter_add", vec![input(&[2, 3], Dist::Index(4)), input(&[2, 3, 5], Dist::Signed)], 1, &typed(Op::ScatterAdd, f32t(&[4, 5])));
+}
+
+/// The vocabulary-parallel cross-entropy's ops (loss parallelism), each on its own and
+/// composed for one shard of one (no communicator: with one shard the gathers over tp are the
+/// identity, so `cross_entropy_combine(cross_entropy_stats(..))` is the cross-entropy). The
+/// mesh composition with its all-gathers and reduce-scatters is checked end to end against
+/// single-rank training (`tests/tests/e2e/distributed.rs`, every tp mesh).
+#[test]
+fn vocab_parallel_cross_entropy() {
+    // Shard 1 of 3 of a 15-word vocabulary: targets in other shards give a zero target logit.
+    let stats = || vec![input(&[2, 3, 5], Dist::Signed), input(&[2, 3], Dist::Index(15)), input(&[3], Dist::OneHot(1))];
+    check("cross_entropy_stats", stats(), 3, &one(Op::CrossEntropyStats));
+    check(
+        "cross_entropy_combine",
+        vec![input(&[2, 3, 4], Dist::Signed), input(&[2, 3, 4], Dist::Positive), input(&[2, 3, 4], Dist::Signed)],
+        1,
+        &one(Op::CrossEntropyCombine),
+    );
+    let composed = |g: &mut Graph, x: &[Value]| {
+        let mut b = g.main_builder();
+        let s = b.push(Op::CrossEntropyStats, x).expect("stats");
+        vec![b.push1(Op::CrossEntropyCombine, &s).expect("combine")]
+    };
+    check("cross_entropy_stats+combine", vec![input(&[2, 3, 7], Dist::Signed), input(&[2, 3], Dist::Index(7)), input(&[1], Dist::OneHot(0))], 1, &composed);
 }
 
 #[test]

@@ -232,6 +232,121 @@ pub(crate) fn cross_entropy_bwd<T: Real>(logits: &Tensor<T>, targets: &Tensor<T>
     float_result(rt, logits.shape.clone(), out)
 }
 
+/// The index of the vocabulary shard that the one-hot `shard` (`f32[n]`) names.
+fn shard_index<T: Real>(shard: &Tensor<T>, what: &str) -> Result<usize, String> {
+    let xs = floats(shard, what)?;
+    let ones: Vec<usize> = xs.iter().enumerate().filter(|(_, x)| **x != T::zero()).map(|(i, _)| i).collect();
+    match ones.as_slice() {
+        [k] if shard.rank() == 1 && xs[*k] == T::one() => Ok(*k),
+        _ => Err(format!("{what}: shard must be a one-hot f32[shards] (exactly one 1, zeros elsewhere), found {}", shard.type_string())),
+    }
+}
+
+/// The class of the row's target inside vocabulary shard `k` of `v` classes, if it is there;
+/// the target must be a class of the whole vocabulary (`n` shards).
+fn local_target(t: i64, k: usize, v: usize, n: usize) -> Result<Option<usize>, String> {
+    let ti = target_index(t, v * n)?;
+    Ok((ti / v == k).then_some(ti % v))
+}
+
+/// The first position of the row's maximum (the one `row_lse`'s max is).
+fn row_argmax<T: Real>(row: &[T]) -> usize {
+    let mut best = 0;
+    for (j, &x) in row.iter().enumerate() {
+        if x > row[best] || (x.is_nan() && !row[best].is_nan()) {
+            best = j;
+        }
+    }
+    best
+}
+
+/// Per row of one vocabulary shard: the max `m`, `sum exp(x - m)` and the target's logit
+/// (0 when the target is in another shard), each `f32[..., 1]`.
+pub(crate) fn cross_entropy_stats<T: Real>(logits: &Tensor<T>, targets: &Tensor<T>, shard: &Tensor<T>, rts: &[ResultType]) -> Result<Vec<Tensor<T>>, String> {
+    let xs = floats(logits, "cross_entropy_stats logits")?;
+    let ts = ints(targets, "cross_entropy_stats targets")?;
+    let (rows, v) = ce_shapes(logits, targets)?;
+    let (k, n) = (shard_index(shard, "cross_entropy_stats")?, shard.numel());
+    let (mut m, mut s, mut t) = (Vec::with_capacity(rows), Vec::with_capacity(rows), Vec::with_capacity(rows));
+    for (r, &target) in ts.iter().enumerate() {
+        let row = &xs[r * v..(r + 1) * v];
+        let (mx, _) = row_lse(row);
+        m.push(mx);
+        s.push(row.iter().fold(T::zero(), |a, &x| a + (x - mx).exp()));
+        t.push(local_target(target, k, v, n)?.map_or(T::zero(), |j| row[j]));
+    }
+    let mut shape = targets.shape.clone();
+    shape.push(1);
+    let mut out = Vec::with_capacity(3);
+    for (values, rt) in [m, s, t].into_iter().zip(rts) {
+        out.push(float_result(rt, shape.clone(), values)?);
+    }
+    Ok(out)
+}
+
+/// The VJP of `cross_entropy_stats`: `dsumexp exp(x - m) + dtarget onehot(target)`, plus
+/// `dmax - dsumexp sumexp` at the row's (first) maximum, through `m`.
+pub(crate) fn cross_entropy_stats_bwd<T: Real>(x: &[&Tensor<T>], rt: &ResultType) -> Result<Tensor<T>, String> {
+    let (logits, targets, shard) = (x[0], x[1], x[2]);
+    let xs = floats(logits, "cross_entropy_stats_bwd logits")?;
+    let ts = ints(targets, "cross_entropy_stats_bwd targets")?;
+    let (rows, v) = ce_shapes(logits, targets)?;
+    let (k, n) = (shard_index(shard, "cross_entropy_stats_bwd")?, shard.numel());
+    let mut ds = Vec::with_capacity(3);
+    for (d, what) in x[3..6].iter().zip(["dmax", "dsumexp", "dtarget"]) {
+        let f = floats(d, what)?;
+        if f.len() != rows {
+            return Err(format!("cross_entropy_stats_bwd: {what} has {} elements for {rows} rows", f.len()));
+        }
+        ds.push(f);
+    }
+    let mut out = Vec::with_capacity(xs.len());
+    for (r, &target) in ts.iter().enumerate() {
+        let row = &xs[r * v..(r + 1) * v];
+        let (mx, _) = row_lse(row);
+        let (dm, dsum, dt) = (ds[0][r], ds[1][r], ds[2][r]);
+        let sum = row.iter().fold(T::zero(), |a, &x| a + (x - mx).exp());
+        let at = row_argmax(row);
+        let tj = local_target(target, k, v, n)?;
+        out.extend(row.iter().enumerate().map(|(j, &x)| {
+            let mut g = dsum * (x - mx).exp();
+            if Some(j) == tj {
+                g = g + dt;
+            }
+            if j == at {
+                g = g + (dm - dsum * sum);
+            }
+            g
+        }));
+    }
+    float_result(rt, logits.shape.clone(), out)
+}
+
+/// The mean over rows of `M + ln(sum_r sumexp_r exp(max_r - M)) - sum_r target_r`, `M` the
+/// row's largest `max_r`, from the statistics of the shards (the last dim).
+pub(crate) fn cross_entropy_combine<T: Real>(m: &Tensor<T>, s: &Tensor<T>, t: &Tensor<T>, rt: &ResultType) -> Result<Tensor<T>, String> {
+    let (ms, ss, tt) = (floats(m, "cross_entropy_combine max")?, floats(s, "cross_entropy_combine sumexp")?, floats(t, "cross_entropy_combine target")?);
+    let n = m.shape.last().copied().unwrap_or(0);
+    if n == 0 || s.shape != m.shape || t.shape != m.shape {
+        return Err(format!(
+            "cross_entropy_combine: max, sumexp and target must be one non-empty f32[..., shards], found {}, {}, {}",
+            m.type_string(),
+            s.type_string(),
+            t.type_string()
+        ));
+    }
+    let rows = ms.len() / n;
+    let mut total = T::zero();
+    for r in 0..rows {
+        let (mr, sr, tr) = (&ms[r * n..(r + 1) * n], &ss[r * n..(r + 1) * n], &tt[r * n..(r + 1) * n]);
+        let (big, _) = row_lse(mr);
+        let sum = mr.iter().zip(sr).fold(T::zero(), |a, (&x, &e)| a + e * (x - big).exp());
+        let target = tr.iter().fold(T::zero(), |a, &x| a + x);
+        total = total + (big + sum.ln() - target);
+    }
+    float_result(rt, Vec::new(), vec![total / T::from_f64(rows as f64)])
+}
+
 /// The 1-based step held by a rank-0 integer tensor; it must be >= 1.
 fn step_of<T: Real>(t: &Tensor<T>, what: &str) -> Result<i64, String> {
     let s = ints(t, what)?;

@@ -19,7 +19,8 @@ pub fn vjp_needs(op: &Op, n_in: usize, n_out: usize) -> Needs {
     match op {
         Op::Embedding | Op::Gather => needs(n_in, n_out, &[if matches!(op, Op::Embedding) { 0 } else { 1 }], &[]),
         Op::ScatterAdd => needs(n_in, n_out, &[0], &[]),
-        Op::Linear | Op::RmsNorm { .. } | Op::CrossEntropy | Op::Matmul { .. } => needs(n_in, n_out, &[0, 1], &[]),
+        Op::Linear | Op::RmsNorm { .. } | Op::CrossEntropy | Op::Matmul { .. } | Op::CrossEntropyCombine => needs(n_in, n_out, &[0, 1], &[]),
+        Op::CrossEntropyStats => needs(n_in, n_out, &[0, 1, 2], &[]),
         Op::Attention { .. } => needs(n_in, n_out, &[0, 1, 2], &[0, 1]),
         Op::Unary(u) => match u {
             UnaryOp::Neg => needs(n_in, n_out, &[], &[]),
@@ -128,6 +129,51 @@ pub fn vjp(op: &Op, a: &VjpArgs, b: &mut Builder) -> Result<Vec<Option<Value>>, 
         Op::CrossEntropy => {
             let Some(dl) = dy0 else { return Ok(none(2)) };
             vec![Some(b.push1(Op::CrossEntropyBwd, &[a.x(0), a.x(1), dl])?), None]
+        }
+        // Vocabulary-parallel cross-entropy: the statistics' VJP is one op over the logits
+        // shard (a result without a cotangent contributes zeros); `shard` is a constant one-hot.
+        Op::CrossEntropyStats => {
+            if a.dy.iter().all(Option::is_none) {
+                return Ok(none(3));
+            }
+            let mut ds = Vec::with_capacity(3);
+            for (d, ty) in a.dy.iter().zip(a.y_ty) {
+                ds.push(match d {
+                    Some(d) => *d,
+                    None => b.push_typed(Op::Constant { value: 0.0 }, &[], ty.clone())?,
+                });
+            }
+            let dx = b.push1(Op::CrossEntropyStatsBwd, &[a.x(0), a.x(1), a.x(2), ds[0], ds[1], ds[2]])?;
+            vec![Some(dx), None, None]
+        }
+        // loss = mean over rows of `M + ln S - sum_r target_r` with `S = sum_r sumexp_r exp(max_r - M)`:
+        // with `g = dloss / rows` and `q_r = exp(max_r - M) / S`, dsumexp = g q, dmax = g sumexp q
+        // (the path through `M` is identically zero), dtarget = -g.
+        Op::CrossEntropyCombine => {
+            let Some(dl) = dy0 else { return Ok(none(3)) };
+            let ty = a.x_ty[0].clone();
+            let last = ty.rank().checked_sub(1).ok_or("cross_entropy_combine: the statistics must have a shard dim")?;
+            let rows: u64 = ty.shape[..last]
+                .iter()
+                .map(|d| titan_ir::shape::resolve_dim(d, dims).ok_or_else(|| format!("unbound dimension `{d}`")))
+                .product::<Result<u64, String>>()?;
+            let lead: Vec<usize> = (0..last).collect();
+            let (m, s) = (a.x(0), a.x(1));
+            let big = b.push1(Op::Reduce { kind: ReduceKind::Max, axes: vec![last] }, &[m])?;
+            let big = b.push_typed(Op::Broadcast { dims: lead.clone() }, &[big], ty.clone())?;
+            let shifted = bin(b, BinaryOp::Sub, m, big)?;
+            let e = un(b, UnaryOp::Exp, shifted)?;
+            let w = bin(b, BinaryOp::Mul, s, e)?;
+            let total = b.push1(Op::Reduce { kind: ReduceKind::Sum, axes: vec![last] }, &[w])?;
+            let total = b.push_typed(Op::Broadcast { dims: lead }, &[total], ty.clone())?;
+            let q = bin(b, BinaryOp::Div, e, total)?;
+            let per_row = scalar(b, 1.0 / rows.max(1) as f64, DType::F32)?;
+            let g = bin(b, BinaryOp::Mul, dl, per_row)?;
+            let ds = bin(b, BinaryOp::Mul, q, g)?;
+            let dm = bin(b, BinaryOp::Mul, s, ds)?;
+            let neg = un(b, UnaryOp::Neg, g)?;
+            let dt = b.push_typed(Op::Broadcast { dims: vec![] }, &[neg], ty)?;
+            vec![Some(dm), Some(ds), Some(dt)]
         }
         Op::Unary(u) => {
             let Some(dy) = dy0 else { return Ok(none(1)) };
@@ -324,7 +370,7 @@ pub fn vjp(op: &Op, a: &VjpArgs, b: &mut Builder) -> Result<Vec<Option<Value>>, 
             return Err("differentiating `all_reduce` with `reduce = max` is not supported yet".into());
         }
         Op::Constant { .. } => vec![],
-        Op::RmsNormBwd { .. } | Op::AttentionBwd { .. } | Op::CrossEntropyBwd | Op::LrSchedule(_) | Op::AdamW(_) => {
+        Op::RmsNormBwd { .. } | Op::AttentionBwd { .. } | Op::CrossEntropyBwd | Op::CrossEntropyStatsBwd | Op::LrSchedule(_) | Op::AdamW(_) => {
             return Err(format!("differentiating `{}` is not supported", op.name()));
         }
         Op::Repeat { .. } => return Err("invariant: repeat is differentiated by the region driver".into()),

@@ -112,6 +112,9 @@ pub fn classify(op: &Op, ins: &[&TensorType], outs: &[&TensorType], dims: &DimTa
             }
         }
         Op::RmsNorm { .. } | Op::RmsNormBwd { .. } | Op::Rope(_) | Op::CrossEntropy | Op::CrossEntropyBwd => rows_of(in0()?)?,
+        // The vocabulary-parallel cross-entropy's row ops (rows of the logits shard, of the
+        // shards' statistics for `cross_entropy_combine`).
+        Op::CrossEntropyStats | Op::CrossEntropyStatsBwd | Op::CrossEntropyCombine => rows_of(in0()?)?,
     })
 }
 
@@ -119,7 +122,7 @@ pub fn classify(op: &Op, ins: &[&TensorType], outs: &[&TensorType], dims: &DimTa
 /// whole kernel has run, so no op of the same kernel may read them.
 pub fn grid_reduced_results(op: &Op, ins: &[&TensorType], outs: &[&TensorType]) -> Vec<usize> {
     match op {
-        Op::CrossEntropy => vec![0],
+        Op::CrossEntropy | Op::CrossEntropyCombine => vec![0],
         Op::RmsNormBwd { .. } => vec![1],
         Op::Reduce { .. } if outs.first().is_some_and(|t| t.rank() == 0) && ins.first().is_some_and(|t| t.rank() > 0) => vec![0],
         _ => vec![],

@@ -241,6 +241,17 @@ fn llama3_70b_tp8_fsdp4_report_follows_the_documented_arithmetic() {
     let rel = |got: u64, want: u64| (got as f64 - want as f64) / want as f64;
     assert!(rel(dp.all_gather_bytes, want_ag).abs() < 0.01, "{dp:?} vs all_gather {want_ag}");
     assert!(rel(dp.reduce_scatter_bytes, want_rs).abs() < 0.01, "{dp:?} vs reduce_scatter {want_rs}");
+    // tp, exactly: sequence parallelism all-gathers the [seq, dim] bf16 norm outputs (2 per
+    // layer and the final norm) and the backward all-gathers the cotangents of the 2 per layer
+    // reduce-scatters and re-gathers the 2 saved norm-output shards per layer; loss parallelism
+    // adds only 3 all-gathers of per-token f32 statistics [seq, tp] (no logits). The
+    // reduce-scatters are the VJPs of the first kind. 7/8 of each full buffer.
+    let tp = &r.comm[1];
+    let seq = 8192u64;
+    let act = seq * dim * 2 * 7 / 8;
+    let stats = 3 * (seq * 8 * 4) * 7 / 8;
+    let want_rs = (4 * n_layers + 1) * act + stats;
+    assert_eq!((tp.all_gather_bytes, tp.reduce_scatter_bytes), (want_rs + 2 * n_layers * act, want_rs), "{tp:?}");
     assert!(secs < 60.0, "the 70B SPMD build took {secs:.1} s");
 }
 

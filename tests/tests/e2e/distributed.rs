@@ -13,7 +13,7 @@
 
 use titan_compiler::{LlamaConfig, Preset, build_llama3};
 use titan_ir::interp::Tensor;
-use titan_ir::{DType, Graph, Mesh};
+use titan_ir::{DType, Graph, Mesh, MeshDim, Op, TensorType};
 use titan_passes::{TrainOptions, lower_to_train};
 use titan_runtime::{BUNDLED_CORPUS, Batch, Batcher, CpuTrainer, MeshTrainer, byte_tokens};
 
@@ -207,8 +207,53 @@ fn kv_head_replication_slices_the_replicated_kv_weights() {
     let text = titan_ir::print::print_graph(&g);
     assert!(text.contains("= take_shard(%wk.repeated) {mesh_dim = tp, dim = 0, size = 4} : f32[16, 64] #[Replicate, Replicate, Shard(0)]"), "{text}");
     assert!(text.contains("= take_shard(%wv.repeated) {mesh_dim = tp, dim = 0, size = 4} : f32[16, 64]"), "{text}");
-    assert_eq!(text.matches("place_shard(").count(), 2, "{text}");
+    // The backward's two, and the one-hot of the rank's vocabulary shard for the loss.
+    assert_eq!(text.matches("place_shard(").count(), 3, "{text}");
     assert!(text.contains("%k = reshape(%") && text.contains(": f32[batch, seq, 1, 16]"), "{text}");
+}
+
+/// Loss parallelism: the vocab-parallel logits are never gathered. Each tp rank computes the
+/// cross-entropy statistics of its vocabulary shard; the only tp collectives of the loss are
+/// three all-gathers of per-token statistics (`f32[batch, seq, 1]` -> `[batch, seq, tp]`) and,
+/// in the backward, their three reduce-scatters, which feed `cross_entropy_stats_bwd`.
+#[test]
+fn loss_parallel_exchanges_per_token_statistics_not_the_logits() {
+    let g = spmd_graph(Mesh::new(1, 2, 2)).expect("spmd lowering");
+    let main = &g.main;
+    assert_eq!(g.dims.get("batch"), Some(&4), "8 rows over dp_shard 2");
+    let logits = main.find("logits").expect("%logits");
+    assert_eq!(main.ty(logits).to_string(), "f32[batch, 64, 128]", "this rank's half of the 256-word vocabulary");
+    let readers: Vec<&str> = main.order.iter().map(|&n| main.node(n)).filter(|nd| nd.inputs.contains(&logits)).map(|nd| nd.op.name()).collect();
+    assert_eq!(readers, ["cross_entropy_stats", "cross_entropy_stats_bwd"]);
+    // No tp collective moves logits (a last dim of 128 or 256 words) anywhere.
+    for r in std::iter::once(main).chain(&g.blocks) {
+        for nd in r.order.iter().map(|&n| r.node(n)).filter(|nd| nd.op.collective_mesh_dim() == Some(MeshDim::Tp)) {
+            let tys = [r.ty(nd.inputs[0]), r.ty(nd.results[0])];
+            let vocab = |t: &&TensorType| matches!(t.shape.last(), Some(titan_ir::Dim::Fixed(128 | 256)));
+            assert!(!tys.iter().any(vocab), "`{}` {tys:?} in @{}", nd.op.name(), r.name);
+        }
+    }
+    let stats_node = main.order.iter().map(|&n| main.node(n)).find(|nd| matches!(nd.op, Op::CrossEntropyStats)).expect("cross_entropy_stats");
+    let describe = |v: titan_ir::Value| -> String {
+        let titan_ir::ValueDef::Result { node, .. } = main.value(v).def else { return "an argument".into() };
+        let nd = main.node(node);
+        format!("{:?} {} -> {}", nd.op, main.ty(nd.inputs[0]), main.ty(v))
+    };
+    let mut gathers = Vec::new();
+    for &x in &stats_node.results {
+        assert_eq!(main.ty(x).to_string(), "f32[batch, seq, 1]");
+        let users: Vec<_> = main.order.iter().map(|&n| main.node(n)).filter(|nd| nd.inputs.contains(&x)).collect();
+        assert_eq!(users.len(), 1, "each statistic is read by its all_gather only");
+        gathers.push(describe(users[0].results[0]));
+    }
+    let gather = "AllGather { mesh_dim: Tp, dim: 2, size: 2 } f32[batch, seq, 1] -> f32[batch, seq, 2]";
+    assert_eq!(gathers, [gather; 3]);
+    let combine = main.order.iter().map(|&n| main.node(n)).find(|nd| matches!(nd.op, Op::CrossEntropyCombine)).expect("cross_entropy_combine");
+    assert!(combine.inputs.iter().all(|&v| describe(v) == gather), "the loss combines the gathered statistics");
+    let bwd = main.order.iter().map(|&n| main.node(n)).find(|nd| matches!(nd.op, Op::CrossEntropyStatsBwd)).expect("cross_entropy_stats_bwd");
+    let scatter = "ReduceScatter { mesh_dim: Tp, dim: 2, size: 2, reduce: Sum } f32[batch, seq, 2] -> f32[batch, seq, 1]";
+    let cotangents: Vec<String> = bwd.inputs[3..].iter().map(|&v| describe(v)).collect();
+    assert_eq!(cotangents, [scatter; 3]);
 }
 
 /// A tp that neither divides the kv heads nor is a multiple of them cannot give every rank
