@@ -428,7 +428,7 @@ impl Hub {
 /// How this process reaches the others.
 enum Role {
     /// Rank 0: exchanges go to the hub thread in this process.
-    Host { to_hub: Mutex<Sender<HubEvent>>, from_hub: Mutex<Receiver<Msg>> },
+    Host { to_hub: Mutex<Sender<HubEvent>>, from_hub: Mutex<Receiver<Msg>>, hub: Mutex<Option<std::thread::JoinHandle<()>>> },
     /// Other ranks: the connection to rank 0.
     Worker { conn: Mutex<BufReader<TcpStream>>, stream: TcpStream },
 }
@@ -490,7 +490,7 @@ impl ProcessGroup {
         let msg = Msg::Exchange { group, index: index as u32, size: size as u32, seq, data };
         let timeout = self.collective_timeout;
         let reply = match &self.role {
-            Role::Host { to_hub, from_hub } => {
+            Role::Host { to_hub, from_hub, .. } => {
                 let rx = from_hub.lock().map_err(|_| DistError::Collective("a thread panicked".into()))?;
                 to_hub
                     .lock()
@@ -547,13 +547,26 @@ impl ProcessGroup {
     }
 
     /// End the run cleanly: a final barrier, so rank 0 (which routes the collectives) stays up
-    /// until every rank is done, then `bye`.
+    /// until every rank is done, then `bye`. Rank 0 then waits (up to the collective timeout) for
+    /// its hub to see every other rank's `bye` or closed connection: the hub answers rank 0's
+    /// final barrier before it has written the other ranks' answers, and rank 0 exiting first
+    /// would cut those writes off.
     pub fn finish(&self) -> Result<(), DistError> {
         self.barrier()?;
         match &self.role {
-            Role::Host { to_hub, .. } => {
+            Role::Host { to_hub, hub, .. } => {
                 if let Ok(tx) = to_hub.lock() {
                     let _ = tx.send(HubEvent::Frame(0, Msg::Bye));
+                }
+                let handle = hub.lock().ok().and_then(|mut h| h.take());
+                if let Some(h) = handle {
+                    let deadline = Instant::now() + self.collective_timeout;
+                    while !h.is_finished() && Instant::now() < deadline {
+                        std::thread::sleep(Duration::from_millis(5));
+                    }
+                    if h.is_finished() {
+                        let _ = h.join();
+                    }
                 }
             }
             Role::Worker { stream, .. } => {
@@ -700,7 +713,7 @@ fn host(world: usize, master: (&str, u16), identity: &str, payload: Vec<u8>, opt
             .map_err(|e| DistError::Rendezvous(format!("cannot start a thread: {e}")))?;
     }
     let mut hub = Hub { peers: joined, local, meetings: HashMap::new(), gone: vec![false; world], failed: None };
-    std::thread::Builder::new()
+    let hub_thread = std::thread::Builder::new()
         .name("titan-hub".into())
         .spawn(move || {
             while let Ok(event) = events.recv() {
@@ -716,7 +729,7 @@ fn host(world: usize, master: (&str, u16), identity: &str, payload: Vec<u8>, opt
         world,
         payload,
         hosts,
-        role: Role::Host { to_hub: Mutex::new(to_hub), from_hub: Mutex::new(from_hub) },
+        role: Role::Host { to_hub: Mutex::new(to_hub), from_hub: Mutex::new(from_hub), hub: Mutex::new(Some(hub_thread)) },
         collective_timeout: opts.collective_timeout,
         barriers: Mutex::new(0),
     })
