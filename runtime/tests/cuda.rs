@@ -451,7 +451,7 @@ fn collective_plans_and_a_one_rank_nccl_communicator_run_on_the_gpu() {
                         gpu.upload_sync(addr(r, recv), &all, || "gathered".into()).expect("upload");
                     }
                     Action::Copy2d { dst, dst_pitch, src, src_pitch, width, height } => {
-                        gpu.copy_2d(gpu.stream, addr(r, dst), dst_pitch, addr(r, src), src_pitch, width, height, || "copy".into()).expect("copy_2d");
+                        gpu.copy_2d(false, addr(r, dst), dst_pitch, addr(r, src), src_pitch, width, height, || "copy".into()).expect("copy_2d");
                         gpu.sync(|| "copy".into()).expect("sync");
                     }
                     other => panic!("unexpected action {other:?}"),
@@ -461,8 +461,8 @@ fn collective_plans_and_a_one_rank_nccl_communicator_run_on_the_gpu() {
         let outer: usize = shard[..d].iter().product::<u64>() as usize;
         let inner = len / outer;
         let want: Vec<f32> = (0..outer).flat_map(|o| inputs.iter().flat_map(move |x| x[o * inner..(o + 1) * inner].to_vec())).collect();
-        for r in 0..n as usize {
-            assert_eq!(f32s(&down(bufs[r][1].ptr, 4 * full_len)), want, "all_gather {shard:?} dim {d} over {n}, rank {r}");
+        for (r, b) in bufs.iter().enumerate() {
+            assert_eq!(f32s(&down(b[1].ptr, 4 * full_len)), want, "all_gather {shard:?} dim {d} over {n}, rank {r}");
         }
     }
     // A one-rank NCCL communicator: the rendezvous carries the unique id, and each collective

@@ -993,11 +993,13 @@ impl<'a> CudaArtifactTrainer<'a> {
                         .map_err(|e| CudaError::Call { what: at.to_string(), message: e.to_string() })?;
                 }
                 Action::Copy2d { dst, dst_pitch, src, src_pitch, width, height } => {
-                    self.gpu.copy_2d(stream, addr(dst), dst_pitch, addr(src), src_pitch, width, height, || format!("a strided copy of a collective ({at})"))?
+                    self.gpu.copy_2d(plan.communicates, addr(dst), dst_pitch, addr(src), src_pitch, width, height, || {
+                        format!("a strided copy of a collective ({at})")
+                    })?
                 }
                 Action::Zero { dst, bytes } => {
                     let n = usize::try_from(bytes).map_err(|_| CudaError::Call { what: at.to_string(), message: "memset too large".into() })?;
-                    self.gpu.memset_on(stream, addr(dst), 0, n, || format!("zeroing the output of a collective ({at})"))?
+                    self.gpu.memset_on(plan.communicates, addr(dst), 0, n, || format!("zeroing the output of a collective ({at})"))?
                 }
             }
         }

@@ -101,6 +101,7 @@ impl NcclComm {
     /// # Safety
     /// The pointers must be valid device memory of the communicator's GPU, at least as large as
     /// the collective reads and writes, and stay alive until the stream has run it.
+    #[allow(clippy::too_many_arguments)]
     pub unsafe fn run(&self, kind: NcclKind, send: u64, recv: u64, count: usize, dtype: DType, reduce: ReduceOp, stream: CUstream) -> Result<(), DistError> {
         let ty = match dtype {
             DType::F32 => sys::ncclDataType_t::ncclFloat32,

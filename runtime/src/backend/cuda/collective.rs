@@ -227,7 +227,7 @@ mod tests {
         staging: Vec<u8>,
     }
 
-    fn buf<'a>(r: &'a mut Rank, l: Loc) -> (&'a mut Vec<u8>, usize) {
+    fn buf(r: &mut Rank, l: Loc) -> (&mut Vec<u8>, usize) {
         match l {
             Loc::Input(o) => (&mut r.input, o as usize),
             Loc::Output(o) => (&mut r.output, o as usize),

@@ -131,11 +131,12 @@ impl Gpu {
     }
 
     /// Copy `height` rows of `width` bytes from `src` (rows `src_pitch` bytes apart) to `dst`
-    /// (rows `dst_pitch` apart), device to device, on `stream`.
+    /// (rows `dst_pitch` apart), device to device, on the collectives' stream (`comm`) or the
+    /// compute stream.
     #[allow(clippy::too_many_arguments)]
     pub fn copy_2d(
         &self,
-        stream: sys::CUstream,
+        comm: bool,
         dst: u64,
         dst_pitch: u64,
         src: u64,
@@ -163,13 +164,13 @@ impl Gpu {
             Height: height as usize,
         };
         // SAFETY: the ranges were checked against their buffers when the schedule was planned.
-        check(unsafe { sys::cuMemcpy2DAsync_v2(&c, stream).result() }, what)
+        check(unsafe { sys::cuMemcpy2DAsync_v2(&c, self.stream_for(comm)).result() }, what)
     }
 
-    /// Fill `bytes` at `dst` with `value` on `stream`.
-    pub fn memset_on(&self, stream: sys::CUstream, dst: u64, value: u8, bytes: usize, what: impl FnOnce() -> String) -> Result<(), CudaError> {
+    /// Fill `bytes` at `dst` with `value` on the collectives' stream (`comm`) or the compute stream.
+    pub fn memset_on(&self, comm: bool, dst: u64, value: u8, bytes: usize, what: impl FnOnce() -> String) -> Result<(), CudaError> {
         // SAFETY: the range was checked against its buffer when the schedule was planned.
-        check(unsafe { result::memset_d8_async(dst, value, bytes, stream) }, what)
+        check(unsafe { result::memset_d8_async(dst, value, bytes, self.stream_for(comm)) }, what)
     }
 
     /// Make the context current on the calling thread (tests run on several threads).
