@@ -267,6 +267,11 @@ pub struct ParallelFlags {
     /// Number of ranks the job runs on [default: the product of the degrees]
     #[arg(long, allow_hyphen_values = true)]
     pub world_size: Option<i64>,
+    /// With tp > 1: all-gather the logits and compute the loss whole on every tp rank instead of
+    /// the vocab-parallel cross-entropy (TorchTitan's `disable_loss_parallel`; the parallel loss
+    /// has no GPU kernels yet, so a tp > 1 build for --backend cuda needs this)
+    #[arg(long)]
+    pub disable_loss_parallel: bool,
 }
 
 impl ParallelFlags {
@@ -279,6 +284,7 @@ impl ParallelFlags {
             pp: self.pp,
             ep: self.ep,
             world_size: self.world_size,
+            disable_loss_parallel: self.disable_loss_parallel.then_some(true),
         }
     }
 }
@@ -472,10 +478,14 @@ fn cmd_lower(a: &LowerArgs) -> Result<Outcome, CliError> {
     }
     let opts = a.train_options()?;
     let mut g = load_graph(&a.file)?;
-    let dims = crate::parallel::ParallelDims::resolve(&a.parallel.request())?;
+    let request = a.parallel.request();
+    let dims = crate::parallel::ParallelDims::resolve(&request)?;
     if dims.world_size > 1 {
         dims.check_model(&g)?;
         dims.spmd_mesh()?.write_meta(&mut g);
+        if request.disable_loss_parallel == Some(true) {
+            titan_passes::shard_tp::disable_loss_parallel(&mut g);
+        }
     }
     let lowered = lower_to_train(&g, &opts)?;
     let errors = titan_ir::verify::verify(&lowered);
@@ -532,6 +542,7 @@ impl BuildArgs {
             target,
             report: self.report,
             mesh: titan_ir::Mesh::new(1, 1, 1),
+            loss_parallel: true,
         })
     }
 }
@@ -550,6 +561,7 @@ fn cmd_build(a: &BuildArgs) -> Result<Outcome, CliError> {
     dims.require_built()?;
     let mut opts = a.build_options(job.as_ref())?;
     opts.mesh = dims.spmd_mesh()?;
+    opts.loss_parallel = !request.disable_loss_parallel.unwrap_or(false);
     let summary = build_artifact(&model, &text, &opts, &a.output)?;
     let mut out = Outcome { stdout: summary.to_string(), stderr: String::new() };
     for (pass, ir) in &summary.pipeline.dumps {

@@ -44,6 +44,7 @@ pub const SECTIONS: [(&str, &[&str]); 10] = [
             "context_parallel_degree",
             "pipeline_parallel_degree",
             "expert_parallel_degree",
+            "disable_loss_parallel",
         ],
     ),
 ];
@@ -409,6 +410,7 @@ impl JobConfig {
             pp: par.int("pipeline_parallel_degree")?,
             ep: par.int("expert_parallel_degree")?,
             world_size: None,
+            disable_loss_parallel: par.bool("disable_loss_parallel")?,
         };
         Ok(cfg)
     }

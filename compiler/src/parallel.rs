@@ -25,6 +25,9 @@ pub struct ParallelRequest {
     pub pp: Option<i64>,
     pub ep: Option<i64>,
     pub world_size: Option<i64>,
+    /// TorchTitan's `disable_loss_parallel`: all-gather the vocab-parallel logits and compute the
+    /// cross-entropy whole on every tp rank (instead of the per-token statistics exchange).
+    pub disable_loss_parallel: Option<bool>,
 }
 
 impl ParallelRequest {
@@ -38,6 +41,7 @@ impl ParallelRequest {
             pp: self.pp.or(base.pp),
             ep: self.ep.or(base.ep),
             world_size: self.world_size.or(base.world_size),
+            disable_loss_parallel: self.disable_loss_parallel.or(base.disable_loss_parallel),
         }
     }
 }
@@ -238,6 +242,7 @@ mod tests {
             pp: Some(pp),
             ep: Some(ep),
             world_size: world,
+            disable_loss_parallel: None,
         }
     }
 

@@ -230,6 +230,16 @@ fn build_with_parallel_degrees_prints_the_mesh_report() {
     assert!(s.contains("  dp_shard     ( 2 ranks): ") && s.contains("  tp           ( 2 ranks): "), "{s}");
     let manifest = std::fs::read_to_string(o.join("manifest.json")).unwrap();
     assert!(manifest.contains("\"op\": \"collective\"") && manifest.contains("\"report\": {"), "{manifest}");
+    // The vocab-parallel loss has no GPU kernels yet: the build says so and how to get a GPU
+    // build; with --disable-loss-parallel every kernel has GPU code.
+    assert!(s.contains("no GPU code") && s.contains("--disable-loss-parallel"), "{s}");
+    let o2 = dir.join("whole-loss");
+    let out = titanc(&["build", &model, "-o", o2.to_str().unwrap(), "--tp", "2", "--dp-shard", "2", "--disable-loss-parallel"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let s = text(&out.stdout);
+    assert!(!s.contains("no GPU code"), "{s}");
+    let manifest = std::fs::read_to_string(o2.join("manifest.json")).unwrap();
+    assert!(!manifest.contains("cross_entropy_stats"), "{manifest}");
     let _ = std::fs::remove_dir_all(&dir);
 }
 

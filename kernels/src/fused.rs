@@ -204,6 +204,12 @@ fn domain(b: &Body) -> GenResult<(RowShape, Option<RopeInfo>)> {
                     ));
                 }
             }
+            Op::CrossEntropyStats | Op::CrossEntropyStatsBwd | Op::CrossEntropyCombine => {
+                return unsupported(format!(
+                    "`{}` (the vocab-parallel loss) has no GPU code yet; build with --disable-loss-parallel for --backend cuda",
+                    node.op.name()
+                ));
+            }
             other => {
                 return unsupported(format!("`{}` cannot be part of a fused kernel; give it its own kernel kind", other.name()));
             }

@@ -237,12 +237,13 @@ pub fn shard_tp(g: &mut Graph) -> Result<ShardTpStats, String> {
             (matches!(nd.op, Op::Linear) && plans.iter().any(|(v, p, _)| *v == nd.inputs[1] && *p == Plan::Column)).then_some(nd.results[0])
         })
         .collect();
+    let loss_parallel_enabled = g.meta_i64(LOSS_PARALLEL_META) != Some(0);
     for r in outs {
         let losses: Vec<NodeId> =
             g.main.order.iter().copied().filter(|&m| matches!(g.main.node(m).op, Op::CrossEntropy) && g.main.node(m).inputs[0] == r).collect();
         let other_readers =
             g.main.order.iter().any(|&m| !losses.contains(&m) && g.main.node(m).inputs.contains(&r)) || g.main.outputs.iter().any(|o| o.value == r);
-        if other_readers {
+        if other_readers || !loss_parallel_enabled {
             let pos = g.main.order.iter().position(|&m| g.main.node(m).results.contains(&r)).ok_or("invariant: the output head's linear is in the order")?;
             let ty = g.main.ty(r).clone();
             let last = ty.rank() - 1;
@@ -251,13 +252,18 @@ pub fn shard_tp(g: &mut Graph) -> Result<ShardTpStats, String> {
             g.main.order.insert(pos + 1, ag);
             let out = g.main.node(ag).results[0];
             replace_uses(&mut g.main, r, out, Some(ag));
-            for &ce in &losses {
-                g.main.nodes[ce.index()].inputs[0] = r;
+            // The vocab-parallel losses keep reading the shard.
+            if loss_parallel_enabled {
+                for &ce in &losses {
+                    g.main.nodes[ce.index()].inputs[0] = r;
+                }
             }
             stats.collectives += 1;
         }
-        for ce in losses {
-            stats.collectives += loss_parallel(&mut g.main, ce, n)?;
+        if loss_parallel_enabled {
+            for ce in losses {
+                stats.collectives += loss_parallel(&mut g.main, ce, n)?;
+            }
         }
     }
     let out_weights: Vec<Value> = plans.iter().filter(|(_, p, _)| *p == Plan::Column).map(|(v, _, _)| *v).collect();
@@ -274,6 +280,16 @@ pub fn shard_tp(g: &mut Graph) -> Result<ShardTpStats, String> {
     let blocks = g.blocks.clone();
     reinfer(&mut g.main, &g.dims, &blocks, n)?;
     Ok(stats)
+}
+
+/// The meta key that turns loss parallelism off (`0`; TorchTitan's `disable_loss_parallel`):
+/// the logits are then all-gathered and the cross-entropy computed whole on every tp rank.
+pub const LOSS_PARALLEL_META: &str = "loss_parallel";
+
+/// Record in `g`'s meta that `shard-tp` must not make the loss vocab-parallel.
+pub fn disable_loss_parallel(g: &mut Graph) {
+    g.meta.entries.retain(|(k, _)| k != LOSS_PARALLEL_META);
+    g.meta.entries.push((LOSS_PARALLEL_META.into(), titan_ir::AttrValue::Int(0)));
 }
 
 /// Loss parallelism (Megatron's vocab-parallel cross-entropy, TorchTitan's `loss_parallel`):

@@ -55,6 +55,8 @@ pub struct BuildOptions {
     /// The device mesh (`--dp-replicate/--dp-shard/--tp`); one rank builds the single-device
     /// step, more build the SPMD step every rank runs.
     pub mesh: titan_ir::Mesh,
+    /// With tp > 1, the vocab-parallel cross-entropy (`false`: `--disable-loss-parallel`).
+    pub loss_parallel: bool,
 }
 
 impl Default for BuildOptions {
@@ -65,6 +67,7 @@ impl Default for BuildOptions {
             target: Target::sm90a(),
             report: false,
             mesh: titan_ir::Mesh::new(1, 1, 1),
+            loss_parallel: true,
         }
     }
 }
@@ -102,6 +105,9 @@ impl BuildOptions {
         if spmd {
             let [r, d, t] = self.mesh.sizes;
             lines.push(format!("mesh = dp_replicate {r}, dp_shard {d}, tp {t}"));
+            if !self.loss_parallel {
+                lines.push("loss_parallel = false".into());
+            }
         }
         lines.iter().map(|l| format!("{l}\n")).collect()
     }
@@ -552,6 +558,9 @@ fn compile(model: &Graph, model_text: &str, opts: &BuildOptions, generate_code: 
     let model = if spmd {
         let mut m = model.clone();
         opts.mesh.write_meta(&mut m);
+        if !opts.loss_parallel {
+            titan_passes::shard_tp::disable_loss_parallel(&mut m);
+        }
         meshed = m;
         &meshed
     } else {

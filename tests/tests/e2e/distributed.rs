@@ -118,6 +118,21 @@ fn check_model(mesh: Mesh, model: fn() -> Graph) {
     assert!(state_diff <= STATE_TOL, "state `{worst}` differs by {state_diff}");
 }
 
+/// `--disable-loss-parallel` (TorchTitan's `disable_loss_parallel`): the logits are all-gathered
+/// and the cross-entropy computed whole on each tp rank; still the single-rank run.
+#[test]
+fn tp_2_without_loss_parallel_matches_single_rank() {
+    fn whole_loss() -> Graph {
+        let mut g = model();
+        titan_passes::shard_tp::disable_loss_parallel(&mut g);
+        g
+    }
+    let g = spmd_graph_of(Mesh::new(1, 1, 2), whole_loss).expect("spmd lowering");
+    let text = titan_ir::print::print_graph(&g);
+    assert!(!text.contains("cross_entropy_stats") && text.contains("= cross_entropy("), "the loss is computed whole");
+    check_model(Mesh::new(1, 1, 2), whole_loss);
+}
+
 #[test]
 fn dp_shard_2_matches_single_rank() {
     check(Mesh::new(1, 2, 1));
