@@ -237,12 +237,13 @@ fn run_artifact_rank(cli: &Cli, env: &DistEnv, tokens: Vec<u32>, data_name: &str
     let seed = cli.seed.unwrap_or(0);
     let identity = run_identity(&format!("artifact {}", m.content_hash), &tokens, seed);
     let opts = RendezvousOptions { join_timeout: std::time::Duration::from_secs(cli.rendezvous_timeout), ..RendezvousOptions::default() };
+    let opts_timeout = opts.collective_timeout;
     let cuda = cli.backend == "cuda";
     // On the GPU, rank 0 hands every rank the NCCL unique id through the rendezvous.
     let payload = if cuda && rank == 0 { crate::dist::nccl::unique_id_payload()? } else { Vec::new() };
     let group = std::sync::Arc::new(ProcessGroup::rendezvous(rank, world, (&addr, port), &identity, payload, opts)?);
     let made = if cuda {
-        ProcessMeshTrainer::for_cuda_artifact(&artifact, seed, std::sync::Arc::clone(&group), env.local_rank)
+        ProcessMeshTrainer::for_cuda_artifact(&artifact, seed, std::sync::Arc::clone(&group), env.local_rank, opts_timeout)
     } else {
         ProcessMeshTrainer::for_artifact(&artifact, seed, std::sync::Arc::clone(&group))
     };

@@ -329,7 +329,12 @@ fn a_one_rank_mesh_trainer_matches_the_single_gpu_trainer() {
     let port = listener.local_addr().expect("addr").port();
     drop(listener);
     let group = titan_runtime::dist::ProcessGroup::rendezvous(0, 1, ("127.0.0.1", port), "rank-test", payload, Default::default()).expect("rendezvous");
-    let setup = titan_runtime::backend::cuda::CudaRankSetup { group: &group, mesh: titan_ir::Mesh::new(1, 1, 1), device: 0 };
+    let setup = titan_runtime::backend::cuda::CudaRankSetup {
+        group: &group,
+        mesh: titan_ir::Mesh::new(1, 1, 1),
+        device: 0,
+        step_timeout: std::time::Duration::from_secs(120),
+    };
     let mut ranked = CudaArtifactTrainer::with_rank(&a, 5, Some(setup)).expect("rank trainer");
     let mut single = CudaArtifactTrainer::new(&a, 5).expect("cuda trainer");
     assert!(state_bits(&ranked) == state_bits(&single), "the rank's shard init differs from the single-GPU init");

@@ -54,6 +54,7 @@ use crate::backend::{StepMetrics, Trainer, check_batch};
 use crate::data::Batch;
 use crate::dist::nccl::NcclMesh;
 use crate::dist::rendezvous::ProcessGroup;
+use crate::dist::watchdog::{Checks, Watchdog};
 use crate::init::{CHUNK_ELEMS, check_init, chunks_per_layer, fill_chunk, init_threads};
 use crate::log::StartupTimes;
 
@@ -500,6 +501,9 @@ pub struct CudaRankSetup<'p> {
     pub group: &'p ProcessGroup,
     pub mesh: titan_ir::Mesh,
     pub device: usize,
+    /// A step running longer than this means a peer failed or hangs: the watchdog aborts the
+    /// communicators and ends the process.
+    pub step_timeout: std::time::Duration,
 }
 
 /// Runs an artifact's schedule on one GPU (one rank of it on a mesh). Field order matters: everything device-side
@@ -533,6 +537,9 @@ pub struct CudaArtifactTrainer<'a> {
     capture_s: Option<f64>,
     /// Print a line on stderr when the step is captured into a CUDA graph.
     log_capture: bool,
+    /// The thread that aborts the communicators when NCCL reports an error or a step hangs
+    /// (stopped before they are dropped).
+    watchdog: Option<Watchdog>,
     /// This rank's NCCL communicators on a mesh (dropped before the context).
     nccl: Option<NcclMesh>,
     /// Staging for collectives along inner dims, and the events ordering the collectives'
@@ -633,6 +640,22 @@ impl<'a> CudaArtifactTrainer<'a> {
             None => None,
         };
         let coords = rank.as_ref().map_or([0; 3], |r| r.mesh.coords(r.group.rank()));
+        let watchdog = match (&nccl, &rank) {
+            (Some(n), Some(r)) => {
+                let (h, who) = (n.handles(), r.group.rank());
+                let poll = {
+                    let h = h.clone();
+                    Box::new(move || h.async_error())
+                };
+                let fail = Box::new(move |why: String| {
+                    h.abort_all();
+                    eprintln!("error: rank {who}: {why}; aborted the NCCL communicators");
+                    std::process::exit(1);
+                });
+                Some(Watchdog::start(Checks { poll, fail }, std::time::Duration::from_millis(100), r.step_timeout))
+            }
+            _ => None,
+        };
         startup.load_s += t.elapsed().as_secs_f64();
         let t = Instant::now();
         let mut memory = Vec::new();
@@ -696,6 +719,7 @@ impl<'a> CudaArtifactTrainer<'a> {
             startup,
             capture_s: None,
             log_capture: false,
+            watchdog,
             nccl,
             staging,
             comm_events,
@@ -1089,11 +1113,17 @@ impl<'a> CudaArtifactTrainer<'a> {
                 eprintln!("titan-run: step {n} captured into a CUDA graph in {capture_s:.1} s (after {WARMUP_STEPS} warm-up steps; not counted in its tps)");
             }
         }
+        if let Some(w) = &self.watchdog {
+            w.step_started();
+        }
         match &self.graph {
             Some(g) => self.gpu.replay(g).map_err(|e| with_step(e, n))?,
             None => self.enqueue_ops().map_err(|e| with_step(e, n))?,
         }
         self.gpu.sync(|| format!("step {n}: waiting for the step to finish (an asynchronous error from an earlier kernel shows here; rerun with CUDA_LAUNCH_BLOCKING=1 to find it)"))?;
+        if let Some(w) = &self.watchdog {
+            w.step_done();
+        }
         // The capture is reported on its own ([`CudaArtifactTrainer::capture_seconds`]).
         let secs = start.elapsed().as_secs_f64() - capture_s;
         self.collect_profile()?;

@@ -20,6 +20,7 @@ pub mod nccl;
 pub mod rendezvous;
 pub mod tcp_comm;
 pub mod trainer;
+pub mod watchdog;
 
 pub use env::{DistEnv, Launcher};
 pub use rendezvous::{ProcessGroup, RendezvousOptions};

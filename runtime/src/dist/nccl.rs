@@ -150,6 +150,44 @@ impl Drop for NcclComm {
     }
 }
 
+/// Raw handles of a rank's communicators for its watchdog thread (see
+/// [`crate::dist::watchdog`]): polling their asynchronous errors and aborting them are the two
+/// NCCL calls documented as safe from another thread while a collective blocks.
+#[derive(Clone)]
+pub struct NcclHandles(Vec<sys::ncclComm_t>);
+
+// SAFETY: only `ncclCommGetAsyncError` and `ncclCommAbort` are called through these, which NCCL
+// allows from any thread; the communicators outlive the watchdog (it aborts them then exits).
+unsafe impl Send for NcclHandles {}
+
+impl NcclHandles {
+    /// The first asynchronous error a communicator reports (a peer died, a network failure).
+    pub fn async_error(&self) -> Option<String> {
+        for &c in &self.0 {
+            let mut err = sys::ncclResult_t::ncclSuccess;
+            // SAFETY: a live communicator and a valid out-pointer.
+            let r = unsafe { sys::ncclCommGetAsyncError(c, &mut err) };
+            if r != sys::ncclResult_t::ncclSuccess {
+                return Some(format!("ncclCommGetAsyncError failed: {r:?}"));
+            }
+            if err != sys::ncclResult_t::ncclSuccess && err != sys::ncclResult_t::ncclInProgress {
+                return Some(format!("NCCL reported {err:?} (a peer rank failed or the network broke)"));
+            }
+        }
+        None
+    }
+
+    /// Abort every communicator: blocked collectives return, the handles are dead afterwards.
+    pub fn abort_all(&self) {
+        for &c in &self.0 {
+            // SAFETY: a live communicator, aborted once (the process exits right after).
+            unsafe {
+                let _ = result::comm_abort(c);
+            }
+        }
+    }
+}
+
 /// The NCCL communicators of one rank: the world, and one per mesh dim of size > 1.
 pub struct NcclMesh {
     pub world: NcclComm,
@@ -189,6 +227,11 @@ impl NcclMesh {
             *slot = Some(NcclComm { raw, rank: coords[m], size }.checked(&format!("mesh dim {m}"))?);
         }
         Ok(NcclMesh { world: world_comm, dims, coords })
+    }
+
+    /// The handles the watchdog polls and aborts.
+    pub fn handles(&self) -> NcclHandles {
+        NcclHandles(std::iter::once(&self.world).chain(self.dims.iter().flatten()).map(|c| c.raw).collect())
     }
 }
 

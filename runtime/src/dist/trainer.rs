@@ -63,7 +63,13 @@ impl<'g> ProcessMeshTrainer<'g> {
     /// Prepare rank `group.rank()` of an SPMD artifact on GPU `device` (`LOCAL_RANK`): the
     /// artifact's one schedule on the cuda backend, its `collective` steps through NCCL (the
     /// communicators are created from the unique id rank 0 sent at the rendezvous).
-    pub fn for_cuda_artifact(artifact: &'g Artifact, seed: u64, group: Arc<ProcessGroup>, device: usize) -> Result<ProcessMeshTrainer<'g>, RuntimeError> {
+    pub fn for_cuda_artifact(
+        artifact: &'g Artifact,
+        seed: u64,
+        group: Arc<ProcessGroup>,
+        device: usize,
+        step_timeout: std::time::Duration,
+    ) -> Result<ProcessMeshTrainer<'g>, RuntimeError> {
         let graph = &artifact.graph;
         let mesh = Mesh::from_graph(graph).map_err(RuntimeError::Graph)?.filter(|m| m.world_size() > 1).ok_or_else(|| {
             RuntimeError::Backend("the artifact has no device mesh; a multi-process run needs an SPMD artifact (`titanc build --tp/--dp-shard ...`)".into())
@@ -72,7 +78,7 @@ impl<'g> ProcessMeshTrainer<'g> {
             return Err(RuntimeError::Backend(format!("the run has {} processes but the mesh has {} ranks", group.world_size(), mesh.world_size())));
         }
         let coords = mesh.coords(group.rank());
-        let setup = CudaRankSetup { group: &group, mesh, device };
+        let setup = CudaRankSetup { group: &group, mesh, device, step_timeout };
         let trainer = CudaArtifactTrainer::with_rank(artifact, seed, Some(setup))?;
         let local_batch = Trainer::batch_size(&trainer);
         Ok(ProcessMeshTrainer { mesh, coords, group, trainer: Box::new(trainer), local_batch, seq_parallel: is_seq_parallel(graph, mesh) })
