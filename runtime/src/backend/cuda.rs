@@ -109,6 +109,17 @@ fn gpu_code(k: &Kernel) -> Result<Code<'_>, RuntimeError> {
     }
 }
 
+/// The GEMM algorithm cache of device `name`: `$TITAN_CACHE_DIR`, else `$XDG_CACHE_HOME/titan`,
+/// else `~/.cache/titan`; `gemm-<device>.json` (`None` without any of them).
+fn gemm_cache_file(name: &str) -> Option<std::path::PathBuf> {
+    let dir = std::env::var_os("TITAN_CACHE_DIR")
+        .map(std::path::PathBuf::from)
+        .or_else(|| std::env::var_os("XDG_CACHE_HOME").map(|d| std::path::PathBuf::from(d).join("titan")))
+        .or_else(|| std::env::var_os("HOME").map(|h| std::path::PathBuf::from(h).join(".cache").join("titan")))?;
+    let device: String = name.chars().map(|c| if c.is_ascii_alphanumeric() { c.to_ascii_lowercase() } else { '-' }).collect();
+    Some(dir.join(format!("gemm-{device}.json")))
+}
+
 /// A kernel ready to launch.
 enum Loaded {
     Ptx {
@@ -266,6 +277,77 @@ impl LoadedCode {
         let from_cubin = from_cubin.into_inner();
         let from_ptx = ptx_jobs.len() - from_cubin;
         Ok(LoadedCode { kernels, from_cubin, from_ptx, plans, blas, blas_workspace })
+    }
+
+    /// Pick each GEMM plan's algorithm among the heuristic's candidates by timing them on the
+    /// operands of the plan's first launch (`first`, by kernel position; the arenas hold no
+    /// state yet, and GEMMs only write activations and gradients), fastest of 3 calls after a
+    /// warm-up. Choices are cached per device and cuBLASLt version
+    /// ([`gemm_cache_file`]), so later runs reuse them and stay bitwise reproducible.
+    /// `TITAN_GEMM_AUTOTUNE=0` keeps the heuristic's first choice. Returns a summary line.
+    fn autotune_gemms(&mut self, gpu: &Gpu, first: &[Option<[u64; 3]>]) -> Result<Option<String>, RuntimeError> {
+        if std::env::var("TITAN_GEMM_AUTOTUNE").is_ok_and(|v| v == "0") || self.plans.is_empty() {
+            return Ok(None);
+        }
+        let cache_file = gemm_cache_file(&gpu.name);
+        let mut cache: std::collections::BTreeMap<String, usize> =
+            cache_file.as_ref().and_then(|f| std::fs::read_to_string(f).ok()).and_then(|t| serde_json::from_str(&t).ok()).unwrap_or_default();
+        // The operands of each plan's first launch.
+        let mut operands: Vec<Option<[u64; 3]>> = vec![None; self.plans.len()];
+        for (pos, k) in self.kernels.iter().enumerate() {
+            if let (Loaded::Gemm { plan }, Some(p)) = (k, first.get(pos).copied().flatten()) {
+                operands[*plan].get_or_insert(p);
+            }
+        }
+        let (start, stop) = (Event::new()?, Event::new()?);
+        let (mut timed, mut cached, mut changed) = (0, 0, 0);
+        for (i, plan) in self.plans.iter_mut().enumerate() {
+            let n = plan.candidates();
+            let Some([a, b, c]) = operands[i] else { continue };
+            if n < 2 {
+                continue;
+            }
+            if let Some(&pick) = cache.get(&plan.key).filter(|&&p| p < n) {
+                plan.choose(pick);
+                cached += 1;
+                continue;
+            }
+            let mut best: Option<(f32, usize)> = None;
+            for cand in 0..n {
+                plan.choose(cand);
+                // A candidate that fails to run is skipped.
+                if plan.run(&self.blas, a, b, c, self.blas_workspace.ptr, gpu.stream).is_err() {
+                    continue;
+                }
+                gpu.record(&start)?;
+                let ok = (0..3).all(|_| plan.run(&self.blas, a, b, c, self.blas_workspace.ptr, gpu.stream).is_ok());
+                gpu.record(&stop)?;
+                let ms = start.elapsed_ms(&stop)?;
+                if ok && best.is_none_or(|(t, _)| ms < t) {
+                    best = Some((ms, cand));
+                }
+            }
+            gpu.sync(|| format!("timing the algorithms of GEMM `{}`", plan.name))?;
+            let pick = best.map_or(0, |(_, c)| c);
+            plan.choose(pick);
+            cache.insert(plan.key.clone(), pick);
+            timed += 1;
+            changed += usize::from(pick != 0);
+        }
+        if let (Some(f), true) = (&cache_file, timed > 0) {
+            let written = f.parent().map_or(Ok(()), std::fs::create_dir_all).and_then(|()| {
+                let text = serde_json::to_string_pretty(&cache).map_err(std::io::Error::other)?;
+                std::fs::write(f, text)
+            });
+            if let Err(e) = written {
+                eprintln!("titan-run: warning: cannot write the GEMM algorithm cache `{}`: {e}", f.display());
+            }
+        }
+        Ok(Some(format!(
+            "GEMM algorithms: {} plans, {timed} timed ({changed} faster than the heuristic's first choice), {cached} from the cache{}",
+            self.plans.len(),
+            cache_file.map_or(String::new(), |f| format!(" `{}`", f.display()))
+        )))
     }
 
     /// Enqueue kernel `pos` with its input and output pointers.
@@ -689,12 +771,18 @@ impl<'a> CudaArtifactTrainer<'a> {
         };
         // Per GEMM kernel: the alignment of its operands over every launch, and their extents.
         let mut align = vec![[256u64; 3]; m.kernels.len()];
-        Self::gemm_operands(artifact, &arenas, &m.ranks[0].steps, None, &mut align)?;
+        let mut first = vec![None; m.kernels.len()];
+        Self::gemm_operands(artifact, &arenas, &m.ranks[0].steps, None, &mut align, &mut first)?;
         startup.plan_s = t.elapsed().as_secs_f64();
         let t = Instant::now();
-        let code = LoadedCode::load(&gpu, artifact, &|pos| align[pos], false)?;
+        let mut code = LoadedCode::load(&gpu, artifact, &|pos| align[pos], false)?;
         startup.load_s += t.elapsed().as_secs_f64();
         eprintln!("titan-run: loaded {} kernels from cubins and {} from PTX (JIT) in {:.1} s", code.from_cubin, code.from_ptx, t.elapsed().as_secs_f64());
+        let t = Instant::now();
+        if let Some(line) = code.autotune_gemms(&gpu, &first)? {
+            eprintln!("titan-run: {line} in {:.1} s", t.elapsed().as_secs_f64());
+        }
+        startup.load_s += t.elapsed().as_secs_f64();
         let usize_of = |x: u64, what: &str| usize::try_from(x).map_err(|_| bad(format!("{what} {x} does not fit this machine")));
         let whole = |b: &'a Buffer| arenas.whole(b).map(|(p, _)| (p, b));
         let mut trainer = CudaArtifactTrainer {
@@ -739,7 +827,14 @@ impl<'a> CudaArtifactTrainer<'a> {
 
     /// Walk the schedule's GEMM launches: check their extents and record the smallest
     /// power-of-two alignment of each operand.
-    fn gemm_operands(artifact: &Artifact, arenas: &Arenas<'_>, steps: &[Step], frame: Option<Frame<'_>>, align: &mut [[u64; 3]]) -> Result<(), RuntimeError> {
+    fn gemm_operands(
+        artifact: &Artifact,
+        arenas: &Arenas<'_>,
+        steps: &[Step],
+        frame: Option<Frame<'_>>,
+        align: &mut [[u64; 3]],
+        first: &mut [Option<[u64; 3]>],
+    ) -> Result<(), RuntimeError> {
         for step in steps {
             match step {
                 Step::Launch { kernel, inputs, outputs, .. } => {
@@ -748,19 +843,22 @@ impl<'a> CudaArtifactTrainer<'a> {
                     let Some(g) = k.gemm.as_ref().filter(|_| k.kind == KernelKind::Gemm) else { continue };
                     let refs = [inputs.first(), inputs.get(1).or(inputs.first()), outputs.first()];
                     let mut bound = [0u64; 3];
+                    let mut ptrs = [0u64; 3];
                     for (j, r) in refs.into_iter().enumerate() {
                         let r = r.ok_or_else(|| bad(format!("GEMM `{}` needs two inputs and one output", k.name)))?;
                         let (p, len) = arenas.view(r, frame)?;
                         align[pos][j] = align[pos][j].min(pow2_align(p));
                         bound[j] = len;
+                        ptrs[j] = p;
                     }
                     check_gemm_extent(k, g, bound)?;
+                    first[pos].get_or_insert(ptrs);
                 }
                 Step::Loop { count, reverse, carries, body } => {
                     let count = *count as usize;
                     for t in 0..count {
                         let layer = if *reverse { count - 1 - t } else { t };
-                        Self::gemm_operands(artifact, arenas, body, Some(Frame { layer, t, carries }), align)?;
+                        Self::gemm_operands(artifact, arenas, body, Some(Frame { layer, t, carries }), align, first)?;
                     }
                 }
                 _ => {}

@@ -18,6 +18,10 @@ use titan_ir::artifact::GemmDesc;
 
 use super::driver::CudaError;
 
+/// Algorithms asked of the heuristic per GEMM shape; the CUDA backend times them once per
+/// device and library version and keeps the fastest (`TITAN_GEMM_AUTOTUNE=0`: the first).
+pub const MAX_CANDIDATES: usize = 6;
+
 /// The cuBLASLt workspace every GEMM may use (NVIDIA recommends 32 MiB on Hopper).
 pub const WORKSPACE_BYTES: u64 = 32 << 20;
 
@@ -74,6 +78,10 @@ pub struct GemmPlan {
     lb: sys::cublasLtMatrixLayout_t,
     lc: sys::cublasLtMatrixLayout_t,
     algo: sys::cublasLtMatmulAlgo_t,
+    /// The heuristic's candidates, best-ranked first (`algo` is one of them).
+    candidates: Vec<sys::cublasLtMatmulAlgo_t>,
+    /// The shape, alignment and library version: the key of the autotuning cache.
+    pub key: String,
     /// FLOPs of one call (`2 m n k batch`).
     pub flops: f64,
 }
@@ -107,8 +115,20 @@ impl GemmPlan {
         let lb = lt::create_matrix_layout(ta, br, bc, i64_of(g.lda, "lda")?).map_err(err("layout B"))?;
         let lc = lt::create_matrix_layout(tc, g.n, g.m, i64_of(g.ldc, "ldc")?).map_err(err("layout C"))?;
         let desc = lt::create_matmul_desc(sys::cublasComputeType_t::CUBLAS_COMPUTE_32F, sys::cudaDataType::CUDA_R_32F).map_err(err("matmul descriptor"))?;
-        let mut plan =
-            GemmPlan { name: name.to_string(), desc, la, lb, lc, algo: unsafe_zeroed_algo(), flops: 2.0 * (g.m * g.n * g.k * g.batch.max(1)) as f64 };
+        // SAFETY: takes no arguments.
+        let version = unsafe { sys::cublasLtGetVersion() };
+        let key = format!("{g:?} align {align:?} cublasLt {version}");
+        let mut plan = GemmPlan {
+            name: name.to_string(),
+            desc,
+            la,
+            lb,
+            lc,
+            algo: unsafe_zeroed_algo(),
+            candidates: Vec::new(),
+            key,
+            flops: 2.0 * (g.m * g.n * g.k * g.batch.max(1)) as f64,
+        };
         let batch = i32::try_from(g.batch.max(1)).map_err(|_| CudaError::Call { what: what.clone(), message: format!("batch {} is too large", g.batch) })?;
         // SAFETY: every descriptor was just created; attribute buffers match their documented types.
         unsafe {
@@ -154,19 +174,50 @@ impl GemmPlan {
                     let a = a.clamp(1, 256) as u32;
                     lt::set_matmul_pref_attribute(pref, attr, &a as *const u32 as *const c_void, 4).map_err(err("setting an alignment"))?;
                 }
-                let h = lt::get_matmul_algo_heuristic(blas.handle, desc, la, lb, lc, lc, pref).map_err(|e| CudaError::Call {
-                    what: what.clone(),
-                    message: format!(
-                        "cuBLASLt has no algorithm for m {} n {} k {} batch {} ({} x {} -> {}, transpose_a {}, transpose_b {}, alignment {:?}): {:?}",
-                        g.m, g.n, g.k, g.batch, g.a_dtype, g.b_dtype, g.c_dtype, g.transpose_a, g.transpose_b, align, e.0
-                    ),
-                })?;
-                Ok(h.algo)
+                let mut results: Vec<sys::cublasLtMatmulHeuristicResult_t> = (0..MAX_CANDIDATES).map(|_| std::mem::zeroed()).collect();
+                let mut found = 0i32;
+                let r = sys::cublasLtMatmulAlgoGetHeuristic(blas.handle, desc, la, lb, lc, lc, pref, MAX_CANDIDATES as i32, results.as_mut_ptr(), &mut found)
+                    .result();
+                let algos: Vec<sys::cublasLtMatmulAlgo_t> =
+                    results.iter().take(found.max(0) as usize).filter(|h| h.state == sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS).map(|h| h.algo).collect();
+                if r.is_err() || algos.is_empty() {
+                    return Err(CudaError::Call {
+                        what: what.clone(),
+                        message: format!(
+                            "cuBLASLt has no algorithm for m {} n {} k {} batch {} ({} x {} -> {}, transpose_a {}, transpose_b {}, alignment {:?}): {:?}",
+                            g.m,
+                            g.n,
+                            g.k,
+                            g.batch,
+                            g.a_dtype,
+                            g.b_dtype,
+                            g.c_dtype,
+                            g.transpose_a,
+                            g.transpose_b,
+                            align,
+                            r.err().map(|e| e.0)
+                        ),
+                    });
+                }
+                Ok(algos)
             })();
             let _ = lt::destroy_matmul_pref(pref);
-            plan.algo = r?;
+            plan.candidates = r?;
+            plan.algo = plan.candidates[0];
         }
         Ok(plan)
+    }
+
+    /// How many algorithms the heuristic offered (at most [`MAX_CANDIDATES`]).
+    pub fn candidates(&self) -> usize {
+        self.candidates.len()
+    }
+
+    /// Use candidate `i` (0 is the heuristic's first choice).
+    pub fn choose(&mut self, i: usize) {
+        if let Some(a) = self.candidates.get(i) {
+            self.algo = *a;
+        }
     }
 
     /// Enqueue `C = A @ B` on `stream` (device pointers).
