@@ -127,6 +127,15 @@ fn two_processes_run_an_spmd_artifact_like_the_simulated_mesh() {
     assert_eq!(procs, sim, "the processes and the simulated mesh differ");
     assert!(stderr.contains("on 2 cpu processes") && stderr.contains("collectives per step per rank"), "{stderr}");
     assert!(sim_stderr.contains("on a simulated cpu mesh of 2 ranks (tp 2)"), "{sim_stderr}");
+    // On the GPU an SPMD artifact runs one process per GPU: a single process says how, and a
+    // graph file (not an artifact) is refused on --backend cuda before any GPU work.
+    let out = titan_run(&[dir.to_str().expect("utf-8"), "--backend", "cuda", "--steps", "1"]);
+    let e = text(&out.stderr);
+    assert!(!out.status.success() && e.contains("--backend cuda --nproc-per-node 2") && e.contains("--backend cpu runs it on the simulated mesh"), "{e}");
+    let spmd = graph_file("cuda-graph-tp2", Some(Mesh::new(1, 1, 2)));
+    let out = Command::new(TITAN_RUN).args([p(&spmd), "--backend", "cuda", "--nproc-per-node", "2", "--steps", "1"]).output().expect("run");
+    let e = text(&out.stderr);
+    assert!(!out.status.success() && e.contains("graph mode (a `.ir` file) runs on the cpu backend only"), "{e}");
     let _ = std::fs::remove_dir_all(&dir);
 }
 
