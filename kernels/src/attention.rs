@@ -25,7 +25,7 @@
 
 use std::fmt::Write as _;
 
-use titan_ir::{DType, Graph, Op, Region};
+use titan_ir::{DType, Graph, Node, Op, Region};
 
 use crate::values::Body;
 use crate::{GenResult, Generated, invalid, unsupported};
@@ -238,6 +238,45 @@ impl Em {
     }
 }
 
+/// Where each of `node`'s results sits among the body's outputs: the body must output every
+/// result exactly once (`what` names the kernel, `names` its results, for errors).
+pub(crate) fn output_slots<const N: usize>(r: &Region, node: &Node, what: &str, names: &str) -> GenResult<[usize; N]> {
+    let mut outs = [usize::MAX; N];
+    for (i, o) in r.outputs.iter().enumerate() {
+        match node.results.iter().position(|&v| v == o.value) {
+            Some(p) if p < N && outs[p] == usize::MAX => outs[p] = i,
+            _ => return invalid(format!("the outputs of an {what} body must be its node's {names}, once each")),
+        }
+    }
+    if outs.contains(&usize::MAX) || r.outputs.len() != N {
+        return unsupported(format!("the {what} kernel writes {names}; the body must output all of them"));
+    }
+    Ok(outs)
+}
+
+/// The sizes `[b, s, hq, hkv, d]` of an attention node's q, k and v (its first three inputs),
+/// checked for the `what` kernel: `[batch, seq, heads, head_dim]`, v shaped like k, whole GQA
+/// groups, head_dim 16, 64 or 128, a sequence length that is a multiple of 64, a positive scale.
+pub(crate) fn checked_sizes(b: &Body, node: &Node, scale: f64, what: &str) -> GenResult<[u64; 5]> {
+    let (qs, ks) = (&b.shape[node.inputs[0].index()], &b.shape[node.inputs[1].index()]);
+    let (&[bb, s, hq, d], &[kb, kss, hkv, kd]) = (qs.as_slice(), ks.as_slice()) else {
+        return invalid(format!("{what} q and k must be [batch, seq, heads, head_dim]"));
+    };
+    if (kb, kss, kd) != (bb, s, d) || b.shape[node.inputs[2].index()] != *ks || hkv == 0 || hq % hkv != 0 {
+        return invalid(format!("{what} q, k, v shapes do not match"));
+    }
+    if !matches!(d, 16 | 64 | 128) {
+        return unsupported(format!("{what} head_dim {d} (the kernel supports 16, 64 and 128)"));
+    }
+    if s == 0 || s % BM != 0 {
+        return unsupported(format!("{what} sequence length {s} (the kernel needs a multiple of {BM})"));
+    }
+    if !(scale.is_finite() && scale > 0.0) {
+        return unsupported(format!("{what} scale {scale} (the kernel needs a positive scale)"));
+    }
+    Ok([bb, s, hq, hkv, d])
+}
+
 /// Read the forward body: one `attention` node over body arguments, both results as outputs.
 /// Returns the problem and the parameter order: (q, k, v) argument indices and (out, lse)
 /// output indices.
@@ -253,16 +292,7 @@ fn read_forward(g: &Graph, r: &Region) -> GenResult<(Problem, [usize; 3], [usize
     let (Some(qi), Some(ki), Some(vi)) = (b.arg_index(node.inputs[0]), b.arg_index(node.inputs[1]), b.arg_index(node.inputs[2])) else {
         return invalid("the q, k and v of an attention kernel must be body arguments");
     };
-    let mut outs = [usize::MAX; 2];
-    for (i, o) in r.outputs.iter().enumerate() {
-        match node.results.iter().position(|&v| v == o.value) {
-            Some(p) if outs[p] == usize::MAX => outs[p] = i,
-            _ => return invalid("the outputs of an attention body must be its node's out and lse, once each"),
-        }
-    }
-    if outs.contains(&usize::MAX) || r.outputs.len() != 2 {
-        return unsupported("the attention kernel writes both out and lse; the body must output both");
-    }
+    let outs = output_slots::<2>(r, node, "attention", "out and lse")?;
     for (v, what) in [(node.inputs[0], "q"), (node.inputs[1], "k"), (node.inputs[2], "v"), (node.results[0], "out")] {
         if b.dtype(v) != DType::BF16 {
             return unsupported(format!("attention {what} must be bf16, found {:?}", b.dtype(v)));
@@ -271,22 +301,7 @@ fn read_forward(g: &Graph, r: &Region) -> GenResult<(Problem, [usize; 3], [usize
     if b.dtype(node.results[1]) != DType::F32 {
         return unsupported("attention lse must be f32");
     }
-    let (qs, ks) = (&b.shape[node.inputs[0].index()], &b.shape[node.inputs[1].index()]);
-    let (&[bb, s, hq, d], &[kb, kss, hkv, kd]) = (qs.as_slice(), ks.as_slice()) else {
-        return invalid("attention q and k must be [batch, seq, heads, head_dim]");
-    };
-    if (kb, kss, kd) != (bb, s, d) || b.shape[node.inputs[2].index()] != *ks || hkv == 0 || hq % hkv != 0 {
-        return invalid("attention q, k, v shapes do not match");
-    }
-    if !matches!(d, 16 | 64 | 128) {
-        return unsupported(format!("attention head_dim {d} (the kernel supports 16, 64 and 128)"));
-    }
-    if s == 0 || s % BM != 0 {
-        return unsupported(format!("attention sequence length {s} (the kernel needs a multiple of {BM})"));
-    }
-    if !(scale.is_finite() && scale > 0.0) {
-        return unsupported(format!("attention scale {scale} (the kernel needs a positive scale)"));
-    }
+    let [bb, s, hq, hkv, d] = checked_sizes(&b, node, scale, "attention")?;
     let grid = (s / BM) * bb * hq;
     if grid == 0 || grid > u64::from(u32::MAX) || bb * s * hq * d >= 1 << 40 {
         return unsupported("attention problem size out of range");

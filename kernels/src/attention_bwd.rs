@@ -32,7 +32,7 @@ use std::fmt::Write as _;
 
 use titan_ir::{DType, Graph, Op, Region};
 
-use crate::attention::Em;
+use crate::attention::{Em, checked_sizes, output_slots};
 use crate::values::Body;
 use crate::{GenResult, Generated, invalid, unsupported};
 
@@ -101,16 +101,7 @@ fn read(g: &Graph, r: &Region) -> GenResult<(Problem, Params)> {
     if node.inputs.len() != 6 || node.results.len() != 3 {
         return invalid("attention_bwd takes 6 inputs and has 3 results");
     }
-    let mut outs = [usize::MAX; 3];
-    for (i, o) in r.outputs.iter().enumerate() {
-        match node.results.iter().position(|&v| v == o.value) {
-            Some(p) if outs[p] == usize::MAX => outs[p] = i,
-            _ => return invalid("the outputs of an attention_bwd body must be its node's dq, dk and dv, once each"),
-        }
-    }
-    if outs.contains(&usize::MAX) || r.outputs.len() != 3 {
-        return unsupported("the attention_bwd kernel writes dq, dk and dv; the body must output all three");
-    }
+    let outs = output_slots::<3>(r, node, "attention_bwd", "dq, dk and dv")?;
     for (k, v) in node.inputs.iter().enumerate() {
         let want = if k == 4 { DType::F32 } else { DType::BF16 };
         if b.dtype(*v) != want {
@@ -122,22 +113,7 @@ fn read(g: &Graph, r: &Region) -> GenResult<(Problem, Params)> {
             return unsupported("attention_bwd gradients must be bf16");
         }
     }
-    let (qs, ks) = (&b.shape[node.inputs[0].index()], &b.shape[node.inputs[1].index()]);
-    let (&[bb, s, hq, d], &[kb, kss, hkv, kd]) = (qs.as_slice(), ks.as_slice()) else {
-        return invalid("attention_bwd q and k must be [batch, seq, heads, head_dim]");
-    };
-    if (kb, kss, kd) != (bb, s, d) || hkv == 0 || hq % hkv != 0 {
-        return invalid("attention_bwd q, k, v shapes do not match");
-    }
-    if !matches!(d, 16 | 64 | 128) {
-        return unsupported(format!("attention_bwd head_dim {d} (the kernel supports 16, 64 and 128)"));
-    }
-    if s == 0 || s % BN as u64 != 0 {
-        return unsupported(format!("attention_bwd sequence length {s} (the kernel needs a multiple of {BN})"));
-    }
-    if !(scale.is_finite() && scale > 0.0) {
-        return unsupported(format!("attention_bwd scale {scale} (the kernel needs a positive scale)"));
-    }
+    let [bb, s, hq, hkv, d] = checked_sizes(&b, node, scale, "attention_bwd")?;
     if bb * s * hq * d >= 1 << 36 || (s / BM as u64) * bb * hq > u64::from(u32::MAX) {
         return unsupported("attention_bwd problem size out of range");
     }

@@ -66,6 +66,10 @@ pub struct StateSlot<'a> {
     /// 1 for an unstacked state; the leading dim of a per-layer (`{i}`) state.
     pub layers: usize,
     pub per_layer: usize,
+    /// The state argument's placement on the mesh (empty on one device).
+    pub placement: &'a [titan_ir::Placement],
+    /// Its shape (this rank's, on a mesh).
+    pub shape: Vec<usize>,
 }
 
 /// The enclosing loop of a schedule step during checking.
@@ -99,7 +103,8 @@ impl Artifact {
                 return Err(bad(format!("state `{}` is {ty} in graph.ir but buffer {} is {}{:?}", s.name, b.id, b.dtype, b.shape)));
             }
             let (layers, per_layer) = if info.is_stacked() { (shape[0], shape[1..].iter().product()) } else { (1, shape.iter().product()) };
-            slots.push(StateSlot { buffer: b, info, layers, per_layer });
+            let placement = &graph.main.value(arg.value).placement;
+            slots.push(StateSlot { buffer: b, info, layers, per_layer, placement, shape });
         }
         Ok(slots)
     }

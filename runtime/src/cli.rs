@@ -193,24 +193,44 @@ fn run_rank(cli: &Cli, env: &DistEnv, tokens: Vec<u32>, data_name: &str) -> Resu
     let identity = run_identity(&checkpoint::graph_identity(&graph_text), &tokens, seed);
     let opts = RendezvousOptions { join_timeout: std::time::Duration::from_secs(cli.rendezvous_timeout), ..RendezvousOptions::default() };
     let group = std::sync::Arc::new(ProcessGroup::rendezvous(rank, world, (&addr, port), &identity, Vec::new(), opts)?);
-    let mut trainer = match ProcessMeshTrainer::new(&graph, seed, std::sync::Arc::clone(&group)) {
+    let made = ProcessMeshTrainer::new(&graph, seed, std::sync::Arc::clone(&group));
+    let announce = |trainer: &ProcessMeshTrainer<'_>| {
+        eprintln!(
+            "titan-run: {} (graph mode, SPMD) on {world} cpu processes ({}, rendezvous {addr}:{port}; dp_replicate {r} x dp_shard {s} x tp {t}), global batch {} x seq {}, {} steps, data {data_name}",
+            graph.name,
+            env.launcher.name(),
+            trainer.batch_size(),
+            Trainer::seq_len(trainer),
+            cli.steps
+        )
+    };
+    run_in_group(&group, made, announce, cli, tokens, data_name, &checkpoint::graph_identity(&graph_text))
+}
+
+/// Run this rank (`made`) through the training: a failure is first told to the other ranks
+/// (their next collective fails naming this rank), a clean end leaves the group; rank 0 logs,
+/// and `announce`s the run.
+fn run_in_group(
+    group: &ProcessGroup,
+    made: std::result::Result<ProcessMeshTrainer<'_>, crate::RuntimeError>,
+    announce: impl FnOnce(&ProcessMeshTrainer<'_>),
+    cli: &Cli,
+    tokens: Vec<u32>,
+    data_name: &str,
+    identity: &str,
+) -> Result<()> {
+    let mut trainer = match made {
         Ok(t) => t,
         Err(e) => {
             group.abort(&e.to_string());
             return Err(e.into());
         }
     };
-    if rank == 0 {
-        eprintln!(
-            "titan-run: {} (graph mode, SPMD) on {world} cpu processes ({}, rendezvous {addr}:{port}; dp_replicate {r} x dp_shard {s} x tp {t}), global batch {} x seq {}, {} steps, data {data_name}",
-            graph.name,
-            env.launcher.name(),
-            trainer.batch_size(),
-            Trainer::seq_len(&trainer),
-            cli.steps
-        );
+    let logger = group.rank() == 0;
+    if logger {
+        announce(&trainer);
     }
-    if let Err(e) = train(&mut trainer, cli, tokens, data_name, &checkpoint::graph_identity(&graph_text), rank == 0) {
+    if let Err(e) = train(&mut trainer, cli, tokens, data_name, identity, logger) {
         group.abort(&format!("{e:#}"));
         return Err(e);
     }
@@ -237,24 +257,17 @@ fn run_artifact_rank(cli: &Cli, env: &DistEnv, tokens: Vec<u32>, data_name: &str
     let seed = cli.seed.unwrap_or(0);
     let identity = run_identity(&format!("artifact {}", m.content_hash), &tokens, seed);
     let opts = RendezvousOptions { join_timeout: std::time::Duration::from_secs(cli.rendezvous_timeout), ..RendezvousOptions::default() };
-    let opts_timeout = opts.collective_timeout;
+    let step_timeout = opts.collective_timeout;
     let cuda = cli.backend == "cuda";
     // On the GPU, rank 0 hands every rank the NCCL unique id through the rendezvous.
     let payload = if cuda && rank == 0 { crate::dist::nccl::unique_id_payload()? } else { Vec::new() };
     let group = std::sync::Arc::new(ProcessGroup::rendezvous(rank, world, (&addr, port), &identity, payload, opts)?);
     let made = if cuda {
-        ProcessMeshTrainer::for_cuda_artifact(&artifact, seed, std::sync::Arc::clone(&group), env.local_rank, opts_timeout)
+        ProcessMeshTrainer::for_cuda_artifact(&artifact, seed, std::sync::Arc::clone(&group), env.local_rank, step_timeout)
     } else {
         ProcessMeshTrainer::for_artifact(&artifact, seed, std::sync::Arc::clone(&group))
     };
-    let mut trainer = match made {
-        Ok(t) => t,
-        Err(e) => {
-            group.abort(&e.to_string());
-            return Err(e.into());
-        }
-    };
-    if rank == 0 {
+    let announce = |trainer: &ProcessMeshTrainer<'_>| {
         eprintln!(
             "titan-run: artifact {} (SPMD, {} launches and {} collectives per step per rank) on {world} {} processes ({}, rendezvous {addr}:{port}), global batch {} x seq {}, {} steps, data {data_name}",
             cli.path.display(),
@@ -263,16 +276,11 @@ fn run_artifact_rank(cli: &Cli, env: &DistEnv, tokens: Vec<u32>, data_name: &str
             cli.backend,
             env.launcher.name(),
             trainer.batch_size(),
-            Trainer::seq_len(&trainer),
+            Trainer::seq_len(trainer),
             cli.steps
-        );
-    }
-    if let Err(e) = train(&mut trainer, cli, tokens, data_name, &m.content_hash, rank == 0) {
-        group.abort(&format!("{e:#}"));
-        return Err(e);
-    }
-    group.finish()?;
-    Ok(())
+        )
+    };
+    run_in_group(&group, made, announce, cli, tokens, data_name, &m.content_hash)
 }
 
 fn run(cli: Cli) -> Result<()> {

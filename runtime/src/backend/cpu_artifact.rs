@@ -264,12 +264,9 @@ impl<'a> CpuArtifactTrainer<'a> {
     /// Fill every persistent buffer from the state argument of `graph.ir`'s `main` with the
     /// same checkpoint name (this rank's shard of it on a mesh).
     fn init_state(&mut self, seed: u64) -> Result<(), RuntimeError> {
-        let main = &self.artifact.graph.main;
         for slot in self.artifact.state_slots()? {
             let (b, p) = (slot.buffer, slot.info);
-            let placement = main.args.iter().find(|a| a.kind.param_info().is_some_and(|q| q.name == p.name)).map(|a| main.value(a.value).placement.clone());
-            let shape: Vec<usize> = b.shape.iter().map(|&d| usize_of(d, &p.name)).collect::<Result<_, _>>()?;
-            let t = init_state_shard(p, &shape, &placement.unwrap_or_default(), self.rank.as_ref().map(|r| (r.coords, r.mesh)), seed)?;
+            let t = init_state_shard(p, &slot.shape, slot.placement, self.rank.as_ref().map(|r| (r.coords, r.mesh)), seed)?;
             let values = t.floats().ok_or_else(|| bad(format!("state `{}` is not a float tensor", p.name)))?;
             let v = self.whole(b)?;
             encode_floats(values, b.dtype, &mut self.arenas[v.arena][v.start..v.start + v.len]).map_err(|e| bad(format!("state `{}`: {e}", p.name)))?;

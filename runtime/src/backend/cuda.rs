@@ -872,13 +872,9 @@ impl<'a> CudaArtifactTrainer<'a> {
     /// encoded and copied (the CPU backend's [`init_state_shard`]).
     fn init_state_shards(&mut self, seed: u64, rank: ([usize; 3], titan_ir::Mesh)) -> Result<(), RuntimeError> {
         self.gpu.bind()?;
-        let main = &self.artifact.graph.main;
         for slot in self.artifact.state_slots()? {
             let (b, p) = (slot.buffer, slot.info);
-            let placement = main.args.iter().find(|a| a.kind.param_info().is_some_and(|q| q.name == p.name)).map(|a| main.value(a.value).placement.clone());
-            let shape: Vec<usize> =
-                b.shape.iter().map(|&d| usize::try_from(d).map_err(|_| bad(format!("state `{}` is too large", p.name)))).collect::<Result<_, _>>()?;
-            let t = init_state_shard(p, &shape, &placement.unwrap_or_default(), Some(rank), seed)?;
+            let t = init_state_shard(p, &slot.shape, slot.placement, Some(rank), seed)?;
             let values = t.floats().ok_or_else(|| bad(format!("state `{}` is not a float tensor", p.name)))?;
             let (ptr, len) = self.arenas.whole(b)?;
             let mut bytes = vec![0u8; values.len() * b.dtype.size_bytes()];
