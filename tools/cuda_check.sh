@@ -9,11 +9,27 @@
 # kernel tested one by one against the CPU backend), a no-attention variant of the debug model
 # (every kernel has GPU code, so whole steps run on the GPU and are compared with the CPU
 # backend) and, with TIME=1, an 8B-shaped 4-layer artifact whose kernels are timed one by one.
+# With MESH=1 it also holds SPMD builds of the debug model for two ranks (tp 2, dp_shard 2,
+# dp_replicate 2), which `tools/cuda_check.sh mesh DIR` runs on a machine with two GPUs: NCCL
+# across GPUs against one GPU and against the CPU simulated mesh, and a rank killed mid-run;
+# with BIG=1 also an 8B-shaped 2-layer model on one GPU, tp 2 and dp_shard 2 (losses, tok/s).
 # Logs go to $OUT (or DIR/logs).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:-}
 dir=${2:-gpu}
+
+# The GPU machine's libraries, and $out for the logs.
+gpu_env() {
+    export LD_LIBRARY_PATH=/usr/local/cuda-13.0/targets/x86_64-linux/lib:/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+    # NCCL: the system's, else the one PyTorch's wheels ship (nvidia-nccl).
+    nccl_dir=$(python3 -c 'import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], "lib"))' 2>/dev/null || true)
+    if [ -n "$nccl_dir" ]; then export LD_LIBRARY_PATH=$LD_LIBRARY_PATH:$nccl_dir; fi
+    # NVLink multicast stays off on shared hosts (launched ranks inherit this).
+    export NCCL_NVLS_ENABLE=0
+    out=${OUT:-$dir/logs}
+    mkdir -p "$out"
+}
 
 case "$mode" in
 prepare)
@@ -40,22 +56,37 @@ prepare)
         target/release/titanc new llama3 --preset 8b --n-layers 4 -o "$dir/8b4.ir"
         target/release/titanc build "$dir/8b4.ir" -o "$dir/8b4"
     fi
+    if [ "${BIG:-0}" = 1 ]; then
+        # 8B dims, 2 layers, batch 2 x seq 4096: one GPU, tp 2, dp_shard 2.
+        target/release/titanc new llama3 --preset 8b --n-layers 2 --batch-size 2 --seq-len 4096 -o "$dir/8b2.ir"
+        for cfg in "one:" "tp2:--tp 2" "dps2:--dp-shard 2"; do
+            # shellcheck disable=SC2086
+            target/release/titanc build "$dir/8b2.ir" -o "$dir/big-${cfg%%:*}" ${cfg#*:} >/dev/null
+        done
+    fi
+    if [ "${MESH:-0}" = 1 ]; then
+        for cfg in "tp2:--tp 2" "dps2:--dp-shard 2" "dpr2:--dp-replicate 2" "tp2-nolp:--tp 2 --disable-loss-parallel"; do
+            # shellcheck disable=SC2086
+            target/release/titanc build examples/llama3-debug.ir -o "$dir/mesh-${cfg%%:*}" ${cfg#*:} >/dev/null
+        done
+    fi
     du -sh "$dir"
     echo "prepared $dir; on the GPU machine run: tools/cuda_check.sh run $dir"
     ;;
 run)
-    export LD_LIBRARY_PATH=/usr/local/cuda-13.0/targets/x86_64-linux/lib:/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-    # NCCL: the system's, else the one PyTorch's wheels ship (nvidia-nccl).
-    nccl_dir=$(python3 -c 'import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], "lib"))' 2>/dev/null || true)
-    [ -n "$nccl_dir" ] && export LD_LIBRARY_PATH=$LD_LIBRARY_PATH:$nccl_dir
-    out=${OUT:-$dir/logs}
-    mkdir -p "$out"
+    gpu_env
     nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv || true
     rc=0
     echo "== kernel-by-kernel differential tests and whole steps against the CPU backend"
     TITAN_CUDA_ARTIFACT="$dir/debug" TITAN_CUDA_STEP_ARTIFACT="$dir/noattn" timeout 300 \
         "$dir/cuda-test" --test-threads=1 --nocapture >"$out/tests.log" 2>&1 || rc=1
     cat "$out/tests.log"
+    if [ -d "$dir/mesh-tp2" ]; then
+        echo "== the kernels of one tp 2 rank (the vocab-parallel loss) against the CPU backend"
+        TITAN_CUDA_ARTIFACT="$dir/mesh-tp2" timeout 300 "$dir/cuda-test" --test-threads=1 --nocapture every_generated_kernel \
+            >"$out/tests-tp2.log" 2>&1 || rc=1
+        grep -E "cross_entropy|tested|test result|FAIL|panicked" "$out/tests-tp2.log" || true
+    fi
     echo "== titan-run --backend cuda"
     timeout 120 "$dir/titan-run" "$dir/noattn" --backend cuda --steps 50 --log-every 10 2>&1 | tee "$out/run.log" || rc=1
     echo "== --resume on the GPU: 10 steps straight vs 5 steps, checkpoint, resume to 10"
@@ -81,8 +112,95 @@ PY
     fi
     exit $rc
     ;;
+mesh)
+    # Two ranks on two GPUs (NCCL) against one GPU and against the CPU simulated mesh.
+    gpu_env
+    nvidia-smi --query-gpu=index,name,memory.used --format=csv || true
+    nvidia-smi topo -m || true
+    rc=0
+    steps=${STEPS:-20}
+    m=$(mktemp -d)
+    timeout 120 "$dir/titan-run" "$dir/debug" --backend cuda --steps "$steps" --metrics "$m/single.jsonl" --log-every 10 >"$out/mesh-single.log" 2>&1 || { rc=1; cat "$out/mesh-single.log"; }
+    for a in "$dir"/mesh-*; do
+        [ -d "$a" ] || continue
+        name=$(basename "$a")
+        echo "== $name: 2 GPUs (NCCL) vs the CPU simulated mesh vs one GPU"
+        timeout 180 "$dir/titan-run" "$a" --backend cuda --nproc-per-node 2 --steps "$steps" --metrics "$m/$name.gpu.jsonl" --log-every 10 >"$out/$name.gpu.log" 2>&1 || { rc=1; tail -30 "$out/$name.gpu.log"; }
+        timeout 180 "$dir/titan-run" "$a" --backend cpu --steps "$steps" --metrics "$m/$name.cpu.jsonl" --log-every 10 >"$out/$name.cpu.log" 2>&1 || { rc=1; tail -30 "$out/$name.cpu.log"; }
+        grep -h "titan-run: artifact" "$out/$name.gpu.log" | head -1 || true
+        python3 - "$m/$name.gpu.jsonl" "$m/$name.cpu.jsonl" "$m/single.jsonl" "$steps" <<'PY' || rc=1
+import json, os, sys
+def load(p):
+    return {r["step"]: r["loss"] for r in map(json.loads, open(p))} if os.path.exists(p) else {}
+g, c, s, n = load(sys.argv[1]), load(sys.argv[2]), load(sys.argv[3]), int(sys.argv[4])
+if sorted(g) != list(range(1, n + 1)):
+    print(f"  2-GPU run logged steps {sorted(g)[:5]}..., want 1..{n}"); sys.exit(1)
+tol = lambda l: 2e-2 * max(1.0, abs(l))
+vs_cpu = max(abs(g[k] - c[k]) for k in g) if c else float("nan")
+vs_one = max(abs(g[k] - s[k]) for k in g) if s else float("nan")
+worst = max(max(abs(g[k] - c.get(k, 1e9)), abs(g[k] - s.get(k, 1e9))) / tol(g[k]) for k in g)
+print(f"  loss {g[1]:.4f} -> {g[n]:.4f}; max |dloss| vs CPU simulated mesh {vs_cpu:.3g}, vs one GPU {vs_one:.3g}; worst share of the tolerance 2e-2*max(1,loss): {worst:.3f}")
+sys.exit(0 if worst <= 1 else 1)
+PY
+    done
+    if [ -d "$dir/big-one" ]; then
+        # A model of real size (built with BIG=1): 2 GPUs against one, losses and throughput.
+        echo "== $(basename "$dir")/big-*: one GPU vs 2 GPUs"
+        timeout 300 "$dir/titan-run" "$dir/big-one" --backend cuda --steps 12 --metrics "$m/big-one.jsonl" --log-every 4 >"$out/big-one.log" 2>&1 || { rc=1; tail -20 "$out/big-one.log"; }
+        grep -E "^step: *12 " "$out/big-one.log" | sed 's/^/  one GPU: /' || true
+        for a in "$dir"/big-*; do
+            name=$(basename "$a")
+            [ "$name" = big-one ] && continue
+            timeout 300 "$dir/titan-run" "$a" --backend cuda --nproc-per-node 2 --steps 12 --metrics "$m/$name.jsonl" --log-every 4 >"$out/$name.log" 2>&1 || { rc=1; tail -20 "$out/$name.log"; }
+            grep -E "^step: *12 " "$out/$name.log" | sed "s/^/  $name: /" || true
+            python3 - "$m/$name.jsonl" "$m/big-one.jsonl" <<'PY' || rc=1
+import json, os, sys
+load = lambda p: {r["step"]: r["loss"] for r in map(json.loads, open(p))} if os.path.exists(p) else {}
+g, s = load(sys.argv[1]), load(sys.argv[2])
+if not g or sorted(g) != sorted(s):
+    print(f"  steps {sorted(g)} vs {sorted(s)}"); sys.exit(1)
+worst = max(abs(g[k] - s[k]) for k in g)
+share = max(abs(g[k] - s[k]) / (2e-2 * max(1.0, abs(s[k]))) for k in g)
+print(f"  loss {g[1]:.4f} -> {g[max(g)]:.4f}; max |dloss| vs one GPU {worst:.3g} ({share:.3f} of the tolerance 2e-2*max(1,loss))")
+sys.exit(0 if share <= 1 else 1)
+PY
+        done
+    fi
+    echo "== a rank killed mid-run: the other rank must exit with an error, not hang"
+    a="$dir/mesh-dps2"
+    for victim in 1 0; do
+        port=$((29500 + RANDOM % 1000))
+        survivor=$((1 - victim))
+        # The victim runs bare (a `timeout` wrapper would take the SIGKILL and leave it running).
+        for r in 0 1; do
+            if [ "$r" = "$victim" ]; then
+                RANK=$r WORLD_SIZE=2 LOCAL_RANK=$r MASTER_ADDR=127.0.0.1 MASTER_PORT=$port \
+                    "$dir/titan-run" "$a" --backend cuda --steps 1000000 --log-every 1000 >"$out/kill$victim.rank$r.log" 2>&1 &
+                vpid=$!
+            else
+                RANK=$r WORLD_SIZE=2 LOCAL_RANK=$r MASTER_ADDR=127.0.0.1 MASTER_PORT=$port timeout 100 \
+                    "$dir/titan-run" "$a" --backend cuda --steps 1000000 --log-every 1000 >"$out/kill$victim.rank$r.log" 2>&1 &
+                spid=$!
+            fi
+        done
+        sleep 8
+        kill -9 "$vpid" 2>/dev/null || true
+        t0=$(date +%s)
+        set +e
+        wait "$spid"
+        code=$?
+        wait "$vpid" 2>/dev/null
+        set -e
+        t1=$(date +%s)
+        echo "  rank $victim killed: rank $survivor exited with status $code $((t1 - t0)) s later:"
+        tail -2 "$out/kill$victim.rank$survivor.log" | sed 's/^/    /'
+        if [ "$code" = 0 ] || [ "$code" = 124 ]; then rc=1; echo "  FAILED: rank $survivor should exit with an error on its own"; fi
+    done
+    rm -rf "$m"
+    exit $rc
+    ;;
 *)
-    echo "usage: tools/cuda_check.sh prepare|run [DIR]" >&2
+    echo "usage: tools/cuda_check.sh prepare|run|mesh [DIR]" >&2
     exit 2
     ;;
 esac

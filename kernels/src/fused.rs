@@ -1,5 +1,6 @@
 //! `fused` kernels: pointwise chains, broadcasts, RoPE and row reductions (rmsnorm, rmsnorm_bwd,
-//! reduce over trailing axes, cross_entropy, cross_entropy_bwd), with cross-block results
+//! reduce over trailing axes, cross_entropy, cross_entropy_bwd, and the vocab-parallel loss's
+//! cross_entropy_stats, cross_entropy_stats_bwd, cross_entropy_combine), with cross-block results
 //! (full reductions, column sums such as rmsnorm_bwd's `dw`, the mean loss) finished by the last
 //! block to arrive.
 //!
@@ -67,6 +68,19 @@ enum Contrib {
         dy: Value,
     },
     Plain(Value),
+    /// `-j` where element `j` of `x` equals the row's max (`RowKey::Max` of node `key`), `-inf`
+    /// elsewhere: its max is minus the first position of the maximum (cross_entropy_stats_bwd).
+    NegFirstMax {
+        x: Value,
+        key: usize,
+    },
+    /// `s * exp(m - max)`, `max` the row's max of `m` (`RowKey::Max` of node `key`):
+    /// cross_entropy_combine's rescaled sum of the shards' `sumexp`.
+    ShiftedExp {
+        s: Value,
+        m: Value,
+        key: usize,
+    },
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -93,6 +107,8 @@ enum AccSrc {
     Row(Value),
     /// The row's loss `lse - x[target]` of a cross_entropy node.
     CeLoss { key: usize, logits: Value },
+    /// The row's loss `max + ln(sumexp) - target` of a cross_entropy_combine node.
+    CeCombine { key: usize },
     /// rmsnorm_bwd's `dy * round(x * inv)` per column.
     RmsDw { key: usize, x: Value, dy: Value },
 }
@@ -154,7 +170,13 @@ fn domain(b: &Body) -> GenResult<(RowShape, Option<RopeInfo>)> {
     for node in b.nodes() {
         match &node.op {
             Op::Unary(_) | Op::Binary(_) | Op::Cast | Op::Constant { .. } | Op::Broadcast { .. } | Op::Reshape => {}
-            Op::RmsNorm { .. } | Op::RmsNormBwd { .. } | Op::CrossEntropy | Op::CrossEntropyBwd => {
+            Op::RmsNorm { .. }
+            | Op::RmsNormBwd { .. }
+            | Op::CrossEntropy
+            | Op::CrossEntropyBwd
+            | Op::CrossEntropyStats
+            | Op::CrossEntropyStatsBwd
+            | Op::CrossEntropyCombine => {
                 let s = &b.shape[node.inputs[0].index()];
                 let Some(&d) = s.last() else {
                     return invalid(format!("`{}` input must have rank >= 1", node.op.name()));
@@ -203,12 +225,6 @@ fn domain(b: &Body) -> GenResult<(RowShape, Option<RopeInfo>)> {
                         shape_str(s)
                     ));
                 }
-            }
-            Op::CrossEntropyStats | Op::CrossEntropyStatsBwd | Op::CrossEntropyCombine => {
-                return unsupported(format!(
-                    "`{}` (the vocab-parallel loss) has no GPU code yet; build with --disable-loss-parallel for --backend cuda",
-                    node.op.name()
-                ));
             }
             other => {
                 return unsupported(format!("`{}` cannot be part of a fused kernel; give it its own kernel kind", other.name()));
@@ -460,6 +476,62 @@ fn analyze<'g>(b: &Body<'g>) -> GenResult<Analysis<'g>> {
                     lay[node.results[0].index()] = Some(Lay::Elem);
                     level[node.results[0].index()] = l + 1;
                 }
+            }
+            Op::CrossEntropyStats | Op::CrossEntropyStatsBwd => {
+                let (logits, targets, shard) = (node.inputs[0], node.inputs[1], node.inputs[2]);
+                demand(&mut lay, logits, Lay::Elem)?;
+                let per_row = if rows == 1 { Lay::Scalar } else { Lay::Row };
+                demand(&mut lay, targets, per_row)?;
+                if b.arg_index(targets).is_none() || b.arg_index(shard).is_none() {
+                    return unsupported(format!("`{}`'s targets and shard must be kernel arguments", node.op.name()));
+                }
+                if b.nodes().any(|n| n.inputs.contains(&shard) && !matches!(n.op, Op::CrossEntropyStats | Op::CrossEntropyStatsBwd)) {
+                    return unsupported(format!(
+                        "the vocabulary shard {shard} is read by an op other than cross_entropy_stats(_bwd); keep that op in another kernel"
+                    ));
+                }
+                // The one-hot shard is read element by element (`RowGen::targets`), never per lane.
+                demand(&mut lay, shard, Lay::Gen)?;
+                for &dv in node.inputs.get(3..).unwrap_or_default() {
+                    demand(&mut lay, dv, per_row)?;
+                }
+                let l = lv(&level, &node.inputs);
+                let i = add_red(&mut reds, RowRed { level: l, op: RedOp::Lse, contrib: Contrib::Plain(logits) });
+                row_ops.push(RowOp { node, key, level: l, reds: vec![i] });
+                if matches!(node.op, Op::CrossEntropyStats) {
+                    for &r in &node.results {
+                        lay[r.index()] = Some(per_row);
+                        level[r.index()] = l + 1;
+                    }
+                } else {
+                    let j = add_red(&mut reds, RowRed { level: l + 1, op: RedOp::Max, contrib: Contrib::NegFirstMax { x: logits, key } });
+                    row_ops.push(RowOp { node, key, level: l + 1, reds: vec![j] });
+                    lay[node.results[0].index()] = Some(Lay::Elem);
+                    level[node.results[0].index()] = l + 2;
+                }
+            }
+            Op::CrossEntropyCombine => {
+                let (m, s, t) = (node.inputs[0], node.inputs[1], node.inputs[2]);
+                for x in [m, s, t] {
+                    demand(&mut lay, x, Lay::Elem)?;
+                }
+                let l = lv(&level, &node.inputs);
+                let i = add_red(&mut reds, RowRed { level: l, op: RedOp::Max, contrib: Contrib::Plain(m) });
+                let j = add_red(&mut reds, RowRed { level: l, op: RedOp::Sum, contrib: Contrib::Plain(t) });
+                let k = add_red(&mut reds, RowRed { level: l + 1, op: RedOp::Sum, contrib: Contrib::ShiftedExp { s, m, key } });
+                row_ops.push(RowOp { node, key, level: l, reds: vec![i, j] });
+                row_ops.push(RowOp { node, key, level: l + 1, reds: vec![k] });
+                if used[node.results[0].index()] {
+                    accs.push(Acc {
+                        col: false,
+                        op: RedOp::Sum,
+                        src: AccSrc::CeCombine { key },
+                        level: l + 2,
+                        result: node.results[0],
+                        divide: Some(rows as f64),
+                    });
+                }
+                lay[node.results[0].index()] = Some(Lay::PostScalar);
             }
             Op::Rope(_) => {
                 let x = node.inputs[0];
@@ -1347,6 +1419,36 @@ impl<'g> RowGen<'_, '_, 'g> {
                         f.mulf(dn, xv)
                     }
                     Contrib::Plain(v) => self.ev.lanes(f, v, pos)?,
+                    Contrib::NegFirstMax { x, key } => {
+                        let xv = self.ev.lanes(f, x, pos)?;
+                        let m = self.ev.row_result(key, RowKey::Max)?;
+                        let Some(col) = pos.col else {
+                            return invalid("cross_entropy_stats_bwd outside a row kernel");
+                        };
+                        let none = f.f32c(f32::NEG_INFINITY);
+                        // Columns below 2^24 are exact in f32.
+                        let cf = f.sitofp(col, Elem::F32);
+                        let base = f.negf(cf);
+                        let at: Vec<Val> = (0..pos.lanes)
+                            .map(|l| {
+                                let o = f.f32c(l as f32);
+                                let neg = f.subf(base, o);
+                                let xl = f.extract(xv, l);
+                                let hit = f.cmpf(FCmp::Oeq, xl, m);
+                                f.select(hit, neg, none)
+                            })
+                            .collect();
+                        f.vector_of(&at)
+                    }
+                    Contrib::ShiftedExp { s, m, key } => {
+                        let sv = self.ev.lanes(f, s, pos)?;
+                        let mv = self.ev.lanes(f, m, pos)?;
+                        let big = self.ev.row_result(key, RowKey::Max)?;
+                        let big = f.splat(big, pos.lanes);
+                        let d = f.subf(mv, big);
+                        let e = math::exp(f, d);
+                        f.mulf(sv, e)
+                    }
                 };
                 red_st[ri] = update(f, red.op, &red_st[ri], x, it.valid);
             }
@@ -1427,6 +1529,14 @@ impl<'g> RowGen<'_, '_, 'g> {
                 let x = match acc.src {
                     AccSrc::Row(v) => Some(self.ev.uniform(f, v)?),
                     AccSrc::CeLoss { key, logits } => Some(self.ce_loss(f, key, logits, row)?),
+                    AccSrc::CeCombine { key } => {
+                        let big = self.ev.row_result(key, RowKey::Max)?;
+                        let sum = self.ev.row_result(key, RowKey::SumExp)?;
+                        let target = self.ev.row_result(key, RowKey::TargetSum)?;
+                        let l = math::log(f, sum);
+                        let lse = f.addf(big, l);
+                        Some(f.subf(lse, target))
+                    }
                     _ => None,
                 };
                 if let Some(x) = x {
@@ -1511,19 +1621,61 @@ impl<'g> RowGen<'_, '_, 'g> {
                     let lse = f.addf(st[0], l);
                     self.ev.rowres.insert((rop.key, RowKey::Lse), lse);
                 }
+                // The first reduction of the loss shard: the online (max, sum of exp(x - max)).
+                Op::CrossEntropyStats | Op::CrossEntropyStatsBwd if a.reds[rop.reds[0]].op == RedOp::Lse => {
+                    let st = total(rop.reds[0]);
+                    self.ev.rowres.insert((rop.key, RowKey::Max), st[0]);
+                    self.ev.rowres.insert((rop.key, RowKey::SumExp), st[1]);
+                }
+                Op::CrossEntropyStatsBwd => {
+                    self.ev.rowres.insert((rop.key, RowKey::NegArgMax), total(rop.reds[0])[0]);
+                }
+                Op::CrossEntropyCombine if a.reds[rop.reds[0]].op == RedOp::Max => {
+                    self.ev.rowres.insert((rop.key, RowKey::Max), total(rop.reds[0])[0]);
+                    self.ev.rowres.insert((rop.key, RowKey::TargetSum), total(rop.reds[1])[0]);
+                }
+                Op::CrossEntropyCombine => {
+                    self.ev.rowres.insert((rop.key, RowKey::SumExp), total(rop.reds[0])[0]);
+                }
                 other => return invalid(format!("`{}` has no row reductions", other.name())),
             }
         }
         Ok(())
     }
 
-    /// Targets of the cross-entropy nodes for the current row.
+    /// Targets of the cross-entropy nodes for the current row, and the vocabulary shard of the
+    /// loss-shard nodes (the index of the one in their one-hot `shard`).
     fn targets(&mut self, f: &mut Func) -> GenResult<()> {
         for rop in &self.a.row_ops {
-            if matches!(rop.node.op, Op::CrossEntropy | Op::CrossEntropyBwd) {
+            // (cross_entropy_stats_bwd has two row ops: one for each of its reductions.)
+            if self.ev.rowres.contains_key(&(rop.key, RowKey::Target)) {
+                continue;
+            }
+            if matches!(rop.node.op, Op::CrossEntropy | Op::CrossEntropyBwd | Op::CrossEntropyStats | Op::CrossEntropyStatsBwd) {
                 let t = self.ev.uniform(f, rop.node.inputs[1])?;
                 let t = f.as_i64(t);
                 self.ev.rowres.insert((rop.key, RowKey::Target), t);
+            }
+            if matches!(rop.node.op, Op::CrossEntropyStats | Op::CrossEntropyStatsBwd) {
+                let shard = rop.node.inputs[2];
+                let Some(i) = self.b.arg_index(shard) else {
+                    return invalid("the vocabulary shard is not a kernel argument");
+                };
+                let n = self.b.numel(shard);
+                if self.b.dtype(shard) != titan_ir::DType::F32 || n == 0 || n > 1024 {
+                    return unsupported(format!("the vocabulary shard {shard} must be a one-hot f32[shards] of 1 to 1024 shards"));
+                }
+                let ptr = self.ev.args[i];
+                let mut k = f.f32c(0.0);
+                for j in 0..n {
+                    let o = f.i64c(j as i64);
+                    let x = f.load_at(ptr, o, Ty::S(Elem::F32), 4);
+                    let jf = f.f32c(j as f32);
+                    let w = f.mulf(x, jf);
+                    k = f.addf(k, w);
+                }
+                let k = f.fptosi(k, Elem::I64);
+                self.ev.rowres.insert((rop.key, RowKey::Shard), k);
             }
         }
         Ok(())

@@ -174,8 +174,20 @@ pub(crate) enum RowKey {
     Mean,
     /// cross_entropy(_bwd): log-sum-exp of the row.
     Lse,
-    /// cross_entropy(_bwd): the row's target index (i64).
+    /// cross_entropy(_bwd), cross_entropy_stats(_bwd): the row's target index (i64).
     Target,
+    /// cross_entropy_stats(_bwd): the index of the vocabulary shard (i64).
+    Shard,
+    /// cross_entropy_stats(_bwd): the row's max; cross_entropy_combine: the max of the shards'.
+    Max,
+    /// cross_entropy_stats(_bwd): `sum exp(x - max)`; cross_entropy_combine: the shards'
+    /// `sumexp` rescaled to the row's max and summed.
+    SumExp,
+    /// cross_entropy_stats_bwd: minus the first position of the row's max (f32; `-inf` when no
+    /// element equals it, a NaN row).
+    NegArgMax,
+    /// cross_entropy_combine: the sum of the shards' target logits.
+    TargetSum,
     /// reduce over the row: the result.
     Reduced,
 }
@@ -311,6 +323,11 @@ impl<'b, 'g> Eval<'b, 'g> {
                 pointwise(f, &node.op, &ops, &types, dt)?
             }
             Op::Broadcast { .. } | Op::Reshape => self.uniform(f, node.inputs[0])?,
+            Op::CrossEntropyStats => match idx {
+                0 => self.row_result(key, RowKey::Max)?,
+                1 => self.row_result(key, RowKey::SumExp)?,
+                _ => self.target_logit(f, node, key)?,
+            },
             Op::Reduce { .. } => match self.rowres.get(&(key, RowKey::Reduced)) {
                 Some(&x) => x,
                 None => return invalid(format!("reduction result {v} of @{} is used before its reduction", self.b.name())),
@@ -420,6 +437,53 @@ impl<'b, 'g> Eval<'b, 'g> {
                 let d = f.subf(dn, nm);
                 let dx = f.mulf(inv, d);
                 math::round_to(f, dx, out_st)
+            }
+            Op::CrossEntropyStatsBwd => {
+                // dsumexp exp(x - max) + dtarget [j = target] + (dmax - dsumexp sumexp) [j = argmax]
+                let x = self.lanes(f, node.inputs[0], pos)?;
+                let Some(col) = pos.col else {
+                    return invalid("cross_entropy_stats_bwd outside a row kernel");
+                };
+                let m = self.row_result(key, RowKey::Max)?;
+                let sum = self.row_result(key, RowKey::SumExp)?;
+                let neg_at = self.row_result(key, RowKey::NegArgMax)?;
+                let t = self.row_result(key, RowKey::Target)?;
+                let k = self.row_result(key, RowKey::Shard)?;
+                let (dm, ds, dt) = (self.uniform(f, node.inputs[3])?, self.uniform(f, node.inputs[4])?, self.uniform(f, node.inputs[5])?);
+                let dc = f.i64c(self.row_len as i64);
+                let first = f.muli(k, dc);
+                let local = f.subi(t, first);
+                // The argmax as an index (-1 when there is none: a NaN row).
+                let none = f.f32c(f32::NEG_INFINITY);
+                let found = f.cmpf(FCmp::Olt, none, neg_at);
+                let at = f.negf(neg_at);
+                let minus_one = f.f32c(-1.0);
+                let at = f.select(found, at, minus_one);
+                let at = f.fptosi(at, Elem::I64);
+                // Per lane, compare offsets from this work item's first column with constants.
+                let to_t = f.subi(local, col);
+                let to_m = f.subi(at, col);
+                let dsum = f.mulf(ds, sum);
+                let at_max = f.subf(dm, dsum);
+                let mv = f.splat(m, lanes);
+                let e = f.subf(x, mv);
+                let e = math::exp(f, e);
+                let dsv = f.splat(ds, lanes);
+                let g = f.mulf(dsv, e);
+                let zero = f.f32c(0.0);
+                let (hot, arg): (Vec<Val>, Vec<Val>) = (0..lanes)
+                    .map(|l| {
+                        let o = f.i64c(i64::from(l));
+                        let is_t = f.cmpi(ICmp::Eq, to_t, o);
+                        let is_m = f.cmpi(ICmp::Eq, to_m, o);
+                        (f.select(is_t, dt, zero), f.select(is_m, at_max, zero))
+                    })
+                    .unzip();
+                let hot = f.vector_of(&hot);
+                let arg = f.vector_of(&arg);
+                let g = f.addf(g, hot);
+                let g = f.addf(g, arg);
+                math::round_to(f, g, out_st)
             }
             Op::CrossEntropyBwd => {
                 let x = self.lanes(f, node.inputs[0], pos)?;
@@ -531,6 +595,38 @@ impl<'b, 'g> Eval<'b, 'g> {
             }
         };
         Ok(x)
+    }
+
+    /// cross_entropy_stats's `target`: the logit of the row's target when it is in this
+    /// vocabulary shard, else 0; NaN for a target outside the whole vocabulary.
+    fn target_logit(&mut self, f: &mut Func, node: &'g Node, key: usize) -> GenResult<Val> {
+        let (logits, shard) = (node.inputs[0], node.inputs[2]);
+        let Some(row) = self.row else {
+            return invalid("cross_entropy_stats outside a row kernel");
+        };
+        let t = self.row_result(key, RowKey::Target)?;
+        let k = self.row_result(key, RowKey::Shard)?;
+        let (d, n) = (self.row_len as i64, self.b.numel(shard) as i64);
+        let zero = f.i64c(0);
+        let last = f.i64c(n * d - 1);
+        let tc = f.maxsi(t, zero);
+        let tc = f.minsi(tc, last);
+        let valid = f.cmpi(ICmp::Eq, tc, t);
+        let dc = f.i64c(d);
+        let first = f.muli(k, dc);
+        let local = f.subi(t, first);
+        let lc = f.maxsi(local, zero);
+        let dm = f.i64c(d - 1);
+        let lc = f.minsi(lc, dm);
+        let here = f.cmpi(ICmp::Eq, lc, local);
+        let base = f.muli(row, dc);
+        let lin = f.addi(base, lc);
+        let pos = self.pos(1, lin, Some(lc));
+        let x = self.elem(f, logits, &pos)?;
+        let z = f.f32c(0.0);
+        let x = f.select(here, x, z);
+        let nan = f.f32c(f32::NAN);
+        Ok(f.select(valid, x, nan))
     }
 
     pub(crate) fn row_result(&self, key: usize, what: RowKey) -> GenResult<Val> {

@@ -192,6 +192,36 @@ fn cases(g: &mut Graph) -> Vec<(&'static str, BlockId, KernelKind)> {
         }),
         KernelKind::Fused,
     ));
+    // The vocab-parallel loss (forward and backward are separate kernels in a build): 70B's
+    // vocabulary shard at tp 8 (rows held in registers) and 8B's at tp 2 (rows looped), and the
+    // combine of 8 shards' statistics.
+    let stats_cases: [(&'static str, &'static str, &'static str, &'static str, u64, u64); 2] = [
+        ("ce_stats_tp8", "ce_stats8", "ce_stats_bwd_tp8", "ce_stats_bwd8", 16032, 8),
+        ("ce_stats_tp2", "ce_stats2", "ce_stats_bwd_tp2", "ce_stats_bwd2", 64128, 2),
+    ];
+    for (name, key, bwd_name, bwd_key, v_shard, n) in stats_cases {
+        v.push((
+            name,
+            body(g, key, &[bf16(&[2, 512, v_shard]), i32t(&[2, 512]), f32t(&[n])], |b, a| {
+                b.push(Op::CrossEntropyStats, &[a[0], a[1], a[2]]).expect("cross_entropy_stats")
+            }),
+            KernelKind::Fused,
+        ));
+        v.push((
+            bwd_name,
+            body(g, bwd_key, &[bf16(&[2, 512, v_shard]), i32t(&[2, 512]), f32t(&[n]), f32t(&[2, 512, 1]), f32t(&[2, 512, 1]), f32t(&[2, 512, 1])], |b, a| {
+                vec![push(b, Op::CrossEntropyStatsBwd, &[a[0], a[1], a[2], a[3], a[4], a[5]])]
+            }),
+            KernelKind::Fused,
+        ));
+    }
+    v.push((
+        "ce_combine_tp8",
+        body(g, "ce_combine", &[f32t(&[2, 512, 8]), f32t(&[2, 512, 8]), f32t(&[2, 512, 8])], |b, a| {
+            vec![push(b, Op::CrossEntropyCombine, &[a[0], a[1], a[2]])]
+        }),
+        KernelKind::Fused,
+    ));
     v.push((
         "cast_bf16_to_f32",
         body(g, "cast_up", &[bf16(&[2, 192, 64])], |b, a| vec![b.push_typed(Op::Cast, &[a[0]], f32t(&[2, 192, 64])).expect("cast")]),
@@ -845,6 +875,24 @@ fn gpu_reference_dump() {
     cases.push(("attention_bwd_gqa", attention_bwd_body(&mut g, [1, 512, 8, 2, 128], false), KernelKind::AttentionBwd, (-2.0, 2.0), 1, 0.0, 0.05));
     cases.push(("attention_bwd_d64", attention_bwd_body(&mut g, [2, 256, 4, 4, 64], false), KernelKind::AttentionBwd, (-2.0, 2.0), 1, 0.0, 0.05));
     cases.push(("attention_bwd_debug_causal", attention_bwd_body(&mut g, [8, 64, 4, 4, 16], true), KernelKind::AttentionBwd, (-2.0, 2.0), 1, 0.0, 0.05));
+    // The vocab-parallel loss on shard 1 of 2 (8B's vocabulary: rows looped) and of 8 (70B's:
+    // rows in registers); targets over the whole vocabulary, so about 1 in n is in the shard.
+    for (name, v_shard, n) in [("ce_stats_looped", 64128u64, 2u64), ("ce_stats_unrolled", 16032, 8)] {
+        let id =
+            body(&mut g, name, &[bf16(&[2, 4, v_shard]), i32t(&[2, 4]), f32t(&[n])], |b, a| b.push(Op::CrossEntropyStats, &[a[0], a[1], a[2]]).expect("stats"));
+        // The interpreter sums exp in sequence in f32, the GPU in a tree: sumexp differs in the
+        // last bits (4.5e-5 relative measured on 64128 elements); max and target are exact.
+        cases.push((name, id, KernelKind::Fused, (-8.0, 8.0), (v_shard * n) as i64, 0.0, 2e-4));
+    }
+    for (name, v_shard, n) in [("ce_stats_bwd_looped", 64128u64, 2u64), ("ce_stats_bwd_unrolled", 16032, 8)] {
+        let id = body(&mut g, name, &[bf16(&[2, 4, v_shard]), i32t(&[2, 4]), f32t(&[n]), f32t(&[2, 4, 1]), f32t(&[2, 4, 1]), f32t(&[2, 4, 1])], |b, a| {
+            vec![push(b, Op::CrossEntropyStatsBwd, &[a[0], a[1], a[2], a[3], a[4], a[5]])]
+        });
+        cases.push((name, id, KernelKind::Fused, (-8.0, 8.0), (v_shard * n) as i64, 0.99, 0.02));
+    }
+    let combine =
+        body(&mut g, "ce_combine", &[f32t(&[64, 8]), f32t(&[64, 8]), f32t(&[64, 8])], |b, a| vec![push(b, Op::CrossEntropyCombine, &[a[0], a[1], a[2]])]);
+    cases.push(("ce_combine", combine, KernelKind::Fused, (-4.0, 4.0), 1, 0.99, 1e-5));
     let mut rng = Rng(0x5EED);
     let mut manifest = Vec::new();
     for (name, id, kind, range, int_hi, min_within1, max_rel) in cases {
@@ -880,6 +928,25 @@ fn gpu_reference_dump() {
             let r = Interpreter::new(&g, Precision::Emulate).run_region(g.block(fwd), &args[..3]).unwrap_or_else(|e| panic!("{name}: forward: {e}"));
             args[3] = r[0].clone();
             args[4] = r[1].clone();
+        }
+        if name.starts_with("ce_stats") {
+            // Shard 1 of the one-hot; the last row's target in the shard at its first max (so
+            // the argmax and target terms of the backward meet).
+            let shards = args[2].numel();
+            args[2] = Tensor::from_vec(DType::F32, vec![shards], (0..shards).map(|j| if j == 1 { 1.0 } else { 0.0 }).collect()).expect("one-hot");
+            let v = args[0].shape[2];
+            let last = args[0].numel() / v - 1;
+            if let Some(xs) = args[0].floats_mut() {
+                xs[last * v + 5] = 9.0;
+            }
+            if let titan_ir::interp::Data::Int(t) = &mut args[1].data {
+                t[last] = (v + 5) as i64;
+            }
+        }
+        if name == "ce_combine"
+            && let Some(s) = args[1].floats_mut()
+        {
+            s.iter_mut().for_each(|x| *x = x.abs() + 0.05);
         }
         if name == "scalar_chain" {
             args[1] = Tensor::from_vec(DType::F32, Vec::<usize>::new(), vec![0.25]).expect("scalar");

@@ -35,7 +35,7 @@ use crate::artifact::{Artifact, arena_name};
 use crate::backend::KernelTime;
 use crate::backend::codec::{decode, encode, encode_floats, encode_ints};
 use crate::backend::cpu_graph::{RankContext, init_state_shard};
-use crate::backend::{StepMetrics, Trainer, check_batch};
+use crate::backend::{StepMetrics, Trainer, check_rank_batch};
 use crate::data::Batch;
 
 /// The byte every element of a poisoned arena starts with: `0xff..` is NaN in every float
@@ -565,16 +565,7 @@ impl<'a> CpuArtifactTrainer<'a> {
 
     /// Run one training step on `batch`.
     pub fn step(&mut self, batch: &Batch) -> Result<StepMetrics, RuntimeError> {
-        if self.tokens_len == self.batch * self.seq {
-            check_batch(batch, self.batch, self.seq, self.vocab)?;
-        } else {
-            // A sequence-parallel rank: its tokens are a slice, its targets the whole step.
-            let whole = Batch { tokens: batch.targets.clone(), targets: batch.targets.clone() };
-            check_batch(&whole, self.batch, self.seq, self.vocab)?;
-            if batch.tokens.len() != self.tokens_len {
-                return Err(RuntimeError::Data(format!("this rank reads {} tokens per step, {} were given", self.tokens_len, batch.tokens.len())));
-            }
-        }
+        check_rank_batch(batch, self.batch, self.seq, self.tokens_len, self.vocab)?;
         self.step += 1;
         if self.profile.is_some() {
             self.profiled_steps += 1;

@@ -8,7 +8,7 @@ use titan_ir::interp::{Interpreter, Precision, Tensor};
 use titan_ir::{ArgKind, DType, Graph, ParamInfo};
 
 use crate::RuntimeError;
-use crate::backend::{StepMetrics, Trainer, check_batch};
+use crate::backend::{StepMetrics, Trainer, check_rank_batch};
 use crate::data::Batch;
 use crate::init::init_values;
 
@@ -273,16 +273,7 @@ impl<'g> CpuTrainer<'g> {
 
     /// Run one training step on `batch`.
     pub fn step(&mut self, batch: &Batch) -> Result<StepMetrics, RuntimeError> {
-        if self.tokens_len == self.batch * self.seq {
-            check_batch(batch, self.batch, self.seq, self.vocab)?;
-        } else {
-            // A sequence-parallel rank: its tokens are a slice, its targets the whole step.
-            let whole = Batch { tokens: batch.targets.clone(), targets: batch.targets.clone() };
-            check_batch(&whole, self.batch, self.seq, self.vocab)?;
-            if batch.tokens.len() != self.tokens_len {
-                return Err(RuntimeError::Data(format!("this rank reads {} tokens per step, {} were given", self.tokens_len, batch.tokens.len())));
-            }
-        }
+        check_rank_batch(batch, self.batch, self.seq, self.tokens_len, self.vocab)?;
         let n = self.batch * self.seq;
         self.step += 1;
         for (f, t) in self.feeds.iter().zip(self.args.iter_mut()) {

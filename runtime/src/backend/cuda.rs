@@ -50,7 +50,7 @@ use crate::artifact::{Artifact, arena_name};
 use crate::backend::KernelTime;
 use crate::backend::codec::{decode, encode_floats, encode_ints};
 use crate::backend::cpu_graph::init_state_shard;
-use crate::backend::{StepMetrics, Trainer, check_batch};
+use crate::backend::{StepMetrics, Trainer, check_rank_batch};
 use crate::data::Batch;
 use crate::dist::nccl::NcclMesh;
 use crate::dist::rendezvous::ProcessGroup;
@@ -609,6 +609,8 @@ pub struct CudaArtifactTrainer<'a> {
     arenas: Arenas<'a>,
     batch: usize,
     seq: usize,
+    /// Elements of `tokens`: `batch * seq`, or this rank's share with sequence parallelism.
+    tokens_len: usize,
     vocab: usize,
     step: u64,
     /// Steps run by this process (the warm-up before capture counts these, not resumed ones).
@@ -708,7 +710,10 @@ impl<'a> CudaArtifactTrainer<'a> {
         check_gpu_code(artifact)?;
         let feed = |f: &str| artifact.feed_buffer(f).ok_or_else(|| bad(format!("no input buffer is fed `{f}`")));
         let (tokens, targets, step_buf) = (feed("tokens")?, feed("targets")?, feed("step")?);
-        if tokens.shape != targets.shape || tokens.shape.len() != 2 {
+        // A sequence-parallel rank reads a slice of every row's tokens; the step's shape is the
+        // targets'.
+        let seq_parallel = tokens.shape.first() == targets.shape.first() && rank.as_ref().is_some_and(|r| r.mesh.sizes[2] > 1);
+        if targets.shape.len() != 2 || (tokens.shape != targets.shape && !seq_parallel) {
             return Err(bad(format!("the tokens buffer is {:?} and the targets buffer {:?}; they must match", tokens.shape, targets.shape)));
         }
         let loss = artifact.output_buffer("loss").ok_or_else(|| bad("no buffer holds the `loss` output".into()))?;
@@ -724,17 +729,33 @@ impl<'a> CudaArtifactTrainer<'a> {
         let coords = rank.as_ref().map_or([0; 3], |r| r.mesh.coords(r.group.rank()));
         let watchdog = match (&nccl, &rank) {
             (Some(n), Some(r)) => {
-                let (h, who) = (n.handles(), r.group.rank());
+                let (h, who, probe) = (n.handles(), r.group.rank(), r.group.failure_probe());
                 let poll = {
                     let h = h.clone();
                     Box::new(move || h.async_error())
                 };
+                // NCCL reports its own errors; a peer process that died shows up on the control
+                // plane only (NCCL's kernels would wait for it forever).
+                let peers: Box<dyn Fn() -> Option<String> + Send> = Box::new(move || probe.check());
                 let fail = Box::new(move |why: String| {
-                    h.abort_all();
-                    eprintln!("error: rank {who}: {why}; aborted the NCCL communicators");
-                    std::process::exit(1);
+                    eprintln!("error: rank {who}: {why}; aborting the NCCL communicators and exiting");
+                    // Aborting unblocks NCCL's kernels, but it can itself wait on a stream stuck
+                    // behind a dead peer: give it a few seconds, then exit regardless (the
+                    // driver reclaims the context).
+                    let (done, wait) = std::sync::mpsc::channel();
+                    let h = h.clone();
+                    let _ = std::thread::Builder::new().name("titan-nccl-abort".into()).spawn(move || {
+                        h.abort_all();
+                        let _ = done.send(());
+                    });
+                    let _ = wait.recv_timeout(std::time::Duration::from_secs(10));
+                    // Not `exit`: its atexit handlers include the CUDA teardown, which waits for
+                    // the kernels stuck on the dead peer (seen on the H200: the rank hung there).
+                    // SAFETY: `_exit` ends the process at once; nothing of ours needs flushing
+                    // (stderr is unbuffered and the reason is already written).
+                    unsafe { libc::_exit(1) }
                 });
-                Some(Watchdog::start(Checks { poll, fail }, std::time::Duration::from_millis(100), r.step_timeout))
+                Some(Watchdog::start(Checks { poll, peers: Some(peers), fail }, std::time::Duration::from_millis(100), r.step_timeout))
             }
             _ => None,
         };
@@ -798,8 +819,9 @@ impl<'a> CudaArtifactTrainer<'a> {
             targets: whole(targets)?,
             step_buf: whole(step_buf)?,
             outputs: [Some(whole(loss)?), artifact.output_buffer("grad_norm").map(whole).transpose()?, artifact.output_buffer("lr").map(whole).transpose()?],
-            batch: usize_of(tokens.shape[0], "batch")?,
-            seq: usize_of(tokens.shape[1], "seq")?,
+            batch: usize_of(targets.shape[0], "batch")?,
+            seq: usize_of(targets.shape[1], "seq")?,
+            tokens_len: usize_of(tokens.shape.iter().product(), "tokens")?,
             vocab: usize_of(m.training.vocab_size, "vocab_size")?,
             arenas,
             step: 0,
@@ -1175,7 +1197,7 @@ impl<'a> CudaArtifactTrainer<'a> {
 
     /// Run one training step on `batch`.
     pub fn step(&mut self, batch: &Batch) -> Result<StepMetrics, RuntimeError> {
-        check_batch(batch, self.batch, self.seq, self.vocab)?;
+        check_rank_batch(batch, self.batch, self.seq, self.tokens_len, self.vocab)?;
         self.gpu.bind()?;
         self.step += 1;
         self.steps_run += 1;

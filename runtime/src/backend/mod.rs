@@ -72,11 +72,20 @@ pub(crate) fn check_state_len(name: &str, have: usize, given: usize) -> Result<(
     Ok(())
 }
 
-/// Check that `batch` fits a `[batch, seq]` step and a vocabulary of `vocab` entries.
-pub(crate) fn check_batch(batch: &Batch, b: usize, s: usize, vocab: usize) -> Result<(), RuntimeError> {
+/// Check that `batch` fits a `[batch, seq]` step and a vocabulary of `vocab` entries, for a rank
+/// that reads `tokens_len` tokens per step: `batch * seq`, or with sequence parallelism its slice
+/// of every row (its targets are still the whole step's).
+pub(crate) fn check_rank_batch(batch: &Batch, b: usize, s: usize, tokens_len: usize, vocab: usize) -> Result<(), RuntimeError> {
     let n = b * s;
-    if batch.tokens.len() != n || batch.targets.len() != n {
-        return Err(RuntimeError::Data(format!("a batch has {} tokens, the step takes batch {b} x seq {s}", batch.tokens.len())));
+    if batch.targets.len() != n {
+        return Err(RuntimeError::Data(format!("a batch has {} targets, the step takes batch {b} x seq {s}", batch.targets.len())));
+    }
+    if batch.tokens.len() != tokens_len {
+        return Err(RuntimeError::Data(if tokens_len == n {
+            format!("a batch has {} tokens, the step takes batch {b} x seq {s}", batch.tokens.len())
+        } else {
+            format!("this rank reads {tokens_len} tokens per step (its sequence shard), {} were given", batch.tokens.len())
+        }));
     }
     if let Some(&t) = batch.tokens.iter().chain(&batch.targets).find(|&&t| t < 0 || t as usize >= vocab) {
         return Err(RuntimeError::Data(format!("token id {t} is outside the vocabulary of {vocab} entries")));

@@ -23,7 +23,7 @@ pub mod trainer;
 pub mod watchdog;
 
 pub use env::{DistEnv, Launcher};
-pub use rendezvous::{ProcessGroup, RendezvousOptions};
+pub use rendezvous::{FailureProbe, ProcessGroup, RendezvousOptions};
 pub use tcp_comm::TcpComm;
 pub use trainer::ProcessMeshTrainer;
 

@@ -19,8 +19,8 @@
 use std::collections::HashMap;
 use std::io::{BufReader, ErrorKind, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
-use std::sync::Mutex;
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use super::DistError;
@@ -359,6 +359,8 @@ struct Hub {
     /// Ranks that said bye: their connection closing is expected.
     gone: Vec<bool>,
     failed: Option<(usize, String)>,
+    /// The first failure, for rank 0's [`FailureProbe`].
+    notice: Arc<Mutex<Option<String>>>,
 }
 
 impl Hub {
@@ -382,6 +384,9 @@ impl Hub {
             if r != rank && !self.gone[r] {
                 self.send(r, &msg);
             }
+        }
+        if let Ok(mut n) = self.notice.lock() {
+            n.get_or_insert_with(|| format!("rank {rank} failed: {message}"));
         }
         self.failed = Some((rank, message));
     }
@@ -428,9 +433,14 @@ impl Hub {
 /// How this process reaches the others.
 enum Role {
     /// Rank 0: exchanges go to the hub thread in this process.
-    Host { to_hub: Mutex<Sender<HubEvent>>, from_hub: Mutex<Receiver<Msg>>, hub: Mutex<Option<std::thread::JoinHandle<()>>> },
+    Host {
+        to_hub: Mutex<Sender<HubEvent>>,
+        from_hub: Mutex<Receiver<Msg>>,
+        hub: Mutex<Option<std::thread::JoinHandle<()>>>,
+        notice: Arc<Mutex<Option<String>>>,
+    },
     /// Other ranks: the connection to rank 0.
-    Worker { conn: Mutex<BufReader<TcpStream>>, stream: TcpStream },
+    Worker { conn: Arc<Mutex<BufReader<TcpStream>>>, stream: TcpStream },
 }
 
 /// The ranks of a run after the rendezvous, connected through rank 0.
@@ -521,6 +531,15 @@ impl ProcessGroup {
         }
     }
 
+    /// A handle that tells, between collectives of this group, whether another rank failed
+    /// (see [`FailureProbe`]).
+    pub fn failure_probe(&self) -> FailureProbe {
+        FailureProbe(match &self.role {
+            Role::Host { notice, .. } => Probe::Host(Arc::clone(notice)),
+            Role::Worker { conn, .. } => Probe::Worker(Arc::clone(conn)),
+        })
+    }
+
     /// Wait until every rank reaches its barrier (or fail naming a rank that failed).
     pub fn barrier(&self) -> Result<(), DistError> {
         let seq = {
@@ -575,6 +594,51 @@ impl ProcessGroup {
             }
         }
         Ok(())
+    }
+}
+
+/// Whether another rank of a [`ProcessGroup`] has failed, seen from outside the group's
+/// collectives: a GPU rank's collectives go through NCCL, whose kernels wait forever for a peer
+/// that died, so its watchdog polls this. On rank 0 it reads the hub's first failure (a rank's
+/// `abort`, or its connection closing without `bye`); on the others it looks, without blocking,
+/// at the connection to rank 0: rank 0 sends nothing outside an exchange except a failure, and a
+/// closed connection means rank 0 itself is gone.
+#[derive(Clone)]
+pub struct FailureProbe(Probe);
+
+#[derive(Clone)]
+enum Probe {
+    Host(Arc<Mutex<Option<String>>>),
+    Worker(Arc<Mutex<BufReader<TcpStream>>>),
+}
+
+impl FailureProbe {
+    /// The failure, if one was reported (`None`: all well, or an exchange of this rank is in
+    /// flight, which sees failures itself).
+    pub fn check(&self) -> Option<String> {
+        match &self.0 {
+            Probe::Host(notice) => notice.lock().ok().and_then(|n| n.clone()),
+            Probe::Worker(conn) => {
+                let Ok(mut conn) = conn.try_lock() else { return None };
+                if conn.buffer().is_empty() {
+                    let s = conn.get_ref();
+                    // Exchanges set their own read timeout before they read.
+                    let _ = s.set_read_timeout(Some(Duration::from_millis(1)));
+                    match s.peek(&mut [0u8; 1]) {
+                        Ok(0) => return Some("lost the connection to rank 0 (it exited or failed)".into()),
+                        Ok(_) => {}
+                        Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut | ErrorKind::Interrupted) => return None,
+                        Err(e) => return Some(format!("lost the connection to rank 0: {e}")),
+                    }
+                }
+                let _ = conn.get_ref().set_read_timeout(Some(Duration::from_secs(5)));
+                Some(match read_msg(&mut *conn) {
+                    Ok(Msg::Failed { rank, message }) => format!("rank {rank} failed: {message}"),
+                    Ok(other) => format!("rank 0 sent {other:?} outside a collective"),
+                    Err(e) => format!("lost the connection to rank 0: {e}"),
+                })
+            }
+        }
     }
 }
 
@@ -712,7 +776,8 @@ fn host(world: usize, master: (&str, u16), identity: &str, payload: Vec<u8>, opt
             })
             .map_err(|e| DistError::Rendezvous(format!("cannot start a thread: {e}")))?;
     }
-    let mut hub = Hub { peers: joined, local, meetings: HashMap::new(), gone: vec![false; world], failed: None };
+    let notice = Arc::new(Mutex::new(None));
+    let mut hub = Hub { peers: joined, local, meetings: HashMap::new(), gone: vec![false; world], failed: None, notice: Arc::clone(&notice) };
     let hub_thread = std::thread::Builder::new()
         .name("titan-hub".into())
         .spawn(move || {
@@ -729,7 +794,7 @@ fn host(world: usize, master: (&str, u16), identity: &str, payload: Vec<u8>, opt
         world,
         payload,
         hosts,
-        role: Role::Host { to_hub: Mutex::new(to_hub), from_hub: Mutex::new(from_hub), hub: Mutex::new(Some(hub_thread)) },
+        role: Role::Host { to_hub: Mutex::new(to_hub), from_hub: Mutex::new(from_hub), hub: Mutex::new(Some(hub_thread)), notice },
         collective_timeout: opts.collective_timeout,
         barriers: Mutex::new(0),
     })
@@ -784,7 +849,7 @@ fn join(rank: usize, world: usize, master: (&str, u16), identity: &str, opts: Re
                 world,
                 payload,
                 hosts,
-                role: Role::Worker { conn: Mutex::new(conn), stream },
+                role: Role::Worker { conn: Arc::new(Mutex::new(conn)), stream },
                 collective_timeout: opts.collective_timeout,
                 barriers: Mutex::new(0),
             })
@@ -888,6 +953,59 @@ mod tests {
                 s.spawn(move || g.finish().expect("finish"));
             }
         });
+    }
+
+    /// Poll `probe` for up to 10 s.
+    fn wait_for(probe: &FailureProbe) -> Option<String> {
+        let start = Instant::now();
+        while start.elapsed() < Duration::from_secs(10) {
+            if let Some(why) = probe.check() {
+                return Some(why);
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        None
+    }
+
+    #[test]
+    fn probes_see_a_failure_outside_collectives() {
+        let groups = local_groups(3, "probe");
+        let probes: Vec<FailureProbe> = groups.iter().map(ProcessGroup::failure_probe).collect();
+        for _ in 0..20 {
+            assert!(probes.iter().all(|p| p.check().is_none()), "no rank has failed yet");
+        }
+        // A world-wide exchange still works after the probes have peeked.
+        let out = on_threads(&[0, 1, 2], |r| groups[r].exchange(GroupKey { kind: WORLD, key: [0; 3] }, r, 3, 1, vec![r as f64]).unwrap());
+        assert!(out.iter().all(|o| *o == vec![vec![0.0], vec![1.0], vec![2.0]]));
+        groups[2].abort("out of memory");
+        for r in [0, 1] {
+            let why = wait_for(&probes[r]).unwrap_or_else(|| panic!("rank {r} never saw rank 2 fail"));
+            assert!(why.contains("rank 2 failed: out of memory"), "rank {r}: {why}");
+        }
+    }
+
+    #[test]
+    fn probes_see_a_rank_die_and_rank_0_vanish() {
+        // Rank 1 exits without `bye`: rank 0's hub sees the connection close.
+        let mut groups = local_groups(2, "probe");
+        let probe = groups[0].failure_probe();
+        drop(groups.pop());
+        let why = wait_for(&probe).expect("rank 0 never saw rank 1 die");
+        assert!(why.contains("rank 1 failed") && why.contains("exited or lost its connection"), "{why}");
+        // A rank 0 that welcomes rank 1 and then dies: rank 1's probe sees the closed connection.
+        let port = free_port().unwrap();
+        let listener = TcpListener::bind(("127.0.0.1", port)).unwrap();
+        let fake = std::thread::spawn(move || {
+            let (s, _) = listener.accept().unwrap();
+            let _ = read_msg(&mut &s).unwrap();
+            write_msg(&s, &Msg::Welcome { payload: Vec::new(), hosts: vec!["a".into(), "b".into()] }).unwrap();
+            std::thread::sleep(Duration::from_millis(200));
+        });
+        let g = ProcessGroup::rendezvous(1, 2, ("127.0.0.1", port), "x", Vec::new(), opts(10.0)).expect("join");
+        let probe = g.failure_probe();
+        fake.join().unwrap();
+        let why = wait_for(&probe).expect("rank 1 never saw rank 0 vanish");
+        assert!(why.contains("lost the connection to rank 0"), "{why}");
     }
 
     #[test]

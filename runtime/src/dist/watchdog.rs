@@ -13,6 +13,9 @@ use std::time::{Duration, Instant};
 pub struct Checks {
     /// A failure the communicators report (`None`: all well).
     pub poll: Box<dyn Fn() -> Option<String> + Send>,
+    /// A failed peer process (the control plane's [`super::FailureProbe`]), polled only while a
+    /// step is in flight: between steps a peer may end its run normally.
+    pub peers: Option<Box<dyn Fn() -> Option<String> + Send>>,
     /// Called once with the reason; for a GPU rank it aborts the communicators and exits.
     pub fail: Box<dyn Fn(String) + Send>,
 }
@@ -43,6 +46,12 @@ impl Watchdog {
                         return;
                     }
                     let started = t.load(Ordering::Relaxed);
+                    if started > 0
+                        && let Some(why) = checks.peers.as_ref().and_then(|p| p())
+                    {
+                        (checks.fail)(why);
+                        return;
+                    }
                     let now = epoch.elapsed().as_millis() as u64;
                     if started > 0 && now.saturating_sub(started) > step_timeout.as_millis() as u64 {
                         (checks.fail)(format!(
@@ -104,7 +113,7 @@ mod tests {
         let calls = Arc::new(AtomicU64::new(0));
         let c = Arc::clone(&calls);
         let poll = Box::new(move || (c.fetch_add(1, Ordering::Relaxed) >= 2).then(|| "NCCL: remote process exited".to_string()));
-        let w = Watchdog::start(Checks { poll, fail }, Duration::from_millis(2), Duration::from_secs(60));
+        let w = Watchdog::start(Checks { poll, peers: None, fail }, Duration::from_millis(2), Duration::from_secs(60));
         assert_eq!(wait_for(&seen), vec!["NCCL: remote process exited".to_string()]);
         drop(w);
         assert_eq!(seen.lock().expect("lock").len(), 1);
@@ -113,7 +122,7 @@ mod tests {
     #[test]
     fn a_step_over_the_timeout_fails_and_steps_under_it_do_not() {
         let (seen, fail) = recorder();
-        let w = Watchdog::start(Checks { poll: Box::new(|| None), fail }, Duration::from_millis(2), Duration::from_millis(100));
+        let w = Watchdog::start(Checks { poll: Box::new(|| None), peers: None, fail }, Duration::from_millis(2), Duration::from_millis(100));
         for _ in 0..3 {
             w.step_started();
             std::thread::sleep(Duration::from_millis(20));
@@ -124,5 +133,16 @@ mod tests {
         w.step_started();
         let got = wait_for(&seen);
         assert!(got.len() == 1 && got[0].contains("more than 0.1 s"), "{got:?}");
+    }
+
+    #[test]
+    fn a_failed_peer_counts_only_while_a_step_is_in_flight() {
+        let (seen, fail) = recorder();
+        let peers: Box<dyn Fn() -> Option<String> + Send> = Box::new(|| Some("rank 1 failed: killed".to_string()));
+        let w = Watchdog::start(Checks { poll: Box::new(|| None), peers: Some(peers), fail }, Duration::from_millis(2), Duration::from_secs(60));
+        std::thread::sleep(Duration::from_millis(50));
+        assert!(seen.lock().expect("lock").is_empty(), "a peer that ended its run between steps is no failure");
+        w.step_started();
+        assert_eq!(wait_for(&seen), vec!["rank 1 failed: killed".to_string()]);
     }
 }
