@@ -330,11 +330,20 @@ fn file_metadata() -> HashMap<String, String> {
     HashMap::from([("format".to_string(), "pt".to_string())])
 }
 
-/// The layout of an f32 safetensors file of `tensors` (names, shapes): the bytes before the data
-/// (length prefix and JSON header, exactly as `safetensors::serialize` writes them: tensors in
-/// name order, the header padded with spaces to 8 bytes), the file offset of every tensor's data
-/// and the file's length.
-fn f32_file_layout(tensors: &[(String, Vec<usize>)], path: &Path) -> Result<(Vec<u8>, HashMap<String, u64>, u64), CheckpointError> {
+/// The layout of an f32 safetensors file.
+struct FileLayout {
+    /// The bytes before the data: length prefix and JSON header.
+    prefix: Vec<u8>,
+    /// The file offset of every tensor's data.
+    offsets: HashMap<String, u64>,
+    /// The file's length.
+    len: u64,
+}
+
+/// The layout of an f32 safetensors file of `tensors` (names, shapes), exactly as
+/// `safetensors::serialize` writes it: tensors in name order, the header padded with spaces to 8
+/// bytes.
+fn f32_file_layout(tensors: &[(String, Vec<usize>)], path: &Path) -> Result<FileLayout, CheckpointError> {
     let mut sorted: Vec<&(String, Vec<usize>)> = tensors.iter().collect();
     sorted.sort_by(|a, b| a.0.cmp(&b.0));
     let mut infos = Vec::with_capacity(sorted.len());
@@ -353,7 +362,7 @@ fn f32_file_layout(tensors: &[(String, Vec<usize>)], path: &Path) -> Result<(Vec
     let mut prefix = (header.len() as u64).to_le_bytes().to_vec();
     prefix.extend_from_slice(&header);
     let offsets = starts.into_iter().map(|(n, s)| (n, data_start + s as u64)).collect();
-    Ok((prefix, offsets, data_start + at as u64))
+    Ok(FileLayout { prefix, offsets, len: data_start + at as u64 })
 }
 
 /// A safetensors file opened for reading slices of its tensors (its header parsed and checked;
@@ -440,14 +449,19 @@ pub fn read_safetensors(path: &Path) -> Result<BTreeMap<String, NamedTensor>, Ch
     Ok(out)
 }
 
-/// A single-device trainer seen as the one rank of a one-rank mesh: its states are whole.
-struct Whole<'t>(&'t dyn Trainer);
+/// A single-device trainer seen as the one rank of a one-rank mesh: its states are whole. The
+/// states read for the layout are kept for the write that follows, so a GPU trainer's states
+/// are downloaded once per checkpoint.
+struct Whole<'t> {
+    trainer: &'t dyn Trainer,
+    read: std::cell::RefCell<Option<Vec<(String, Tensor<f32>)>>>,
+}
 
 /// [`Whole`], to restore states.
 struct WholeMut<'t>(&'t mut dyn Trainer);
 
-fn whole_layout(trainer: &dyn Trainer) -> Result<Vec<StateLayout>, RuntimeError> {
-    Ok(trainer.states()?.into_iter().map(|(name, t)| StateLayout { name, placement: Vec::new(), shape: t.shape }).collect())
+fn layout_of(states: &[(String, Tensor<f32>)]) -> Vec<StateLayout> {
+    states.iter().map(|(name, t)| StateLayout { name: name.clone(), placement: Vec::new(), shape: t.shape.clone() }).collect()
 }
 
 impl ShardedStates for Whole<'_> {
@@ -458,10 +472,17 @@ impl ShardedStates for Whole<'_> {
         vec![0]
     }
     fn layout(&self) -> Result<Vec<StateLayout>, RuntimeError> {
-        whole_layout(self.0)
+        let mut read = self.read.borrow_mut();
+        if read.is_none() {
+            *read = Some(self.trainer.states()?);
+        }
+        Ok(read.as_deref().map(layout_of).unwrap_or_default())
     }
     fn rank_states(&self, _rank: usize) -> Result<Vec<(String, Tensor<f32>)>, RuntimeError> {
-        self.0.states()
+        match self.read.borrow_mut().take() {
+            Some(states) => Ok(states),
+            None => self.trainer.states(),
+        }
     }
     fn set_rank_state(&mut self, _rank: usize, name: &str, _values: &[f32]) -> Result<(), RuntimeError> {
         Err(RuntimeError::Backend(format!("invariant: state `{name}` is restored through a mutable trainer")))
@@ -479,7 +500,7 @@ impl ShardedStates for WholeMut<'_> {
         vec![0]
     }
     fn layout(&self) -> Result<Vec<StateLayout>, RuntimeError> {
-        whole_layout(self.0)
+        Ok(layout_of(&self.0.states()?))
     }
     fn rank_states(&self, _rank: usize) -> Result<Vec<(String, Tensor<f32>)>, RuntimeError> {
         self.0.states()
@@ -515,7 +536,7 @@ fn file_tensors(layout: &[StateLayout], mesh: Mesh) -> Result<FileTensors, Check
 pub fn save(dir: &Path, trainer: &dyn Trainer, state: &TrainerState) -> Result<PathBuf, CheckpointError> {
     match trainer.sharded() {
         Some(s) => save_shards(dir, s, state),
-        None => save_shards(dir, &Whole(trainer), state),
+        None => save_shards(dir, &Whole { trainer, read: std::cell::RefCell::new(None) }, state),
     }
 }
 
@@ -533,10 +554,10 @@ fn save_shards(dir: &Path, view: &dyn ShardedStates, state: &TrainerState) -> Re
     if coordinator {
         let _ = std::fs::remove_dir_all(&tmp);
         std::fs::create_dir_all(&tmp).map_err(|e| io("create", &tmp, e))?;
-        for ((path, _), (prefix, _, len)) in files.iter().zip(&layouts) {
+        for ((path, _), layout) in files.iter().zip(&layouts) {
             let f = File::create(path).map_err(|e| io("create", path, e))?;
-            f.write_all_at(prefix, 0).map_err(|e| io("write", path, e))?;
-            f.set_len(*len).map_err(|e| io("write", path, e))?;
+            f.write_all_at(&layout.prefix, 0).map_err(|e| io("write", path, e))?;
+            f.set_len(layout.len).map_err(|e| io("write", path, e))?;
         }
     }
     view.barrier()?;
@@ -558,7 +579,7 @@ fn save_shards(dir: &Path, view: &dyn ShardedStates, state: &TrainerState) -> Re
                 return Err(CheckpointError::Mismatch(format!("rank {rank}'s state `{}` has shape {:?}, its layout says {:?}", s.name, t.shape, b.shape)));
             }
             let k = usize::from(is_optimizer_state(&s.name));
-            let ((path, _), (file, offsets)) = (&files[k], (&handles[k], &layouts[k].1));
+            let ((path, _), (file, offsets)) = (&files[k], (&handles[k], &layouts[k].offsets));
             for (hf, full, offset, shape, at) in box_parts(&s.name, &b)? {
                 let base = *offsets.get(&hf).ok_or_else(|| CheckpointError::Mismatch(format!("invariant: `{hf}` is in the file layout")))?;
                 let part = &xs[at..at + shape.iter().product::<usize>()];
@@ -769,13 +790,10 @@ mod tests {
         ];
         let values: Vec<Vec<u8>> =
             tensors.iter().map(|(_, s)| (0..s.iter().product::<usize>()).flat_map(|i| (i as f32 * 0.5).to_le_bytes()).collect()).collect();
-        let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = tensors
-            .iter()
-            .zip(&values)
-            .map(|((n, s), b)| (n.clone(), safetensors::tensor::TensorView::new(Dtype::F32, s.clone(), b).expect("view")))
-            .collect();
+        let views: Vec<(String, safetensors::tensor::TensorView<'_>)> =
+            tensors.iter().zip(&values).map(|((n, s), b)| (n.clone(), safetensors::tensor::TensorView::new(Dtype::F32, s.clone(), b).expect("view"))).collect();
         let want = safetensors::serialize(views, Some(file_metadata())).expect("serialize");
-        let (prefix, offsets, len) = f32_file_layout(&tensors, Path::new("x")).expect("layout");
+        let FileLayout { prefix, offsets, len } = f32_file_layout(&tensors, Path::new("x")).expect("layout");
         assert_eq!(len as usize, want.len());
         assert_eq!(&want[..prefix.len()], prefix.as_slice());
         for ((name, _), b) in tensors.iter().zip(&values) {

@@ -120,11 +120,21 @@ fn two_processes_run_an_spmd_artifact_like_the_simulated_mesh() {
     let opts = titan_compiler::build::BuildOptions { train: train_opts, mesh: Mesh::new(1, 1, 2), ..Default::default() };
     let dir = std::env::temp_dir().join(format!("titan-e2e-launch-{}", std::process::id())).join("tp2-artifact");
     titan_compiler::build::build_artifact(&m, &titan_ir::print::print_graph(&m), &opts, &dir).expect("build");
-    let (procs, stdout, stderr) = train(&dir, "tp2-artifact-procs", &["--nproc-per-node", "2"]);
-    let (sim, _, sim_stderr) = train(&dir, "tp2-artifact-sim", &[]);
+    let ckpt = dir.with_file_name("tp2-artifact-ckpt");
+    let sim_ckpt = dir.with_file_name("tp2-artifact-sim-ckpt");
+    let (procs, stdout, stderr) = train(&dir, "tp2-artifact-procs", &["--nproc-per-node", "2", "--checkpoint-dir", p(&ckpt)]);
+    let (sim, _, sim_stderr) = train(&dir, "tp2-artifact-sim", &["--checkpoint-dir", p(&sim_ckpt)]);
     println!("tp2 artifact: 2 processes {procs:?}; simulated mesh {sim:?}");
     assert_eq!(procs.len(), STEPS, "{stdout}\n{stderr}");
     assert_eq!(procs, sim, "the processes and the simulated mesh differ");
+    // Their checkpoints (each process wrote its tp shards) are the same bytes.
+    for file in ["model.safetensors", "optimizer.safetensors"] {
+        let at = |d: &Path| std::fs::read(d.join(format!("step-{STEPS}")).join(file)).expect("checkpoint file");
+        assert!(at(&ckpt) == at(&sim_ckpt), "{file}: the processes' checkpoint differs from the simulated mesh's");
+    }
+    for d in [&ckpt, &sim_ckpt] {
+        let _ = std::fs::remove_dir_all(d);
+    }
     assert!(stderr.contains("on 2 cpu processes") && stderr.contains("collectives per step per rank"), "{stderr}");
     assert!(sim_stderr.contains("on a simulated cpu mesh of 2 ranks (tp 2)"), "{sim_stderr}");
     // On the GPU an SPMD artifact runs one process per GPU: a single process says how, and a

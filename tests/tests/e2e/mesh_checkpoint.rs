@@ -262,6 +262,11 @@ fn a_dp_shard_2_checkpoint_reshards_onto_tp_2_and_one_device() {
         }
     }
     assert_eq!(init.steps_done(), 0);
+
+    // `Trainer::set_state` on a mesh takes the full tensor and gives every rank its slice.
+    let (name, t) = one_at_2.iter().find(|(n, _)| n.contains("attention.wq.weight")).expect("wq");
+    init.set_state(name, t.floats().expect("floats")).expect("set_state");
+    assert_eq!(states(&init)[name].floats(), t.floats(), "{name}");
 }
 
 /// A checkpoint of another model (one layer fewer, as a graph-mode run writes it) on a tp 2
