@@ -454,8 +454,11 @@ pub fn read_safetensors(path: &Path) -> Result<BTreeMap<String, NamedTensor>, Ch
 /// are downloaded once per checkpoint.
 struct Whole<'t> {
     trainer: &'t dyn Trainer,
-    read: std::cell::RefCell<Option<Vec<(String, Tensor<f32>)>>>,
+    read: std::cell::RefCell<Option<NamedStates>>,
 }
+
+/// States by checkpoint name, as `Trainer::states` returns them.
+type NamedStates = Vec<(String, Tensor<f32>)>;
 
 /// [`Whole`], to restore states.
 struct WholeMut<'t>(&'t mut dyn Trainer);
