@@ -838,4 +838,18 @@ mod tests {
         let e = shard_box("x", &[2], &[Placement::Partial, Placement::Replicate, Placement::Replicate], mesh, [0; 3]).unwrap_err();
         assert!(e.to_string().contains("partial sum"), "{e}");
     }
+
+    /// A `trainer_state.json` of a run before meshes wrote checkpoints (no `mesh`) reads as one
+    /// device; the mesh reads back as written.
+    #[test]
+    fn trainer_state_without_a_mesh_is_one_device() {
+        let old = r#"{"format_version": 1, "step": 3, "seed": 0, "data_position": 3, "content_hash": "h", "data": "d"}"#;
+        let st: TrainerState = serde_json::from_str(old).expect("old state");
+        assert_eq!(st.mesh, CheckpointMesh::default());
+        assert_eq!(st.mesh.to_string(), "one device");
+        let st = TrainerState { mesh: Mesh::new(2, 2, 1).into(), ..st };
+        let back: TrainerState = serde_json::from_str(&serde_json::to_string_pretty(&st).expect("json")).expect("read");
+        assert_eq!(back, st);
+        assert_eq!(back.mesh.to_string(), "a mesh of dp_replicate 2 x dp_shard 2");
+    }
 }
