@@ -450,15 +450,12 @@ pub fn read_safetensors(path: &Path) -> Result<BTreeMap<String, NamedTensor>, Ch
 }
 
 /// A single-device trainer seen as the one rank of a one-rank mesh: its states are whole. The
-/// states read for the layout are kept for the write that follows, so a GPU trainer's states
-/// are downloaded once per checkpoint.
+/// states read for the layout are handed out by the writes that follow, so a GPU trainer's
+/// states are downloaded once per checkpoint.
 struct Whole<'t> {
     trainer: &'t dyn Trainer,
-    read: std::cell::RefCell<Option<NamedStates>>,
+    read: std::cell::RefCell<HashMap<String, Tensor<f32>>>,
 }
-
-/// States by checkpoint name, as `Trainer::states` returns them.
-type NamedStates = Vec<(String, Tensor<f32>)>;
 
 /// [`Whole`], to restore states.
 struct WholeMut<'t>(&'t mut dyn Trainer);
@@ -475,17 +472,14 @@ impl ShardedStates for Whole<'_> {
         vec![0]
     }
     fn layout(&self) -> Result<Vec<StateLayout>, RuntimeError> {
-        let mut read = self.read.borrow_mut();
-        if read.is_none() {
-            *read = Some(self.trainer.states()?);
-        }
-        Ok(read.as_deref().map(layout_of).unwrap_or_default())
+        let states = self.trainer.states()?;
+        let layout = layout_of(&states);
+        *self.read.borrow_mut() = states.into_iter().collect();
+        Ok(layout)
     }
-    fn rank_states(&self, _rank: usize) -> Result<Vec<(String, Tensor<f32>)>, RuntimeError> {
-        match self.read.borrow_mut().take() {
-            Some(states) => Ok(states),
-            None => self.trainer.states(),
-        }
+    fn rank_state(&self, _rank: usize, name: &str) -> Result<Tensor<f32>, RuntimeError> {
+        let cached = self.read.borrow_mut().remove(name);
+        cached.map_or_else(|| self.trainer.state(name), Ok)
     }
     fn set_rank_state(&mut self, _rank: usize, name: &str, _values: &[f32]) -> Result<(), RuntimeError> {
         Err(RuntimeError::Backend(format!("invariant: state `{name}` is restored through a mutable trainer")))
@@ -505,8 +499,8 @@ impl ShardedStates for WholeMut<'_> {
     fn layout(&self) -> Result<Vec<StateLayout>, RuntimeError> {
         Ok(layout_of(&self.0.states()?))
     }
-    fn rank_states(&self, _rank: usize) -> Result<Vec<(String, Tensor<f32>)>, RuntimeError> {
-        self.0.states()
+    fn rank_state(&self, _rank: usize, name: &str) -> Result<Tensor<f32>, RuntimeError> {
+        self.0.state(name)
     }
     fn set_rank_state(&mut self, _rank: usize, name: &str, values: &[f32]) -> Result<(), RuntimeError> {
         self.0.set_state(name, values)
@@ -539,7 +533,7 @@ fn file_tensors(layout: &[StateLayout], mesh: Mesh) -> Result<FileTensors, Check
 pub fn save(dir: &Path, trainer: &dyn Trainer, state: &TrainerState) -> Result<PathBuf, CheckpointError> {
     match trainer.sharded() {
         Some(s) => save_shards(dir, s, state),
-        None => save_shards(dir, &Whole { trainer, read: std::cell::RefCell::new(None) }, state),
+        None => save_shards(dir, &Whole { trainer, read: std::cell::RefCell::default() }, state),
     }
 }
 
@@ -570,13 +564,13 @@ fn save_shards(dir: &Path, view: &dyn ShardedStates, state: &TrainerState) -> Re
     }
     for &rank in &held {
         let coords = mesh.coords(rank);
-        let shards: HashMap<String, Tensor<f32>> = view.rank_states(rank)?.into_iter().collect();
         for s in &layout {
             let b = shard_box(&s.name, &s.shape, &s.placement, mesh, coords)?;
             if !b.writer {
                 continue;
             }
-            let t = shards.get(&s.name).ok_or_else(|| CheckpointError::Mismatch(format!("rank {rank} has no state `{}`", s.name)))?;
+            // One state at a time: a rank never holds a second copy of all its states.
+            let t = view.rank_state(rank, &s.name)?;
             let xs = t.floats().ok_or_else(|| CheckpointError::Mismatch(format!("state `{}` is not a float tensor", s.name)))?;
             if t.shape != b.shape {
                 return Err(CheckpointError::Mismatch(format!("rank {rank}'s state `{}` has shape {:?}, its layout says {:?}", s.name, t.shape, b.shape)));

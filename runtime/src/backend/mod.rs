@@ -48,6 +48,15 @@ pub trait Trainer {
     /// Every state buffer (master weights, AdamW moments) by checkpoint name (stacked ones
     /// carry `{i}`), in its dtype.
     fn states(&self) -> Result<Vec<(String, Tensor<f32>)>, RuntimeError>;
+    /// The state buffer with checkpoint name `name` alone (checkpoints read one at a time, so a
+    /// rank never holds a second copy of all its states).
+    fn state(&self, name: &str) -> Result<Tensor<f32>, RuntimeError> {
+        self.states()?
+            .into_iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, t)| t)
+            .ok_or_else(|| RuntimeError::Backend(format!("the model has no state named `{name}`")))
+    }
     /// Overwrite the whole state buffer with checkpoint name `name` (stacked ones carry `{i}`)
     /// with `values`, its elements in row-major order (for checkpoints).
     fn set_state(&mut self, name: &str, values: &[f32]) -> Result<(), RuntimeError> {
@@ -93,8 +102,8 @@ pub trait ShardedStates {
     fn held_ranks(&self) -> Vec<usize>;
     /// Every state's name, placement and per-rank shape (the same on every rank: SPMD).
     fn layout(&self) -> Result<Vec<StateLayout>, RuntimeError>;
-    /// Rank `rank`'s shards by checkpoint name.
-    fn rank_states(&self, rank: usize) -> Result<Vec<(String, Tensor<f32>)>, RuntimeError>;
+    /// Rank `rank`'s shard of state `name`.
+    fn rank_state(&self, rank: usize, name: &str) -> Result<Tensor<f32>, RuntimeError>;
     /// Overwrite rank `rank`'s shard of state `name` with `values` (row-major).
     fn set_rank_state(&mut self, rank: usize, name: &str, values: &[f32]) -> Result<(), RuntimeError>;
     /// Wait until every rank of the run got here; fails when one of them failed. A no-op when

@@ -476,9 +476,8 @@ impl ShardedStates for MeshTrainer<'_> {
         Ok(self.layout.clone())
     }
 
-    fn rank_states(&self, rank: usize) -> Result<Vec<(String, Tensor<f32>)>, RuntimeError> {
-        let t = self.ranks.get(rank).ok_or_else(|| RuntimeError::Backend(format!("the mesh has no rank {rank}")))?;
-        Ok(t.states().map(|(p, t)| (p.name.clone(), t.clone())).collect())
+    fn rank_state(&self, rank: usize, name: &str) -> Result<Tensor<f32>, RuntimeError> {
+        Trainer::state(self.ranks.get(rank).ok_or_else(|| RuntimeError::Backend(format!("the mesh has no rank {rank}")))?, name)
     }
 
     fn set_rank_state(&mut self, rank: usize, name: &str, values: &[f32]) -> Result<(), RuntimeError> {
@@ -503,8 +502,8 @@ impl ShardedStates for ArtifactMeshTrainer<'_> {
         Ok(self.layout.clone())
     }
 
-    fn rank_states(&self, rank: usize) -> Result<Vec<(String, Tensor<f32>)>, RuntimeError> {
-        self.ranks.get(rank).ok_or_else(|| RuntimeError::Backend(format!("the mesh has no rank {rank}")))?.states()
+    fn rank_state(&self, rank: usize, name: &str) -> Result<Tensor<f32>, RuntimeError> {
+        self.ranks.get(rank).ok_or_else(|| RuntimeError::Backend(format!("the mesh has no rank {rank}")))?.state(name)
     }
 
     fn set_rank_state(&mut self, rank: usize, name: &str, values: &[f32]) -> Result<(), RuntimeError> {

@@ -170,9 +170,9 @@ impl ShardedStates for ProcessMeshTrainer<'_> {
         Ok(self.layout.clone())
     }
 
-    fn rank_states(&self, rank: usize) -> Result<Vec<(String, Tensor<f32>)>, RuntimeError> {
+    fn rank_state(&self, rank: usize, name: &str) -> Result<Tensor<f32>, RuntimeError> {
         self.own(rank)?;
-        self.trainer.states()
+        self.trainer.state(name)
     }
 
     fn set_rank_state(&mut self, rank: usize, name: &str, values: &[f32]) -> Result<(), RuntimeError> {
