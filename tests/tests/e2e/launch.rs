@@ -195,6 +195,13 @@ fn two_processes_checkpoint_and_resume_bit_identically() {
     let (sim, _, _) = train(&spmd, "ckpt-fsdp2-sim-resumed", &["--resume", p(&ckpt)]);
     assert_eq!(sim, straight[2..].to_vec(), "resumed on the simulated mesh");
 
+    // --init-from on 2 processes: each rank loads its slices of the parameters; the step-3 loss
+    // differs from the resumed run's (the moments start at zero), and rank 0 alone says so.
+    let (init, _, stderr) = train(&spmd, "ckpt-fsdp2-init", &["--nproc-per-node", "2", "--init-from", p(&ckpt.join("step-2").join("model.safetensors"))]);
+    assert_eq!(stderr.matches("parameters loaded from").count(), 1, "{stderr}");
+    assert_eq!(init.len(), STEPS);
+    assert!(init[0] < straight[0], "training starts from the step-2 weights: {init:?} vs {straight:?}");
+
     // On one device: another build, said so; allowed, it tracks the mesh run.
     let single = graph_file("ckpt-single", None);
     let out = titan_run(&[p(&single), "--steps", "4", "--resume", p(&ckpt)]);
