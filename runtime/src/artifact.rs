@@ -109,6 +109,15 @@ impl Artifact {
         Ok(slots)
     }
 
+    /// Every state's checkpoint name, placement and (per-rank) shape, in manifest order.
+    pub fn state_layout(&self) -> Result<Vec<crate::backend::StateLayout>, ArtifactError> {
+        Ok(self
+            .state_slots()?
+            .into_iter()
+            .map(|s| crate::backend::StateLayout { name: s.info.name.clone(), placement: s.placement.to_vec(), shape: s.shape })
+            .collect())
+    }
+
     /// Read and check the artifact in `dir`.
     pub fn load(dir: impl AsRef<Path>) -> Result<Artifact, ArtifactError> {
         let dir = dir.as_ref();

@@ -2,20 +2,33 @@
 //! weights under Hugging Face Llama names, stacked per-layer buffers split into one tensor per
 //! layer), `optimizer.safetensors` (the AdamW moments, the parameter's HF name plus `.exp_avg` /
 //! `.exp_avg_sq`) and `trainer_state.json` ([`TrainerState`]: step, seed, data position, the
-//! artifact's content hash, format version). `docs/checkpoints.md` documents the layout.
+//! artifact's content hash, the mesh, format version). `docs/checkpoints.md` documents the layout.
+//!
+//! One format for every run: the files hold the full (unsharded) tensors whatever mesh wrote
+//! them. A mesh run writes them in parallel: every tensor's place in the file follows from the
+//! names and full shapes alone, so rank 0 writes the headers, each rank writes the bytes of its
+//! own shards (one replica per shard) straight into the files at their offsets, and rank 0
+//! renames the step directory after a barrier. Loading is the same in reverse: every rank reads
+//! the slice of each tensor its placement gives it, so a checkpoint reshards onto any mesh (or
+//! one device). A single-device trainer is the mesh of one rank.
 //!
 //! Restoring is driven by the trainer's own state list: every state buffer must find its
 //! tensors (by HF name, per layer for stacked buffers) with the same shape, and a file holding a
 //! tensor the model does not have is refused; errors name the tensor.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::fs::File;
+use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
-use safetensors::{Dtype, SafeTensors, tensor::TensorView};
+use safetensors::tensor::{Metadata, TensorInfo};
+use safetensors::{Dtype, SafeTensors};
 use serde::{Deserialize, Serialize};
+use titan_ir::interp::Tensor;
+use titan_ir::{Mesh, Placement};
 
 use crate::RuntimeError;
-use crate::backend::Trainer;
+use crate::backend::{ShardedStates, StateLayout, Trainer};
 
 /// Bumped on every change an older reader would misread.
 pub const CHECKPOINT_FORMAT_VERSION: u32 = 1;
@@ -37,12 +50,53 @@ pub enum CheckpointError {
         "the checkpoint was written by a run of another build (content hash {found}), this artifact's is {expected}; resume with the artifact that wrote it, use --init-from CKPT/step-<n>/model.safetensors to load the weights only, or pass --allow-different-build"
     )]
     DifferentBuild { found: String, expected: String },
+    #[error(
+        "the checkpoint was written on {found} and this run is on {expected}; the content hash covers the mesh, so titan cannot tell whether the model and training options are the same: pass --allow-different-build to reshard the checkpoint onto this run (tensor names and shapes are still checked), or --init-from CKPT/step-<n>/model.safetensors for the weights only"
+    )]
+    DifferentMesh { found: CheckpointMesh, expected: CheckpointMesh },
     #[error(transparent)]
     Runtime(#[from] RuntimeError),
 }
 
 fn io(action: &'static str, path: &Path, e: impl std::fmt::Display) -> CheckpointError {
     CheckpointError::Io { action, path: path.display().to_string(), message: e.to_string() }
+}
+
+/// The mesh a checkpoint was written on, in TorchTitan's degrees (all 1: one device).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CheckpointMesh {
+    pub dp_replicate: u32,
+    pub dp_shard: u32,
+    pub tp: u32,
+}
+
+impl Default for CheckpointMesh {
+    fn default() -> Self {
+        CheckpointMesh { dp_replicate: 1, dp_shard: 1, tp: 1 }
+    }
+}
+
+impl From<Mesh> for CheckpointMesh {
+    fn from(m: Mesh) -> Self {
+        let [dp_replicate, dp_shard, tp] = m.sizes;
+        CheckpointMesh { dp_replicate, dp_shard, tp }
+    }
+}
+
+impl std::fmt::Display for CheckpointMesh {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let dims: Vec<String> = [("dp_replicate", self.dp_replicate), ("dp_shard", self.dp_shard), ("tp", self.tp)]
+            .iter()
+            .filter(|(_, n)| *n > 1)
+            .map(|(k, n)| format!("{k} {n}"))
+            .collect();
+        if dims.is_empty() { f.write_str("one device") } else { write!(f, "a mesh of {}", dims.join(" x ")) }
+    }
+}
+
+/// The mesh `trainer` runs on (one device when it is not sharded).
+pub fn run_mesh(trainer: &dyn Trainer) -> CheckpointMesh {
+    trainer.sharded().map_or_else(CheckpointMesh::default, |s| s.mesh().into())
 }
 
 /// `trainer_state.json`: what a resumed run needs besides the tensors.
@@ -60,6 +114,10 @@ pub struct TrainerState {
     /// The data source, for reference.
     #[serde(default)]
     pub data: String,
+    /// The mesh of the run that wrote it (absent in checkpoints of runs before meshes wrote
+    /// checkpoints: one device). The tensors do not depend on it.
+    #[serde(default)]
+    pub mesh: CheckpointMesh,
 }
 
 /// A tensor of a checkpoint file: its name, shape and values as f32.
@@ -138,29 +196,233 @@ fn pieces(name: &str, shape: &[usize]) -> Result<Vec<Piece>, CheckpointError> {
     Ok((0..layers).map(|l| (hf_name(&name.replace("{i}", &l.to_string())), rest.to_vec(), l * per..(l + 1) * per)).collect())
 }
 
-/// Split a trainer's states into checkpoint tensors: `(model, optimizer)`, HF names, per layer.
-pub fn export_states(trainer: &dyn Trainer) -> Result<(Vec<NamedTensor>, Vec<NamedTensor>), CheckpointError> {
-    let (mut model, mut optimizer) = (Vec::new(), Vec::new());
-    for (name, t) in trainer.states()? {
-        let xs = t.floats().ok_or_else(|| CheckpointError::Mismatch(format!("state `{name}` is not a float tensor")))?;
-        let out = if is_optimizer_state(&name) { &mut optimizer } else { &mut model };
-        for (hf, shape, range) in pieces(&name, &t.shape)? {
-            out.push(NamedTensor { name: hf, shape, values: xs[range].to_vec() });
-        }
-    }
-    Ok((model, optimizer))
+/// Where one rank's shard of a state lies in the full (single-device) tensor.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ShardBox {
+    /// The full tensor's shape.
+    pub full: Vec<usize>,
+    /// The shard's first element's index along every dim.
+    pub offset: Vec<usize>,
+    /// The shard's shape (the rank's state shape).
+    pub shape: Vec<usize>,
+    /// Whether this rank writes the shard to a checkpoint: the first replica of it, at
+    /// coordinate 0 along every mesh dim the state is replicated on.
+    pub writer: bool,
 }
 
-/// Write `tensors` as f32 to a safetensors file.
-pub fn write_safetensors(path: &Path, tensors: &[NamedTensor], metadata: Option<HashMap<String, String>>) -> Result<(), CheckpointError> {
-    let bytes: Vec<Vec<u8>> = tensors.iter().map(|t| t.values.iter().flat_map(|x| x.to_le_bytes()).collect()).collect();
-    let mut views = Vec::with_capacity(tensors.len());
-    for (t, b) in tensors.iter().zip(&bytes) {
-        let v = TensorView::new(Dtype::F32, t.shape.clone(), b)
-            .map_err(|e| CheckpointError::Format { path: path.display().to_string(), message: format!("tensor `{}`: {e}", t.name) })?;
-        views.push((t.name.clone(), v));
+/// The shard of state `name` (shape `local` on each rank, `placement` on `mesh`) that the rank at
+/// `coords` holds. Along every mesh dim of more than one rank where the state is `Shard(d)`,
+/// dim `d` is split in equal parts, outer mesh dims first (the rule of the initialization,
+/// `cpu_graph::init_state_shard`, and of `sim_mesh`'s gather).
+pub fn shard_box(name: &str, local: &[usize], placement: &[Placement], mesh: Mesh, coords: [usize; 3]) -> Result<ShardBox, CheckpointError> {
+    let mut full = local.to_vec();
+    let mut cuts = Vec::new();
+    let mut writer = true;
+    for (m, &size) in mesh.sizes.iter().enumerate() {
+        let n = size as usize;
+        if n <= 1 {
+            continue;
+        }
+        match placement.get(m).unwrap_or(&Placement::Replicate) {
+            Placement::Shard(d) => {
+                let d = *d as usize;
+                let dim = full
+                    .get_mut(d)
+                    .ok_or_else(|| CheckpointError::Mismatch(format!("state `{name}` is sharded along dim {d}, which its shape {local:?} does not have")))?;
+                *dim *= n;
+                cuts.push((d, n, coords[m]));
+            }
+            Placement::Replicate => writer &= coords[m] == 0,
+            Placement::Partial => {
+                return Err(CheckpointError::Mismatch(format!(
+                    "state `{name}` is a partial sum on the mesh; a checkpoint needs every state sharded or replicated"
+                )));
+            }
+        }
     }
-    safetensors::serialize_to_file(views, metadata, path).map_err(|e| io("write", path, e))
+    let mut offset = vec![0; full.len()];
+    let mut len = full.clone();
+    for (d, n, c) in cuts {
+        len[d] /= n;
+        offset[d] += c * len[d];
+    }
+    Ok(ShardBox { full, offset, shape: local.to_vec(), writer })
+}
+
+/// The shard `b` of the full tensor `full` (row-major values of shape `b.full`).
+pub fn shard_values(b: &ShardBox, full: &[f32]) -> Result<Vec<f32>, CheckpointError> {
+    let numel: usize = b.full.iter().product();
+    if full.len() != numel {
+        return Err(CheckpointError::Mismatch(format!("a tensor of shape {:?} has {numel} elements, {} were given", b.full, full.len())));
+    }
+    let mut out = vec![0.0f32; b.shape.iter().product()];
+    for_each_run(&b.full, &b.offset, &b.shape, &mut |src, dst, len| {
+        out[dst..dst + len].copy_from_slice(&full[src..src + len]);
+        Ok(())
+    })?;
+    Ok(out)
+}
+
+/// The parts of a shard in the checkpoint tensors of its state (one per layer it holds of a
+/// stacked state): the HF name, that tensor's shape, the shard's box in it (offset, shape) and
+/// where the part starts among the shard's elements.
+type BoxPart = (String, Vec<usize>, Vec<usize>, Vec<usize>, usize);
+
+fn box_parts(name: &str, b: &ShardBox) -> Result<Vec<BoxPart>, CheckpointError> {
+    if !name.contains("{i}") {
+        return Ok(vec![(hf_name(name), b.full.clone(), b.offset.clone(), b.shape.clone(), 0)]);
+    }
+    if b.full.is_empty() {
+        return Err(CheckpointError::Mismatch(format!("stacked state `{name}` is a scalar; it needs a leading layer dim")));
+    }
+    let per: usize = b.shape[1..].iter().product();
+    let (first, count) = (b.offset[0], b.shape[0]);
+    Ok((first..first + count)
+        .map(|l| (hf_name(&name.replace("{i}", &l.to_string())), b.full[1..].to_vec(), b.offset[1..].to_vec(), b.shape[1..].to_vec(), (l - first) * per))
+        .collect())
+}
+
+/// Call `f(element index in the tensor, element index in the box, length)` for every contiguous
+/// run of the box (`offset`, `shape`) of a row-major tensor of shape `full`, in the box's
+/// row-major order. Inner dims the box covers whole merge into one run.
+fn for_each_run(
+    full: &[usize],
+    offset: &[usize],
+    shape: &[usize],
+    f: &mut dyn FnMut(usize, usize, usize) -> Result<(), CheckpointError>,
+) -> Result<(), CheckpointError> {
+    if shape.contains(&0) {
+        return Ok(());
+    }
+    let n = full.len();
+    // Dims `whole..` are covered whole by the box.
+    let mut whole = n;
+    while whole > 0 && shape[whole - 1] == full[whole - 1] {
+        whole -= 1;
+    }
+    let inner: usize = full[whole..].iter().product();
+    // A run spans dim `whole - 1` partly (when there is one) and the dims after it whole.
+    let (outer, run) = if whole == 0 { (0, inner) } else { (whole - 1, shape[whole - 1] * inner) };
+    let mut strides = vec![1; n];
+    for d in (0..n.saturating_sub(1)).rev() {
+        strides[d] = strides[d + 1] * full[d + 1];
+    }
+    let partial = if whole == 0 { 0 } else { offset[whole - 1] * strides[whole - 1] };
+    let count: usize = shape[..outer].iter().product();
+    let mut idx = vec![0; outer];
+    for i in 0..count {
+        let src = partial + (0..outer).map(|d| (offset[d] + idx[d]) * strides[d]).sum::<usize>();
+        f(src, i * run, run)?;
+        for d in (0..outer).rev() {
+            idx[d] += 1;
+            if idx[d] < shape[d] {
+                break;
+            }
+            idx[d] = 0;
+        }
+    }
+    Ok(())
+}
+
+/// The metadata every checkpoint file carries. One entry only: safetensors writes the map in
+/// its iteration order, and the files of two identical runs must be byte-identical.
+fn file_metadata() -> HashMap<String, String> {
+    HashMap::from([("format".to_string(), "pt".to_string())])
+}
+
+/// The layout of an f32 safetensors file.
+struct FileLayout {
+    /// The bytes before the data: length prefix and JSON header.
+    prefix: Vec<u8>,
+    /// The file offset of every tensor's data.
+    offsets: HashMap<String, u64>,
+    /// The file's length.
+    len: u64,
+}
+
+/// The layout of an f32 safetensors file of `tensors` (names, shapes), exactly as
+/// `safetensors::serialize` writes it: tensors in name order, the header padded with spaces to 8
+/// bytes.
+fn f32_file_layout(tensors: &[(String, Vec<usize>)], path: &Path) -> Result<FileLayout, CheckpointError> {
+    let mut sorted: Vec<&(String, Vec<usize>)> = tensors.iter().collect();
+    sorted.sort_by(|a, b| a.0.cmp(&b.0));
+    let mut infos = Vec::with_capacity(sorted.len());
+    let mut at = 0usize;
+    for (name, shape) in sorted {
+        let n = shape.iter().product::<usize>() * 4;
+        infos.push((name.clone(), TensorInfo { dtype: Dtype::F32, shape: shape.clone(), data_offsets: (at, at + n) }));
+        at += n;
+    }
+    let fmt = |e: &dyn std::fmt::Display| CheckpointError::Format { path: path.display().to_string(), message: e.to_string() };
+    let starts: Vec<(String, usize)> = infos.iter().map(|(n, i)| (n.clone(), i.data_offsets.0)).collect();
+    let metadata = Metadata::new(Some(file_metadata()), infos).map_err(|e| fmt(&e))?;
+    let mut header = serde_json::to_string(&metadata).map_err(|e| fmt(&e))?.into_bytes();
+    header.resize(header.len().next_multiple_of(8), b' ');
+    let data_start = 8 + header.len() as u64;
+    let mut prefix = (header.len() as u64).to_le_bytes().to_vec();
+    prefix.extend_from_slice(&header);
+    let offsets = starts.into_iter().map(|(n, s)| (n, data_start + s as u64)).collect();
+    Ok(FileLayout { prefix, offsets, len: data_start + at as u64 })
+}
+
+/// A safetensors file opened for reading slices of its tensors (its header parsed and checked;
+/// no tensor data read).
+struct TensorFile {
+    path: PathBuf,
+    file: File,
+    /// Every tensor: dtype, shape and the file offset of its data.
+    tensors: BTreeMap<String, (Dtype, Vec<usize>, u64)>,
+}
+
+impl TensorFile {
+    fn open(path: &Path) -> Result<TensorFile, CheckpointError> {
+        let p = path.display().to_string();
+        let bad = |message: String| CheckpointError::Format { path: p.clone(), message };
+        let file = File::open(path).map_err(|e| io("read", path, e))?;
+        let len = file.metadata().map_err(|e| io("read", path, e))?.len();
+        let mut n = [0u8; 8];
+        file.read_exact_at(&mut n, 0).map_err(|_| bad("shorter than a safetensors header".into()))?;
+        let n = u64::from_le_bytes(n);
+        if n > 100_000_000 || 8 + n > len {
+            return Err(bad(format!("its header length {n} does not fit the file of {len} bytes")));
+        }
+        let mut header = vec![0u8; n as usize];
+        file.read_exact_at(&mut header, 8).map_err(|e| io("read", path, e))?;
+        let metadata: Metadata = serde_json::from_slice(&header).map_err(|e| bad(e.to_string()))?;
+        let mut tensors = BTreeMap::new();
+        for (name, info) in metadata.tensors() {
+            let width = match info.dtype {
+                Dtype::F32 => 4,
+                Dtype::BF16 | Dtype::F16 => 2,
+                other => return Err(bad(format!("tensor `{name}` is {other:?}; titan loads F32, BF16 and F16 tensors, convert it to one of those"))),
+            };
+            let (s, e) = info.data_offsets;
+            let numel: usize = info.shape.iter().product();
+            if e < s || e - s != numel * width || 8 + n + e as u64 > len {
+                return Err(bad(format!("tensor `{name}` has data offsets {s}..{e}, which do not fit its shape {:?} or the file", info.shape)));
+            }
+            tensors.insert(name, (info.dtype, info.shape.clone(), 8 + n + s as u64));
+        }
+        Ok(TensorFile { path: path.to_path_buf(), file, tensors })
+    }
+
+    /// Read the box (`offset`, `shape`) of tensor `name` (of shape `full`) into `out` as f32.
+    fn read_box(&self, name: &str, full: &[usize], offset: &[usize], shape: &[usize], out: &mut [f32]) -> Result<(), CheckpointError> {
+        let (dtype, _, base) = self.tensors.get(name).ok_or_else(|| CheckpointError::Mismatch(format!("`{}` has no tensor `{name}`", self.path.display())))?;
+        let width = if *dtype == Dtype::F32 { 4 } else { 2 };
+        let mut buf = Vec::new();
+        for_each_run(full, offset, shape, &mut |src, dst, len| {
+            buf.resize(len * width, 0);
+            self.file.read_exact_at(&mut buf, base + (src * width) as u64).map_err(|e| io("read", &self.path, e))?;
+            let out = &mut out[dst..dst + len];
+            match dtype {
+                Dtype::F32 => out.iter_mut().zip(buf.chunks_exact(4)).for_each(|(o, c)| *o = f32::from_le_bytes([c[0], c[1], c[2], c[3]])),
+                Dtype::BF16 => out.iter_mut().zip(buf.chunks_exact(2)).for_each(|(o, c)| *o = half::bf16::from_le_bytes([c[0], c[1]]).to_f32()),
+                _ => out.iter_mut().zip(buf.chunks_exact(2)).for_each(|(o, c)| *o = half::f16::from_le_bytes([c[0], c[1]]).to_f32()),
+            }
+            Ok(())
+        })
+    }
 }
 
 /// Read every tensor of a safetensors file, converting bf16, f16 and f32 to f32.
@@ -187,71 +449,224 @@ pub fn read_safetensors(path: &Path) -> Result<BTreeMap<String, NamedTensor>, Ch
     Ok(out)
 }
 
-/// Load the trainer's states selected by `select` (on titan names) from `tensors` (HF names),
-/// which must hold exactly those: a missing tensor, a shape mismatch or a tensor left over is an
-/// error naming it. `file` names the source in errors.
-pub fn restore_states(
-    trainer: &mut dyn Trainer,
-    mut tensors: BTreeMap<String, NamedTensor>,
-    select: &dyn Fn(&str) -> bool,
-    file: &Path,
-) -> Result<(), CheckpointError> {
-    let f = file.display();
-    for (name, t) in trainer.states()? {
-        if !select(&name) {
-            continue;
+/// A single-device trainer seen as the one rank of a one-rank mesh: its states are whole. The
+/// states read for the layout are handed out by the writes that follow, so a GPU trainer's
+/// states are downloaded once per checkpoint.
+struct Whole<'t> {
+    trainer: &'t dyn Trainer,
+    read: std::cell::RefCell<HashMap<String, Tensor<f32>>>,
+}
+
+/// [`Whole`], to restore states.
+struct WholeMut<'t>(&'t mut dyn Trainer);
+
+fn layout_of(states: &[(String, Tensor<f32>)]) -> Vec<StateLayout> {
+    states.iter().map(|(name, t)| StateLayout { name: name.clone(), placement: Vec::new(), shape: t.shape.clone() }).collect()
+}
+
+impl ShardedStates for Whole<'_> {
+    fn mesh(&self) -> Mesh {
+        Mesh::new(1, 1, 1)
+    }
+    fn held_ranks(&self) -> Vec<usize> {
+        vec![0]
+    }
+    fn layout(&self) -> Result<Vec<StateLayout>, RuntimeError> {
+        let states = self.trainer.states()?;
+        let layout = layout_of(&states);
+        *self.read.borrow_mut() = states.into_iter().collect();
+        Ok(layout)
+    }
+    fn rank_state(&self, _rank: usize, name: &str) -> Result<Tensor<f32>, RuntimeError> {
+        let cached = self.read.borrow_mut().remove(name);
+        cached.map_or_else(|| self.trainer.state(name), Ok)
+    }
+    fn set_rank_state(&mut self, _rank: usize, name: &str, _values: &[f32]) -> Result<(), RuntimeError> {
+        Err(RuntimeError::Backend(format!("invariant: state `{name}` is restored through a mutable trainer")))
+    }
+    fn barrier(&self) -> Result<(), RuntimeError> {
+        Ok(())
+    }
+}
+
+impl ShardedStates for WholeMut<'_> {
+    fn mesh(&self) -> Mesh {
+        Mesh::new(1, 1, 1)
+    }
+    fn held_ranks(&self) -> Vec<usize> {
+        vec![0]
+    }
+    fn layout(&self) -> Result<Vec<StateLayout>, RuntimeError> {
+        Ok(layout_of(&self.0.states()?))
+    }
+    fn rank_state(&self, _rank: usize, name: &str) -> Result<Tensor<f32>, RuntimeError> {
+        self.0.state(name)
+    }
+    fn set_rank_state(&mut self, _rank: usize, name: &str, values: &[f32]) -> Result<(), RuntimeError> {
+        self.0.set_state(name, values)
+    }
+    fn barrier(&self) -> Result<(), RuntimeError> {
+        Ok(())
+    }
+}
+
+/// The full checkpoint tensors (HF names, full shapes) of a layout: `(model, optimizer)`.
+type FileTensors = (Vec<(String, Vec<usize>)>, Vec<(String, Vec<usize>)>);
+
+fn file_tensors(layout: &[StateLayout], mesh: Mesh) -> Result<FileTensors, CheckpointError> {
+    let (mut model, mut optimizer) = (Vec::new(), Vec::new());
+    for s in layout {
+        let b = shard_box(&s.name, &s.shape, &s.placement, mesh, [0; 3])?;
+        let out = if is_optimizer_state(&s.name) { &mut optimizer } else { &mut model };
+        for (hf, shape, _) in pieces(&s.name, &b.full)? {
+            out.push((hf, shape));
         }
-        let numel: usize = t.shape.iter().product();
-        let mut values = vec![0.0f32; numel];
-        for (hf, shape, range) in pieces(&name, &t.shape)? {
-            let got = tensors
-                .remove(&hf)
+    }
+    Ok((model, optimizer))
+}
+
+/// Write the checkpoint after `state.step` steps to `dir/step-<n>/`: the full tensors whatever
+/// the mesh. Every process of a mesh run calls it (collectively): the process holding rank 0
+/// creates the files in a temporary directory, every rank writes its shards (the first replica
+/// of each) at their offsets, and after a barrier rank 0 writes `trainer_state.json` and
+/// renames the directory, so a crash on any rank never leaves a half-written `step-<n>`.
+pub fn save(dir: &Path, trainer: &dyn Trainer, state: &TrainerState) -> Result<PathBuf, CheckpointError> {
+    match trainer.sharded() {
+        Some(s) => save_shards(dir, s, state),
+        None => save_shards(dir, &Whole { trainer, read: std::cell::RefCell::default() }, state),
+    }
+}
+
+fn save_shards(dir: &Path, view: &dyn ShardedStates, state: &TrainerState) -> Result<PathBuf, CheckpointError> {
+    let (mesh, held, layout) = (view.mesh(), view.held_ranks(), view.layout()?);
+    let target = step_dir(dir, state.step);
+    let tmp = dir.join(format!(".step-{}.tmp", state.step));
+    let (model, optimizer) = file_tensors(&layout, mesh)?;
+    let files = [(tmp.join(MODEL_FILE), model), (tmp.join(OPTIMIZER_FILE), optimizer)];
+    let mut layouts = Vec::new();
+    for (path, tensors) in &files {
+        layouts.push(f32_file_layout(tensors, path)?);
+    }
+    let coordinator = held.contains(&0);
+    if coordinator {
+        let _ = std::fs::remove_dir_all(&tmp);
+        std::fs::create_dir_all(&tmp).map_err(|e| io("create", &tmp, e))?;
+        for ((path, _), layout) in files.iter().zip(&layouts) {
+            let f = File::create(path).map_err(|e| io("create", path, e))?;
+            f.write_all_at(&layout.prefix, 0).map_err(|e| io("write", path, e))?;
+            f.set_len(layout.len).map_err(|e| io("write", path, e))?;
+        }
+    }
+    view.barrier()?;
+    let mut handles = Vec::new();
+    for (path, _) in &files {
+        handles.push(std::fs::OpenOptions::new().write(true).open(path).map_err(|e| io("open", path, e))?);
+    }
+    for &rank in &held {
+        let coords = mesh.coords(rank);
+        for s in &layout {
+            let b = shard_box(&s.name, &s.shape, &s.placement, mesh, coords)?;
+            if !b.writer {
+                continue;
+            }
+            // One state at a time: a rank never holds a second copy of all its states.
+            let t = view.rank_state(rank, &s.name)?;
+            let xs = t.floats().ok_or_else(|| CheckpointError::Mismatch(format!("state `{}` is not a float tensor", s.name)))?;
+            if t.shape != b.shape {
+                return Err(CheckpointError::Mismatch(format!("rank {rank}'s state `{}` has shape {:?}, its layout says {:?}", s.name, t.shape, b.shape)));
+            }
+            let k = usize::from(is_optimizer_state(&s.name));
+            let ((path, _), (file, offsets)) = (&files[k], (&handles[k], &layouts[k].offsets));
+            for (hf, full, offset, shape, at) in box_parts(&s.name, &b)? {
+                let base = *offsets.get(&hf).ok_or_else(|| CheckpointError::Mismatch(format!("invariant: `{hf}` is in the file layout")))?;
+                let part = &xs[at..at + shape.iter().product::<usize>()];
+                let mut bytes = Vec::new();
+                for_each_run(&full, &offset, &shape, &mut |src, dst, len| {
+                    bytes.clear();
+                    bytes.extend(part[dst..dst + len].iter().flat_map(|x| x.to_le_bytes()));
+                    file.write_all_at(&bytes, base + 4 * src as u64).map_err(|e| io("write", path, e))
+                })?;
+            }
+        }
+    }
+    for ((path, _), f) in files.iter().zip(&handles) {
+        f.sync_all().map_err(|e| io("write", path, e))?;
+    }
+    drop(handles);
+    // Every rank's bytes are in the files before the step directory appears.
+    view.barrier()?;
+    if coordinator {
+        let json = serde_json::to_string_pretty(state).map_err(|e| CheckpointError::Format { path: STATE_FILE.into(), message: e.to_string() })?;
+        let state_path = tmp.join(STATE_FILE);
+        std::fs::write(&state_path, json + "\n").map_err(|e| io("write", &state_path, e))?;
+        if target.exists() {
+            std::fs::remove_dir_all(&target).map_err(|e| io("replace", &target, e))?;
+        }
+        std::fs::rename(&tmp, &target).map_err(|e| io("create", &target, e))?;
+    }
+    // No rank goes on (or reports the checkpoint) before it exists.
+    view.barrier()?;
+    Ok(target)
+}
+
+/// Load the states selected by `select` (on titan names) of every rank `view` holds from
+/// `file` (HF names, full tensors), each rank reading its own slices. The file must hold exactly
+/// those states' tensors: a missing tensor, a shape mismatch or a tensor left over is an error
+/// naming it, found before any state is overwritten.
+fn restore_shards(view: &mut dyn ShardedStates, file: &TensorFile, select: &dyn Fn(&str) -> bool) -> Result<(), CheckpointError> {
+    let (mesh, held) = (view.mesh(), view.held_ranks());
+    let layout: Vec<StateLayout> = view.layout()?.into_iter().filter(|s| select(&s.name)).collect();
+    let f = file.path.display();
+    let mut expected = BTreeSet::new();
+    for s in &layout {
+        let b = shard_box(&s.name, &s.shape, &s.placement, mesh, [0; 3])?;
+        for (hf, shape, _) in pieces(&s.name, &b.full)? {
+            let (_, got, _) = file
+                .tensors
+                .get(&hf)
                 .ok_or_else(|| CheckpointError::Mismatch(format!("`{f}` has no tensor `{hf}`, which the model needs; is it a checkpoint of this model?")))?;
-            if got.shape != shape {
+            if *got != shape {
                 return Err(CheckpointError::Mismatch(format!(
-                    "tensor `{hf}` in `{f}` has shape {:?}, the model's is {shape:?}; the checkpoint is of another model",
-                    got.shape
+                    "tensor `{hf}` in `{f}` has shape {got:?}, the model's is {shape:?}; the checkpoint is of another model"
                 )));
             }
-            values[range].copy_from_slice(&got.values);
+            expected.insert(hf);
         }
-        trainer.set_state(&name, &values)?;
     }
-    if let Some(extra) = tensors.keys().next() {
+    let extra: Vec<&String> = file.tensors.keys().filter(|k| !expected.contains(*k)).collect();
+    if let Some(first) = extra.first() {
         return Err(CheckpointError::Mismatch(format!(
-            "`{f}` has {} tensor(s) the model does not have, the first `{extra}`; the checkpoint is of another model",
-            tensors.len()
+            "`{f}` has {} tensor(s) the model does not have, the first `{first}`; the checkpoint is of another model",
+            extra.len()
         )));
     }
+    for &rank in &held {
+        let coords = mesh.coords(rank);
+        for s in &layout {
+            let b = shard_box(&s.name, &s.shape, &s.placement, mesh, coords)?;
+            let mut values = vec![0.0f32; b.shape.iter().product()];
+            for (hf, full, offset, shape, at) in box_parts(&s.name, &b)? {
+                let n: usize = shape.iter().product();
+                file.read_box(&hf, &full, &offset, &shape, &mut values[at..at + n])?;
+            }
+            view.set_rank_state(rank, &s.name, &values)?;
+        }
+    }
     Ok(())
+}
+
+/// Load the selected states of `trainer` (every rank it holds, on a mesh) from `file`.
+fn restore(trainer: &mut dyn Trainer, file: &TensorFile, select: &dyn Fn(&str) -> bool) -> Result<(), CheckpointError> {
+    if trainer.sharded().is_some() {
+        let view = trainer.sharded_mut().ok_or_else(|| CheckpointError::Mismatch("invariant: a sharded trainer stays sharded".into()))?;
+        return restore_shards(view, file, select);
+    }
+    restore_shards(&mut WholeMut(trainer), file, select)
 }
 
 /// The directory of step `step` under `dir`.
 pub fn step_dir(dir: &Path, step: u64) -> PathBuf {
     dir.join(format!("step-{step}"))
-}
-
-/// Write the checkpoint of `trainer` after `state.step` steps to `dir/step-<n>/` (written to a
-/// temporary directory first and renamed, so a crash never leaves a half-written step).
-pub fn save(dir: &Path, trainer: &dyn Trainer, state: &TrainerState) -> Result<PathBuf, CheckpointError> {
-    let target = step_dir(dir, state.step);
-    let tmp = dir.join(format!(".step-{}.tmp", state.step));
-    let _ = std::fs::remove_dir_all(&tmp);
-    std::fs::create_dir_all(&tmp).map_err(|e| io("create", &tmp, e))?;
-    let (model, optimizer) = export_states(trainer)?;
-    // One metadata entry only: safetensors writes the map in its iteration order, and the files
-    // of two identical runs must be byte-identical.
-    let meta = HashMap::from([("format".to_string(), "pt".to_string())]);
-    write_safetensors(&tmp.join(MODEL_FILE), &model, Some(meta.clone()))?;
-    write_safetensors(&tmp.join(OPTIMIZER_FILE), &optimizer, Some(meta))?;
-    let json = serde_json::to_string_pretty(state).map_err(|e| CheckpointError::Format { path: STATE_FILE.into(), message: e.to_string() })?;
-    let state_path = tmp.join(STATE_FILE);
-    std::fs::write(&state_path, json + "\n").map_err(|e| io("write", &state_path, e))?;
-    if target.exists() {
-        std::fs::remove_dir_all(&target).map_err(|e| io("replace", &target, e))?;
-    }
-    std::fs::rename(&tmp, &target).map_err(|e| io("create", &target, e))?;
-    Ok(target)
 }
 
 /// The step directory `path` names: itself when it holds `trainer_state.json`, else its
@@ -292,26 +707,33 @@ pub fn read_state(step_dir: &Path) -> Result<TrainerState, CheckpointError> {
 }
 
 /// Restore everything from checkpoint `path` (a step directory, or a checkpoint directory for
-/// its latest step) into `trainer`: parameters, moments and the step counter. A checkpoint of
-/// another build (`content_hash`) is refused unless `allow_different_build`.
+/// its latest step) into `trainer`: parameters, moments and the step counter; on a mesh, every
+/// rank `trainer` holds reads its own slices (the checkpoint may come from any mesh). A
+/// checkpoint of another build (`content_hash`) is refused unless `allow_different_build`;
+/// one written on another mesh is always of another build, which the error says.
 pub fn resume(path: &Path, trainer: &mut dyn Trainer, content_hash: &str, allow_different_build: bool) -> Result<(PathBuf, TrainerState), CheckpointError> {
     let dir = resolve(path)?;
     let state = read_state(&dir)?;
     if state.content_hash != content_hash && !allow_different_build {
+        let here = run_mesh(trainer);
+        if state.mesh != here {
+            return Err(CheckpointError::DifferentMesh { found: state.mesh, expected: here });
+        }
         return Err(CheckpointError::DifferentBuild { found: state.content_hash, expected: content_hash.to_string() });
     }
-    let model = dir.join(MODEL_FILE);
-    restore_states(trainer, read_safetensors(&model)?, &|n| !is_optimizer_state(n), &model)?;
-    let optimizer = dir.join(OPTIMIZER_FILE);
-    restore_states(trainer, read_safetensors(&optimizer)?, &|n| is_optimizer_state(n), &optimizer)?;
+    let model = TensorFile::open(&dir.join(MODEL_FILE))?;
+    let optimizer = TensorFile::open(&dir.join(OPTIMIZER_FILE))?;
+    restore(trainer, &model, &|n| !is_optimizer_state(n))?;
+    restore(trainer, &optimizer, &|n| is_optimizer_state(n))?;
     trainer.set_steps_done(state.step)?;
     Ok((dir, state))
 }
 
-/// Load the parameters only from a `model.safetensors` (HF names; bf16, f16 or f32); the
-/// optimizer moments keep their initial values (zeros) and the step counter stays.
+/// Load the parameters only from a `model.safetensors` (HF names; bf16, f16 or f32; on a mesh,
+/// every rank its slices); the optimizer moments keep their initial values (zeros) and the step
+/// counter stays.
 pub fn init_from(path: &Path, trainer: &mut dyn Trainer) -> Result<(), CheckpointError> {
-    restore_states(trainer, read_safetensors(path)?, &|n| !is_optimizer_state(n), path)
+    restore(trainer, &TensorFile::open(path)?, &|n| !is_optimizer_state(n))
 }
 
 #[cfg(test)]
@@ -351,5 +773,77 @@ mod tests {
         assert!(pieces("layers.{i}.x", &[]).is_err());
         assert_eq!(graph_identity("a"), graph_identity("a"));
         assert_ne!(graph_identity("a"), graph_identity("b"));
+    }
+
+    /// The header titan writes without the data in memory is the one `safetensors::serialize`
+    /// writes for the same tensors (names out of order, scalars and empty tensors included).
+    #[test]
+    fn file_layout_is_the_safetensors_crate_s() {
+        let tensors = vec![
+            ("model.norm.weight".to_string(), vec![3]),
+            ("lm_head.weight".to_string(), vec![2, 3]),
+            ("a.scalar".to_string(), vec![]),
+            ("model.embed_tokens.weight".to_string(), vec![5, 3]),
+        ];
+        let values: Vec<Vec<u8>> =
+            tensors.iter().map(|(_, s)| (0..s.iter().product::<usize>()).flat_map(|i| (i as f32 * 0.5).to_le_bytes()).collect()).collect();
+        let views: Vec<(String, safetensors::tensor::TensorView<'_>)> =
+            tensors.iter().zip(&values).map(|((n, s), b)| (n.clone(), safetensors::tensor::TensorView::new(Dtype::F32, s.clone(), b).expect("view"))).collect();
+        let want = safetensors::serialize(views, Some(file_metadata())).expect("serialize");
+        let FileLayout { prefix, offsets, len } = f32_file_layout(&tensors, Path::new("x")).expect("layout");
+        assert_eq!(len as usize, want.len());
+        assert_eq!(&want[..prefix.len()], prefix.as_slice());
+        for ((name, _), b) in tensors.iter().zip(&values) {
+            let at = offsets[name] as usize;
+            assert_eq!(&want[at..at + b.len()], b.as_slice(), "{name}");
+        }
+    }
+
+    /// Every rank's box of a state sharded on two mesh dims (one of them twice) is the shard the
+    /// initialization takes (`shard_of` outer mesh dim first), and replicas write once.
+    #[test]
+    fn shard_boxes_follow_the_initialization_rule() {
+        let full: Vec<usize> = vec![4, 6, 8];
+        let values: Vec<f32> = (0..full.iter().product::<usize>()).map(|i| i as f32).collect();
+        let t = titan_ir::interp::Tensor::from_vec(titan_ir::DType::F32, full.clone(), values.clone()).expect("tensor");
+        let mesh = Mesh::new(2, 2, 2);
+        for (placement, local) in [
+            (vec![Placement::Replicate, Placement::Shard(2), Placement::Shard(1)], vec![4, 3, 4]),
+            (vec![Placement::Shard(0), Placement::Shard(0), Placement::Replicate], vec![1, 6, 8]),
+            (vec![Placement::Replicate, Placement::Replicate, Placement::Replicate], vec![4, 6, 8]),
+        ] {
+            let mut writers = 0;
+            for r in 0..8 {
+                let c = mesh.coords(r);
+                let b = shard_box("x", &local, &placement, mesh, c).expect("box");
+                assert_eq!(b.full, full);
+                let mut want = t.clone();
+                for (m, pl) in placement.iter().enumerate() {
+                    if let Placement::Shard(d) = pl {
+                        want = titan_ir::interp::shard_of(&want, *d as usize, 2, c[m]).expect("shard");
+                    }
+                }
+                assert_eq!(shard_values(&b, &values).expect("values"), want.floats().expect("floats"), "{placement:?} rank {r}");
+                writers += usize::from(b.writer);
+            }
+            let shards = placement.iter().filter(|p| matches!(p, Placement::Shard(_))).count();
+            assert_eq!(writers, 1 << shards, "{placement:?}: one writer per shard");
+        }
+        let e = shard_box("x", &[2], &[Placement::Partial, Placement::Replicate, Placement::Replicate], mesh, [0; 3]).unwrap_err();
+        assert!(e.to_string().contains("partial sum"), "{e}");
+    }
+
+    /// A `trainer_state.json` of a run before meshes wrote checkpoints (no `mesh`) reads as one
+    /// device; the mesh reads back as written.
+    #[test]
+    fn trainer_state_without_a_mesh_is_one_device() {
+        let old = r#"{"format_version": 1, "step": 3, "seed": 0, "data_position": 3, "content_hash": "h", "data": "d"}"#;
+        let st: TrainerState = serde_json::from_str(old).expect("old state");
+        assert_eq!(st.mesh, CheckpointMesh::default());
+        assert_eq!(st.mesh.to_string(), "one device");
+        let st = TrainerState { mesh: Mesh::new(2, 2, 1).into(), ..st };
+        let back: TrainerState = serde_json::from_str(&serde_json::to_string_pretty(&st).expect("json")).expect("read");
+        assert_eq!(back, st);
+        assert_eq!(back.mesh.to_string(), "a mesh of dp_replicate 2 x dp_shard 2");
     }
 }

@@ -160,14 +160,8 @@ fn run_rank(cli: &Cli, env: &DistEnv, tokens: Vec<u32>, data_name: &str) -> Resu
             cli.backend
         );
     }
-    let unsupported = [
-        (cli.checkpoint_dir.is_some(), "--checkpoint-dir"),
-        (cli.resume.is_some(), "--resume"),
-        (cli.init_from.is_some(), "--init-from"),
-        (cli.profile, "--profile"),
-    ];
-    if let Some((_, flag)) = unsupported.iter().find(|(set, _)| *set) {
-        bail!("{flag} is not supported in a multi-process run yet; run the graph on the simulated mesh (one process) for it");
+    if cli.profile {
+        bail!("--profile is not supported in a multi-process run yet; profile a single-device build of the model");
     }
     if !is_graph_file(&cli.path) {
         return run_artifact_rank(cli, env, tokens, data_name);
@@ -418,11 +412,15 @@ fn train(trainer: &mut dyn Trainer, cli: &Cli, tokens: Vec<u32>, data_name: &str
         }
         seed = state.seed;
         data_position = state.data_position;
-        eprintln!("titan-run: resumed from {} at step {}", dir.display(), state.step);
+        if logger {
+            eprintln!("titan-run: resumed from {} at step {}", dir.display(), state.step);
+        }
     }
     if let Some(path) = &cli.init_from {
         checkpoint::init_from(path, trainer)?;
-        eprintln!("titan-run: parameters loaded from {}; optimizer state starts at zero", path.display());
+        if logger {
+            eprintln!("titan-run: parameters loaded from {}; optimizer state starts at zero", path.display());
+        }
     }
     let mut batcher = Batcher::new(tokens, trainer.batch_size(), trainer.seq_len(), seed).map_err(anyhow::Error::msg)?;
     batcher.seek(data_position);
@@ -463,9 +461,13 @@ fn train(trainer: &mut dyn Trainer, cli: &Cli, tokens: Vec<u32>, data_name: &str
                 data_position: batcher.position(),
                 content_hash: identity.to_string(),
                 data: data_name.to_string(),
+                mesh: checkpoint::run_mesh(trainer),
             };
+            // On a mesh every rank writes its own shards (a collective call).
             let written = checkpoint::save(dir, trainer, &state)?;
-            progress.println(&format!("titan-run: checkpoint written to {}", written.display()));
+            if logger {
+                progress.println(&format!("titan-run: checkpoint written to {}", written.display()));
+            }
         }
     }
     progress.finish();

@@ -26,7 +26,15 @@ fn batcher(t: &dyn Trainer, seed: u64) -> Batcher {
 }
 
 fn state(step: u64, seed: u64, hash: &str) -> TrainerState {
-    TrainerState { format_version: CHECKPOINT_FORMAT_VERSION, step, seed, data_position: step, content_hash: hash.into(), data: "bundled corpus".into() }
+    TrainerState {
+        format_version: CHECKPOINT_FORMAT_VERSION,
+        step,
+        seed,
+        data_position: step,
+        content_hash: hash.into(),
+        data: "bundled corpus".into(),
+        mesh: Default::default(),
+    }
 }
 
 fn bigram_dir(name: &str) -> Scratch {

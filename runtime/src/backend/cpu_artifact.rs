@@ -605,16 +605,15 @@ impl<'a> CpuArtifactTrainer<'a> {
         Ok(out)
     }
 
+    /// The state buffer with checkpoint name `name`.
+    pub fn state(&self, name: &str) -> Result<Tensor<f32>, RuntimeError> {
+        self.read(state_buffer(self.artifact, name)?)
+    }
+
     /// Overwrite the state buffer with checkpoint name `name` with `values` (row-major), encoded
     /// in the buffer's dtype.
     pub fn set_state(&mut self, name: &str, values: &[f32]) -> Result<(), RuntimeError> {
-        let artifact = self.artifact;
-        let b = artifact
-            .manifest
-            .buffers
-            .iter()
-            .find(|b| matches!(b.class, BufferClass::Param | BufferClass::OptimizerState) && b.state.as_ref().is_some_and(|s| s.name == name))
-            .ok_or_else(|| RuntimeError::Backend(format!("the artifact has no state buffer named `{name}`")))?;
+        let b = state_buffer(self.artifact, name)?;
         let numel = b.shape.iter().product::<u64>();
         crate::backend::check_state_len(name, usize_of(numel, name)?, values.len())?;
         let v = self.whole(b)?;
@@ -631,6 +630,16 @@ impl<'a> CpuArtifactTrainer<'a> {
         let b = self.artifact.buffer(id).ok_or_else(|| bad(format!("buffer {id} does not exist")))?;
         self.read(b)
     }
+}
+
+/// The param or optimizer-state buffer with checkpoint name `name`.
+pub(crate) fn state_buffer<'a>(artifact: &'a Artifact, name: &str) -> Result<&'a Buffer, RuntimeError> {
+    artifact
+        .manifest
+        .buffers
+        .iter()
+        .find(|b| matches!(b.class, BufferClass::Param | BufferClass::OptimizerState) && b.state.as_ref().is_some_and(|s| s.name == name))
+        .ok_or_else(|| RuntimeError::Backend(format!("the artifact has no state buffer named `{name}`")))
 }
 
 impl Trainer for CpuArtifactTrainer<'_> {
@@ -656,6 +665,10 @@ impl Trainer for CpuArtifactTrainer<'_> {
 
     fn states(&self) -> Result<Vec<(String, Tensor<f32>)>, RuntimeError> {
         CpuArtifactTrainer::states(self)
+    }
+
+    fn state(&self, name: &str) -> Result<Tensor<f32>, RuntimeError> {
+        CpuArtifactTrainer::state(self, name)
     }
 
     fn set_state(&mut self, name: &str, values: &[f32]) -> Result<(), RuntimeError> {

@@ -329,6 +329,13 @@ impl Trainer for CpuTrainer<'_> {
         Ok(CpuTrainer::states(self).map(|(p, t)| (p.name.clone(), t.clone())).collect())
     }
 
+    fn state(&self, name: &str) -> Result<Tensor<f32>, RuntimeError> {
+        CpuTrainer::states(self)
+            .find(|(p, _)| p.name == name)
+            .map(|(_, t)| t.clone())
+            .ok_or_else(|| RuntimeError::Backend(format!("the graph has no state named `{name}`")))
+    }
+
     fn set_state(&mut self, name: &str, values: &[f32]) -> Result<(), RuntimeError> {
         CpuTrainer::set_state(self, name, values)
     }

@@ -1273,16 +1273,16 @@ impl<'a> CudaArtifactTrainer<'a> {
         Ok(out)
     }
 
+    /// The state buffer with checkpoint name `name` (downloaded alone).
+    pub fn state(&self, name: &str) -> Result<Tensor<f32>, RuntimeError> {
+        self.gpu.bind()?;
+        self.read(crate::backend::cpu_artifact::state_buffer(self.artifact, name)?)
+    }
+
     /// Overwrite the state buffer with checkpoint name `name` with `values` (row-major).
     pub fn set_state(&mut self, name: &str, values: &[f32]) -> Result<(), RuntimeError> {
         self.gpu.bind()?;
-        let b = self
-            .artifact
-            .manifest
-            .buffers
-            .iter()
-            .find(|b| matches!(b.class, BufferClass::Param | BufferClass::OptimizerState) && b.state.as_ref().is_some_and(|s| s.name == name))
-            .ok_or_else(|| RuntimeError::Backend(format!("the artifact has no state buffer named `{name}`")))?;
+        let b = crate::backend::cpu_artifact::state_buffer(self.artifact, name)?;
         let numel = usize::try_from(b.shape.iter().product::<u64>()).map_err(|_| bad(format!("state `{name}` is too large")))?;
         crate::backend::check_state_len(name, numel, values.len())?;
         let (ptr, len) = self.arenas.whole(b)?;
@@ -1330,6 +1330,10 @@ impl Trainer for CudaArtifactTrainer<'_> {
 
     fn states(&self) -> Result<Vec<(String, Tensor<f32>)>, RuntimeError> {
         CudaArtifactTrainer::states(self)
+    }
+
+    fn state(&self, name: &str) -> Result<Tensor<f32>, RuntimeError> {
+        CudaArtifactTrainer::state(self, name)
     }
 
     fn set_state(&mut self, name: &str, values: &[f32]) -> Result<(), RuntimeError> {

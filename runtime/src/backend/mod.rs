@@ -16,6 +16,7 @@ pub use cpu_graph::{CpuTrainer, RankContext};
 pub use sim_mesh::{ArtifactMeshTrainer, MeshTrainer};
 
 use titan_ir::interp::Tensor;
+use titan_ir::{Graph, Mesh, Placement};
 
 use crate::RuntimeError;
 use crate::data::Batch;
@@ -47,6 +48,15 @@ pub trait Trainer {
     /// Every state buffer (master weights, AdamW moments) by checkpoint name (stacked ones
     /// carry `{i}`), in its dtype.
     fn states(&self) -> Result<Vec<(String, Tensor<f32>)>, RuntimeError>;
+    /// The state buffer with checkpoint name `name` alone (checkpoints read one at a time, so a
+    /// rank never holds a second copy of all its states).
+    fn state(&self, name: &str) -> Result<Tensor<f32>, RuntimeError> {
+        self.states()?
+            .into_iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, t)| t)
+            .ok_or_else(|| RuntimeError::Backend(format!("the model has no state named `{name}`")))
+    }
     /// Overwrite the whole state buffer with checkpoint name `name` (stacked ones carry `{i}`)
     /// with `values`, its elements in row-major order (for checkpoints).
     fn set_state(&mut self, name: &str, values: &[f32]) -> Result<(), RuntimeError> {
@@ -62,6 +72,62 @@ pub trait Trainer {
     fn flops_per_token(&self) -> Option<u64> {
         None
     }
+    /// The per-rank view of a trainer whose states are sharded over a device mesh (the
+    /// simulated mesh, a rank of a multi-process run): checkpoints are written and read rank by
+    /// rank through it. `None` for a single-device trainer, whose [`Trainer::states`] are whole.
+    fn sharded(&self) -> Option<&dyn ShardedStates> {
+        None
+    }
+    /// [`Trainer::sharded`], to restore states.
+    fn sharded_mut(&mut self) -> Option<&mut dyn ShardedStates> {
+        None
+    }
+}
+
+/// One state as every rank of a mesh holds it: its checkpoint name, its placement on the mesh
+/// and the shape of each rank's shard.
+#[derive(Clone, Debug, PartialEq)]
+pub struct StateLayout {
+    pub name: String,
+    pub placement: Vec<Placement>,
+    pub shape: Vec<usize>,
+}
+
+/// The states of the mesh ranks a process holds (every rank on the simulated mesh, its own in
+/// a multi-process run), for checkpoints that every rank writes and reads its own part of
+/// (`checkpoint::save`, `checkpoint::resume`).
+pub trait ShardedStates {
+    fn mesh(&self) -> Mesh;
+    /// The (global) ranks held here, in increasing order.
+    fn held_ranks(&self) -> Vec<usize>;
+    /// Every state's name, placement and per-rank shape (the same on every rank: SPMD).
+    fn layout(&self) -> Result<Vec<StateLayout>, RuntimeError>;
+    /// Rank `rank`'s shard of state `name`.
+    fn rank_state(&self, rank: usize, name: &str) -> Result<Tensor<f32>, RuntimeError>;
+    /// Overwrite rank `rank`'s shard of state `name` with `values` (row-major).
+    fn set_rank_state(&mut self, rank: usize, name: &str, values: &[f32]) -> Result<(), RuntimeError>;
+    /// Wait until every rank of the run got here; fails when one of them failed. A no-op when
+    /// this process holds every rank.
+    fn barrier(&self) -> Result<(), RuntimeError>;
+}
+
+/// The layout of the state arguments (master weights, moments) of `graph`'s `main`, in
+/// argument order.
+pub(crate) fn graph_state_layout(graph: &Graph) -> Result<Vec<StateLayout>, RuntimeError> {
+    let mut out = Vec::new();
+    for a in &graph.main.args {
+        if let Some(p) = a.kind.param_info() {
+            let shape = graph.main.ty(a.value).resolve(&graph.dims).map_err(RuntimeError::Graph)?;
+            out.push(StateLayout { name: p.name.clone(), placement: graph.main.value(a.value).placement.clone(), shape });
+        }
+    }
+    Ok(out)
+}
+
+/// The placement of the state argument named `name` of `graph`'s `main` (empty when none).
+pub(crate) fn state_placement(graph: &Graph, name: &str) -> Vec<Placement> {
+    let v = graph.main.args.iter().find(|a| a.kind.param_info().is_some_and(|q| q.name == name)).map(|a| a.value);
+    v.map(|v| graph.main.value(v).placement.clone()).unwrap_or_default()
 }
 
 /// The state buffer `name` must hold `have` elements to take `given` values.

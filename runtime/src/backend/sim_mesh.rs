@@ -15,7 +15,8 @@ use titan_ir::{Graph, Mesh, MeshDim, Placement};
 use crate::RuntimeError;
 use crate::artifact::Artifact;
 use crate::backend::cpu_graph::RankContext;
-use crate::backend::{CpuArtifactTrainer, CpuTrainer, StepMetrics, Trainer};
+use crate::backend::{CpuArtifactTrainer, CpuTrainer, ShardedStates, StateLayout, StepMetrics, Trainer, graph_state_layout, state_placement};
+use crate::checkpoint;
 use crate::data::Batch;
 
 /// How long a rank waits for the others at a collective before the run is declared stuck.
@@ -154,6 +155,7 @@ pub struct MeshTrainer<'g> {
     local_batch: usize,
     /// Whether `tokens` is sharded along `seq` on `tp` (sequence parallelism).
     seq_parallel: bool,
+    layout: Vec<StateLayout>,
 }
 
 impl<'g> MeshTrainer<'g> {
@@ -166,7 +168,7 @@ impl<'g> MeshTrainer<'g> {
         let ranks = contexts.into_iter().map(|c| CpuTrainer::with_rank(graph, seed, Some(c))).collect::<Result<Vec<_>, _>>()?;
         let local_batch = ranks.first().map_or(0, CpuTrainer::batch_size);
         let seq_parallel = is_seq_parallel(graph, mesh);
-        Ok(MeshTrainer { mesh, rv, ranks, local_batch, seq_parallel })
+        Ok(MeshTrainer { mesh, rv, ranks, local_batch, seq_parallel, layout: graph_state_layout(graph)? })
     }
 
     pub fn mesh(&self) -> Mesh {
@@ -231,12 +233,6 @@ fn sharded_dims(mesh: Mesh, placement: &[Placement]) -> Vec<(usize, u32)> {
             _ => None,
         })
         .collect()
-}
-
-/// The placement of the state argument named `name` of `graph`'s `main`.
-fn state_placement(graph: &Graph, name: &str) -> Vec<Placement> {
-    let v = graph.main.args.iter().find(|a| a.kind.param_info().is_some_and(|q| q.name == name)).map(|a| a.value);
-    v.map(|v| graph.main.value(v).placement.clone()).unwrap_or_default()
 }
 
 /// Run one step on every rank, each on its part of `batch` (see [`rank_batch`]), one thread
@@ -305,6 +301,7 @@ pub struct ArtifactMeshTrainer<'a> {
     ranks: Vec<CpuArtifactTrainer<'a>>,
     local_batch: usize,
     seq_parallel: bool,
+    layout: Vec<StateLayout>,
 }
 
 impl<'a> ArtifactMeshTrainer<'a> {
@@ -320,7 +317,7 @@ impl<'a> ArtifactMeshTrainer<'a> {
         let ranks = contexts.into_iter().map(|c| CpuArtifactTrainer::with_rank(artifact, seed, Some(c))).collect::<Result<Vec<_>, _>>()?;
         let local_batch = ranks.first().map_or(0, |r| r.batch_size());
         let seq_parallel = is_seq_parallel(graph, mesh);
-        Ok(ArtifactMeshTrainer { artifact, mesh, rv, ranks, local_batch, seq_parallel })
+        Ok(ArtifactMeshTrainer { artifact, mesh, rv, ranks, local_batch, seq_parallel, layout: artifact.state_layout()? })
     }
 
     pub fn mesh(&self) -> Mesh {
@@ -386,13 +383,22 @@ impl Trainer for ArtifactMeshTrainer<'_> {
     }
 
     fn set_state(&mut self, name: &str, values: &[f32]) -> Result<(), RuntimeError> {
-        let _ = values;
-        Err(RuntimeError::Backend(format!("restoring state `{name}` into a simulated mesh run is not supported yet; resume with a single-device artifact")))
+        scatter_state(self, name, values)
     }
 
     fn set_steps_done(&mut self, steps: u64) -> Result<(), RuntimeError> {
-        let _ = steps;
-        Err(RuntimeError::Backend("resuming a simulated mesh run is not supported yet; resume with a single-device artifact".into()))
+        for r in &mut self.ranks {
+            r.set_steps_done(steps);
+        }
+        Ok(())
+    }
+
+    fn sharded(&self) -> Option<&dyn ShardedStates> {
+        Some(self)
+    }
+
+    fn sharded_mut(&mut self) -> Option<&mut dyn ShardedStates> {
+        Some(self)
     }
 
     fn flops_per_token(&self) -> Option<u64> {
@@ -426,12 +432,85 @@ impl Trainer for MeshTrainer<'_> {
     }
 
     fn set_state(&mut self, name: &str, values: &[f32]) -> Result<(), RuntimeError> {
-        let _ = values;
-        Err(RuntimeError::Backend(format!("restoring state `{name}` into a simulated mesh run is not supported yet; resume with the single-rank graph")))
+        scatter_state(self, name, values)
     }
 
     fn set_steps_done(&mut self, steps: u64) -> Result<(), RuntimeError> {
-        let _ = steps;
-        Err(RuntimeError::Backend("resuming a simulated mesh run is not supported yet; resume with the single-rank graph".into()))
+        for r in &mut self.ranks {
+            r.set_steps_done(steps);
+        }
+        Ok(())
+    }
+
+    fn sharded(&self) -> Option<&dyn ShardedStates> {
+        Some(self)
+    }
+
+    fn sharded_mut(&mut self) -> Option<&mut dyn ShardedStates> {
+        Some(self)
+    }
+}
+
+/// Overwrite every rank's shard of state `name` with its part of the full tensor `values`.
+fn scatter_state(view: &mut dyn ShardedStates, name: &str, values: &[f32]) -> Result<(), RuntimeError> {
+    let mesh = view.mesh();
+    let s = view.layout()?.into_iter().find(|s| s.name == name).ok_or_else(|| RuntimeError::Backend(format!("the model has no state named `{name}`")))?;
+    for rank in view.held_ranks() {
+        let b = checkpoint::shard_box(name, &s.shape, &s.placement, mesh, mesh.coords(rank)).map_err(|e| RuntimeError::Backend(e.to_string()))?;
+        let shard = checkpoint::shard_values(&b, values).map_err(|e| RuntimeError::Backend(e.to_string()))?;
+        view.set_rank_state(rank, name, &shard)?;
+    }
+    Ok(())
+}
+
+impl ShardedStates for MeshTrainer<'_> {
+    fn mesh(&self) -> Mesh {
+        self.mesh
+    }
+
+    fn held_ranks(&self) -> Vec<usize> {
+        (0..self.ranks.len()).collect()
+    }
+
+    fn layout(&self) -> Result<Vec<StateLayout>, RuntimeError> {
+        Ok(self.layout.clone())
+    }
+
+    fn rank_state(&self, rank: usize, name: &str) -> Result<Tensor<f32>, RuntimeError> {
+        Trainer::state(self.ranks.get(rank).ok_or_else(|| RuntimeError::Backend(format!("the mesh has no rank {rank}")))?, name)
+    }
+
+    fn set_rank_state(&mut self, rank: usize, name: &str, values: &[f32]) -> Result<(), RuntimeError> {
+        self.ranks.get_mut(rank).ok_or_else(|| RuntimeError::Backend(format!("the mesh has no rank {rank}")))?.set_state(name, values)
+    }
+
+    fn barrier(&self) -> Result<(), RuntimeError> {
+        Ok(())
+    }
+}
+
+impl ShardedStates for ArtifactMeshTrainer<'_> {
+    fn mesh(&self) -> Mesh {
+        self.mesh
+    }
+
+    fn held_ranks(&self) -> Vec<usize> {
+        (0..self.ranks.len()).collect()
+    }
+
+    fn layout(&self) -> Result<Vec<StateLayout>, RuntimeError> {
+        Ok(self.layout.clone())
+    }
+
+    fn rank_state(&self, rank: usize, name: &str) -> Result<Tensor<f32>, RuntimeError> {
+        self.ranks.get(rank).ok_or_else(|| RuntimeError::Backend(format!("the mesh has no rank {rank}")))?.state(name)
+    }
+
+    fn set_rank_state(&mut self, rank: usize, name: &str, values: &[f32]) -> Result<(), RuntimeError> {
+        self.ranks.get_mut(rank).ok_or_else(|| RuntimeError::Backend(format!("the mesh has no rank {rank}")))?.set_state(name, values)
+    }
+
+    fn barrier(&self) -> Result<(), RuntimeError> {
+        Ok(())
     }
 }

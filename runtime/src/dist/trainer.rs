@@ -17,7 +17,7 @@ use crate::artifact::Artifact;
 use crate::backend::cpu_graph::RankContext;
 use crate::backend::cuda::{CudaArtifactTrainer, CudaRankSetup};
 use crate::backend::sim_mesh::{is_seq_parallel, rank_batch};
-use crate::backend::{CpuArtifactTrainer, CpuTrainer, StepMetrics, Trainer};
+use crate::backend::{CpuArtifactTrainer, CpuTrainer, ShardedStates, StateLayout, StepMetrics, Trainer, graph_state_layout};
 use crate::data::Batch;
 
 /// One rank of a multi-process mesh run on the CPU.
@@ -29,6 +29,8 @@ pub struct ProcessMeshTrainer<'g> {
     trainer: Box<dyn Trainer + 'g>,
     local_batch: usize,
     seq_parallel: bool,
+    /// Every state's name, placement and per-rank shape (for checkpoints).
+    layout: Vec<StateLayout>,
 }
 
 impl<'g> ProcessMeshTrainer<'g> {
@@ -42,7 +44,8 @@ impl<'g> ProcessMeshTrainer<'g> {
         let coords = comm.coords_of_rank();
         let trainer = CpuTrainer::with_rank(graph, seed, Some(RankContext { mesh, coords, comm }))?;
         let local_batch = trainer.batch_size();
-        Ok(ProcessMeshTrainer { mesh, coords, group, trainer: Box::new(trainer), local_batch, seq_parallel: is_seq_parallel(graph, mesh) })
+        let layout = graph_state_layout(graph)?;
+        Ok(ProcessMeshTrainer { mesh, coords, group, trainer: Box::new(trainer), local_batch, seq_parallel: is_seq_parallel(graph, mesh), layout })
     }
 
     /// Prepare rank `group.rank()` of an SPMD artifact (the mesh its `graph.ir` meta names,
@@ -57,7 +60,8 @@ impl<'g> ProcessMeshTrainer<'g> {
         let coords = comm.coords_of_rank();
         let trainer = CpuArtifactTrainer::with_rank(artifact, seed, Some(RankContext { mesh, coords, comm }))?;
         let local_batch = Trainer::batch_size(&trainer);
-        Ok(ProcessMeshTrainer { mesh, coords, group, trainer: Box::new(trainer), local_batch, seq_parallel: is_seq_parallel(graph, mesh) })
+        let layout = artifact.state_layout()?;
+        Ok(ProcessMeshTrainer { mesh, coords, group, trainer: Box::new(trainer), local_batch, seq_parallel: is_seq_parallel(graph, mesh), layout })
     }
 
     /// Prepare rank `group.rank()` of an SPMD artifact on GPU `device` (`LOCAL_RANK`): the
@@ -81,7 +85,8 @@ impl<'g> ProcessMeshTrainer<'g> {
         let setup = CudaRankSetup { group: &group, mesh, device, step_timeout };
         let trainer = CudaArtifactTrainer::with_rank(artifact, seed, Some(setup))?;
         let local_batch = Trainer::batch_size(&trainer);
-        Ok(ProcessMeshTrainer { mesh, coords, group, trainer: Box::new(trainer), local_batch, seq_parallel: is_seq_parallel(graph, mesh) })
+        let layout = artifact.state_layout()?;
+        Ok(ProcessMeshTrainer { mesh, coords, group, trainer: Box::new(trainer), local_batch, seq_parallel: is_seq_parallel(graph, mesh), layout })
     }
 
     pub fn mesh(&self) -> Mesh {
@@ -133,7 +138,59 @@ impl Trainer for ProcessMeshTrainer<'_> {
 
     fn states(&self) -> Result<Vec<(String, Tensor<f32>)>, RuntimeError> {
         Err(RuntimeError::Backend(
-            "gathering the state of a multi-process run (checkpoints) is not supported yet; checkpoint with the simulated mesh or one rank".into(),
+            "this process holds one rank's shards; a multi-process run writes and reads checkpoints rank by rank (`checkpoint::save`), not whole states".into(),
         ))
+    }
+
+    fn set_steps_done(&mut self, steps: u64) -> Result<(), RuntimeError> {
+        self.trainer.set_steps_done(steps)
+    }
+
+    fn sharded(&self) -> Option<&dyn ShardedStates> {
+        Some(self)
+    }
+
+    fn sharded_mut(&mut self) -> Option<&mut dyn ShardedStates> {
+        Some(self)
+    }
+}
+
+/// This process's rank: its shards through the backend's own `states`/`set_state` (the CPU
+/// trainers' arenas, the GPU's buffers), the barrier over the process group.
+impl ShardedStates for ProcessMeshTrainer<'_> {
+    fn mesh(&self) -> Mesh {
+        self.mesh
+    }
+
+    fn held_ranks(&self) -> Vec<usize> {
+        vec![self.group.rank()]
+    }
+
+    fn layout(&self) -> Result<Vec<StateLayout>, RuntimeError> {
+        Ok(self.layout.clone())
+    }
+
+    fn rank_state(&self, rank: usize, name: &str) -> Result<Tensor<f32>, RuntimeError> {
+        self.own(rank)?;
+        self.trainer.state(name)
+    }
+
+    fn set_rank_state(&mut self, rank: usize, name: &str, values: &[f32]) -> Result<(), RuntimeError> {
+        self.own(rank)?;
+        self.trainer.set_state(name, values)
+    }
+
+    fn barrier(&self) -> Result<(), RuntimeError> {
+        Ok(self.group.barrier()?)
+    }
+}
+
+impl ProcessMeshTrainer<'_> {
+    /// Only this process's rank is here.
+    fn own(&self, rank: usize) -> Result<(), RuntimeError> {
+        if rank != self.group.rank() {
+            return Err(RuntimeError::Backend(format!("invariant: rank {} holds the states of no other rank ({rank})", self.group.rank())));
+        }
+        Ok(())
     }
 }

@@ -66,6 +66,7 @@ fn debug_model_resumes_bit_identically_from_a_checkpoint() {
         data_position: data.position(),
         content_hash: hash.clone(),
         data: "bundled corpus".into(),
+        mesh: Default::default(),
     };
     let written = checkpoint::save(&ckpt.0, &first, &state).expect("save");
     let at_10 = bits(&first);

@@ -120,11 +120,21 @@ fn two_processes_run_an_spmd_artifact_like_the_simulated_mesh() {
     let opts = titan_compiler::build::BuildOptions { train: train_opts, mesh: Mesh::new(1, 1, 2), ..Default::default() };
     let dir = std::env::temp_dir().join(format!("titan-e2e-launch-{}", std::process::id())).join("tp2-artifact");
     titan_compiler::build::build_artifact(&m, &titan_ir::print::print_graph(&m), &opts, &dir).expect("build");
-    let (procs, stdout, stderr) = train(&dir, "tp2-artifact-procs", &["--nproc-per-node", "2"]);
-    let (sim, _, sim_stderr) = train(&dir, "tp2-artifact-sim", &[]);
+    let ckpt = dir.with_file_name("tp2-artifact-ckpt");
+    let sim_ckpt = dir.with_file_name("tp2-artifact-sim-ckpt");
+    let (procs, stdout, stderr) = train(&dir, "tp2-artifact-procs", &["--nproc-per-node", "2", "--checkpoint-dir", p(&ckpt)]);
+    let (sim, _, sim_stderr) = train(&dir, "tp2-artifact-sim", &["--checkpoint-dir", p(&sim_ckpt)]);
     println!("tp2 artifact: 2 processes {procs:?}; simulated mesh {sim:?}");
     assert_eq!(procs.len(), STEPS, "{stdout}\n{stderr}");
     assert_eq!(procs, sim, "the processes and the simulated mesh differ");
+    // Their checkpoints (each process wrote its tp shards) are the same bytes.
+    for file in ["model.safetensors", "optimizer.safetensors"] {
+        let at = |d: &Path| std::fs::read(d.join(format!("step-{STEPS}")).join(file)).expect("checkpoint file");
+        assert!(at(&ckpt) == at(&sim_ckpt), "{file}: the processes' checkpoint differs from the simulated mesh's");
+    }
+    for d in [&ckpt, &sim_ckpt] {
+        let _ = std::fs::remove_dir_all(d);
+    }
     assert!(stderr.contains("on 2 cpu processes") && stderr.contains("collectives per step per rank"), "{stderr}");
     assert!(sim_stderr.contains("on a simulated cpu mesh of 2 ranks (tp 2)"), "{sim_stderr}");
     // On the GPU an SPMD artifact runs one process per GPU: a single process says how, and a
@@ -137,6 +147,72 @@ fn two_processes_run_an_spmd_artifact_like_the_simulated_mesh() {
     let e = text(&out.stderr);
     assert!(!out.status.success() && e.contains("graph mode (a `.ir` file) runs on the cpu backend only"), "{e}");
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Checkpoints of a multi-process run (dp_shard 2 over TCP): every rank writes its own shards
+/// into the single-device format. 4 steps straight == 2 steps + checkpoint + `--resume` to 4
+/// (the losses bit for bit); the files are byte-identical to those the simulated mesh writes
+/// (the processes compute the same bits); the checkpoint resumes in the simulated mesh too, and
+/// on one device only with --allow-different-build (another mesh is another build), tracking
+/// the run within the distributed tolerance.
+#[test]
+fn two_processes_checkpoint_and_resume_bit_identically() {
+    let spmd = graph_file("ckpt-fsdp2", Some(Mesh::new(1, 2, 1)));
+    let ckpt = spmd.with_file_name("ckpt-fsdp2-procs");
+    let sim_ckpt = spmd.with_file_name("ckpt-fsdp2-sim");
+    for d in [&ckpt, &sim_ckpt] {
+        let _ = std::fs::remove_dir_all(d);
+    }
+    let (straight, _, _) = train(&spmd, "ckpt-fsdp2-straight", &["--nproc-per-node", "2"]);
+    // 2 steps with a checkpoint, then resumed to 4, appending to the same metrics file.
+    let metrics = spmd.with_file_name("ckpt-fsdp2-resumed.jsonl");
+    let _ = std::fs::remove_file(&metrics);
+    let run = |args: &[&str]| {
+        let out = titan_run(args);
+        let stderr = text(&out.stderr);
+        assert!(out.status.success(), "titan-run {args:?} failed:\n{stderr}");
+        (text(&out.stdout), stderr)
+    };
+    let (stdout, _) = run(&[p(&spmd), "--steps", "2", "--nproc-per-node", "2", "--checkpoint-dir", p(&ckpt), "--metrics", p(&metrics)]);
+    assert_eq!(stdout.matches("checkpoint written to").count(), 1, "rank 0 alone reports it:\n{stdout}");
+    let (_, stderr) = run(&[p(&spmd), "--steps", "4", "--nproc-per-node", "2", "--resume", p(&ckpt), "--metrics", p(&metrics)]);
+    assert!(stderr.contains("resumed from") && stderr.contains("at step 2") && !stderr.contains("[rank 1] titan-run: resumed"), "{stderr}");
+    let resumed = losses(&metrics);
+    println!("dp_shard 2 on 2 processes: straight {straight:?}, resumed {resumed:?}");
+    assert_eq!(resumed, straight, "losses of the resumed multi-process run");
+
+    // The simulated mesh writes the same bytes at step 2.
+    run(&[p(&spmd), "--steps", "2", "--checkpoint-dir", p(&sim_ckpt)]);
+    for file in ["model.safetensors", "optimizer.safetensors"] {
+        let a = std::fs::read(ckpt.join("step-2").join(file)).expect("read");
+        let b = std::fs::read(sim_ckpt.join("step-2").join(file)).expect("read");
+        assert!(a == b, "{file}: the processes' checkpoint differs from the simulated mesh's");
+    }
+    let state = std::fs::read_to_string(ckpt.join("step-2").join("trainer_state.json")).expect("state");
+    assert!(state.contains("\"dp_shard\": 2"), "{state}");
+
+    // The processes' checkpoint resumed in one process on the simulated mesh: the same losses.
+    let (sim, _, _) = train(&spmd, "ckpt-fsdp2-sim-resumed", &["--resume", p(&ckpt)]);
+    assert_eq!(sim, straight[2..].to_vec(), "resumed on the simulated mesh");
+
+    // --init-from on 2 processes: each rank loads its slices of the parameters; the step-3 loss
+    // differs from the resumed run's (the moments start at zero), and rank 0 alone says so.
+    let (init, _, stderr) = train(&spmd, "ckpt-fsdp2-init", &["--nproc-per-node", "2", "--init-from", p(&ckpt.join("step-2").join("model.safetensors"))]);
+    assert_eq!(stderr.matches("parameters loaded from").count(), 1, "{stderr}");
+    assert_eq!(init.len(), STEPS);
+    assert!(init[0] < straight[0], "training starts from the step-2 weights: {init:?} vs {straight:?}");
+
+    // On one device: another build, said so; allowed, it tracks the mesh run.
+    let single = graph_file("ckpt-single", None);
+    let out = titan_run(&[p(&single), "--steps", "4", "--resume", p(&ckpt)]);
+    let e = text(&out.stderr);
+    assert!(!out.status.success() && e.contains("written on a mesh of dp_shard 2 and this run is on one device"), "{e}");
+    let (one, _, _) = train(&single, "ckpt-single-resumed", &["--resume", p(&ckpt), "--allow-different-build"]);
+    let diff = one.iter().zip(&straight[2..]).map(|(a, b)| (a - b).abs()).fold(0.0, f64::max);
+    assert!(diff <= LOSS_TOL, "one device resumed from the processes' checkpoint: {one:?} vs {straight:?}");
+    for d in [&ckpt, &sim_ckpt] {
+        let _ = std::fs::remove_dir_all(d);
+    }
 }
 
 #[test]
@@ -164,8 +240,8 @@ fn bad_launches_are_refused_clearly() {
     assert!(e.contains("RANK=2 is not below WORLD_SIZE=2"), "{e}");
     let e = err(&[p(&spmd), "--steps", "2", "--nproc-per-node", "2"], &[("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "h"), ("MASTER_PORT", "9")]);
     assert!(e.contains("--nproc-per-node launches its own ranks"), "{e}");
-    let e = err(&[p(&spmd), "--steps", "2", "--nproc-per-node", "2", "--checkpoint-dir", "/tmp/x"], &[]);
-    assert!(e.contains("--checkpoint-dir is not supported in a multi-process run yet"), "{e}");
+    let e = err(&[p(&spmd), "--steps", "2", "--nproc-per-node", "2", "--profile"], &[]);
+    assert!(e.contains("--profile is not supported in a multi-process run yet"), "{e}");
     // Slurm: the rendezvous host is the first of the nodelist; rank 0 not there times out, naming it.
     let e = err(
         &[p(&spmd), "--steps", "2", "--rendezvous-timeout", "1"],

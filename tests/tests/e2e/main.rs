@@ -10,6 +10,7 @@ mod distributed;
 mod example_files;
 mod fusion;
 mod launch;
+mod mesh_checkpoint;
 mod ptx_presets;
 mod train_debug;
 mod train_graph;
