@@ -222,6 +222,9 @@ fn spmd_plans_are_sound() {
 /// gather nothing over dp_shard, both slots of every prefetched carry are live together for
 /// the whole loop (two layers' gathered weights), so the predicted peak is about one layer's
 /// gathered weights above the build without prefetch, and the communication is the same.
+/// A loop's carries, body and prefetch steps.
+type LoopParts<'a> = (&'a [[u32; 2]], &'a [Step], &'a [Step]);
+
 #[test]
 fn prefetched_gathers_hold_two_layers_of_gathered_weights() {
     use titan_ir::artifact::CollectiveOp;
@@ -231,11 +234,11 @@ fn prefetched_gathers_hold_two_layers_of_gathered_weights() {
         compile(&m, "", &opts, false, None).unwrap_or_else(|e| panic!("{e}")).0.manifest
     };
     let (on, off) = (build(true), build(false));
-    let loops: Vec<(&Vec<[u32; 2]>, &Vec<Step>, &Vec<Step>)> = on.ranks[0]
+    let loops: Vec<LoopParts<'_>> = on.ranks[0]
         .steps
         .iter()
         .filter_map(|s| match s {
-            Step::Loop { carries, body, prefetch, .. } => Some((carries, body, prefetch)),
+            Step::Loop { carries, body, prefetch, .. } => Some((carries.as_slice(), body.as_slice(), prefetch.as_slice())),
             _ => None,
         })
         .collect();
