@@ -78,17 +78,21 @@ fn run(t: &mut dyn Trainer) -> Run {
     Run { losses, grad_norms, states: t.states().expect("states") }
 }
 
-fn single_rank_artifact(name: &str) -> Run {
-    let (dir, _) = build(&model(), Mesh::new(1, 1, 1), &format!("{name}-single"));
+fn single_rank_artifact(model: &Graph, name: &str) -> Run {
+    let (dir, _) = build(model, Mesh::new(1, 1, 1), &format!("{name}-single"));
     let artifact = Artifact::load(&dir).expect("load");
     let mut t = CpuArtifactTrainer::new(&artifact, 0).expect("trainer");
     run(&mut t)
 }
 
 fn check(mesh: Mesh, name: &str) {
+    check_model(&model(), mesh, name);
+}
+
+fn check_model(model: &Graph, mesh: Mesh, name: &str) {
     let start = Instant::now();
-    let want = single_rank_artifact(name);
-    let (dir, summary) = build(&model(), mesh, name);
+    let want = single_rank_artifact(model, name);
+    let (dir, summary) = build(model, mesh, name);
     assert_eq!(summary.mesh.world_size, mesh.world_size());
     let artifact = Artifact::load(&dir).expect("load");
     assert!(artifact.collectives_per_step() > 0);
@@ -126,6 +130,16 @@ fn tp_2_artifact_matches_single_rank_artifact() {
 #[test]
 fn dp_shard_2_artifact_matches_single_rank_artifact() {
     check(Mesh::new(1, 2, 1), "fsdp2");
+}
+
+/// Three layers: an odd count, so the prefetched carries (`prefetch-next-layer`) end in the
+/// other ping-pong slot than with two, and the middle layer both reads a prefetched weight and
+/// prefetches the next one.
+#[test]
+fn dp_shard_2_over_3_layers_artifact_matches_single_rank_artifact() {
+    let cfg = LlamaConfig { dtype: DType::F32, n_layers: 3, ..LlamaConfig::preset(Preset::Debug) };
+    let m = build_llama3(&cfg, "llama3_debug_3l").expect("3-layer debug model");
+    check_model(&m, Mesh::new(1, 2, 1), "fsdp2-3l");
 }
 
 #[test]
