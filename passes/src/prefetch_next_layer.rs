@@ -14,10 +14,10 @@
 //! gathered weights are live during the loop (the carry's two slots) instead of one.
 //!
 //! ```text
-//! block @layer(%h, %wq.g: bf16[64, 64], %wq: bf16[32, 64]) {     // before: %wq.g = all_gather(%wq)
-//!   %wq.g.next = all_gather(%wq) {mesh_dim = dp_shard, ...}     // %wq is read at layer l + 1
-//!   ... linear(%xn, %wq.g) ...
-//!   return %h2, %wq.g.next
+//! block @layer(%h, %wq.gathered: bf16[64, 64], %wq: bf16[32, 64]) {   // before: %wq.gathered = all_gather(%wq)
+//!   %wq.gathered.next = all_gather(%wq) {mesh_dim = dp_shard, ...}    // %wq is read at layer l + 1
+//!   ... linear(%xn, %wq.gathered) ...
+//!   return %h2, %wq.gathered.next
 //! }
 //! %h = repeat(%x, %layers.wq) {block = @layer, ..., prefetch = 1}
 //! ```
