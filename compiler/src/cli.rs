@@ -272,6 +272,11 @@ pub struct ParallelFlags {
     /// has no GPU kernels yet, so a tp > 1 build for --backend cuda needs this)
     #[arg(long)]
     pub disable_loss_parallel: bool,
+    /// With dp_shard > 1: gather each layer's weight shards at the top of that layer instead of
+    /// during the previous layer (turns the `prefetch-next-layer` pass off; saves one layer's
+    /// gathered weights of memory, loses the cross-layer overlap)
+    #[arg(long)]
+    pub disable_prefetch_next_layer: bool,
 }
 
 impl ParallelFlags {
@@ -285,6 +290,7 @@ impl ParallelFlags {
             ep: self.ep,
             world_size: self.world_size,
             disable_loss_parallel: self.disable_loss_parallel.then_some(true),
+            disable_prefetch_next_layer: self.disable_prefetch_next_layer.then_some(true),
         }
     }
 }
@@ -486,6 +492,9 @@ fn cmd_lower(a: &LowerArgs) -> Result<Outcome, CliError> {
         if request.disable_loss_parallel == Some(true) {
             titan_passes::shard_tp::disable_loss_parallel(&mut g);
         }
+        if request.disable_prefetch_next_layer == Some(true) {
+            titan_passes::prefetch_next_layer::disable_prefetch_next_layer(&mut g);
+        }
     }
     let lowered = lower_to_train(&g, &opts)?;
     let errors = titan_ir::verify::verify(&lowered);
@@ -543,6 +552,7 @@ impl BuildArgs {
             report: self.report,
             mesh: titan_ir::Mesh::new(1, 1, 1),
             loss_parallel: true,
+            prefetch_next_layer: true,
         })
     }
 }
@@ -562,6 +572,7 @@ fn cmd_build(a: &BuildArgs) -> Result<Outcome, CliError> {
     let mut opts = a.build_options(job.as_ref())?;
     opts.mesh = dims.spmd_mesh()?;
     opts.loss_parallel = !request.disable_loss_parallel.unwrap_or(false);
+    opts.prefetch_next_layer = !request.disable_prefetch_next_layer.unwrap_or(false);
     let summary = build_artifact(&model, &text, &opts, &a.output)?;
     let mut out = Outcome { stdout: summary.to_string(), stderr: String::new() };
     for (pass, ir) in &summary.pipeline.dumps {

@@ -45,6 +45,7 @@ pub const SECTIONS: [(&str, &[&str]); 10] = [
             "pipeline_parallel_degree",
             "expert_parallel_degree",
             "disable_loss_parallel",
+            "disable_prefetch_next_layer",
         ],
     ),
 ];
@@ -411,6 +412,7 @@ impl JobConfig {
             ep: par.int("expert_parallel_degree")?,
             world_size: None,
             disable_loss_parallel: par.bool("disable_loss_parallel")?,
+            disable_prefetch_next_layer: par.bool("disable_prefetch_next_layer")?,
         };
         Ok(cfg)
     }

@@ -516,7 +516,7 @@ fn build_main(cfg: &LlamaConfig, g: &mut Graph, layer: BlockId) -> Result<(), St
         let stacked_n = stacked.len() as u32;
         let mut inputs = vec![x];
         inputs.extend(&stacked);
-        let h = b.push1(Op::Repeat { block: layer, count, carry: 1, stacked: stacked_n, reverse: false }, &inputs)?;
+        let h = b.push1(Op::Repeat { block: layer, count, carry: 1, stacked: stacked_n, reverse: false, prefetch: 0 }, &inputs)?;
         b.name(h, "h");
         let hn = b.push1(Op::RmsNorm { eps: cfg.norm_eps }, &[h, norm])?;
         b.name(hn, "h_norm");

@@ -28,6 +28,10 @@ pub struct ParallelRequest {
     /// TorchTitan's `disable_loss_parallel`: all-gather the vocab-parallel logits and compute the
     /// cross-entropy whole on every tp rank (instead of the per-token statistics exchange).
     pub disable_loss_parallel: Option<bool>,
+    /// titan's `disable_prefetch_next_layer` (no TorchTitan equivalent: FSDP2 prefetches the
+    /// next layer implicitly): gather each layer's weight shards at the top of that layer
+    /// instead of during the previous one (the `prefetch-next-layer` pass is a no-op).
+    pub disable_prefetch_next_layer: Option<bool>,
 }
 
 impl ParallelRequest {
@@ -42,6 +46,7 @@ impl ParallelRequest {
             ep: self.ep.or(base.ep),
             world_size: self.world_size.or(base.world_size),
             disable_loss_parallel: self.disable_loss_parallel.or(base.disable_loss_parallel),
+            disable_prefetch_next_layer: self.disable_prefetch_next_layer.or(base.disable_prefetch_next_layer),
         }
     }
 }
@@ -243,6 +248,7 @@ mod tests {
             ep: Some(ep),
             world_size: world,
             disable_loss_parallel: None,
+            disable_prefetch_next_layer: None,
         }
     }
 

@@ -91,7 +91,7 @@ fn repeat_runs_the_layer_block_n_layers_times() {
     let g = preset_graph(Preset::B70);
     let repeat = g.main.order.iter().map(|&n| &g.main.node(n).op).find(|op| matches!(op, Op::Repeat { .. }));
     match repeat {
-        Some(Op::Repeat { count, carry, stacked, reverse, block }) => {
+        Some(Op::Repeat { count, carry, stacked, reverse, block, .. }) => {
             assert_eq!((*count, *carry, *stacked, *reverse), (80, 1, 9, false));
             assert_eq!(g.block(*block).name, "layer");
         }

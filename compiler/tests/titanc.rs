@@ -244,6 +244,40 @@ fn build_with_parallel_degrees_prints_the_mesh_report() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// FSDP builds prefetch the next layer's weights by default (`prefetch = 9` on both loops of the
+/// training graph, `prefetch` steps in the artifact's loops); `--disable-prefetch-next-layer`
+/// and the job config's `parallelism.disable_prefetch_next_layer = true` turn it off, and change
+/// the content hash.
+#[test]
+fn prefetch_next_layer_is_on_for_fsdp_and_can_be_turned_off() {
+    let dir = scratch("prefetch");
+    let model = workspace_file("examples/llama3-debug.ir");
+    let lowered = |extra: &[&str]| {
+        let out = titanc(&[&["lower", model.as_str(), "--to", "train", "--dp-shard", "2"], extra].concat());
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        text(&out.stdout).matches("prefetch = 9}").count()
+    };
+    assert_eq!(lowered(&[]), 2, "the forward and the backward loop");
+    assert_eq!(lowered(&["--disable-prefetch-next-layer"]), 0);
+    let job = dir.join("job.toml");
+    std::fs::write(&job, "[parallelism]\ndisable_prefetch_next_layer = true\n").unwrap();
+    let built = |name: &str, extra: &[&str]| {
+        let o = dir.join(name);
+        let out = titanc(&[&["build", model.as_str(), "-o", o.to_str().unwrap(), "--dp-shard", "2"], extra].concat());
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        let manifest = std::fs::read_to_string(o.join("manifest.json")).unwrap();
+        let hash = manifest.lines().find(|l| l.contains("\"content_hash\"")).unwrap_or_default().to_string();
+        (manifest.contains("\"prefetch\": ["), hash)
+    };
+    let (on, hash_on) = built("on", &[]);
+    let (flag, hash_off) = built("flag", &["--disable-prefetch-next-layer"]);
+    let (file, hash_file) = built("file", &["--job-config", job.to_str().unwrap()]);
+    assert_eq!((on, flag, file), (true, false, false));
+    assert_ne!(hash_on, hash_off);
+    assert_eq!(hash_off, hash_file);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// `titanc lower --to train` with parallel degrees writes an SPMD graph for the simulated mesh;
 /// degrees the partitioning passes do not handle are refused with what to change.
 #[test]

@@ -15,8 +15,10 @@ use crate::placement::MeshDim as GraphMeshDim;
 
 /// Bumped on every change a reader of an older version would misread. Version 3 added the
 /// `collective` schedule step and the optional mesh `report` (SPMD artifacts): a version-2
-/// reader would reject the unknown step and run a mesh artifact as one rank.
-pub const FORMAT_VERSION: u32 = 3;
+/// reader would reject the unknown step and run a mesh artifact as one rank. Version 4 added
+/// the loop's `prefetch` steps (`prefetch-next-layer`): a version-3 reader would ignore them
+/// and read prefetched carry slots nothing wrote.
+pub const FORMAT_VERSION: u32 = 4;
 pub const MANIFEST_FILE: &str = "manifest.json";
 /// The fused training graph; each kernel's `body` names one of its blocks.
 pub const GRAPH_FILE: &str = "graph.ir";
@@ -280,7 +282,20 @@ pub enum Step {
     /// Run `body` `count` times with layer index `i = 0..count` (or `count-1..=0` when
     /// `reverse`). Iteration `t` (0-based, in execution order) reads carry slot `c` from
     /// `carries[c][t % 2]` and writes it to `carries[c][(t + 1) % 2]`.
-    Loop { count: u32, reverse: bool, carries: Vec<[u32; 2]>, body: Vec<Step> },
+    ///
+    /// `prefetch` (empty unless the graph's `repeat` has prefetched carries) computes the next
+    /// iteration's prefetched carries from the next layer's slices: it runs once before the
+    /// first iteration with the first layer's index (as iteration `-1`: its `out` carries are
+    /// `carries[c][0]`), then at the top of every iteration `t` but the last, before `body`,
+    /// with iteration `t + 1`'s layer index and iteration `t`'s carry slots.
+    Loop {
+        count: u32,
+        reverse: bool,
+        carries: Vec<[u32; 2]>,
+        body: Vec<Step>,
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        prefetch: Vec<Step>,
+    },
     /// One collective of an SPMD schedule (or a rank-local `take_shard`/`place_shard`), a step of
     /// its own: `output` gets `collective` of `input` over the `group` ranks that differ from
     /// this one only along `mesh_dim`. `input` is `in_shape` and `output` `out_shape`, both of
@@ -535,5 +550,64 @@ impl Manifest {
             return Err(ArtifactError::Version { found: found as u32, expected: FORMAT_VERSION });
         }
         serde_json::from_value(v).map_err(|e| ArtifactError::Malformed { path: path.into(), message: e.to_string() })
+    }
+}
+
+/// One run of a loop's steps, in execution order (see [`Step::Loop`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LoopRun {
+    /// Run the loop's `prefetch` steps (else its `body`).
+    pub prefetch: bool,
+    /// The layer index `i` that `layer` slices resolve to.
+    pub layer: usize,
+    /// The iteration whose carry slots `carry` references resolve to: `in` is
+    /// `carries[c][t % 2]`, `out` `carries[c][(t + 1) % 2]`. The prologue runs as iteration
+    /// `-1`, written here as 1 (the same parity: its `out` slot is `carries[c][0]`).
+    pub t: usize,
+}
+
+/// The runs of a loop of `count` iterations, with `prefetch` steps or not: the prologue
+/// prefetch (the first layer), then per iteration `t` the prefetch of iteration `t + 1`'s
+/// layer (but in the last) followed by the body.
+pub fn loop_runs(count: u32, reverse: bool, prefetch: bool) -> Vec<LoopRun> {
+    let count = count as usize;
+    let layer = |t: usize| if reverse { count - 1 - t } else { t };
+    let mut runs = Vec::with_capacity(if prefetch { 2 * count } else { count });
+    if prefetch && count > 0 {
+        runs.push(LoopRun { prefetch: true, layer: layer(0), t: 1 });
+    }
+    for t in 0..count {
+        if prefetch && t + 1 < count {
+            runs.push(LoopRun { prefetch: true, layer: layer(t + 1), t });
+        }
+        runs.push(LoopRun { prefetch: false, layer: layer(t), t });
+    }
+    runs
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Forward and reverse, with and without prefetch: the prologue fetches the first layer into
+    /// slot 0, iteration `t` fetches layer `t + 1`'s into slot `(t + 1) % 2` (none in the last),
+    /// and each layer is fetched exactly once.
+    #[test]
+    fn loop_runs_prefetch_each_layer_once_ahead_of_its_iteration() {
+        let run = |prefetch, layer, t| LoopRun { prefetch, layer, t };
+        assert_eq!(loop_runs(3, false, false), [run(false, 0, 0), run(false, 1, 1), run(false, 2, 2)]);
+        assert_eq!(loop_runs(3, true, true), [run(true, 2, 1), run(true, 1, 0), run(false, 2, 0), run(true, 0, 1), run(false, 1, 1), run(false, 0, 2)]);
+        for (count, reverse) in [(1, false), (2, true), (5, false), (6, true)] {
+            let runs = loop_runs(count, reverse, true);
+            let mut fetched: Vec<usize> = runs.iter().filter(|r| r.prefetch).map(|r| r.layer).collect();
+            fetched.sort_unstable();
+            assert_eq!(fetched, (0..count as usize).collect::<Vec<_>>());
+            // A prefetch writes the slot its layer's body then reads.
+            for (i, r) in runs.iter().enumerate().filter(|(_, r)| r.prefetch) {
+                let body = runs[i..].iter().find(|b| !b.prefetch && b.layer == r.layer).expect("the layer runs later");
+                assert_eq!((r.t + 1) % 2, body.t % 2);
+            }
+        }
+        assert!(loop_runs(0, false, true).is_empty());
     }
 }

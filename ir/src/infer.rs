@@ -331,21 +331,25 @@ pub fn infer_types(op: &Op, inputs: &[&TensorType], declared: Option<&[TensorTyp
             need_float(inputs[0], "all_reduce operand")?;
             vec![inputs[0].clone()]
         }
-        Op::Repeat { block, count, carry, stacked, .. } => {
+        Op::Repeat { block, count, carry, stacked, prefetch, .. } => {
             let region = ctx.blocks.get(block.index()).ok_or_else(|| format!("repeat names block #{} which does not exist", block.0))?;
-            let (nc, ns) = (*carry as usize, *stacked as usize);
-            if inputs.len() != region.args.len() {
-                return Err(format!("repeat passes {} operands to @{} which takes {}", inputs.len(), region.name, region.args.len()));
+            let (nc, ns, np) = (*carry as usize, *stacked as usize, *prefetch as usize);
+            // The block's arguments are the operands with the `prefetch` prefetched carries
+            // (which have no operand) after the carried ones; likewise its outputs and the results.
+            if inputs.len() + np != region.args.len() {
+                let prefetched = if np > 0 { format!(" (and {np} prefetched carries)") } else { String::new() };
+                return Err(format!("repeat passes {} operands{prefetched} to @{} which takes {}", inputs.len(), region.name, region.args.len()));
             }
             if nc + ns > inputs.len() {
                 return Err(format!("repeat: carry ({nc}) + stacked ({ns}) exceed the {} operands", inputs.len()));
             }
-            if region.outputs.len() < nc {
-                return Err(format!("repeat: @{} returns {} values, fewer than carry = {nc}", region.name, region.outputs.len()));
+            if region.outputs.len() < nc + np {
+                return Err(format!("repeat: @{} returns {} values, fewer than carry + prefetch = {}", region.name, region.outputs.len(), nc + np));
             }
             let layers = Dim::Fixed(u64::from(*count));
-            for (i, (inp, arg)) in inputs.iter().zip(&region.args).enumerate() {
-                let arg_ty = region.ty(arg.value);
+            let arg_of_operand = |i: usize| if i < nc { i } else { i + np };
+            for (i, inp) in inputs.iter().enumerate() {
+                let arg_ty = region.ty(region.args[arg_of_operand(i)].value);
                 if i >= nc && i < nc + ns {
                     if inp.rank() != arg_ty.rank() + 1
                         || !same_dim(&inp.shape[0], &layers, dims)
@@ -361,12 +365,14 @@ pub fn infer_types(op: &Op, inputs: &[&TensorType], declared: Option<&[TensorTyp
             let mut out = Vec::new();
             for (i, o) in region.outputs.iter().enumerate() {
                 let t = region.ty(o.value);
-                if i < nc {
+                if i < nc + np {
                     let carried = region.ty(region.args[i].value);
                     if !t.same_as(carried, dims) {
                         return Err(format!("repeat: @{} returns {t} for carried value {i} of type {carried}", region.name));
                     }
-                    out.push(t.clone());
+                    if i < nc {
+                        out.push(t.clone());
+                    }
                 } else {
                     let mut s = vec![layers.clone()];
                     s.extend(t.shape.iter().cloned());

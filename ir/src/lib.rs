@@ -11,6 +11,7 @@ pub mod interp;
 pub mod op;
 pub mod parse;
 pub mod placement;
+pub mod prefetch;
 pub mod print;
 pub mod shape;
 pub mod verify;

@@ -282,13 +282,19 @@ pub enum Op {
     /// Run `block` `count` times. Inputs: `carry` carried values, then `stacked` per-layer
     /// values (leading dim `count`, sliced per layer), then values every layer sees whole.
     /// Results: the final carried values, then the block's other outputs stacked per layer.
-    /// `reverse` walks layers from `count - 1` down to 0.
+    /// `reverse` walks layers from `count - 1` down to 0. `prefetch` (0 unless the
+    /// `prefetch-next-layer` pass wrote it) is the number of **prefetched carries**: block
+    /// arguments and outputs right after the `carry` carried ones that have no operand and no
+    /// result; the block's prefetch nodes (see [`crate::prefetch::PrefetchSplit`]) compute
+    /// them from the *next* layer's slices, once before the first layer and then during every
+    /// layer but the last.
     Repeat {
         block: BlockId,
         count: u32,
         carry: u32,
         stacked: u32,
         reverse: bool,
+        prefetch: u32,
     },
     /// One kernel launch: run `body` (a block outlined by the fusion pass) on the inputs.
     /// Inputs bind the body's arguments in order; results are the body's outputs.
@@ -542,13 +548,19 @@ impl Op {
                 ("min_lr_ratio", f(s.min_lr_ratio)),
             ],
             Op::AdamW(c) => vec![("beta1", f(c.beta1)), ("beta2", f(c.beta2)), ("eps", f(c.eps)), ("weight_decay", f(c.weight_decay))],
-            Op::Repeat { block, count, carry, stacked, reverse } => vec![
-                ("block", AttrValue::Symbol(block_name(*block))),
-                ("count", i(u64::from(*count))),
-                ("carry", i(u64::from(*carry))),
-                ("stacked", i(u64::from(*stacked))),
-                ("reverse", b(*reverse)),
-            ],
+            Op::Repeat { block, count, carry, stacked, reverse, prefetch } => {
+                let mut v = vec![
+                    ("block", AttrValue::Symbol(block_name(*block))),
+                    ("count", i(u64::from(*count))),
+                    ("carry", i(u64::from(*carry))),
+                    ("stacked", i(u64::from(*stacked))),
+                    ("reverse", b(*reverse)),
+                ];
+                if *prefetch > 0 {
+                    v.push(("prefetch", i(u64::from(*prefetch))));
+                }
+                v
+            }
             Op::Kernel { body, kind } => vec![("body", AttrValue::Symbol(block_name(*body))), ("kind", word(kind.name()))],
             Op::AllGather { mesh_dim, dim, size } | Op::TakeShard { mesh_dim, dim, size } | Op::PlaceShard { mesh_dim, dim, size } => {
                 vec![("mesh_dim", word(mesh_dim.name())), ("dim", i(u64::from(*dim))), ("size", i(u64::from(*size)))]
@@ -652,7 +664,11 @@ impl Op {
                 let carry = small(&mut a, "carry")?;
                 let stacked = small(&mut a, "stacked")?;
                 let reverse = a.take_bool("reverse")?;
-                Op::Repeat { block, count, carry, stacked, reverse }
+                let prefetch = match a.get("prefetch") {
+                    None => 0,
+                    Some(_) => small(&mut a, "prefetch")?,
+                };
+                Op::Repeat { block, count, carry, stacked, reverse, prefetch }
             }
             "kernel" => {
                 let body = match a.take_required("body")? {

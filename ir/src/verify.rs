@@ -338,6 +338,11 @@ impl<'g> Checker<'g> {
             let declared: Vec<TensorType> = node.results.iter().map(|&v| r.values[v.index()].ty.clone()).collect();
             if let Err(msg) = infer_types(&node.op, &inputs, Some(&declared), &ctx) {
                 self.err(Loc::Node(rr, n), msg);
+            } else if let Op::Repeat { block, carry, stacked, prefetch, .. } = node.op
+                && prefetch > 0
+                && let Err(msg) = crate::prefetch::prefetch_split(&self.g.blocks[block.index()], carry as usize, stacked as usize, prefetch as usize)
+            {
+                self.err(Loc::Node(rr, n), format!("repeat: {msg}"));
             }
         }
 
@@ -689,7 +694,7 @@ mod tests {
         let ws = b.region.add_arg(f32s(&[2, 4, 4]), ArgKind::Param(info), Some("ws"));
         let state = ParamInfo { name: "s".into(), init: Init::Ones };
         let s = b.region.add_arg(TensorType::new(DType::F32, vec![Dim::named("n")]), ArgKind::State(state), Some("s"));
-        let op = Op::Repeat { block: BlockId(0), count: 2, carry: 1, stacked: 1, reverse: false };
+        let op = Op::Repeat { block: BlockId(0), count: 2, carry: 1, stacked: 1, reverse: false, prefetch: 0 };
         let Ok(r) = b.push1(op, &[x, ws]) else { panic!("valid repeat does not build") };
         let Ok(u) = b.push1(Op::Binary(BinaryOp::Add), &[s, r]) else { panic!("valid add does not build") };
         b.region.outputs.push(Output { name: Some("y".into()), value: r });
@@ -730,7 +735,7 @@ mod tests {
         let m = messages(&g);
         assert!(has(&m, "output refers to value #12345"), "{m:#?}");
         let mut g = valid();
-        g.main.nodes[0].op = Op::Repeat { block: BlockId(9), count: 2, carry: 1, stacked: 1, reverse: false };
+        g.main.nodes[0].op = Op::Repeat { block: BlockId(9), count: 2, carry: 1, stacked: 1, reverse: false, prefetch: 0 };
         assert!(has(&messages(&g), "repeat names block #9 which does not exist"));
     }
 

@@ -973,7 +973,7 @@ fn repeat_graph(reverse: bool) -> Graph {
     let ws = g.main.add_arg(TensorType::new(DType::F32, vec![Dim::named("layers"), Dim::Fixed(2)]), ArgKind::Input, Some("ws"));
     let cc = g.main.add_arg(fixed(DType::F32, &[2]), ArgKind::Input, Some("c"));
     g.dims.insert("layers".into(), 3);
-    let res = g.main_builder().push(Op::Repeat { block, count: 3, carry: 1, stacked: 1, reverse }, &[h0, ws, cc]).expect("repeat");
+    let res = g.main_builder().push(Op::Repeat { block, count: 3, carry: 1, stacked: 1, reverse, prefetch: 0 }, &[h0, ws, cc]).expect("repeat");
     g.main.outputs.push(Output { name: Some("h".into()), value: res[0] });
     g.main.outputs.push(Output { name: Some("hw".into()), value: res[1] });
     g
@@ -1015,6 +1015,82 @@ fn repeat_carries_slices_and_stacks_forward_and_reverse() {
     assert_eq!(vals(&outs[1]), vec![0.5, -2.0]);
 }
 
+/// `repeat_graph` with `exp(w)` for `w`, written both ways: plain (`h * exp(w) + c`), or with
+/// `exp(w)` a prefetched carry (`prefetch = 1`) computed from the next layer's slice:
+/// `layer(h, p; w; c) = (h * p + c, exp(w), h * p)` where `w` is read at the next layer.
+fn prefetch_repeat_graph(reverse: bool, prefetch: bool) -> Graph {
+    let mut g = Graph::new("rep");
+    g.dims.insert("layers".into(), 3);
+    let mut blk = Region::new("layer");
+    let h = blk.add_arg(fixed(DType::F32, &[2]), ArgKind::Block, Some("h"));
+    let p = prefetch.then(|| blk.add_arg(fixed(DType::F32, &[2]), ArgKind::Block, Some("p")));
+    let w = blk.add_arg(fixed(DType::F32, &[2]), ArgKind::Block, Some("w"));
+    let c = blk.add_arg(fixed(DType::F32, &[2]), ArgKind::Block, Some("c"));
+    {
+        let mut b = Builder::new(&mut blk, &g.dims, &g.blocks);
+        let ew = b.push1(Op::Unary(UnaryOp::Exp), &[w]).expect("exp");
+        let hw = b.push1(Op::Binary(BinaryOp::Mul), &[h, p.unwrap_or(ew)]).expect("mul");
+        let next = b.push1(Op::Binary(BinaryOp::Add), &[hw, c]).expect("add");
+        b.region.outputs.push(Output { name: None, value: next });
+        if prefetch {
+            b.region.outputs.push(Output { name: None, value: ew });
+        }
+        b.region.outputs.push(Output { name: None, value: hw });
+    }
+    let block = g.add_block(blk);
+    let h0 = g.main.add_arg(fixed(DType::F32, &[2]), ArgKind::Input, Some("h0"));
+    let ws = g.main.add_arg(TensorType::new(DType::F32, vec![Dim::named("layers"), Dim::Fixed(2)]), ArgKind::Input, Some("ws"));
+    let cc = g.main.add_arg(fixed(DType::F32, &[2]), ArgKind::Input, Some("c"));
+    let op = Op::Repeat { block, count: 3, carry: 1, stacked: 1, reverse, prefetch: u32::from(prefetch) };
+    let res = g.main_builder().push(op, &[h0, ws, cc]).expect("repeat");
+    assert_eq!(res.len(), 2, "a prefetched carry has no result");
+    g.main.outputs.push(Output { name: Some("h".into()), value: res[0] });
+    g.main.outputs.push(Output { name: Some("hw".into()), value: res[1] });
+    g
+}
+
+/// A `repeat` with a prefetched carry computes what the plain one does: layer `l` reads the
+/// value the prologue (`l` first) or layer `l - 1` (`l + 1` when reversed) computed from its
+/// slice, and the last layer computes no prefetch (there is no next slice). It prints with
+/// `prefetch = 1`, parses back and verifies.
+#[test]
+fn repeat_with_a_prefetched_carry_matches_the_plain_repeat() {
+    let args = [tf(DType::F32, &[2], &[1.0, 2.0]), tf(DType::F32, &[3, 2], &[0.5, -1.0, 0.25, 0.75, -0.5, 1.5]), tf(DType::F32, &[2], &[1.0, -1.0])];
+    for reverse in [false, true] {
+        let want = Interpreter::new(&prefetch_repeat_graph(reverse, false), Precision::Exact).run(&args).expect("plain runs");
+        let g = prefetch_repeat_graph(reverse, true);
+        let errors = titan_ir::verify::verify(&g);
+        assert!(errors.is_empty(), "{errors:?}");
+        let got = Interpreter::new(&g, Precision::Exact).run(&args).expect("prefetching runs");
+        assert_eq!(got.outputs, want.outputs, "reverse={reverse}");
+        let text = titan_ir::print::print_graph(&g);
+        assert!(text.contains(&format!("reverse = {reverse}, prefetch = 1}}")), "{text}");
+        let back: Graph = text.parse().expect("parses back");
+        assert_eq!(titan_ir::print::print_graph(&back), text);
+    }
+}
+
+/// The verifier rejects a prefetched carry computed from something other than stacked and
+/// whole arguments (it could not run before the first layer), and a value of the prefetch
+/// nodes read by the rest of the layer (it would be the next layer's).
+#[test]
+fn the_verifier_rejects_prefetch_nodes_that_cannot_run_ahead() {
+    let mut g = prefetch_repeat_graph(false, true);
+    let blk = &mut g.blocks[0];
+    // exp(w) -> exp(h): reads the carried argument.
+    blk.nodes[0].inputs[0] = blk.args[0].value;
+    let msgs: Vec<String> = titan_ir::verify::verify(&g).iter().map(ToString::to_string).collect();
+    assert!(msgs.iter().any(|m| m.contains("a prefetch node of @layer reads carried argument 0")), "{msgs:#?}");
+
+    let mut g = prefetch_repeat_graph(false, true);
+    let blk = &mut g.blocks[0];
+    // h * p -> h * exp(w): the layer reads the next layer's value.
+    let ew = blk.nodes[0].results[0];
+    blk.nodes[1].inputs[1] = ew;
+    let msgs: Vec<String> = titan_ir::verify::verify(&g).iter().map(ToString::to_string).collect();
+    assert!(msgs.iter().any(|m| m.contains("which a prefetch node computes or reads at the next layer")), "{msgs:#?}");
+}
+
 #[test]
 fn errors_inside_a_repeat_name_the_block_and_layer() {
     let mut g = Graph::new("rep_err");
@@ -1033,7 +1109,7 @@ fn errors_inside_a_repeat_name_the_block_and_layer() {
     let x0 = g.main.add_arg(fixed(DType::F32, &[2]), ArgKind::Input, Some("x0"));
     let toks = g.main.add_arg(fixed(DType::I32, &[3, 1]), ArgKind::Input, Some("toks"));
     let table = g.main.add_arg(fixed(DType::F32, &[4, 2]), ArgKind::Input, Some("table"));
-    let res = g.main_builder().push(Op::Repeat { block, count: 3, carry: 1, stacked: 1, reverse: false }, &[x0, toks, table]).expect("repeat");
+    let res = g.main_builder().push(Op::Repeat { block, count: 3, carry: 1, stacked: 1, reverse: false, prefetch: 0 }, &[x0, toks, table]).expect("repeat");
     g.main.outputs.push(Output { name: None, value: res[0] });
     let table_t = tf(DType::F32, &[4, 2], &[0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0]);
     let interp = Interpreter::new(&g, Precision::Exact);
@@ -1123,7 +1199,7 @@ fn tensor_constructors_validate() {
     assert_eq!(t.convert::<f32>().floats(), Some(&[1.0f32, 2.0, 3.0, 4.0][..]));
     assert_eq!(t.numel(), 4);
     let e = eval_op::<f64>(
-        &Op::Repeat { block: titan_ir::BlockId(0), count: 1, carry: 0, stacked: 0, reverse: false },
+        &Op::Repeat { block: titan_ir::BlockId(0), count: 1, carry: 0, stacked: 0, reverse: false, prefetch: 0 },
         &[],
         &[],
         &Default::default(),

@@ -408,7 +408,7 @@ pub mod generator {
             } else {
                 b.region.add_arg(nty.clone(), info("shared.norm", Init::Ones), Some("shared.norm"))
             };
-            let op = Op::Repeat { block: BlockId(0), count: br.layers, carry: 1, stacked: if br.stack_norm { 2 } else { 1 }, reverse: br.reverse };
+            let op = Op::Repeat { block: BlockId(0), count: br.layers, carry: 1, stacked: if br.stack_norm { 2 } else { 1 }, reverse: br.reverse, prefetch: 0 };
             let res = b.push(op, &[x0, ws, ns]).unwrap_or_else(|e| panic!("generator built an invalid repeat: {e}"));
             pool.extend(res);
         }

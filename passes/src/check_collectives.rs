@@ -11,7 +11,11 @@
 //! - every collective's operand has a static shape (all ranks send the same number of
 //!   elements);
 //! - per communicator, the sequence of collectives (in program order, blocks expanded per
-//!   `repeat`) is well formed: it is computed, and its length reported.
+//!   `repeat`) is well formed: it is computed, and its length reported. A `repeat` with
+//!   prefetched carries (`prefetch-next-layer`) is expanded as it runs: its prefetch nodes
+//!   once before the first layer, then each layer's prefetch nodes (for the next layer, none
+//!   in the last) before the layer's other nodes; its block must split into prefetch nodes
+//!   and the rest (`titan_ir::prefetch`).
 
 use titan_ir::{Graph, Mesh, MeshDim, Op, Region};
 
@@ -60,11 +64,34 @@ fn walk(g: &Graph, region: &Region, mesh: Option<&Mesh>, calls: &mut Vec<Collect
     for &nid in &region.order {
         let Some(node) = region.nodes.get(nid.index()) else { continue };
         match &node.op {
-            Op::Repeat { block, count, .. } => {
-                if let Some(b) = g.blocks.get(block.index()) {
+            Op::Repeat { block, count, carry, stacked, prefetch, .. } => {
+                let Some(b) = g.blocks.get(block.index()) else { continue };
+                if *prefetch == 0 {
                     for _ in 0..*count {
                         walk(g, b, mesh, calls, errors, in_kernel);
                     }
+                    continue;
+                }
+                // A prefetching repeat issues its prefetch nodes before the first layer and at
+                // the top of every layer but the last (as the artifact's loop does), then the
+                // layer's other nodes.
+                match titan_ir::prefetch::prefetch_split(b, *carry as usize, *stacked as usize, *prefetch as usize) {
+                    Ok(split) => {
+                        let mut pre = b.clone();
+                        pre.order.retain(|&m| split.contains(m));
+                        let mut rest = b.clone();
+                        rest.order.retain(|&m| !split.contains(m));
+                        if *count > 0 {
+                            walk(g, &pre, mesh, calls, errors, in_kernel);
+                        }
+                        for t in 0..*count {
+                            if t + 1 < *count {
+                                walk(g, &pre, mesh, calls, errors, in_kernel);
+                            }
+                            walk(g, &rest, mesh, calls, errors, in_kernel);
+                        }
+                    }
+                    Err(e) => errors.push(format!("`repeat` (node {nid} in @{}): {e}", region.name)),
                 }
             }
             Op::Kernel { body, .. } => {

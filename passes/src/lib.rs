@@ -12,6 +12,7 @@ pub mod mixed_precision;
 pub mod optimizer;
 pub mod pipeline;
 pub mod prefetch;
+pub mod prefetch_next_layer;
 pub mod shard_dp;
 pub mod shard_grads;
 pub mod shard_tp;

@@ -67,7 +67,7 @@ pub struct PassInfo {
     pub run: PassFn,
 }
 
-static PASSES: [PassInfo; 11] = [
+static PASSES: [PassInfo; 12] = [
     PassInfo { name: "shard-tp", summary: "tensor parallelism: column/row-parallel block weights, vocab-parallel output", run: run_shard_tp },
     PassInfo { name: "shard-dp", summary: "split the batch over data-parallel ranks; FSDP-shard parameters on dp_shard", run: run_shard_dp },
     PassInfo { name: "master-weights", summary: "make every parameter an fp32 master `state` read through a compute-dtype cast", run: run_master_weights },
@@ -77,6 +77,11 @@ static PASSES: [PassInfo; 11] = [
     PassInfo { name: "cse", summary: "merge identical nodes", run: run_cse },
     PassInfo { name: "dce", summary: "drop nodes that reach no output or update, and renumber", run: run_dce },
     PassInfo { name: "prefetch-gathers", summary: "issue each block's parameter all-gathers at its top (FSDP prefetch)", run: run_prefetch_gathers },
+    PassInfo {
+        name: "prefetch-next-layer",
+        summary: "gather the next layer's parameter shards during each layer (FSDP cross-layer prefetch)",
+        run: run_prefetch_next_layer,
+    },
     PassInfo { name: "check-collectives", summary: "prove every rank issues the same collectives in order on each communicator", run: run_check_collectives },
     PassInfo { name: "fuse", summary: "group every region's ops into kernels (gemm, attention, fused pointwise/row ops, optimizer)", run: run_fuse },
 ];
@@ -86,16 +91,28 @@ pub const TRAIN_PIPELINE: [&str; 5] = ["master-weights", "autodiff", "adamw", "c
 
 /// The training lowering of a model whose `meta` names a device mesh (`world_size > 1`): the
 /// SPMD partitioning passes around the single-rank lowering, then the collective safety check.
-pub const SPMD_TRAIN_PIPELINE: [&str; 10] =
-    ["shard-tp", "shard-dp", "master-weights", "autodiff", "sync-grads", "adamw", "cse", "dce", "prefetch-gathers", "check-collectives"];
+pub const SPMD_TRAIN_PIPELINE: [&str; 11] =
+    ["shard-tp", "shard-dp", "master-weights", "autodiff", "sync-grads", "adamw", "cse", "dce", "prefetch-gathers", "prefetch-next-layer", "check-collectives"];
 
 /// The passes of `titanc build`: the training lowering, then fusion.
 pub const BUILD_PIPELINE: [&str; 6] = ["master-weights", "autodiff", "adamw", "cse", "dce", "fuse"];
 
 /// The passes of `titanc build` for a model whose `meta` names a mesh: the SPMD training
 /// lowering, then fusion (collectives stay steps of their own).
-pub const SPMD_BUILD_PIPELINE: [&str; 11] =
-    ["shard-tp", "shard-dp", "master-weights", "autodiff", "sync-grads", "adamw", "cse", "dce", "prefetch-gathers", "check-collectives", "fuse"];
+pub const SPMD_BUILD_PIPELINE: [&str; 12] = [
+    "shard-tp",
+    "shard-dp",
+    "master-weights",
+    "autodiff",
+    "sync-grads",
+    "adamw",
+    "cse",
+    "dce",
+    "prefetch-gathers",
+    "prefetch-next-layer",
+    "check-collectives",
+    "fuse",
+];
 
 /// The build pipeline for `model`: [`SPMD_BUILD_PIPELINE`] when its `meta` names a mesh of more
 /// than one rank, else [`BUILD_PIPELINE`].
@@ -331,6 +348,11 @@ fn run_prefetch_gathers(g: &mut Graph, _: &PassContext) -> Result<PassStats, Pas
     Ok(PassStats::new().with("hoisted", crate::prefetch::prefetch_gathers(g).hoisted as u64))
 }
 
+fn run_prefetch_next_layer(g: &mut Graph, _: &PassContext) -> Result<PassStats, PassError> {
+    let s = crate::prefetch_next_layer::prefetch_next_layer(g).map_err(fail("prefetch-next-layer"))?;
+    Ok(PassStats::new().with("loops", s.loops as u64).with("gathers", s.gathers as u64))
+}
+
 fn run_check_collectives(g: &mut Graph, _: &PassContext) -> Result<PassStats, PassError> {
     let s = crate::check_collectives::check_collectives(g).map_err(fail("check-collectives"))?;
     Ok(PassStats::new().with("collectives", s.collectives as u64).with("communicators", s.communicators as u64))
@@ -424,7 +446,7 @@ mod tests {
         let err = run_pipeline(&mut model(), &passes, &TrainOptions::default(), &opts(false, DumpAfter::Pass("fusion".into()))).expect_err("unknown");
         assert_eq!(
             err.to_string(),
-            "unknown pass `fusion`; valid passes: shard-tp, shard-dp, master-weights, autodiff, sync-grads, adamw, cse, dce, prefetch-gathers, check-collectives, fuse"
+            "unknown pass `fusion`; valid passes: shard-tp, shard-dp, master-weights, autodiff, sync-grads, adamw, cse, dce, prefetch-gathers, prefetch-next-layer, check-collectives, fuse"
         );
         let err = run_pipeline(&mut model(), &passes, &TrainOptions::default(), &opts(false, DumpAfter::Pass("fuse".into()))).expect_err("not run");
         assert!(err.to_string().contains("this pipeline does not run `fuse`; it runs master-weights, autodiff, adamw, cse, dce"), "{err}");

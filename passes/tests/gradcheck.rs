@@ -297,7 +297,7 @@ fn repeat_forward_and_reverse() {
                 b.region.outputs = vec![Output { name: None, value: out }, Output { name: None, value: side }];
             }
             let id = g.add_block(blk);
-            g.main_builder().push(Op::Repeat { block: id, count: 3, carry: 1, stacked: 1, reverse }, x).expect("repeat")
+            g.main_builder().push(Op::Repeat { block: id, count: 3, carry: 1, stacked: 1, reverse, prefetch: 0 }, x).expect("repeat")
         };
         check(&format!("repeat-reverse-{reverse}"), vec![input(&[2, 4], Dist::Signed), input(&[3, 4, 4], Dist::Signed), input(&[4], Dist::Signed)], 2, &make);
     }

@@ -221,7 +221,7 @@ impl Artifact {
                 .iter()
                 .map(|s| match s {
                     Step::Collective { .. } => 1,
-                    Step::Loop { count: n, body, .. } => u64::from(*n).saturating_mul(count(body)),
+                    Step::Loop { count: n, body, prefetch, .. } => u64::from(*n).saturating_mul(count(body).saturating_add(count(prefetch))),
                     _ => 0,
                 })
                 .fold(0u64, u64::saturating_add)
@@ -236,7 +236,7 @@ impl Artifact {
                 .iter()
                 .map(|s| match s {
                     Step::Launch { .. } => 1,
-                    Step::Loop { count: n, body, .. } => u64::from(*n).saturating_mul(count(body)),
+                    Step::Loop { count: n, body, prefetch, .. } => u64::from(*n).saturating_mul(count(body).saturating_add(count(prefetch))),
                     _ => 0,
                 })
                 .fold(0u64, u64::saturating_add)
@@ -418,7 +418,7 @@ impl Artifact {
                         }
                     }
                 }
-                Step::Loop { count, carries, body, .. } => {
+                Step::Loop { count, carries, body, prefetch, .. } => {
                     let at = loc(rank, path);
                     for (c, pair) in carries.iter().enumerate() {
                         let [a, b] =
@@ -432,6 +432,7 @@ impl Artifact {
                         }
                     }
                     scopes.push(LoopScope { count: *count, carries });
+                    self.check_steps(rank, prefetch, path, scopes)?;
                     self.check_steps(rank, body, path, scopes)?;
                     scopes.pop();
                 }

@@ -370,7 +370,10 @@ fn launches(steps: &[Step], times: u64, out: &mut std::collections::BTreeMap<u32
     for s in steps {
         match s {
             Step::Launch { kernel, .. } => *out.entry(*kernel).or_default() += times,
-            Step::Loop { count, body, .. } => launches(body, times * u64::from(*count), out),
+            Step::Loop { count, body, prefetch, .. } => {
+                launches(prefetch, times * u64::from(*count), out);
+                launches(body, times * u64::from(*count), out);
+            }
             _ => {}
         }
     }

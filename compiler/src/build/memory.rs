@@ -17,7 +17,9 @@
 //!   layer slice).
 //! - `repeat`: each carried value gets two buffers, the loop's ping-pong slots (the carried
 //!   operand's own buffer serves as slot 0 when nothing reads it after the loop starts, else it
-//!   is copied in); the final carried result is slot `count % 2`. Each stacked result gets a
+//!   is copied in); the final carried result is slot `count % 2`. A prefetched carry
+//!   (`prefetch-next-layer`) has no operand and no result: two fresh slots, which the loop's
+//!   `prefetch` steps write one iteration ahead. Each stacked result gets a
 //!   buffer with the leading `count` dimension; stacked results that are views of one block
 //!   value share one buffer.
 //! - Inside the repeated block: carried arguments/outputs are `Carry` slots, stacked arguments
@@ -265,10 +267,11 @@ impl Groups {
 /// whose buffer it shares, if both are views of one block value.
 fn shared_stacked(g: &Graph, node: &titan_ir::Node) -> Vec<Option<usize>> {
     let mut out = vec![None; node.results.len()];
-    let Op::Repeat { block, carry, .. } = node.op else { return out };
+    let Op::Repeat { block, carry, prefetch, .. } = node.op else { return out };
     let Some(b) = g.blocks.get(block.index()) else { return out };
     let mut first: HashMap<Value, usize> = HashMap::new();
-    for (j, o) in b.outputs.iter().enumerate().skip(carry as usize) {
+    // Block output `carry + prefetch + k` is stacked result `carry + k`.
+    for (j, o) in b.outputs.iter().enumerate().skip((carry + prefetch) as usize).map(|(j, o)| (j - prefetch as usize, o)) {
         let r = root(b, o.value);
         // An output rooted at a block argument is copied per layer; keep it separate.
         if matches!(b.values.get(r.index()).map(|d| d.def), Some(ValueDef::Arg(_))) {
@@ -449,8 +452,9 @@ pub fn assign_storage(g: &Graph) -> Result<Storage, BuildError> {
                 let rf = b.main_ref(src)?;
                 b.s.main[dst.index()] = Some(rf);
             }
-            Op::Repeat { block, count, carry, stacked, .. } => {
-                let ls = assign_loop(&mut b, &mut groups, &used_after, *n, node, p, *block, *count, *carry, *stacked, loop_index)?;
+            Op::Repeat { block, count, carry, stacked, prefetch, .. } => {
+                let shape = LoopShape { block: *block, count: *count, carry: *carry, stacked: *stacked, prefetch: *prefetch };
+                let ls = assign_loop(&mut b, &mut groups, &used_after, *n, node, p, shape, loop_index)?;
                 loop_index += 1;
                 b.s.loops.insert(*n, ls);
             }
@@ -482,6 +486,16 @@ pub fn assign_storage(g: &Graph) -> Result<Storage, BuildError> {
     Ok(b.s)
 }
 
+/// The attributes of a `repeat` node.
+#[derive(Clone, Copy)]
+struct LoopShape {
+    block: titan_ir::BlockId,
+    count: u32,
+    carry: u32,
+    stacked: u32,
+    prefetch: u32,
+}
+
 #[allow(clippy::too_many_arguments)]
 fn assign_loop(
     b: &mut Builder<'_>,
@@ -490,17 +504,19 @@ fn assign_loop(
     nid: NodeId,
     node: &titan_ir::Node,
     p: usize,
-    block: titan_ir::BlockId,
-    count: u32,
-    carry: u32,
-    stacked: u32,
+    shape: LoopShape,
     index: u32,
 ) -> Result<LoopStorage, BuildError> {
+    let LoopShape { block, count, carry, stacked, prefetch } = shape;
     let g = b.g;
     let main = &g.main;
     let blk = g.blocks.get(block.index()).ok_or_else(|| internal(format!("repeat {nid} names a missing block")))?;
-    let (carry, stacked) = (carry as usize, stacked as usize);
-    if node.inputs.len() != blk.args.len() || node.results.len() != blk.outputs.len() || carry > node.results.len() || carry + stacked > node.inputs.len() {
+    let (carry, stacked, np) = (carry as usize, stacked as usize, prefetch as usize);
+    if node.inputs.len() + np != blk.args.len()
+        || node.results.len() + np != blk.outputs.len()
+        || carry > node.results.len()
+        || carry + stacked > node.inputs.len()
+    {
         return Err(internal(format!("repeat of @{} does not match the block's arguments and outputs", blk.name)));
     }
     let mut ls = LoopStorage { index, values: vec![None; blk.values.len()], ..LoopStorage::default() };
@@ -544,10 +560,23 @@ fn assign_loop(
         ls.carries.push(slots);
         b.s.main[result.index()] = Some(BufRef::Buffer { buffer: slots[(count % 2) as usize], layer: false });
     }
+    // Prefetched carries (the next layer's gathered weights): two fresh slots each, written
+    // first by the loop's prologue, never read after the loop.
+    let bnames = ValueNames::new(blk);
+    for k in 0..np {
+        let arg = blk.args[carry + k].value;
+        let shape = shape_of(g, blk, arg)?;
+        let slots = [0, 1].map(|s| {
+            let name = format!("{}.{}.slot{s}", blk.name, bnames.get(arg));
+            b.add(name, blk.ty(arg).dtype, shape.clone(), BufferClass::Activation, None)
+        });
+        ls.carries.push(slots);
+    }
 
     // Stacked results.
     let shares = shared_stacked(g, node);
     for (j, share) in shares.iter().enumerate().skip(carry) {
+        // Result `j` is block output `j + np`.
         let r = node.results[j];
         let rf = match *share {
             Some(k) => b.main_ref(node.results[k])?,
@@ -558,23 +587,23 @@ fn assign_loop(
 
     // Block arguments.
     for (i, a) in blk.args.iter().enumerate() {
-        let rf = if i < carry {
+        // Block argument `i >= carry + np` is operand `i - np`.
+        let rf = if i < carry + np {
             BufRef::Carry { carry: i as u32, out: false }
-        } else if i < carry + stacked {
-            BufRef::Buffer { buffer: b.main_buffer(node.inputs[i])?, layer: true }
+        } else if i < carry + np + stacked {
+            BufRef::Buffer { buffer: b.main_buffer(node.inputs[i - np])?, layer: true }
         } else {
-            b.main_ref(node.inputs[i])?
+            b.main_ref(node.inputs[i - np])?
         };
         ls.values[a.value.index()] = Some(rf);
     }
 
     // Block outputs: the first output rooted at a kernel result claims it; the rest copy.
-    let bnames = ValueNames::new(blk);
     let out_ref = |j: usize| -> Result<BufRef, BuildError> {
-        if j < carry {
+        if j < carry + np {
             Ok(BufRef::Carry { carry: j as u32, out: true })
         } else {
-            match b.s.main[node.results[j].index()] {
+            match b.s.main[node.results[j - np].index()] {
                 Some(BufRef::Buffer { buffer, .. }) => Ok(BufRef::Buffer { buffer, layer: true }),
                 _ => Err(internal("stacked result without a buffer")),
             }
@@ -675,11 +704,12 @@ pub fn lifetimes(storage: &Storage, steps: &[Step]) -> Vec<Option<Lifetime>> {
     let mut loop_index = 0u32;
     for s in steps {
         match s {
-            Step::Loop { carries, body, .. } => {
+            Step::Loop { carries, body, prefetch, .. } => {
                 let start = pos;
                 pos += 1;
                 let mut whole: Vec<u32> = carries.iter().flatten().copied().collect();
-                for bs in body {
+                // An iteration runs the prefetch steps (all but the last), then the body.
+                for bs in prefetch.iter().chain(body) {
                     for r in step_refs(bs) {
                         for id in ref_buffers(&r, carries) {
                             if storage.scope.get(id as usize).copied().flatten() == Some(loop_index) {

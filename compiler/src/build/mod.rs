@@ -57,6 +57,9 @@ pub struct BuildOptions {
     pub mesh: titan_ir::Mesh,
     /// With tp > 1, the vocab-parallel cross-entropy (`false`: `--disable-loss-parallel`).
     pub loss_parallel: bool,
+    /// With dp_shard > 1, gather layer `l + 1`'s weights during layer `l` (`prefetch-next-layer`;
+    /// `false`: `--disable-prefetch-next-layer`).
+    pub prefetch_next_layer: bool,
 }
 
 impl Default for BuildOptions {
@@ -68,6 +71,7 @@ impl Default for BuildOptions {
             report: false,
             mesh: titan_ir::Mesh::new(1, 1, 1),
             loss_parallel: true,
+            prefetch_next_layer: true,
         }
     }
 }
@@ -107,6 +111,9 @@ impl BuildOptions {
             lines.push(format!("mesh = dp_replicate {r}, dp_shard {d}, tp {t}"));
             if !self.loss_parallel {
                 lines.push("loss_parallel = false".into());
+            }
+            if !self.prefetch_next_layer {
+                lines.push("prefetch_next_layer = false".into());
             }
         }
         lines.iter().map(|l| format!("{l}\n")).collect()
@@ -303,7 +310,12 @@ pub fn mesh_report(plan: &Plan, mesh: &titan_ir::Mesh) -> MeshReport {
     fn walk(steps: &[Step], times: u64, carries: &[[u32; 2]], gathered: &mut BTreeMap<u32, bool>, comm: &mut BTreeMap<usize, CommVolume>) {
         for s in steps {
             match s {
-                Step::Loop { count, carries, body, .. } => walk(body, times * u64::from(*count), carries, gathered, comm),
+                Step::Loop { count, carries, body, prefetch, .. } => {
+                    // The prefetch steps run `count` times too: before the loop and in every
+                    // iteration but the last.
+                    walk(prefetch, times * u64::from(*count), carries, gathered, comm);
+                    walk(body, times * u64::from(*count), carries, gathered, comm);
+                }
                 Step::Collective { collective, mesh_dim, group, output, send_bytes, .. } => {
                     if matches!(collective, CollectiveOp::TakeShard | CollectiveOp::PlaceShard) {
                         continue;
@@ -560,6 +572,9 @@ fn compile(model: &Graph, model_text: &str, opts: &BuildOptions, generate_code: 
         opts.mesh.write_meta(&mut m);
         if !opts.loss_parallel {
             titan_passes::shard_tp::disable_loss_parallel(&mut m);
+        }
+        if !opts.prefetch_next_layer {
+            titan_passes::prefetch_next_layer::disable_prefetch_next_layer(&mut m);
         }
         meshed = m;
         &meshed

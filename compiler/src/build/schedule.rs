@@ -2,7 +2,8 @@
 //!
 //! Steps follow `main`'s order: a `kernel` node becomes a `Launch` (inputs bind the body's
 //! arguments, outputs its results, as [`BufRef`]s from the memory plan); a `repeat` becomes a
-//! `Loop` whose body launches the block's kernels with `Carry` and `layer` references; a
+//! `Loop` whose body launches the block's kernels with `Carry` and `layer` references (the
+//! block's prefetch nodes, `prefetch-next-layer`'s gathers, go to the loop's `prefetch`); a
 //! `reshape` is a view and becomes nothing; a collective (`all_gather`, `reduce_scatter`,
 //! `all_reduce`, `take_shard`, `place_shard` of an SPMD graph) becomes a `Collective` step. `Copy` steps appear where the memory plan asks for
 //! them (a carried operand still read after its loop, block outputs that are block arguments
@@ -131,34 +132,41 @@ pub fn build_schedule(g: &Graph, storage: &Storage) -> Result<Schedule, BuildErr
                 collectives += 1;
             }
             Op::Reshape => {}
-            Op::Repeat { block, count, reverse, .. } => {
+            Op::Repeat { block, count, reverse, carry, stacked, prefetch } => {
                 let ls = storage.loops.get(n).ok_or_else(|| internal(format!("repeat {n} has no loop storage")))?;
                 let blk = g.blocks.get(block.index()).ok_or_else(|| internal(format!("repeat {n} names a missing block")))?;
+                // The prefetch nodes (next layer's gathers) become the loop's `prefetch` steps,
+                // which run `count` times in all (once before the loop, then in every
+                // iteration but the last).
+                let split = titan_ir::prefetch::prefetch_split(blk, *carry as usize, *stacked as usize, *prefetch as usize)
+                    .map_err(|e| internal(format!("repeat {n}: {e}")))?;
                 steps.extend(ls.copies_before.iter().map(copy_step));
                 let mut body: Vec<Step> = ls.copies_at_start.iter().map(copy_step).collect();
+                let mut pre: Vec<Step> = Vec::new();
                 let mut body_launches = 0u64;
                 let mut body_collectives = 0u64;
                 for bn in &blk.order {
                     let bnode = blk.node(*bn);
+                    let out = if split.contains(*bn) { &mut pre } else { &mut body };
                     match bnode.op {
                         Op::Kernel { .. } => {
-                            launch(&mut table, blk, bnode, &ls.values, storage, &ls.carries, &mut body)?;
+                            launch(&mut table, blk, bnode, &ls.values, storage, &ls.carries, out)?;
                             body_launches += 1;
                         }
                         ref op if is_collective_step(op) => {
-                            body.push(collective(g, &mesh, blk, bnode, &ls.values)?);
+                            out.push(collective(g, &mesh, blk, bnode, &ls.values)?);
                             body_collectives += 1;
                         }
                         Op::Reshape => continue,
                         ref other => return Err(internal(format!("`{}` in @{} of the kernel graph", other.name(), blk.name))),
                     }
                     if let Some(copies) = ls.copies_after.get(bn) {
-                        body.extend(copies.iter().map(copy_step));
+                        out.extend(copies.iter().map(copy_step));
                     }
                 }
                 launches += body_launches * u64::from(*count);
                 collectives += body_collectives * u64::from(*count);
-                steps.push(Step::Loop { count: *count, reverse: *reverse, carries: ls.carries.clone(), body });
+                steps.push(Step::Loop { count: *count, reverse: *reverse, carries: ls.carries.clone(), body, prefetch: pre });
             }
             other => return Err(internal(format!("`{}` in `main` of the kernel graph", other.name()))),
         }

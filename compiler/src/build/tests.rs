@@ -137,10 +137,10 @@ fn shadow_execute(m: &Manifest) -> Vec<String> {
                         let k = self.resolve(*output, layer, t, carries);
                         self.write(k);
                     }
-                    Step::Loop { count, reverse, carries, body } => {
-                        for t in 0..u64::from(*count) {
-                            let i = if *reverse { u64::from(*count) - 1 - t } else { t };
-                            self.run(body, i, t, carries);
+                    Step::Loop { count, reverse, carries, body, prefetch } => {
+                        for run in titan_ir::artifact::loop_runs(*count, *reverse, !prefetch.is_empty()) {
+                            let steps = if run.prefetch { prefetch } else { body };
+                            self.run(steps, run.layer as u64, run.t as u64, carries);
                         }
                     }
                 }
@@ -188,12 +188,19 @@ fn shadow_execution_reads_what_was_written() {
     }
 }
 
-/// SPMD builds (FSDP x TP, HSDP x TP, kv-head replication at tp 4): collective results get
-/// buffers of their own, live buffers never share bytes, every read sees its producer's bytes.
+/// SPMD builds (FSDP x TP, HSDP x TP, kv-head replication at tp 4, FSDP over 3 layers: an odd
+/// count ends the prefetched carries in the other slot): collective results get buffers of
+/// their own, live buffers never share bytes, every read sees its producer's bytes (the
+/// prefetched gathers included: the shadow execution runs each loop's prologue and prefetches).
 #[test]
 fn spmd_plans_are_sound() {
-    for mesh in [titan_ir::Mesh::new(1, 2, 2), titan_ir::Mesh::new(2, 2, 2), titan_ir::Mesh::new(1, 1, 4)] {
-        let m = model(Preset::Debug, None);
+    for (mesh, layers) in [
+        (titan_ir::Mesh::new(1, 2, 2), None),
+        (titan_ir::Mesh::new(2, 2, 2), None),
+        (titan_ir::Mesh::new(1, 1, 4), None),
+        (titan_ir::Mesh::new(1, 2, 1), Some(3)),
+    ] {
+        let m = model(Preset::Debug, layers);
         let opts = BuildOptions { mesh, ..BuildOptions::default() };
         let (artifact, summary) = compile(&m, "", &opts, false, None).unwrap_or_else(|e| panic!("{mesh:?}: {e}"));
         let manifest = artifact.manifest;
@@ -208,6 +215,65 @@ fn spmd_plans_are_sound() {
         let report = manifest.report.expect("report");
         assert_eq!(report.memory.peak, manifest.memory.peak_bytes);
     }
+}
+
+/// `prefetch-next-layer` on an FSDP build: each loop's 9 parameter gathers are its `prefetch`
+/// steps (layer slices of the shards into the prefetched carries' next slots), the bodies
+/// gather nothing over dp_shard, both slots of every prefetched carry are live together for
+/// the whole loop (two layers' gathered weights), so the predicted peak is about one layer's
+/// gathered weights above the build without prefetch, and the communication is the same.
+/// A loop's carries, body and prefetch steps.
+type LoopParts<'a> = (&'a [[u32; 2]], &'a [Step], &'a [Step]);
+
+#[test]
+fn prefetched_gathers_hold_two_layers_of_gathered_weights() {
+    use titan_ir::artifact::CollectiveOp;
+    let m = model(Preset::Debug, Some(3));
+    let build = |prefetch_next_layer: bool| {
+        let opts = BuildOptions { mesh: titan_ir::Mesh::new(1, 2, 1), prefetch_next_layer, ..BuildOptions::default() };
+        compile(&m, "", &opts, false, None).unwrap_or_else(|e| panic!("{e}")).0.manifest
+    };
+    let (on, off) = (build(true), build(false));
+    let loops: Vec<LoopParts<'_>> = on.ranks[0]
+        .steps
+        .iter()
+        .filter_map(|s| match s {
+            Step::Loop { carries, body, prefetch, .. } => Some((carries.as_slice(), body.as_slice(), prefetch.as_slice())),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(loops.len(), 2, "forward and backward");
+    let dp_gather = |s: &Step| matches!(s, Step::Collective { collective: CollectiveOp::AllGather, mesh_dim, .. } if mesh_dim == "dp_shard");
+    for (carries, body, prefetch) in &loops {
+        assert_eq!((carries.len(), prefetch.len()), (1 + 9, 9), "the hidden state and 9 prefetched weights");
+        for s in prefetch.iter() {
+            assert!(dp_gather(s), "{s:?}");
+            let Step::Collective { input, output, .. } = s else { unreachable!() };
+            assert!(matches!(input, BufRef::Buffer { layer: true, .. }), "reads a layer slice of the shards: {s:?}");
+            assert!(matches!(output, BufRef::Carry { carry: 1..=9, out: true }), "writes the next layer's slot: {s:?}");
+        }
+        assert!(!body.iter().any(dp_gather), "the body gathers no weight");
+    }
+    assert!(off.ranks[0].steps.iter().all(|s| !matches!(s, Step::Loop { prefetch, .. } if !prefetch.is_empty())));
+    // Both slots of each prefetched carry live across their whole loop, together.
+    let mut meshed = m.clone();
+    titan_ir::Mesh::new(1, 2, 1).write_meta(&mut meshed);
+    let plan = plan_kernel_graph(&kernel_graph(&meshed)).unwrap_or_else(|e| panic!("{e}"));
+    for (carries, _, _) in &loops {
+        let slots: Vec<u32> = carries[1..].iter().flatten().copied().collect();
+        for &a in &slots {
+            for &b in &slots {
+                let (la, lb) = (plan.lifetimes[a as usize].expect("live"), plan.lifetimes[b as usize].expect("live"));
+                assert!(la.overlaps(&lb), "{} and {}", on.buffers[a as usize].name, on.buffers[b as usize].name);
+            }
+        }
+    }
+    let layer: u64 = loops[0].0[1..].iter().map(|c| on.buffers[c[0] as usize].bytes.div_ceil(memory::ALIGN) * memory::ALIGN).sum();
+    let delta = on.memory.peak_bytes - off.memory.peak_bytes;
+    println!("one layer's gathered weights {layer} B; peak {} -> {} B (+{delta})", off.memory.peak_bytes, on.memory.peak_bytes);
+    assert!(delta + 1024 >= layer && delta <= layer + layer / 4, "peak +{delta} B, one layer's gathered weights {layer} B");
+    let (r_on, r_off) = (on.report.expect("report"), off.report.expect("report"));
+    assert_eq!(r_on.comm, r_off.comm, "the same gathers, none wasted");
 }
 
 #[test]
@@ -303,7 +369,10 @@ fn manifest_describes_the_debug_step() {
                     assert_eq!((inputs.len(), outputs.len()), (body.args.len(), body.outputs.len()), "{}", k.name);
                     seen.insert(*kernel);
                 }
-                Step::Loop { body, .. } => check(body, man, g, seen),
+                Step::Loop { body, prefetch, .. } => {
+                    check(prefetch, man, g, seen);
+                    check(body, man, g, seen);
+                }
                 _ => {}
             }
         }

@@ -243,8 +243,15 @@ impl<'g> Interpreter<'g> {
                     inputs.push(t);
                 }
                 match &node.op {
-                    &Op::Repeat { block, count, carry, stacked, reverse } => {
-                        let rep = Repeat { block: block.index(), count: count as usize, carry: carry as usize, stacked: stacked as usize, reverse };
+                    &Op::Repeat { block, count, carry, stacked, reverse, prefetch } => {
+                        let rep = Repeat {
+                            block: block.index(),
+                            count: count as usize,
+                            carry: carry as usize,
+                            stacked: stacked as usize,
+                            reverse,
+                            prefetch: prefetch as usize,
+                        };
                         self.repeat(region, nid, &rep, &inputs, &result_types)?
                     }
                     &Op::Kernel { body, .. } => {
@@ -296,24 +303,29 @@ impl<'g> Interpreter<'g> {
     }
 
     /// Run a block once per layer (see [`Op::Repeat`]).
-    fn repeat<T: Real>(
+    fn repeat<'a, T: Real>(
         &self,
         region: &Region,
         nid: NodeId,
         rep: &Repeat,
-        inputs: &[&Tensor<T>],
+        inputs: &[&'a Tensor<T>],
         result_types: &[TensorType],
     ) -> Result<Vec<Tensor<T>>, InterpError> {
         let op_name = "repeat";
         let err = |m: String| InterpError { region: region.name.clone(), node: Some(nid), op: Some(op_name), message: m };
         let block = self.graph.blocks.get(rep.block).ok_or_else(|| err(format!("block #{} does not exist", rep.block)))?;
         let plan = &self.block_plans[rep.block];
-        let (nc, ns, count) = (rep.carry, rep.stacked, rep.count);
-        if inputs.len() != block.args.len() || nc + ns > inputs.len() {
-            return Err(err(format!("@{} takes {} operands, {} given (carry {nc}, stacked {ns})", block.name, block.args.len(), inputs.len())));
+        let (nc, ns, np, count) = (rep.carry, rep.stacked, rep.prefetch, rep.count);
+        if inputs.len() + np != block.args.len() || nc + ns > inputs.len() {
+            return Err(err(format!("@{} takes {} operands, {} given (carry {nc}, stacked {ns}, prefetch {np})", block.name, block.args.len(), inputs.len())));
         }
-        if block.outputs.len() < nc || result_types.len() != block.outputs.len() {
-            return Err(err(format!("@{} returns {} values for carry {nc} and {} results", block.name, block.outputs.len(), result_types.len())));
+        if block.outputs.len() < nc + np || result_types.len() + np != block.outputs.len() {
+            return Err(err(format!(
+                "@{} returns {} values for carry {nc}, prefetch {np} and {} results",
+                block.name,
+                block.outputs.len(),
+                result_types.len()
+            )));
         }
         for (j, t) in inputs[nc..nc + ns].iter().enumerate() {
             if t.shape.first() != Some(&count) {
@@ -328,22 +340,61 @@ impl<'g> Interpreter<'g> {
             }
             stacked_out.push(Tensor::<T>::zeros(ty.dtype, shape));
         }
-        let wanted: Vec<Value> = block.outputs.iter().map(|o| o.value).collect();
-        let mut carries: Vec<Slot<'_, T>> = inputs[..nc].iter().map(|t| Slot::Borrowed(*t)).collect();
-        for step in 0..count {
-            let i = if rep.reverse { count - 1 - step } else { step };
-            let mut args: Vec<Slot<'_, T>> = Vec::with_capacity(inputs.len());
-            args.append(&mut carries);
-            for t in &inputs[nc..nc + ns] {
-                args.push(Slot::Owned(t.try_layer(i).map_err(err)?));
+        let layer_of = |t: usize| if rep.reverse { count - 1 - t } else { t };
+        // With prefetched carries: the prefetch nodes run alone before the first layer (on its
+        // slices), and the last layer runs without them (there is no next layer).
+        let split = crate::prefetch::prefetch_split(block, nc, ns, np).map_err(err)?;
+        let (prologue, last) = if np > 0 {
+            let pro = Part::new(block, |n| split.contains(n), |j| j >= nc && j < nc + np);
+            let last = Part::new(block, |n| !split.contains(n), |j| j < nc || j >= nc + np);
+            (Some(pro), Some(last))
+        } else {
+            (None, None)
+        };
+        let next_args: Vec<bool> = (0..ns).map(|j| split.next_args.contains(&(nc + np + j))).collect();
+        // Block arguments for layer `i` reading the next-layer arguments at `next`.
+        let layer_args = |i: usize, next: Option<usize>, carried: Vec<Slot<'a, T>>| -> Result<Vec<Slot<'a, T>>, InterpError> {
+            let mut args: Vec<Slot<'a, T>> = Vec::with_capacity(block.args.len());
+            args.extend(carried);
+            for (j, t) in inputs[nc..nc + ns].iter().enumerate() {
+                let slice = if next_args[j] { next } else { Some(i) };
+                args.push(match slice {
+                    Some(l) => Slot::Owned(t.try_layer(l).map_err(err)?),
+                    None => Slot::Empty,
+                });
             }
             args.extend(inputs[nc + ns..].iter().map(|t| Slot::Borrowed(*t)));
-            let outs = self.exec(block, plan, args, &wanted).map_err(|mut e| {
+            Ok(args)
+        };
+        let wanted: Vec<Value> = block.outputs.iter().map(|o| o.value).collect();
+        let mut carries: Vec<Slot<'a, T>> = inputs[..nc].iter().map(|t| Slot::Borrowed(*t)).collect();
+        if let Some(pro) = &prologue
+            && count > 0
+        {
+            let empty = (0..nc + np).map(|_| Slot::Empty).collect();
+            let args = layer_args(layer_of(0), Some(layer_of(0)), empty)?;
+            let outs = self.exec(&pro.region, &pro.plan, args, &pro.wanted).map_err(|mut e| {
+                e.message = format!("{} (prefetch of layer {} before `repeat` node {nid} in @{})", e.message, layer_of(0), region.name);
+                e
+            })?;
+            carries.extend(outs.into_iter().map(Slot::Owned));
+        }
+        for step in 0..count {
+            let i = layer_of(step);
+            let is_last = step + 1 == count;
+            let next = (!is_last).then(|| layer_of(step + 1));
+            let args = layer_args(i, next, std::mem::take(&mut carries))?;
+            let (exec_region, exec_plan, exec_wanted) = match &last {
+                Some(l) if is_last => (&l.region, &l.plan, &l.wanted),
+                _ => (block, plan, &wanted),
+            };
+            let outs = self.exec(exec_region, exec_plan, args, exec_wanted).map_err(|mut e| {
                 e.message = format!("{} (layer {i} of `repeat` node {nid} in @{})", e.message, region.name);
                 e
             })?;
             let mut outs = outs.into_iter();
-            carries = outs.by_ref().take(nc).map(Slot::Owned).collect();
+            let n_carried = if is_last { nc } else { nc + np };
+            carries = outs.by_ref().take(n_carried).map(Slot::Owned).collect();
             for (j, (t, dst)) in outs.zip(&mut stacked_out).enumerate() {
                 let n = t.numel();
                 let ok = t.dtype == dst.dtype && t.data.len() * count == dst.data.len() && dst.shape[1..] == t.shape[..];
@@ -360,10 +411,11 @@ impl<'g> Interpreter<'g> {
                         _ => false,
                     };
                 if !placed {
-                    return Err(err(format!("block output {} is {}, the stacked result is {}", nc + j, t.type_string(), dst.type_string())));
+                    return Err(err(format!("block output {} is {}, the stacked result is {}", nc + np + j, t.type_string(), dst.type_string())));
                 }
             }
         }
+        carries.truncate(nc);
         let mut results = Vec::with_capacity(result_types.len());
         for c in carries {
             results.push(match c {
@@ -384,6 +436,26 @@ struct Repeat {
     carry: usize,
     stacked: usize,
     reverse: bool,
+    prefetch: usize,
+}
+
+/// A block cut down to some of its nodes and outputs (the prologue or the last layer of a
+/// prefetching `repeat`), with its plan.
+struct Part {
+    region: Region,
+    plan: Plan,
+    wanted: Vec<Value>,
+}
+
+impl Part {
+    fn new(block: &Region, keep_node: impl Fn(NodeId) -> bool, keep_output: impl Fn(usize) -> bool) -> Part {
+        let mut region = block.clone();
+        region.order.retain(|&n| keep_node(n));
+        region.outputs = block.outputs.iter().enumerate().filter(|(j, _)| keep_output(*j)).map(|(_, o)| o.clone()).collect();
+        let wanted = region.outputs.iter().map(|o| o.value).collect();
+        let plan = Plan::new(&region);
+        Part { region, plan, wanted }
+    }
 }
 
 #[cfg(test)]

@@ -311,7 +311,10 @@ pub fn differentiate_main(g: &mut Graph, loss_output: &str) -> Result<(Vec<Optio
     let mut done: HashMap<BlockId, (BlockId, BlockGrad)> = HashMap::new();
     let order = g.main.order.clone();
     for n in order {
-        let Op::Repeat { block, count, carry, stacked, .. } = g.main.node(n).op.clone() else { continue };
+        let Op::Repeat { block, count, carry, stacked, prefetch, .. } = g.main.node(n).op.clone() else { continue };
+        if prefetch > 0 {
+            return Err(format!("node {n}: `repeat` with prefetched carries cannot be differentiated; run prefetch-next-layer after autodiff"));
+        }
         if let std::collections::hash_map::Entry::Vacant(slot) = done.entry(block) {
             let grad = differentiate_block(g, block, carry as usize, stacked as usize)?;
             stats.blocks_differentiated += 1;
@@ -385,7 +388,7 @@ pub fn differentiate_main(g: &mut Graph, loss_output: &str) -> Result<(Vec<Optio
         let mut inputs = carry_in.clone();
         inputs.extend(&stacked_in);
         inputs.extend(&invariants);
-        let op = Op::Repeat { block: rg.bwd_block, count, carry: carry_in.len() as u32, stacked: stacked_in.len() as u32, reverse: !reverse };
+        let op = Op::Repeat { block: rg.bwd_block, count, carry: carry_in.len() as u32, stacked: stacked_in.len() as u32, reverse: !reverse, prefetch: 0 };
         let r = b.push(op, &inputs)?;
         let mut dx = vec![None; node.inputs.len()];
         for (i, d) in dx.iter_mut().enumerate().take(nc) {

@@ -3,8 +3,9 @@
 //! encoding, so the plan is exercised for real (two live buffers that overlap corrupt each
 //! other and the results show it). Steps run in order: a `launch` decodes its input buffers,
 //! runs the kernel's body block of `graph.ir` on the interpreter (bf16 emulated) and encodes the
-//! results into its output buffers; `copy`, `memset` and `loop` (layer index and carry
-//! ping-pong) move bytes as documented in `titan_ir::artifact`.
+//! results into its output buffers; `copy`, `memset` and `loop` (layer index, carry
+//! ping-pong and the `prefetch` steps one iteration ahead, in `titan_ir::artifact::loop_runs`
+//! order) move bytes as documented in `titan_ir::artifact`.
 //!
 //! A body runs op by op with the interpreter's own `eval_op`, in the body's order: the same
 //! computation as [`Interpreter::run_region`] (which [`CpuArtifactTrainer::set_streaming`]
@@ -387,11 +388,10 @@ impl<'a> CpuArtifactTrainer<'a> {
                     }
                     self.arenas[d.arena][d.start..d.start + n].fill(0);
                 }
-                Step::Loop { count, reverse, carries, body } => {
-                    let count = *count as usize;
-                    for t in 0..count {
-                        let layer = if *reverse { count - 1 - t } else { t };
-                        self.exec(body, Some(Frame { layer, t, carries }))?;
+                Step::Loop { count, reverse, carries, body, prefetch } => {
+                    for run in titan_ir::artifact::loop_runs(*count, *reverse, !prefetch.is_empty()) {
+                        let steps = if run.prefetch { prefetch } else { body };
+                        self.exec(steps, Some(Frame { layer: run.layer, t: run.t, carries }))?;
                     }
                 }
                 Step::Collective { collective, mesh_dim, group, dim, reduce, dtype, in_shape, out_shape, input, output, .. } => {

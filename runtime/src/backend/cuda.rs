@@ -11,8 +11,8 @@
 //!   (attention until its generator lands) make the backend refuse the artifact at load: no CPU
 //!   fallback inside a GPU run.
 //! * **Schedule.** Loops are unrolled at load into a flat list of launches, copies and memsets
-//!   with resolved device pointers (layer slices and carry ping-pong exactly as the CPU
-//!   backend). The first [`WARMUP_STEPS`] steps run it eagerly; the step is then captured into
+//!   with resolved device pointers (layer slices, carry ping-pong and a loop's `prefetch`
+//!   steps, one iteration ahead, exactly as the CPU backend: `titan_ir::artifact::loop_runs`). The first [`WARMUP_STEPS`] steps run it eagerly; the step is then captured into
 //!   a CUDA graph once and replayed. Tokens, targets and the step counter are copied into their
 //!   fixed input buffers before each step; `loss`, `grad_norm` and `lr` are read back after it.
 //! * **Parameters** start from the same values as the CPU backend (the chunks of
@@ -535,11 +535,12 @@ impl Arenas<'_> {
                     ext.push(vec![(i.0, ni), (o.0, no)]);
                     ops.push(Op::Collective { plan, input: i.0, output: o.0, mesh_dim: m, dtype: *dtype, at });
                 }
-                Step::Loop { count, reverse, carries, body } => {
-                    let count = *count as usize;
-                    for t in 0..count {
-                        let layer = if *reverse { count - 1 - t } else { t };
-                        self.unroll(body, Some(Frame { layer, t, carries }), path, ops, ext)?;
+                Step::Loop { count, reverse, carries, body, prefetch } => {
+                    // The next layer's gathers are unrolled at the top of each iteration, so
+                    // the comm stream runs them while this layer computes.
+                    for run in titan_ir::artifact::loop_runs(*count, *reverse, !prefetch.is_empty()) {
+                        let steps = if run.prefetch { prefetch } else { body };
+                        self.unroll(steps, Some(Frame { layer: run.layer, t: run.t, carries }), path, ops, ext)?;
                     }
                 }
             }
@@ -876,11 +877,10 @@ impl<'a> CudaArtifactTrainer<'a> {
                     check_gemm_extent(k, g, bound)?;
                     first[pos].get_or_insert(ptrs);
                 }
-                Step::Loop { count, reverse, carries, body } => {
-                    let count = *count as usize;
-                    for t in 0..count {
-                        let layer = if *reverse { count - 1 - t } else { t };
-                        Self::gemm_operands(artifact, arenas, body, Some(Frame { layer, t, carries }), align, first)?;
+                Step::Loop { count, reverse, carries, body, prefetch } => {
+                    for run in titan_ir::artifact::loop_runs(*count, *reverse, !prefetch.is_empty()) {
+                        let steps = if run.prefetch { prefetch } else { body };
+                        Self::gemm_operands(artifact, arenas, steps, Some(Frame { layer: run.layer, t: run.t, carries }), align, first)?;
                     }
                 }
                 _ => {}

@@ -339,6 +339,7 @@ pub fn looped(dtype: DType) -> Looped {
             reverse: true,
             carries: vec![[carry_a, carry_b]],
             body: vec![launch(k_layer, vec![carry(0, false), layer(ws)], vec![carry(0, true), layer(saved)])],
+            prefetch: vec![],
         },
         // Three iterations end in carries[0][3 % 2].
         launch(k_loss, vec![whole(carry_b), whole(saved), whole(out), whole(bias), whole(targets)], vec![whole(loss)]),

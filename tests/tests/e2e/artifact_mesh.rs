@@ -49,10 +49,13 @@ impl Drop for Scratch {
 }
 
 fn build(model: &Graph, mesh: Mesh, name: &str) -> (Scratch, BuildSummary) {
+    build_with(model, BuildOptions { train: options(), mesh, ..BuildOptions::default() }, name)
+}
+
+fn build_with(model: &Graph, opts: BuildOptions, name: &str) -> (Scratch, BuildSummary) {
     let dir = Scratch(PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("artifact-mesh-{name}-{}", std::process::id())));
     let _ = std::fs::remove_dir_all(&dir.0);
     let text = titan_ir::print::print_graph(model);
-    let opts = BuildOptions { train: options(), mesh, ..BuildOptions::default() };
     let summary = build_artifact(model, &text, &opts, dir.as_ref()).unwrap_or_else(|e| panic!("building {name}: {e}"));
     (dir, summary)
 }
@@ -75,17 +78,21 @@ fn run(t: &mut dyn Trainer) -> Run {
     Run { losses, grad_norms, states: t.states().expect("states") }
 }
 
-fn single_rank_artifact(name: &str) -> Run {
-    let (dir, _) = build(&model(), Mesh::new(1, 1, 1), &format!("{name}-single"));
+fn single_rank_artifact(model: &Graph, name: &str) -> Run {
+    let (dir, _) = build(model, Mesh::new(1, 1, 1), &format!("{name}-single"));
     let artifact = Artifact::load(&dir).expect("load");
     let mut t = CpuArtifactTrainer::new(&artifact, 0).expect("trainer");
     run(&mut t)
 }
 
 fn check(mesh: Mesh, name: &str) {
+    check_model(&model(), mesh, name);
+}
+
+fn check_model(model: &Graph, mesh: Mesh, name: &str) {
     let start = Instant::now();
-    let want = single_rank_artifact(name);
-    let (dir, summary) = build(&model(), mesh, name);
+    let want = single_rank_artifact(model, name);
+    let (dir, summary) = build(model, mesh, name);
     assert_eq!(summary.mesh.world_size, mesh.world_size());
     let artifact = Artifact::load(&dir).expect("load");
     assert!(artifact.collectives_per_step() > 0);
@@ -125,6 +132,16 @@ fn dp_shard_2_artifact_matches_single_rank_artifact() {
     check(Mesh::new(1, 2, 1), "fsdp2");
 }
 
+/// Three layers: an odd count, so the prefetched carries (`prefetch-next-layer`) end in the
+/// other ping-pong slot than with two, and the middle layer both reads a prefetched weight and
+/// prefetches the next one.
+#[test]
+fn dp_shard_2_over_3_layers_artifact_matches_single_rank_artifact() {
+    let cfg = LlamaConfig { dtype: DType::F32, n_layers: 3, ..LlamaConfig::preset(Preset::Debug) };
+    let m = build_llama3(&cfg, "llama3_debug_3l").expect("3-layer debug model");
+    check_model(&m, Mesh::new(1, 2, 1), "fsdp2-3l");
+}
+
 #[test]
 fn dp_shard_2_tp_2_artifact_matches_single_rank_artifact() {
     check(Mesh::new(1, 2, 2), "fsdp2-tp2");
@@ -134,8 +151,16 @@ fn dp_shard_2_tp_2_artifact_matches_single_rank_artifact() {
 fn collective_listing(steps: &[Step], indent: usize, out: &mut String) {
     for s in steps {
         match s {
-            Step::Loop { count, reverse, body, .. } => {
+            Step::Loop { count, reverse, body, prefetch, .. } => {
                 out.push_str(&format!("{:indent$}loop count={count} reverse={reverse}\n", ""));
+                if !prefetch.is_empty() {
+                    out.push_str(&format!(
+                        "{:indent$}  prefetch (before the loop: the first layer; then atop every iteration but the last: the next layer)\n",
+                        ""
+                    ));
+                    collective_listing(prefetch, indent + 4, out);
+                    out.push_str(&format!("{:indent$}  body\n", ""));
+                }
                 collective_listing(body, indent + 4, out);
             }
             Step::Collective { collective, mesh_dim, group, dim, reduce, dtype, in_shape, out_shape, send_bytes, .. } => {
@@ -169,7 +194,10 @@ fn fsdp_tp_schedule_has_collective_steps() {
     fn check_volumes(steps: &[Step]) {
         for s in steps {
             match s {
-                Step::Loop { body, .. } => check_volumes(body),
+                Step::Loop { body, prefetch, .. } => {
+                    check_volumes(prefetch);
+                    check_volumes(body);
+                }
                 Step::Collective { collective, group, dtype, in_shape, out_shape, send_bytes, .. } => {
                     let bytes = |s: &[u64]| s.iter().product::<u64>() * dtype.size_bytes() as u64;
                     let n = u64::from(*group);
@@ -201,7 +229,9 @@ fn fsdp_tp_schedule_has_collective_steps() {
 /// - no FSDP-gathered weight saved for the backward (reshard after forward: it gathers again);
 /// - the peak within 10% of `params x (2 + 2 + 12) / 32 + activations` (it is 8.1% above: the
 ///   embedding's tp replication and the fp32 gradient copies, less the bf16 weight copies that
-///   the formula's `2` counts and the activation arena holds).
+///   the formula's `2` counts and the activation arena holds);
+/// - `prefetch-next-layer` adds about one layer's gathered weights to the peak, and no
+///   communication.
 #[test]
 fn llama3_70b_tp8_fsdp4_report_follows_the_documented_arithmetic() {
     let start = Instant::now();
@@ -253,6 +283,20 @@ fn llama3_70b_tp8_fsdp4_report_follows_the_documented_arithmetic() {
     let want_rs = (4 * n_layers + 1) * act + stats;
     assert_eq!((tp.all_gather_bytes, tp.reduce_scatter_bytes), (want_rs + 2 * n_layers * act, want_rs), "{tp:?}");
     assert!(secs < 60.0, "the 70B SPMD build took {secs:.1} s");
+    // `prefetch-next-layer` holds two layers' gathered weights during each loop: the peak is
+    // one layer's gathered weights (2 B x (L / 80 / tp + 2 dim) = 204.03 MiB) above the build
+    // without it, plus what the planner reused within a layer before (a gathered weight's
+    // bytes after its last reader; now its slot lives to the end of the layer): 234.5 MiB in
+    // all. The communication is the same: no layer is gathered twice.
+    let opts = BuildOptions { train: options(), mesh: Mesh::new(1, 4, 8), prefetch_next_layer: false, ..BuildOptions::default() };
+    let (dir_off, _) = build_with(&m, opts, "70b-no-prefetch");
+    let off = Artifact::load(&dir_off).expect("load").manifest.report.expect("report");
+    let one_layer = 2 * (layer_weights / n_layers / 8 + 2 * dim);
+    let delta = r.memory.peak - off.memory.peak;
+    println!("peak {} without prefetch, {} with (+{delta} B; one layer's gathered weights {one_layer} B)", off.memory.peak, r.memory.peak);
+    assert_eq!((off.memory.peak, r.memory.peak), (73_567_502_592, 73_813_393_664), "the numbers docs/distributed.md states");
+    assert!(delta >= one_layer && delta <= one_layer * 5 / 4, "+{delta} B vs {one_layer} B");
+    assert_eq!(r.comm, off.comm);
 }
 
 /// Unbuilt parallelism and impossible meshes fail the build with the reason.

@@ -190,15 +190,30 @@ fn hsdp_dp_replicate_2_dp_shard_2_tp_2_matches_single_rank() {
     check(Mesh::new(2, 2, 2));
 }
 
+/// The `repeat` of `block` in `main`: (carry, prefetch).
+fn repeat_of(g: &Graph, block: &str) -> (usize, usize) {
+    let id = g.block_by_name(block).expect("block");
+    g.main
+        .order
+        .iter()
+        .find_map(|&n| match g.main.node(n).op {
+            Op::Repeat { block: b, carry, prefetch, .. } if b == id => Some((carry as usize, prefetch as usize)),
+            _ => None,
+        })
+        .expect("repeat")
+}
+
 /// FSDP reshards after the forward: the layer's forward saves no gathered weight for the
-/// backward (the 9 per-layer parameter gathers are not among its outputs), and the backward
-/// block gathers them again itself; both blocks issue those gathers at their top (prefetch).
+/// backward (the 9 per-layer parameter gathers are not among its stacked outputs; with
+/// `prefetch-next-layer` they are its prefetched carries, the next layer's weights), and the
+/// backward block gathers them again itself; both blocks issue those gathers at their top.
 #[test]
 fn fsdp_regathers_the_weights_in_the_backward() {
     let g = spmd_graph(Mesh::new(1, 2, 1)).expect("spmd lowering");
     let fwd = g.block(g.block_by_name("layer").expect("layer block"));
-    let gathered: Vec<_> = fwd
-        .outputs
+    let (carry, prefetch) = repeat_of(&g, "layer");
+    assert_eq!((carry, prefetch), (1, 9));
+    let gathered: Vec<_> = fwd.outputs[carry + prefetch..]
         .iter()
         .filter(|o| matches!(fwd.value(o.value).def, titan_ir::ValueDef::Result { node, .. } if matches!(fwd.node(node).op, titan_ir::Op::AllGather { .. })))
         .collect();
@@ -211,6 +226,78 @@ fn fsdp_regathers_the_weights_in_the_backward() {
         let leading = b.order.iter().take_while(|&&n| matches!(b.node(n).op, titan_ir::Op::AllGather { .. })).count();
         assert_eq!(leading, 9, "`{}` starts with its parameter gathers", b.name);
     }
+}
+
+/// `prefetch-next-layer`: in both loops each parameter gather reads the *next* layer's shard
+/// and is returned as a prefetched carry; the layer computes with the carried-in weights that
+/// the previous layer (or, for the first, the loop's prologue) gathered. The snapshot is the
+/// forward block and the two `repeat`s of the FSDP (dp_shard 2) training graph.
+#[test]
+fn fsdp_prefetches_the_next_layers_weights() {
+    let g = spmd_graph(Mesh::new(1, 2, 1)).expect("spmd lowering");
+    let text = titan_ir::print::print_graph(&g);
+    let start = text.find("block @layer(").expect("block");
+    let end = text[start..].find("\n  }\n").expect("block end") + start + 4;
+    let repeats: Vec<&str> = text.lines().filter(|l| l.contains("= repeat(")).collect();
+    insta::assert_snapshot!("fsdp2_prefetch_next_layer", format!("{}\n{}\n", &text[start..end], repeats.join("\n")));
+    for name in ["layer", "layer_bwd"] {
+        let b = g.block(g.block_by_name(name).expect("block"));
+        let (carry, prefetch) = repeat_of(&g, name);
+        assert_eq!(prefetch, 9, "@{name}");
+        let split = titan_ir::prefetch::prefetch_split(b, carry, b.args.len() - carry - prefetch, prefetch).expect("splits");
+        // Only the 9 gathers run ahead; each is read by nothing but the prefetched output.
+        let ahead: Vec<_> = b.order.iter().filter(|&&n| split.contains(n)).collect();
+        assert_eq!(ahead.len(), 9);
+        for (k, &&n) in ahead.iter().enumerate() {
+            let node = b.node(n);
+            assert!(matches!(node.op, Op::AllGather { mesh_dim: MeshDim::DpShard, .. }), "@{name}: {:?}", node.op);
+            assert_eq!(b.outputs[carry + k].value, node.results[0]);
+            assert!(b.order.iter().all(|&m| !b.node(m).inputs.contains(&node.results[0])), "@{name}: the next layer's weight is read in this layer");
+            // The carried-in weight of the same parameter is what the layer reads.
+            let cur = b.args[carry + k].value;
+            assert!(b.order.iter().any(|&m| b.node(m).inputs.contains(&cur)), "@{name}: carried weight {k} is unused");
+        }
+    }
+    // The same collectives on every communicator, reordered: each loop gathers layer l + 1
+    // before the rest of layer l (in the backward, before its gradient reduce-scatters).
+    let mut off = model();
+    Mesh::new(1, 2, 1).write_meta(&mut off);
+    titan_passes::prefetch_next_layer::disable_prefetch_next_layer(&mut off);
+    let off = lower_to_train(&off, &options()).expect("lowering without prefetch");
+    assert!(!titan_ir::print::print_graph(&off).contains("prefetch ="));
+    let calls = |g: &Graph| -> Vec<String> {
+        let sched = titan_passes::check_collectives::collective_schedule(g).expect("schedule");
+        assert_eq!(sched.len(), 1, "dp_shard only");
+        sched[0].1.iter().map(|c| c.what.split(" (node").next().unwrap_or_default().trim_matches('`').to_string()).collect()
+    };
+    let (on_calls, off_calls) = (calls(&g), calls(&off));
+    let sorted = |mut v: Vec<String>| {
+        v.sort();
+        v
+    };
+    assert_eq!(sorted(on_calls.clone()), sorted(off_calls.clone()), "the same collectives");
+    // The backward loop (2 layers): without prefetch each layer gathers its weights, then
+    // reduce-scatters its gradients; with it, the last layer's 9 gathers run before the loop
+    // (prologue) and layer 0's during layer 1, before layer 1's reduce-scatters.
+    let kinds = |calls: &[String]| -> Vec<String> { calls.iter().map(|c| c.split(' ').next().unwrap_or_default().to_string()).collect() };
+    let run = |parts: &[(&str, usize)]| -> Vec<String> { parts.iter().flat_map(|&(k, n)| std::iter::repeat_n(k.to_string(), n)).collect() };
+    let has = |calls: &[String], pattern: &[String]| kinds(calls).windows(pattern.len()).any(|w| w == pattern);
+    let prefetched = run(&[("all_gather", 18), ("reduce_scatter", 18)]);
+    let per_layer = run(&[("all_gather", 9), ("reduce_scatter", 9), ("all_gather", 9), ("reduce_scatter", 9)]);
+    assert!(has(&on_calls, &prefetched) && !has(&on_calls, &per_layer), "{on_calls:#?}");
+    assert!(has(&off_calls, &per_layer) && !has(&off_calls, &prefetched), "{off_calls:#?}");
+}
+
+/// Without `prefetch-next-layer` (`--disable-prefetch-next-layer`), FSDP still tracks the
+/// single-rank run (each layer gathers its own weights at its top).
+#[test]
+fn dp_shard_2_without_prefetch_matches_single_rank() {
+    fn no_prefetch() -> Graph {
+        let mut g = model();
+        titan_passes::prefetch_next_layer::disable_prefetch_next_layer(&mut g);
+        g
+    }
+    check_model(Mesh::new(1, 2, 1), no_prefetch);
 }
 
 /// The layer block under kv-head replication: each rank slices its kv head out of the

@@ -419,6 +419,34 @@ mod tests {
         assert_eq!(j.before, vec![vec![], vec![0]]);
     }
 
+    /// A 3-layer loop with `prefetch-next-layer`'s gathers, unrolled as the backend unrolls it
+    /// (`loop_runs`): the gather of layer `l + 1` is issued before layer `l`'s compute and
+    /// joined only before layer `l + 1`'s, so it runs while layer `l` computes; each gather
+    /// writes the slot the previous layer has finished reading (it starts after the compute
+    /// enqueued before it).
+    #[test]
+    fn the_next_layers_gather_is_joined_only_where_that_layer_reads_it() {
+        let slot = |s: usize| (100 + 100 * s as u64, 10);
+        let (mut comm, mut ranges, mut what) = (Vec::new(), Vec::new(), Vec::new());
+        for run in titan_ir::artifact::loop_runs(3, false, true) {
+            if run.prefetch {
+                // all_gather(shard[layer]) -> carry out
+                comm.push(true);
+                ranges.push(vec![(1000 + 10 * run.layer as u64, 5), slot((run.t + 1) % 2)]);
+                what.push(format!("gather layer {}", run.layer));
+            } else {
+                // the layer's GEMM reads carry in
+                comm.push(false);
+                ranges.push(vec![slot(run.t % 2), (5000, 10)]);
+                what.push(format!("compute layer {}", run.layer));
+            }
+        }
+        assert_eq!(what, ["gather layer 0", "gather layer 1", "compute layer 0", "gather layer 2", "compute layer 1", "compute layer 2"]);
+        let j = join_points(&comm, &ranges);
+        assert_eq!(j.before, vec![vec![], vec![], vec![0], vec![], vec![1], vec![2]]);
+        assert!(j.at_end.is_empty());
+    }
+
     #[test]
     fn all_reduce_is_one_call_and_bad_steps_are_refused() {
         let s = StepShape {
