@@ -12,7 +12,7 @@
 # With MESH=1 it also holds SPMD builds of the debug model for two ranks (tp 2, dp_shard 2,
 # dp_replicate 2), which `tools/cuda_check.sh mesh DIR` runs on a machine with two GPUs: NCCL
 # across GPUs against one GPU and against the CPU simulated mesh, and a rank killed mid-run;
-# with BIG=1 also an 8B-shaped 2-layer model on one GPU, tp 2 and dp_shard 2 (losses, tok/s).
+# with BIG=1 also an 8B-shaped 4-layer model on one GPU, tp 2 and dp_shard 2 (losses, tok/s).
 # Logs go to $OUT (or DIR/logs).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -57,11 +57,12 @@ prepare)
         target/release/titanc build "$dir/8b4.ir" -o "$dir/8b4"
     fi
     if [ "${BIG:-0}" = 1 ]; then
-        # 8B dims, 2 layers, batch 2 x seq 4096: one GPU, tp 2, dp_shard 2.
-        target/release/titanc new llama3 --preset 8b --n-layers 2 --batch-size 2 --seq-len 4096 -o "$dir/8b2.ir"
-        for cfg in "one:" "tp2:--tp 2" "dps2:--dp-shard 2"; do
+        # 8B dims, 4 layers, batch 2 x seq 4096: one GPU, tp 2, dp_shard 2 (with and without the
+        # next layer's gathers prefetched).
+        target/release/titanc new llama3 --preset 8b --n-layers 4 --batch-size 2 --seq-len 4096 -o "$dir/8b4s.ir"
+        for cfg in "one:" "tp2:--tp 2" "dps2:--dp-shard 2" "dps2-noprefetch:--dp-shard 2 --disable-prefetch-next-layer"; do
             # shellcheck disable=SC2086
-            target/release/titanc build "$dir/8b2.ir" -o "$dir/big-${cfg%%:*}" ${cfg#*:} >/dev/null
+            target/release/titanc build "$dir/8b4s.ir" -o "$dir/big-${cfg%%:*}" ${cfg#*:} >/dev/null
         done
     fi
     if [ "${MESH:-0}" = 1 ]; then
@@ -143,6 +144,22 @@ print(f"  loss {g[1]:.4f} -> {g[n]:.4f}; max |dloss| vs CPU simulated mesh {vs_c
 sys.exit(0 if worst <= 1 else 1)
 PY
     done
+    echo "== checkpoint and --resume on 2 GPUs (tp 2): 10 steps straight vs 5, checkpoint, resume to 10"
+    ck=$(mktemp -d)
+    a="$dir/mesh-tp2"
+    timeout 120 "$dir/titan-run" "$a" --backend cuda --nproc-per-node 2 --steps 10 --metrics "$ck/straight.jsonl" >"$out/mesh-resume.log" 2>&1 || rc=1
+    timeout 120 "$dir/titan-run" "$a" --backend cuda --nproc-per-node 2 --steps 5 --checkpoint-dir "$ck/ckpt" --metrics "$ck/resumed.jsonl" >>"$out/mesh-resume.log" 2>&1 || rc=1
+    timeout 120 "$dir/titan-run" "$a" --backend cuda --nproc-per-node 2 --steps 10 --resume "$ck/ckpt" --metrics "$ck/resumed.jsonl" >>"$out/mesh-resume.log" 2>&1 || rc=1
+    python3 - "$ck/straight.jsonl" "$ck/resumed.jsonl" <<'PY' || { rc=1; tail -20 "$out/mesh-resume.log"; }
+import json, sys
+a = {r["step"]: r["loss"] for r in map(json.loads, open(sys.argv[1]))}
+b = {r["step"]: r["loss"] for r in map(json.loads, open(sys.argv[2]))}
+assert sorted(a) == list(range(1, 11)) and sorted(b) == list(range(1, 11)), (sorted(a), sorted(b))
+worst = max(abs(a[s] - b[s]) for s in a)
+print(f"  max |dloss| {worst:.3g}, bitwise equal: {all(a[s] == b[s] for s in a)}")
+sys.exit(0 if worst <= 1e-6 else 1)
+PY
+    rm -rf "$ck"
     if [ -d "$dir/big-one" ]; then
         # A model of real size (built with BIG=1): 2 GPUs against one, losses and throughput.
         echo "== $(basename "$dir")/big-*: one GPU vs 2 GPUs"
