@@ -183,6 +183,12 @@ sys.exit(0 if share <= 1 else 1)
 PY
         done
     fi
+    if [ -d "$dir/big-dps2" ]; then
+        echo "== --profile on 2 GPUs (big-dps2): kernels, collectives and the compute stream's waits"
+        timeout 300 "$dir/titan-run" "$dir/big-dps2" --backend cuda --nproc-per-node 2 --steps 4 --profile >"$out/big-profile.log" 2>&1 || rc=1
+        grep -A 14 "collectives, mean of" "$out/big-profile.log" || tail -20 "$out/big-profile.log"
+        grep "\[rank 1\] titan-run: --profile" "$out/big-profile.log" || true
+    fi
     echo "== a rank killed mid-run: the other rank must exit with an error, not hang"
     a="$dir/mesh-dps2"
     for victim in 1 0; do

@@ -6,7 +6,7 @@
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
-use crate::backend::KernelTime;
+use crate::backend::profile::kernel_table;
 use crate::checkpoint::{self, TrainerState};
 use crate::data::{check_vocab, load_tokens};
 use crate::dist::{DistEnv, ProcessGroup, ProcessMeshTrainer, RendezvousOptions};
@@ -160,11 +160,11 @@ fn run_rank(cli: &Cli, env: &DistEnv, tokens: Vec<u32>, data_name: &str) -> Resu
             cli.backend
         );
     }
-    if cli.profile {
-        bail!("--profile is not supported in a multi-process run yet; profile a single-device build of the model");
-    }
     if !is_graph_file(&cli.path) {
         return run_artifact_rank(cli, env, tokens, data_name);
+    }
+    if cli.profile {
+        bail!("--profile times the kernels of an artifact; build one with `titanc build --tp/--dp-shard ...` and pass its directory");
     }
     let graph_text = std::fs::read_to_string(&cli.path).with_context(|| format!("cannot read `{}`", cli.path.display()))?;
     let graph = titan_ir::parse_file(&cli.path).map_err(|e| anyhow::anyhow!("{e}"))?;
@@ -221,12 +221,28 @@ fn run_in_group(
         }
     };
     let logger = group.rank() == 0;
+    if cli.profile
+        && let Err(e) = trainer.enable_profile()
+    {
+        group.abort(&e.to_string());
+        return Err(e.into());
+    }
     if logger {
         announce(&trainer);
+        if cli.profile {
+            eprintln!("titan-run: --profile: every rank times its kernels; rank 0 reports in full, the others in one line");
+        }
     }
     if let Err(e) = train(&mut trainer, cli, tokens, data_name, identity, logger) {
         group.abort(&format!("{e:#}"));
         return Err(e);
+    }
+    if cli.profile {
+        match trainer.profile_report(logger) {
+            Some(r) => eprint!("{r}"),
+            None if logger => eprintln!("titan-run: --profile: no step after the first to report; run at least 2 steps"),
+            None => {}
+        }
     }
     group.finish()?;
     Ok(())
@@ -388,7 +404,7 @@ fn run(cli: Cli) -> Result<()> {
     eprintln!("titan-run: {}", memory_summary(&artifact));
     train(&mut trainer, &cli, tokens, &data_name, &artifact.manifest.content_hash, true)?;
     if let Some((times, steps)) = trainer.profile() {
-        print_profile(&artifact, times, None, steps, "cpu");
+        eprint!("{}", kernel_table(&artifact, times, None, steps, "cpu"));
     }
     Ok(())
 }
@@ -474,61 +490,6 @@ fn train(trainer: &mut dyn Trainer, cli: &Cli, tokens: Vec<u32>, data_name: &str
     Ok(())
 }
 
-/// Matmul FLOPs of one launch of `k` (GEMMs and attention; the attention backward counted as
-/// 2.5x its forward, FlashAttention's convention), for the profile's TFLOP/s column.
-fn kernel_flops(artifact: &Artifact, k: &titan_ir::artifact::Kernel) -> Option<f64> {
-    if let Some(gm) = &k.gemm {
-        return Some(2.0 * (gm.m * gm.n * gm.k * gm.batch.max(1)) as f64);
-    }
-    let g = &artifact.graph;
-    let r = g.block(g.block_by_name(&k.body)?);
-    let node = r.node(*r.order.first()?);
-    let (causal, mult) = match node.op {
-        titan_ir::Op::Attention { causal, .. } => (causal, 1.0),
-        titan_ir::Op::AttentionBwd { causal, .. } => (causal, 2.5),
-        _ => return None,
-    };
-    let q = r.ty(*node.inputs.first()?).resolve(&g.dims).ok()?;
-    let [b, s, h, d] = q[..] else { return None };
-    Some(mult * 4.0 * (b * s * s * h * d) as f64 * if causal { 0.5 } else { 1.0 })
-}
-
-/// The `--profile` table: time per kernel per step, its share, and its achieved rate (GB/s of
-/// the bytes its body reads and writes; TFLOP/s for GEMMs and attention), every kernel that ran,
-/// the most expensive first.
-/// `other` is the time in copies and memsets, `steps` the number of profiled steps.
-fn print_profile(artifact: &Artifact, times: &[KernelTime], other: Option<KernelTime>, steps: u64, backend: &str) {
-    let steps = steps.max(1) as f64;
-    let total: f64 = times.iter().map(|t| t.seconds).sum::<f64>() + other.map_or(0.0, |o| o.seconds);
-    let mut rows: Vec<_> = artifact.manifest.kernels.iter().zip(times).filter(|(_, t)| t.launches > 0).collect();
-    rows.sort_by(|a, b| b.1.seconds.total_cmp(&a.1.seconds));
-    eprintln!("titan-run: time per kernel on the {backend} backend, mean of {steps} profiled step(s): {:.3} ms per step", 1e3 * total / steps);
-    eprintln!("  {:>10} {:>6} {:>8} {:>9} {:>9}  kernel (kind)", "ms/step", "share", "launches", "GB/s", "TFLOP/s");
-    for (k, t) in &rows {
-        let per_launch = t.seconds / t.launches as f64;
-        let gbs = (k.bytes_read + k.bytes_written) as f64 / per_launch / 1e9;
-        let tflops = kernel_flops(artifact, k).map_or(String::new(), |f| format!("{:.1}", f / per_launch / 1e12));
-        eprintln!(
-            "  {:>10.3} {:>5.1}% {:>8} {:>9.1} {:>9}  {} ({})",
-            1e3 * t.seconds / steps,
-            100.0 * t.seconds / total.max(1e-12),
-            (t.launches as f64 / steps).round(),
-            gbs,
-            tflops,
-            k.name,
-            k.kind.name()
-        );
-    }
-    if let Some(o) = other.filter(|o| o.launches > 0) {
-        eprintln!(
-            "  {:>10.3} {:>5.1}% {:>8}  copies and memsets of the schedule",
-            1e3 * o.seconds / steps,
-            100.0 * o.seconds / total.max(1e-12),
-            (o.launches as f64 / steps).round()
-        );
-    }
-}
-
 /// `--backend cuda`: the schedule on one GPU.
 /// `started` is when titan-run started, `load_s` the seconds reading the artifact took.
 fn run_cuda(cli: &Cli, artifact: &Artifact, tokens: Vec<u32>, data_name: &str, started: std::time::Instant, load_s: f64) -> Result<()> {
@@ -560,7 +521,7 @@ fn run_cuda(cli: &Cli, artifact: &Artifact, tokens: Vec<u32>, data_name: &str, s
         if steps == 0 {
             eprintln!("titan-run: --profile: no step after the first to report; run at least 2 steps");
         } else {
-            print_profile(artifact, times, Some(other), steps, "cuda");
+            eprint!("{}", kernel_table(artifact, times, Some(other), steps, "cuda"));
         }
     }
     Ok(())

@@ -643,6 +643,21 @@ pub(crate) fn state_buffer<'a>(artifact: &'a Artifact, name: &str) -> Result<&'a
 }
 
 impl Trainer for CpuArtifactTrainer<'_> {
+    fn enable_profile(&mut self) -> Result<(), RuntimeError> {
+        CpuArtifactTrainer::enable_profile(self);
+        Ok(())
+    }
+
+    fn profile_report(&self, full: bool) -> Option<String> {
+        let (times, steps) = self.profile().filter(|(_, n)| *n > 0)?;
+        Some(if full {
+            crate::backend::profile::kernel_table(self.artifact, times, None, steps, "cpu")
+        } else {
+            let secs: f64 = times.iter().map(|t| t.seconds).sum();
+            format!("titan-run: --profile: {:.3} ms per step in kernels\n", 1e3 * secs / steps as f64)
+        })
+    }
+
     fn step(&mut self, batch: &Batch) -> Result<StepMetrics, RuntimeError> {
         CpuArtifactTrainer::step(self, batch)
     }

@@ -31,6 +31,7 @@
 //! kernel-by-kernel differential tests and per-kernel timings use it.
 
 pub mod collective;
+pub mod comm_profile;
 pub mod driver;
 pub mod gemm;
 
@@ -408,6 +409,8 @@ enum Op {
         mesh_dim: usize,
         dtype: DType,
         at: String,
+        /// For `--profile`: what it moves.
+        info: comm_profile::CollectiveInfo,
     },
 }
 
@@ -533,7 +536,9 @@ impl Arenas<'_> {
                         return Err(bad(format!("{at}: `{}` reads {ni} and writes {no} bytes, its buffers hold {} and {}", collective.name(), i.1, o.1)));
                     }
                     ext.push(vec![(i.0, ni), (o.0, no)]);
-                    ops.push(Op::Collective { plan, input: i.0, output: o.0, mesh_dim: m, dtype: *dtype, at });
+                    let dim_name = titan_ir::MeshDim::from_name(mesh_dim).map_or("?", titan_ir::MeshDim::name);
+                    let info = comm_profile::CollectiveInfo { op: collective.name(), dim: dim_name, bytes: ni.max(no), at: at.clone() };
+                    ops.push(Op::Collective { plan, input: i.0, output: o.0, mesh_dim: m, dtype: *dtype, at, info });
                 }
                 Step::Loop { count, reverse, carries, body, prefetch } => {
                     // The next layer's gathers are unrolled at the top of each iteration, so
@@ -652,11 +657,28 @@ struct CommEvents {
 
 /// Per-op timing events and the accumulated time per kernel.
 struct Profile {
+    /// Recorded on the compute stream just before op `i` (after its waits for collectives), and
+    /// at the end.
     events: Vec<Event>,
     kernels: Vec<KernelTime>,
     /// Time in copies and memsets of the schedule.
     other: KernelTime,
     steps: u64,
+    /// On a mesh: the collectives' side of the profile.
+    comm: Option<CommTiming>,
+}
+
+/// `--profile` events of a mesh rank: the compute stream before its waits for collectives (per
+/// op, and at the end), and each communicating collective's start on the collectives' stream
+/// (its end is the `done` event the compute stream waits on).
+struct CommTiming {
+    before_waits: Vec<Event>,
+    start: Vec<Event>,
+    infos: Vec<comm_profile::CollectiveInfo>,
+    /// The wait points: per op index (and `ops.len()` for the end), its index in `waits`.
+    wait_at: Vec<Option<usize>>,
+    waits: Vec<comm_profile::WaitPoint>,
+    sums: comm_profile::CommProfile,
 }
 
 /// One chunk of a state's initial values.
@@ -1062,8 +1084,12 @@ impl<'a> CudaArtifactTrainer<'a> {
 
     fn enqueue_ops(&self) -> Result<(), CudaError> {
         let events = self.profile.as_ref().map(|p| &p.events);
+        let before_waits = self.profile.as_ref().and_then(|p| p.comm.as_ref()).map(|c| &c.before_waits);
         let mut nth_collective = 0;
         for (i, op) in self.ops.iter().enumerate() {
+            if let Some(ev) = before_waits {
+                self.gpu.record(&ev[i])?;
+            }
             if let Some(ce) = &self.comm_events {
                 for &c in &ce.joins.before[i] {
                     self.gpu.wait_for(&ce.done[c])?;
@@ -1076,11 +1102,14 @@ impl<'a> CudaArtifactTrainer<'a> {
                 Op::Launch { kernel, ins, outs, at } => self.code.launch(&self.gpu, self.artifact, *kernel, ins, outs, &|| at.clone())?,
                 Op::Copy { dst, src, bytes, at } => self.gpu.copy(*dst, *src, *bytes, || format!("copy of {bytes} bytes ({at})"))?,
                 Op::Memset { dst, bytes, at } => self.gpu.memset(*dst, 0, *bytes, || format!("memset of {bytes} bytes ({at})"))?,
-                Op::Collective { plan, input, output, mesh_dim, dtype, at } => {
+                Op::Collective { plan, input, output, mesh_dim, dtype, at, .. } => {
                     self.enqueue_collective(plan, *input, *output, *mesh_dim, *dtype, nth_collective, at)?;
                     nth_collective += usize::from(plan.communicates);
                 }
             }
+        }
+        if let Some(ev) = before_waits {
+            self.gpu.record(&ev[self.ops.len()])?;
         }
         if let Some(ce) = &self.comm_events {
             for &c in &ce.joins.at_end {
@@ -1117,6 +1146,9 @@ impl<'a> CudaArtifactTrainer<'a> {
         let events = self.comm_events.as_ref().filter(|_| plan.communicates);
         if let Some(ce) = events {
             self.gpu.fork_to_comm(&ce.fork)?;
+            if let Some(c) = self.profile.as_ref().and_then(|p| p.comm.as_ref()) {
+                self.gpu.record_on_comm(&c.start[nth])?;
+            }
         }
         for a in &plan.actions {
             match *a {
@@ -1156,7 +1188,42 @@ impl<'a> CudaArtifactTrainer<'a> {
         self.gpu.bind()?;
         let events = (0..=self.ops.len()).map(|_| Event::new()).collect::<Result<Vec<_>, _>>()?;
         let kernels = vec![KernelTime::default(); self.artifact.manifest.kernels.len()];
-        self.profile = Some(Profile { events, kernels, other: KernelTime::default(), steps: 0 });
+        let comm = match &self.comm_events {
+            Some(ce) => {
+                let infos: Vec<comm_profile::CollectiveInfo> = self
+                    .ops
+                    .iter()
+                    .filter_map(|o| match o {
+                        Op::Collective { plan, info, .. } if plan.communicates => Some(info.clone()),
+                        _ => None,
+                    })
+                    .collect();
+                let label = |i: usize| match self.ops.get(i) {
+                    Some(Op::Launch { kernel, at, .. }) => format!("kernel `{}` ({at})", self.artifact.manifest.kernels[*kernel].name),
+                    Some(Op::Copy { at, .. } | Op::Memset { at, .. } | Op::Collective { at, .. }) => at.clone(),
+                    None => "the end of the step".into(),
+                };
+                let mut waits = Vec::new();
+                let mut wait_at = vec![None; self.ops.len() + 1];
+                for (i, joined) in ce.joins.before.iter().chain(std::iter::once(&ce.joins.at_end)).enumerate() {
+                    if !joined.is_empty() {
+                        wait_at[i] = Some(waits.len());
+                        waits.push(comm_profile::WaitPoint { before: label(i), collectives: joined.clone() });
+                    }
+                }
+                let sums = comm_profile::CommProfile::new(infos.len(), waits.len());
+                Some(CommTiming {
+                    before_waits: (0..=self.ops.len()).map(|_| Event::new()).collect::<Result<Vec<_>, _>>()?,
+                    start: (0..infos.len()).map(|_| Event::new()).collect::<Result<Vec<_>, _>>()?,
+                    infos,
+                    wait_at,
+                    waits,
+                    sums,
+                })
+            }
+            None => None,
+        };
+        self.profile = Some(Profile { events, kernels, other: KernelTime::default(), steps: 0, comm });
         self.set_graphs(false);
         Ok(())
     }
@@ -1167,6 +1234,27 @@ impl<'a> CudaArtifactTrainer<'a> {
         self.profile.as_ref().map(|p| (p.kernels.as_slice(), p.other, p.steps))
     }
 
+    /// The `--profile` report: the kernel table and, on a mesh, the collectives' (`full`), or
+    /// one summary line (`!full`, for the ranks other than 0). `None` before a counted step.
+    pub fn profile_report(&self, full: bool) -> Option<String> {
+        let p = self.profile.as_ref().filter(|p| p.steps > 0)?;
+        let compute: f64 = p.kernels.iter().map(|k| k.seconds).sum::<f64>() + p.other.seconds;
+        let comm = p.comm.as_ref();
+        if !full {
+            let line = match comm {
+                Some(c) => comm_profile::summary(&c.sums, compute, p.steps),
+                None => format!("{:.3} ms per step in kernels and copies", 1e3 * compute / p.steps as f64),
+            };
+            return Some(format!("titan-run: --profile: {line}\n"));
+        }
+        let mut out = crate::backend::profile::kernel_table(self.artifact, &p.kernels, Some(p.other), p.steps, "cuda");
+        if let Some(c) = comm {
+            out.push_str("titan-run: ");
+            out.push_str(&comm_profile::report(&c.infos, &c.waits, &c.sums, compute, p.steps, 10));
+        }
+        Some(out)
+    }
+
     /// Add the event times of the step that just finished to the profile.
     fn collect_profile(&mut self) -> Result<(), RuntimeError> {
         let warm = self.steps_run <= 1;
@@ -1175,13 +1263,25 @@ impl<'a> CudaArtifactTrainer<'a> {
             return Ok(());
         }
         for (i, op) in self.ops.iter().enumerate() {
-            let secs = f64::from(p.events[i].elapsed_ms(&p.events[i + 1])?) * 1e-3;
+            // On a mesh an op's time ends where the waits before the next op begin.
+            let end = p.comm.as_ref().map_or(&p.events[i + 1], |c| &c.before_waits[i + 1]);
+            let secs = f64::from(p.events[i].elapsed_ms(end)?) * 1e-3;
             let t = match op {
                 Op::Launch { kernel, .. } => &mut p.kernels[*kernel],
                 Op::Copy { .. } | Op::Memset { .. } | Op::Collective { .. } => &mut p.other,
             };
             t.launches += 1;
             t.seconds += secs;
+        }
+        if let (Some(c), Some(ce)) = (p.comm.as_mut(), &self.comm_events) {
+            for (i, w) in c.wait_at.iter().enumerate() {
+                if let Some(w) = *w {
+                    c.sums.waited[w] += f64::from(c.before_waits[i].elapsed_ms(&p.events[i])?) * 1e-3;
+                }
+            }
+            for (n, start) in c.start.iter().enumerate() {
+                c.sums.busy[n] += f64::from(start.elapsed_ms(&ce.done[n])?) * 1e-3;
+            }
         }
         p.steps += 1;
         Ok(())
@@ -1308,6 +1408,14 @@ fn with_step(e: CudaError, n: u64) -> CudaError {
 }
 
 impl Trainer for CudaArtifactTrainer<'_> {
+    fn enable_profile(&mut self) -> Result<(), RuntimeError> {
+        CudaArtifactTrainer::enable_profile(self)
+    }
+
+    fn profile_report(&self, full: bool) -> Option<String> {
+        CudaArtifactTrainer::profile_report(self, full)
+    }
+
     fn step(&mut self, batch: &Batch) -> Result<StepMetrics, RuntimeError> {
         CudaArtifactTrainer::step(self, batch)
     }

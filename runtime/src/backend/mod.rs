@@ -9,6 +9,7 @@ pub mod codec;
 pub mod cpu_artifact;
 pub mod cpu_graph;
 pub mod cuda;
+pub mod profile;
 pub mod sim_mesh;
 
 pub use cpu_artifact::CpuArtifactTrainer;
@@ -67,6 +68,16 @@ pub trait Trainer {
     fn set_steps_done(&mut self, steps: u64) -> Result<(), RuntimeError> {
         let _ = steps;
         Err(RuntimeError::Backend("resuming is not supported yet on this backend; use --backend cpu".into()))
+    }
+    /// Time every kernel of the following steps (`--profile`).
+    fn enable_profile(&mut self) -> Result<(), RuntimeError> {
+        Err(RuntimeError::Backend("--profile is not supported on this backend yet".into()))
+    }
+    /// The `--profile` report of the steps so far: all of it (`full`), or one summary line
+    /// (the other ranks of a run); `None` before a counted step.
+    fn profile_report(&self, full: bool) -> Option<String> {
+        let _ = full;
+        None
     }
     /// Model FLOPs per token for throughput and MFU, when known.
     fn flops_per_token(&self) -> Option<u64> {

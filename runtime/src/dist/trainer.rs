@@ -146,6 +146,14 @@ impl Trainer for ProcessMeshTrainer<'_> {
         self.trainer.set_steps_done(steps)
     }
 
+    fn enable_profile(&mut self) -> Result<(), RuntimeError> {
+        self.trainer.enable_profile()
+    }
+
+    fn profile_report(&self, full: bool) -> Option<String> {
+        self.trainer.profile_report(full)
+    }
+
     fn sharded(&self) -> Option<&dyn ShardedStates> {
         Some(self)
     }

@@ -137,6 +137,12 @@ fn two_processes_run_an_spmd_artifact_like_the_simulated_mesh() {
     }
     assert!(stderr.contains("on 2 cpu processes") && stderr.contains("collectives per step per rank"), "{stderr}");
     assert!(sim_stderr.contains("on a simulated cpu mesh of 2 ranks (tp 2)"), "{sim_stderr}");
+    // --profile: rank 0 prints its kernel table, the other rank one line.
+    let out = titan_run(&[p(&dir), "--steps", "3", "--nproc-per-node", "2", "--profile"]);
+    let e = text(&out.stderr);
+    assert!(out.status.success(), "{e}");
+    assert!(e.contains("titan-run: time per kernel on the cpu backend, mean of 3 profiled step(s)"), "{e}");
+    assert!(e.contains("[rank 1] titan-run: --profile: ") && e.contains("ms per step in kernels"), "{e}");
     // On the GPU an SPMD artifact runs one process per GPU: a single process says how, and a
     // graph file (not an artifact) is refused on --backend cuda before any GPU work.
     let out = titan_run(&[dir.to_str().expect("utf-8"), "--backend", "cuda", "--steps", "1"]);
@@ -241,7 +247,7 @@ fn bad_launches_are_refused_clearly() {
     let e = err(&[p(&spmd), "--steps", "2", "--nproc-per-node", "2"], &[("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "h"), ("MASTER_PORT", "9")]);
     assert!(e.contains("--nproc-per-node launches its own ranks"), "{e}");
     let e = err(&[p(&spmd), "--steps", "2", "--nproc-per-node", "2", "--profile"], &[]);
-    assert!(e.contains("--profile is not supported in a multi-process run yet"), "{e}");
+    assert!(e.contains("--profile times the kernels of an artifact") && e.contains("titanc build --tp/--dp-shard"), "{e}");
     // Slurm: the rendezvous host is the first of the nodelist; rank 0 not there times out, naming it.
     let e = err(
         &[p(&spmd), "--steps", "2", "--rendezvous-timeout", "1"],
