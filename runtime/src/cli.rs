@@ -77,6 +77,20 @@ struct Cli {
     /// (`WORLD_SIZE` / `SLURM_NTASKS` > 1) titan-run runs its own rank without this flag.
     #[arg(long, value_name = "N")]
     nproc_per_node: Option<usize>,
+    /// With --nproc-per-node: the number of nodes of the run (torchrun's --nnodes); launch
+    /// titan-run once on every node with its --node-rank and the same --master-addr/-port.
+    #[arg(long, value_name = "M", requires = "nproc_per_node")]
+    nnodes: Option<usize>,
+    /// With --nnodes: this node's index, 0 to M-1 (node 0 runs rank 0, which listens at the
+    /// master address).
+    #[arg(long, value_name = "K", requires = "nnodes")]
+    node_rank: Option<usize>,
+    /// With --nnodes: the host of node 0, as the other nodes reach it.
+    #[arg(long, value_name = "HOST", requires = "nnodes")]
+    master_addr: Option<String>,
+    /// With --nnodes: the port rank 0 listens on.
+    #[arg(long, value_name = "PORT", requires = "nnodes")]
+    master_port: Option<u16>,
     /// Seconds every rank waits for the others at the rendezvous of a multi-process run.
     #[arg(long, value_name = "SECS", default_value_t = 300)]
     rendezvous_timeout: u64,
@@ -113,7 +127,7 @@ fn check_checkpoint_flags(cli: &Cli) -> Result<()> {
 }
 
 /// `--nproc-per-node N`: launch N copies of this program as the ranks of one host.
-fn launch_local(n: usize) -> Result<()> {
+fn launch_local(n: usize, cli: &Cli) -> Result<()> {
     let env = DistEnv::from_process_env()?;
     if env.is_distributed() {
         bail!(
@@ -123,18 +137,34 @@ fn launch_local(n: usize) -> Result<()> {
             env.launcher.name()
         );
     }
+    let nodes = match cli.nnodes {
+        None | Some(1) if cli.node_rank.unwrap_or(0) == 0 => None,
+        None | Some(1) => bail!("--node-rank {} needs --nnodes above it", cli.node_rank.unwrap_or(0)),
+        Some(0) => bail!("--nnodes must be at least 1"),
+        Some(nnodes) => {
+            let (Some(node_rank), Some(addr), Some(port)) = (cli.node_rank, cli.master_addr.clone(), cli.master_port) else {
+                bail!(
+                    "--nnodes {nnodes} needs --node-rank (this node, 0 to {}), --master-addr (node 0's host) and --master-port, the same on every node",
+                    nnodes - 1
+                );
+            };
+            Some(crate::dist::launch::Nodes { nnodes, node_rank, master: (addr, port) })
+        }
+    };
     let program = std::env::current_exe().context("cannot find the titan-run executable to launch")?;
-    // The same arguments, less --nproc-per-node (the children run one rank each).
+    // The same arguments, less the launcher's own (the children run one rank each).
+    const LAUNCHER: [&str; 5] = ["--nproc-per-node", "--nnodes", "--node-rank", "--master-addr", "--master-port"];
     let mut args = Vec::new();
     let mut it = std::env::args_os().skip(1);
     while let Some(a) = it.next() {
-        if a == "--nproc-per-node" {
+        let text = a.to_string_lossy();
+        if LAUNCHER.contains(&text.as_ref()) {
             it.next();
-        } else if !a.to_string_lossy().starts_with("--nproc-per-node=") {
+        } else if !LAUNCHER.iter().any(|f| text.starts_with(&format!("{f}="))) {
             args.push(a);
         }
     }
-    crate::dist::launch::launch_local(n, &program, &args)?;
+    crate::dist::launch::launch_local(n, nodes.as_ref(), &program, &args)?;
     Ok(())
 }
 
@@ -298,7 +328,7 @@ fn run(cli: Cli) -> Result<()> {
     check_backend(&cli.backend)?;
     check_checkpoint_flags(&cli)?;
     if let Some(n) = cli.nproc_per_node {
-        return launch_local(n);
+        return launch_local(n, &cli);
     }
     let env = DistEnv::from_process_env()?;
     let format = DataFormat::parse(&cli.data_format)?;

@@ -1,9 +1,11 @@
-//! `titan-run --nproc-per-node N`: run N ranks on this host, torchrun-style.
+//! `titan-run --nproc-per-node N`: run N ranks on this host, torchrun-style; with
+//! `--nnodes M --node-rank K --master-addr HOST --master-port P` the ranks `K N .. (K+1) N - 1`
+//! of an `M N`-rank run (one such launch per node, as `torchrun --nnodes`).
 //!
 //! Each rank is a copy of the program with `RANK`, `LOCAL_RANK`, `WORLD_SIZE`,
-//! `LOCAL_WORLD_SIZE`, `MASTER_ADDR=127.0.0.1` and a free `MASTER_PORT` set. Rank 0's output
-//! passes through unchanged (it alone prints the step log); every line of the other ranks is
-//! prefixed `[rank k] ` (they print only warnings and errors). When a rank fails the others
+//! `LOCAL_WORLD_SIZE`, `MASTER_ADDR` and `MASTER_PORT` set (on one node `127.0.0.1` and a free
+//! port). Rank 0's output passes through unchanged (it alone prints the step log); every line of
+//! the other ranks is prefixed `[rank k] ` (they print only warnings and errors). When a rank fails the others
 //! get a few seconds to exit on their own (the control plane makes their next collective fail,
 //! which says why), then are killed; the launch fails naming the first rank that failed.
 
@@ -55,22 +57,46 @@ fn describe(status: ExitStatus) -> String {
     }
 }
 
-/// Run `program args` as ranks `0..nproc` on this host and wait for them all.
-pub fn launch_local(nproc: usize, program: &Path, args: &[OsString]) -> Result<(), DistError> {
+/// Where this launch sits in a run of several nodes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Nodes {
+    pub nnodes: usize,
+    pub node_rank: usize,
+    /// Where rank 0 (on node 0) listens.
+    pub master: (String, u16),
+}
+
+/// Run `program args` as this host's `nproc` ranks and wait for them all: ranks `0..nproc` of
+/// a one-node run (`nodes` = `None`), or node `node_rank`'s share of `nnodes * nproc` ranks.
+pub fn launch_local(nproc: usize, nodes: Option<&Nodes>, program: &Path, args: &[OsString]) -> Result<(), DistError> {
     if nproc == 0 {
         return Err(DistError::Launch("--nproc-per-node must be at least 1".into()));
     }
-    let port = free_port()?;
+    let (addr, port, first, world) = match nodes {
+        None => ("127.0.0.1".to_string(), free_port()?, 0, nproc),
+        Some(n) => {
+            if n.nnodes == 0 || n.node_rank >= n.nnodes {
+                return Err(DistError::Launch(format!(
+                    "--node-rank {} is not below --nnodes {}; number the nodes 0 to {}",
+                    n.node_rank,
+                    n.nnodes,
+                    n.nnodes.saturating_sub(1)
+                )));
+            }
+            (n.master.0.clone(), n.master.1, n.node_rank * nproc, n.nnodes * nproc)
+        }
+    };
     let mut children: Vec<Child> = Vec::with_capacity(nproc);
     let mut pipes = Vec::new();
-    for rank in 0..nproc {
+    for local in 0..nproc {
+        let rank = first + local;
         let spawned = Command::new(program)
             .args(args)
             .env("RANK", rank.to_string())
-            .env("LOCAL_RANK", rank.to_string())
-            .env("WORLD_SIZE", nproc.to_string())
+            .env("LOCAL_RANK", local.to_string())
+            .env("WORLD_SIZE", world.to_string())
             .env("LOCAL_WORLD_SIZE", nproc.to_string())
-            .env("MASTER_ADDR", "127.0.0.1")
+            .env("MASTER_ADDR", &addr)
             .env("MASTER_PORT", port.to_string())
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
@@ -96,6 +122,7 @@ pub fn launch_local(nproc: usize, program: &Path, args: &[OsString]) -> Result<(
         children.push(child);
     }
     let mut status: Vec<Option<ExitStatus>> = vec![None; nproc];
+    // Below, `r` is the local index; messages name the global rank.
     // The first rank that failed, and when.
     let mut first_failure: Option<(usize, ExitStatus, Instant)> = None;
     let mut killed = Vec::new();
@@ -115,7 +142,7 @@ pub fn launch_local(nproc: usize, program: &Path, args: &[OsString]) -> Result<(
                     }
                 }
                 Ok(None) => {}
-                Err(e) => return Err(DistError::Launch(format!("cannot wait for rank {r}: {e}"))),
+                Err(e) => return Err(DistError::Launch(format!("cannot wait for rank {}: {e}", first + r))),
             }
         }
         if first_failure.is_none()
@@ -146,14 +173,14 @@ pub fn launch_local(nproc: usize, program: &Path, args: &[OsString]) -> Result<(
                 .iter()
                 .enumerate()
                 .filter(|&(k, st)| k != r && !killed.contains(&k) && st.is_some_and(|s| !s.success()))
-                .map(|(k, _)| k.to_string())
+                .map(|(k, _)| (first + k).to_string())
                 .collect();
-            let mut msg = format!("rank {r} {}", describe(s));
+            let mut msg = format!("rank {} {}", first + r, describe(s));
             if !others.is_empty() {
                 msg.push_str(&format!("; then rank{} {} failed too", if others.len() == 1 { "" } else { "s" }, others.join(", ")));
             }
             if !killed.is_empty() {
-                let k: Vec<String> = killed.iter().map(ToString::to_string).collect();
+                let k: Vec<String> = killed.iter().map(|k| (first + k).to_string()).collect();
                 msg.push_str(&format!("; killed rank{} {} after {} s", if k.len() == 1 { "" } else { "s" }, k.join(", "), GRACE.as_secs()));
             }
             Err(DistError::Launch(msg))

@@ -221,6 +221,40 @@ fn two_processes_checkpoint_and_resume_bit_identically() {
     }
 }
 
+/// Two nodes of two ranks each (`--nnodes 2 --node-rank K --master-addr --master-port`, two
+/// launches on this host): dp_replicate 2 x tp 2 runs exactly as the simulated mesh, rank 0's
+/// node prints the step log and the other node's lines name their global ranks.
+#[test]
+fn two_nodes_of_two_processes_match_the_simulated_mesh() {
+    let spmd = graph_file("nodes-hsdp-tp", Some(Mesh::new(2, 1, 2)));
+    let (sim, _, _) = train(&spmd, "nodes-sim", &[]);
+    let port = free_port();
+    let steps = STEPS.to_string();
+    let metrics = spmd.with_file_name("nodes-procs.jsonl");
+    let _ = std::fs::remove_file(&metrics);
+    let node = |k: &str| {
+        let mut args = vec![p(&spmd), "--steps", &steps, "--nproc-per-node", "2", "--nnodes", "2", "--node-rank", k];
+        args.extend(["--master-addr", "127.0.0.1", "--master-port", &port, "--metrics", p(&metrics)]);
+        Command::new(TITAN_RUN).args(&args).stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::piped()).spawn().expect("launch a node")
+    };
+    // Node 1 first: its ranks wait for rank 0 at the rendezvous.
+    let (n1, n0) = (node("1"), node("0"));
+    let (o0, o1) = (n0.wait_with_output().expect("node 0"), n1.wait_with_output().expect("node 1"));
+    let (e0, e1) = (text(&o0.stderr), text(&o1.stderr));
+    assert!(o0.status.success() && o1.status.success(), "node 0:\n{e0}\nnode 1:\n{e1}");
+    assert_eq!(losses(&metrics), sim, "two nodes and the simulated mesh differ");
+    assert_eq!(text(&o0.stdout).lines().filter(|l| l.starts_with("step:")).count(), STEPS);
+    assert!(e0.contains("on 4 cpu processes"), "{e0}");
+    assert!(text(&o1.stdout).trim().is_empty() && !e1.contains("[rank 1]") && !e1.contains("step:"), "node 1 runs ranks 2 and 3:\n{e1}");
+    // A node number out of range, and a multi-node launch without its rendezvous address.
+    let e = text(&titan_run(&[p(&spmd), "--nproc-per-node", "2", "--nnodes", "2", "--node-rank", "2", "--master-addr", "h", "--master-port", "1"]).stderr);
+    assert!(e.contains("--node-rank 2 is not below --nnodes 2"), "{e}");
+    let e = text(&titan_run(&[p(&spmd), "--nproc-per-node", "2", "--nnodes", "2", "--node-rank", "1"]).stderr);
+    assert!(e.contains("--nnodes 2 needs --node-rank") && e.contains("--master-addr"), "{e}");
+    let e = text(&titan_run(&[p(&spmd), "--nnodes", "2"]).stderr);
+    assert!(e.contains("--nproc-per-node"), "clap says --nnodes needs --nproc-per-node: {e}");
+}
+
 #[test]
 fn bad_launches_are_refused_clearly() {
     let spmd = graph_file("bad-tp2", Some(Mesh::new(1, 1, 2)));
