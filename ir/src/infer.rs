@@ -262,30 +262,15 @@ pub fn infer_types(op: &Op, inputs: &[&TensorType], declared: Option<&[TensorTyp
             s.push(n.clone());
             vec![TensorType::new(a.dtype, s)]
         }
-        Op::Gather => {
-            let (table, idx) = (inputs[0], inputs[1]);
-            need_int(idx, "gather indices")?;
-            if table.rank() < 1 {
-                return Err("gather table must have rank >= 1".into());
-            }
-            let mut s = idx.shape.clone();
-            s.extend(table.shape[1..].iter().cloned());
-            vec![TensorType::new(table.dtype, s)]
+        Op::Gather => vec![gather_type(inputs[0], inputs[1], "gather")?],
+        Op::GatherShard => {
+            shard_checks(inputs[2], "gather_shard")?;
+            vec![gather_type(inputs[0], inputs[1], "gather_shard")?]
         }
-        Op::ScatterAdd => {
-            let t = one_declared(op, declared)?;
-            let (idx, src) = (inputs[0], inputs[1]);
-            need_int(idx, "scatter_add indices")?;
-            need_float(src, "scatter_add source")?;
-            need_same_dtype(src, t, "scatter_add")?;
-            let k = idx.rank();
-            if src.rank() < k || !same_shape(&src.shape[..k], &idx.shape, dims) {
-                return Err(format!("scatter_add: source {src} must start with the index shape {}", shape_str(&idx.shape)));
-            }
-            if t.rank() != src.rank() - k + 1 || !same_shape(&t.shape[1..], &src.shape[k..], dims) {
-                return Err(format!("scatter_add: result {t} must be [rows, {}]", shape_str(&src.shape[k..])));
-            }
-            vec![t.clone()]
+        Op::ScatterAdd => vec![scatter_add_type(inputs[0], inputs[1], one_declared(op, declared)?, dims, "scatter_add")?],
+        Op::ScatterAddShard => {
+            shard_checks(inputs[2], "scatter_add_shard")?;
+            vec![scatter_add_type(inputs[0], inputs[1], one_declared(op, declared)?, dims, "scatter_add_shard")?]
         }
         Op::Constant { .. } => vec![one_declared(op, declared)?.clone()],
         Op::LrSchedule(_) => {
@@ -423,7 +408,34 @@ fn attention_checks(q: &TensorType, k: &TensorType, v: &TensorType, dims: &DimTa
     }
 }
 
-/// `shard` of the vocabulary-parallel cross-entropy: the one-hot `f32[n]` of the rank's shard.
+/// Rows `idx` of `table` (`gather`, `gather_shard`): `[idx..., table row...]`.
+fn gather_type(table: &TensorType, idx: &TensorType, what: &str) -> Result<TensorType, String> {
+    need_int(idx, &format!("{what} indices"))?;
+    if table.rank() < 1 {
+        return Err(format!("{what} table must have rank >= 1"));
+    }
+    let mut s = idx.shape.clone();
+    s.extend(table.shape[1..].iter().cloned());
+    Ok(TensorType::new(table.dtype, s))
+}
+
+/// The declared table `t` of a `scatter_add(_shard)` of `src` rows at `idx`, checked.
+fn scatter_add_type(idx: &TensorType, src: &TensorType, t: &TensorType, dims: &DimTable, what: &str) -> Result<TensorType, String> {
+    need_int(idx, &format!("{what} indices"))?;
+    need_float(src, &format!("{what} source"))?;
+    need_same_dtype(src, t, what)?;
+    let k = idx.rank();
+    if src.rank() < k || !same_shape(&src.shape[..k], &idx.shape, dims) {
+        return Err(format!("{what}: source {src} must start with the index shape {}", shape_str(&idx.shape)));
+    }
+    if t.rank() != src.rank() - k + 1 || !same_shape(&t.shape[1..], &src.shape[k..], dims) {
+        return Err(format!("{what}: result {t} must be [rows, {}]", shape_str(&src.shape[k..])));
+    }
+    Ok(t.clone())
+}
+
+/// `shard` of the vocabulary-parallel cross-entropy and embedding: the one-hot `f32[n]` of the
+/// rank's shard.
 fn shard_checks(shard: &TensorType, what: &str) -> Result<(), String> {
     if shard.dtype != DType::F32 || shard.rank() != 1 {
         return Err(format!("{what}: shard must be the one-hot f32[shards] of the vocabulary shard, found {shard}"));

@@ -122,9 +122,9 @@ pub enum KernelKind {
     Attention,
     /// One `attention_bwd`.
     AttentionBwd,
-    /// One `embedding` or `gather`: rows of a table.
+    /// One `embedding`, `gather` or `gather_shard`: rows of a table.
     Gather,
-    /// One `scatter_add`: rows summed into a zeroed table.
+    /// One `scatter_add` or `scatter_add_shard`: rows summed into a zeroed table.
     ScatterAdd,
     /// Several `adamw` updates in one multi-tensor launch.
     Optimizer,
@@ -229,6 +229,15 @@ pub enum Op {
     Gather,
     /// `(idx int[i...], src [i..., r...]) -> [V, r...]`: rows summed into a zero table, V declared
     ScatterAdd,
+    /// `(table [V/n, r...], idx int[i...], shard f32[n]) -> [i..., r...]`: the `gather` of one
+    /// row shard of a `[V, r...]` table (vocabulary-parallel embedding). `shard` is the one-hot
+    /// of the shard's index `k` (its rows are `k V/n ..`); an index in `[k V/n, (k+1) V/n)`
+    /// gives its row, any other index of `[0, V)` a zero row.
+    GatherShard,
+    /// `(idx int[i...], src [i..., r...], shard f32[n]) -> [V/n, r...]`, V/n declared: the VJP of
+    /// `gather_shard`, the `scatter_add` of the sources whose index lies in shard `k`'s rows
+    /// (at `idx - k V/n`); the others are dropped.
+    ScatterAddShard,
     /// `() -> T`: every element `value`
     Constant {
         value: f64,
@@ -425,6 +434,8 @@ impl Op {
             Op::Matmul { .. } => "matmul",
             Op::Gather => "gather",
             Op::ScatterAdd => "scatter_add",
+            Op::GatherShard => "gather_shard",
+            Op::ScatterAddShard => "scatter_add_shard",
             Op::Constant { .. } => "constant",
             Op::LrSchedule(_) => "lr_schedule",
             Op::AdamW(_) => "adamw",
@@ -444,6 +455,7 @@ impl Op {
             Op::Embedding | Op::Linear | Op::RmsNorm { .. } | Op::CrossEntropy => 2,
             Op::Rope(_) => 1,
             Op::Attention { .. } | Op::CrossEntropyStats | Op::CrossEntropyCombine => 3,
+            Op::GatherShard | Op::ScatterAddShard => 3,
             Op::CrossEntropyStatsBwd => 6,
             Op::RmsNormBwd { .. } | Op::CrossEntropyBwd => 3,
             Op::AttentionBwd { .. } => 6,
@@ -470,7 +482,7 @@ impl Op {
 
     /// Ops whose result type cannot be inferred from the inputs and is taken from the declaration.
     pub fn result_type_declared(&self) -> bool {
-        matches!(self, Op::Cast | Op::Reshape | Op::Broadcast { .. } | Op::ScatterAdd | Op::Constant { .. })
+        matches!(self, Op::Cast | Op::Reshape | Op::Broadcast { .. } | Op::ScatterAdd | Op::ScatterAddShard | Op::Constant { .. })
     }
 
     /// Collectives: communication between the ranks of one mesh dimension.
@@ -515,7 +527,9 @@ impl Op {
             | Op::Cast
             | Op::Reshape
             | Op::Gather
-            | Op::ScatterAdd => vec![],
+            | Op::ScatterAdd
+            | Op::GatherShard
+            | Op::ScatterAddShard => vec![],
             Op::RmsNorm { eps } | Op::RmsNormBwd { eps } => vec![("eps", f(*eps))],
             Op::Rope(r) => {
                 let mut v = vec![("theta", f(r.theta)), ("layout", word(layout_name(r.layout)))];
@@ -589,6 +603,8 @@ impl Op {
             "reshape" => Op::Reshape,
             "gather" => Op::Gather,
             "scatter_add" => Op::ScatterAdd,
+            "gather_shard" => Op::GatherShard,
+            "scatter_add_shard" => Op::ScatterAddShard,
             "rmsnorm" => Op::RmsNorm { eps: a.take_f64("eps")? },
             "rmsnorm_bwd" => Op::RmsNormBwd { eps: a.take_f64("eps")? },
             "rope" => {

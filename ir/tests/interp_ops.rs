@@ -614,6 +614,55 @@ fn scatter_add_sums_rows_into_a_zero_table() {
     assert_close(&[dot(&vals(&g[0]), &s)], &[dot(&table, &vals(&sc[0]))], 1e-14);
 }
 
+/// The row shards of the vocab-parallel embedding: summed over the shards, `gather_shard` is
+/// `gather` of the whole table (each index's row is in exactly one shard, the others give
+/// zero rows), and the shards' `scatter_add_shard`s stacked are `scatter_add` of the whole
+/// table, bit for bit (each row sums the same sources in the same order).
+#[test]
+fn row_shards_of_gather_and_scatter_add_make_up_the_whole_table() {
+    let mut r = rng(17);
+    let (rows, d, n) = (6, 3, 3);
+    let table = rand_vec(&mut r, rows * d);
+    let idx = ti(DType::I32, &[2, 4], &[5, 0, 2, 2, 3, 1, 4, 5]);
+    let src = rand_vec(&mut r, 8 * d);
+    let whole = run_op(Op::Gather, &[&tf(DType::F32, &[rows, d], &table), &idx], None);
+    let whole_grad = run_op(Op::ScatterAdd, &[&idx, &tf(DType::F32, &[2, 4, d], &src)], Some(fixed(DType::F32, &[rows, d])));
+    let per = rows / n;
+    let mut sum = vec![0.0; 8 * d];
+    let mut stacked = Vec::new();
+    for k in 0..n {
+        let shard = tf(DType::F32, &[per, d], &table[k * per * d..(k + 1) * per * d]);
+        let out = run_op(Op::GatherShard, &[&shard, &idx, &one_hot(k, n)], None);
+        assert_eq!(out[0].shape, vec![2, 4, d]);
+        for (j, x) in vals(&out[0]).into_iter().enumerate() {
+            // Every row is either this shard's row or zeros.
+            if x != 0.0 {
+                assert_eq!(sum[j], 0.0, "index {j} found in two shards");
+            }
+            sum[j] += x;
+        }
+        let g = run_op(Op::ScatterAddShard, &[&idx, &tf(DType::F32, &[2, 4, d], &src), &one_hot(k, n)], Some(fixed(DType::F32, &[per, d])));
+        stacked.extend(vals(&g[0]));
+    }
+    assert_eq!(sum, vals(&whole[0]));
+    assert_eq!(stacked, vals(&whole_grad[0]));
+}
+
+#[test]
+fn row_shard_ops_check_their_indices_and_shard() {
+    let shard = Tensor::<f64>::zeros(DType::F32, vec![4, 2]);
+    let src = Tensor::<f64>::zeros(DType::F32, vec![2, 2]);
+    // Indices address the whole table (2 shards of 4 rows).
+    let bad = ti(DType::I32, &[2], &[7, 8]);
+    let e = run_op_p(Op::GatherShard, &[&shard, &bad, &one_hot(1, 2)], None, Precision::Exact).expect_err("index 8");
+    assert!(e.message.contains("index 8 is out of range for 8 rows"), "{e}");
+    let e = run_op_p(Op::ScatterAddShard, &[&bad, &src, &one_hot(0, 2)], Some(fixed(DType::F32, &[4, 2])), Precision::Exact).expect_err("index 8");
+    assert!(e.message.contains("index 8 is out of range for 8 rows"), "{e}");
+    let two = tf(DType::F32, &[2], &[1.0, 1.0]);
+    let e = run_op_p(Op::GatherShard, &[&shard, &ti(DType::I32, &[1], &[0]), &two], None, Precision::Exact).expect_err("not one-hot");
+    assert!(e.message.contains("shard must be a one-hot f32[shards]"), "{e}");
+}
+
 // ---------------------------------------------------------------- pointwise, reduce, layout
 
 type UnaryFn = fn(f64) -> f64;

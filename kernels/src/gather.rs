@@ -1,11 +1,14 @@
-//! `gather` kernels: one `embedding(ids, table)` or `gather(table, ids)` node. A grid-stride
-//! loop over output vectors (16 bytes when the row length allows); an index outside the table
-//! produces a zero row instead of reading out of bounds (the reference interpreter reports an
-//! error there).
+//! `gather` kernels: one `embedding(ids, table)`, `gather(table, ids)` or
+//! `gather_shard(table, ids, shard)` node. A grid-stride loop over output vectors (16 bytes when
+//! the row length allows); an index outside the table produces a zero row instead of reading
+//! out of bounds (the reference interpreter reports an error there). `gather_shard`'s table is
+//! row shard `k` of a larger table: indices are shifted by `k` rows-per-shard first (`k` read
+//! from the one-hot `shard` argument by [`shard_index`]), so the other shards' rows, like
+//! indices outside the whole table, give zero rows, which is the op's meaning.
 
-use titan_ir::{Graph, Op, Region};
+use titan_ir::{DType, Graph, Op, Region, Value};
 
-use crate::emit::{Elem, Func, ICmp, Ty};
+use crate::emit::{Elem, Func, ICmp, Ty, Val};
 use crate::values::{Body, storage, vec_align};
 use crate::{GenResult, Generated, invalid, unsupported};
 
@@ -16,12 +19,13 @@ pub(crate) fn generate(g: &Graph, r: &Region, entry: &str) -> GenResult<Generate
     let b = Body::new(g, r)?;
     let nodes: Vec<_> = b.nodes().collect();
     let [node] = nodes.as_slice() else {
-        return unsupported(format!("a gather body must hold exactly one embedding or gather node, found {}", nodes.len()));
+        return unsupported(format!("a gather body must hold exactly one embedding, gather or gather_shard node, found {}", nodes.len()));
     };
-    let (table, ids) = match node.op {
-        Op::Embedding => (node.inputs[1], node.inputs[0]),
-        Op::Gather => (node.inputs[0], node.inputs[1]),
-        _ => return invalid(format!("a gather body holds `{}`; expected embedding or gather", node.op.name())),
+    let (table, ids, shard) = match node.op {
+        Op::Embedding => (node.inputs[1], node.inputs[0], None),
+        Op::Gather => (node.inputs[0], node.inputs[1], None),
+        Op::GatherShard => (node.inputs[0], node.inputs[1], Some(node.inputs[2])),
+        _ => return invalid(format!("a gather body holds `{}`; expected embedding, gather or gather_shard", node.op.name())),
     };
     let out = node.results[0];
     let [o] = r.outputs.as_slice() else {
@@ -54,6 +58,15 @@ pub(crate) fn generate(g: &Graph, r: &Region, entry: &str) -> GenResult<Generate
     let na = r.args.len();
     let mut f = Func::new(na + 1);
     let (tp, ip, op) = (f.param(ti), f.param(ii), f.param(na));
+    // The first row of the table's shard in the index space (0 for a whole table).
+    let base = match shard {
+        Some(sv) => {
+            let k = shard_index(&mut f, &b, sv)?;
+            let nv = f.i64c(vocab as i64);
+            Some(f.muli(k, nv))
+        }
+        None => None,
+    };
     let tid = f.thread_id();
     let bid = f.block_id();
     let tid64 = f.extui(tid, Elem::I64);
@@ -73,6 +86,10 @@ pub(crate) fn generate(g: &Graph, r: &Region, entry: &str) -> GenResult<Generate
         let c = f.muli(c, l);
         let id = f.load_at(ip, j, Ty::S(it), it.bytes());
         let id = f.as_i64(id);
+        let id = match base {
+            Some(base) => f.subi(id, base),
+            None => id,
+        };
         let zero = f.i64c(0);
         let nv = f.i64c(vocab as i64);
         let ge = f.cmpi(ICmp::Sge, id, zero);
@@ -91,4 +108,26 @@ pub(crate) fn generate(g: &Graph, r: &Region, entry: &str) -> GenResult<Generate
         vec![]
     });
     Ok(Generated::new(f.finish(entry, BLOCK as u32, grid as u32), BLOCK as u32, grid as u32, 0))
+}
+
+/// The index `k` (i64) of the row shard named by the one-hot `f32[n]` kernel argument `shard`
+/// (`gather_shard`, `scatter_add_shard`): `sum_j j shard[j]`, read once per thread.
+pub(crate) fn shard_index(f: &mut Func, b: &Body, shard: Value) -> GenResult<Val> {
+    let Some(i) = b.arg_index(shard) else {
+        return invalid("the row shard of a gather_shard or scatter_add_shard must be a kernel argument");
+    };
+    let n = b.numel(shard);
+    if b.dtype(shard) != DType::F32 || n == 0 || n > 1024 {
+        return unsupported(format!("the row shard {shard} must be a one-hot f32[shards] of 1 to 1024 shards"));
+    }
+    let ptr = f.param(i);
+    let zero = f.f32c(0.0);
+    let (lo, hi, one) = (f.i64c(0), f.i64c(n as i64), f.i64c(1));
+    let k = f.for_loop(lo, hi, one, &[zero], |f, j, acc| {
+        let x = f.load_at(ptr, j, Ty::S(Elem::F32), 4);
+        let jf = f.sitofp(j, Elem::F32);
+        let w = f.mulf(x, jf);
+        vec![f.addf(acc[0], w)]
+    });
+    Ok(f.fptosi(k[0], Elem::I64))
 }

@@ -14,6 +14,11 @@
 //! Sums run in the reference interpreter's order (increasing `i`), so results are bitwise those
 //! of the interpreter and identical run to run. Indices outside `[0, rows)` are ignored (the
 //! interpreter reports them as errors).
+//!
+//! `scatter_add_shard(idx, src, shard)` writes row shard `k` of the table (`k` from the one-hot
+//! `shard`, [`crate::gather::shard_index`]): every index is shifted by `k rows` when read, so
+//! the indices of other shards fall outside `[0, rows)` and are ignored, which is the op's
+//! meaning.
 
 use titan_ir::{Graph, Op, Region};
 
@@ -89,9 +94,10 @@ pub(crate) fn generate(g: &Graph, r: &Region, entry: &str) -> GenResult<Generate
     let [node] = nodes.as_slice() else {
         return unsupported(format!("a scatter_add body must hold exactly one scatter_add node, found {}", nodes.len()));
     };
-    if !matches!(node.op, Op::ScatterAdd) {
+    if !matches!(node.op, Op::ScatterAdd | Op::ScatterAddShard) {
         return invalid(format!("a scatter_add body holds `{}`", node.op.name()));
     }
+    let shard = matches!(node.op, Op::ScatterAddShard).then(|| node.inputs[2]);
     let (idx, src) = (node.inputs[0], node.inputs[1]);
     let out = node.results[0];
     let [o] = r.outputs.as_slice() else {
@@ -147,6 +153,15 @@ pub(crate) fn generate(g: &Graph, r: &Region, entry: &str) -> GenResult<Generate
         warps: f.shared_array("titan_warps", Elem::I32, THREADS / 32),
         misc: f.shared_array("titan_misc", Elem::I32, 4),
     };
+    // The first row of the table's shard in the index space (0 for a whole table).
+    let shard_base = match shard {
+        Some(sv) => {
+            let k = crate::gather::shard_index(&mut f, &b, sv)?;
+            let nr = f.i64c(rows as i64);
+            Some(f.muli(k, nr))
+        }
+        None => None,
+    };
     let tid = f.thread_id();
     let bid = f.block_id();
     let tid64 = f.extui(tid, Elem::I64);
@@ -173,6 +188,10 @@ pub(crate) fn generate(g: &Graph, r: &Region, entry: &str) -> GenResult<Generate
     f.for_loop(tid64, nn, tstep, &[], |f, i, _| {
         let id = f.load_at(ip, i, Ty::S(it), it.bytes());
         let id = f.as_i64(id);
+        let id = match shard_base {
+            Some(sb) => f.subi(id, sb),
+            None => id,
+        };
         let local = f.subi(id, r0);
         let ge = f.cmpi(ICmp::Sge, local, z64);
         let lt = f.cmpi(ICmp::Slt, local, rb_eff);
@@ -293,6 +312,10 @@ pub(crate) fn generate(g: &Graph, r: &Region, entry: &str) -> GenResult<Generate
                     let ic = f.minsi(i, last);
                     let id = f.load_at(ip, ic, Ty::S(it), it.bytes());
                     let id = f.as_i64(id);
+                    let id = match shard_base {
+                        Some(sb) => f.subi(id, sb),
+                        None => id,
+                    };
                     let eq = f.cmpi(ICmp::Eq, id, target);
                     let flag = f.andi(inside, eq);
                     let fl = f.extui(flag, Elem::I32);
@@ -324,6 +347,10 @@ pub(crate) fn generate(g: &Graph, r: &Region, entry: &str) -> GenResult<Generate
                         let ic = f.minsi(i, last);
                         let id = f.load_at(ip, ic, Ty::S(it), it.bytes());
                         let id = f.as_i64(id);
+                        let id = match shard_base {
+                            Some(sb) => f.subi(id, sb),
+                            None => id,
+                        };
                         let local = f.subi(id, r0);
                         let ge = f.cmpi(ICmp::Sge, local, ga64);
                         let lt = f.cmpi(ICmp::Slt, local, gb64);

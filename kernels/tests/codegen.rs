@@ -307,6 +307,22 @@ fn cases(g: &mut Graph) -> Vec<(&'static str, BlockId, KernelKind)> {
         }),
         KernelKind::ScatterAdd,
     ));
+    // The vocab-parallel embedding at 70B (tp 8: a 16032-row shard of 128256 words, seq 8192).
+    v.push((
+        "gather_shard_70b",
+        body(g, "gather_shard_70b", &[bf16(&[16032, 8192]), i32t(&[1, 8192]), f32t(&[8])], |b, a| vec![push(b, Op::GatherShard, &[a[0], a[1], a[2]])]),
+        KernelKind::Gather,
+    ));
+    // Its gradient at 8B (tp 2: a 64128-row shard, rows of 4096). FIXME: at 70B's rows of 8192
+    // `scatter_add` and `scatter_add_shard` alike use 64 registers and spill 4 bytes (the
+    // register cap of 4 CTAs per SM with 4 column chunks of accumulators per thread).
+    v.push((
+        "scatter_add_shard_8b",
+        body(g, "scatter_shard_8b", &[i32t(&[8, 8192]), bf16(&[8, 8192, 4096]), f32t(&[2])], |b, a| {
+            vec![b.push_typed(Op::ScatterAddShard, &[a[0], a[1], a[2]], bf16(&[64128, 4096])).expect("scatter_add_shard")]
+        }),
+        KernelKind::ScatterAdd,
+    ));
     v.push(("grad_norm_clip", grad_norm_body(g, [&[2, 192, 64], &[64], &[256, 64]]), KernelKind::Fused));
     v.push(("optimizer", optimizer_body(g), KernelKind::Optimizer));
     v.push(("attention_d128_gqa_causal", attention_body(g, [1, 512, 8, 2, 128], true), KernelKind::Attention));
@@ -849,6 +865,39 @@ fn gpu_reference_dump() {
         1.0,
         0.0,
     ));
+    // The vocab-parallel embedding: shard 2 of 4 of a 256-row table (indices over the whole
+    // table, so about a quarter are this shard's rows), and a skewed scatter into shard 1 of 3.
+    cases.push((
+        "gather_shard",
+        body(&mut g, "g_gather_shard", &[bf16(&[64, 64]), i32t(&[8, 64]), f32t(&[4])], |b, a| vec![push(b, Op::GatherShard, &[a[0], a[1], a[2]])]),
+        KernelKind::Gather,
+        (-2.0, 2.0),
+        256,
+        1.0,
+        0.0,
+    ));
+    cases.push((
+        "scatter_add_shard",
+        body(&mut g, "g_scatter_shard", &[i32t(&[8, 64]), bf16(&[8, 64, 64]), f32t(&[4])], |b, a| {
+            vec![b.push_typed(Op::ScatterAddShard, &[a[0], a[1], a[2]], bf16(&[64, 64])).expect("scatter_add_shard")]
+        }),
+        KernelKind::ScatterAdd,
+        (-2.0, 2.0),
+        256,
+        1.0,
+        0.0,
+    ));
+    cases.push((
+        "scatter_add_shard_skewed",
+        body(&mut g, "g_scatter_shard_skew", &[i32t(&[9000]), f32t(&[9000, 96]), f32t(&[3])], |b, a| {
+            vec![b.push_typed(Op::ScatterAddShard, &[a[0], a[1], a[2]], f32t(&[700, 96])).expect("scatter_add_shard")]
+        }),
+        KernelKind::ScatterAdd,
+        (-2.0, 2.0),
+        2100,
+        1.0,
+        0.0,
+    ));
     cases.push((
         "rmsnorm_long_rows",
         body(&mut g, "g_norm_long", &[bf16(&[3, 40000]), bf16(&[40000])], |b, a| {
@@ -900,6 +949,27 @@ fn gpu_reference_dump() {
         let Some(dir) = &dir else { continue };
         let mut args = random_args(&g, id, &mut rng, range, int_hi);
         // Inputs with structure: a skewed index distribution, a positive step, AdamW's v >= 0.
+        // The row shard's one-hot (gather: shard 2 of 4; scatter: shard 1 of 4 or 3), and for
+        // the skewed case most indices on one row of the shard (707) and many on a row of
+        // another shard (300).
+        let shard = match name {
+            "gather_shard" => Some(2),
+            "scatter_add_shard" | "scatter_add_shard_skewed" => Some(1),
+            _ => None,
+        };
+        if let Some(k) = shard {
+            let shards = args[2].numel();
+            args[2] = Tensor::from_vec(DType::F32, vec![shards], (0..shards).map(|j| if j == k { 1.0 } else { 0.0 }).collect()).expect("one-hot");
+        }
+        if let ("scatter_add_shard_skewed", titan_ir::interp::Data::Int(v)) = (name, &mut args[0].data) {
+            for (i, x) in v.iter_mut().enumerate() {
+                *x = match i % 9 {
+                    0..5 => 707,
+                    5 => 300,
+                    _ => *x,
+                };
+            }
+        }
         if let ("scatter_add_skewed", titan_ir::interp::Data::Int(v)) = (name, &mut args[0].data) {
             for (i, x) in v.iter_mut().enumerate() {
                 *x = if i % 9 < 5 {

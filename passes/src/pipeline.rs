@@ -68,7 +68,7 @@ pub struct PassInfo {
 }
 
 static PASSES: [PassInfo; 12] = [
-    PassInfo { name: "shard-tp", summary: "tensor parallelism: column/row-parallel block weights, vocab-parallel output", run: run_shard_tp },
+    PassInfo { name: "shard-tp", summary: "tensor parallelism: column/row-parallel block weights, vocab-parallel embedding and output", run: run_shard_tp },
     PassInfo { name: "shard-dp", summary: "split the batch over data-parallel ranks; FSDP-shard parameters on dp_shard", run: run_shard_dp },
     PassInfo { name: "master-weights", summary: "make every parameter an fp32 master `state` read through a compute-dtype cast", run: run_master_weights },
     PassInfo { name: "autodiff", summary: "differentiate `loss` (each block once) and expose each gradient as output `d_<param>`", run: run_autodiff },
@@ -331,6 +331,7 @@ fn run_shard_tp(g: &mut Graph, _: &PassContext) -> Result<PassStats, PassError> 
         .with("column_parallel", s.column_parallel as u64)
         .with("row_parallel", s.row_parallel as u64)
         .with("kv_replicated", s.kv_replicated as u64)
+        .with("vocab_parallel", s.vocab_parallel as u64)
         .with("collectives", s.collectives as u64))
 }
 

@@ -4,8 +4,8 @@
 //!
 //! - the batch is split over `dp_replicate x dp_shard`: the named dim `batch` becomes the
 //!   per-rank batch and `tokens`/`targets` are `Shard(0)` on the data-parallel mesh dims (the
-//!   runtime feeds each rank its rows, and its `seq` slice where `tokens` is `Shard(1)` on
-//!   `tp`);
+//!   runtime feeds each rank its rows, and its `seq` slice of an input that is `Shard(1)` on
+//!   `tp`; `shard-tp` leaves both whole on `tp`);
 //! - the differentiated loss is the rank's local mean scaled by `1 / world_size`, so that the
 //!   sum over ranks (the SPMD cotangent convention, see `autodiff/rules.rs`) is the global
 //!   mean; `sync-grads` later reports the all-reduced value;

@@ -6,16 +6,21 @@
 //!   computes its heads / its slice of the hidden units from the replicated activations;
 //! - `wo`, `w2` are row-parallel (`Shard` on their input dim): their products are partial
 //!   sums, reduce-scattered over `tp` along the sequence;
-//! - sequence parallelism: between those, activations hold this rank's slice of `seq` (the
-//!   embedding reads a `tokens` input fed sharded along `seq`); norms and residual adds run on
-//!   the slice, and the input of every column-parallel linear is all-gathered along `seq`
-//!   first (their VJPs swap: reduce-scatter of the partial input cotangent, all-gather of
-//!   the output cotangent);
+//! - sequence parallelism: between those, activations hold this rank's slice of `seq`; norms
+//!   and residual adds run on the slice, and the input of every column-parallel linear is
+//!   all-gathered along `seq` first (their VJPs swap: reduce-scatter of the partial input
+//!   cotangent, all-gather of the output cotangent);
+//! - `tok_embeddings` is vocab-parallel (TorchTitan's `RowwiseParallel` embedding with
+//!   `output_layouts = Shard(1)`): rank `r` holds rows `r V/tp ..` and looks up the whole
+//!   `tokens` input in them (`gather_shard`: tokens of other ranks' rows give zero rows), and
+//!   the partial embeddings are reduce-scattered over `tp` along `seq`, which starts the
+//!   sequence parallelism (see [`vocab_parallel_embedding`]). Its gradient (`scatter_add_shard`
+//!   of the all-gathered output cotangent into the rank's rows) needs no `tp` all-reduce;
 //! - `output` is vocab-parallel and so is the loss (TorchTitan's `loss_parallel`): each rank
 //!   keeps its vocabulary shard of the logits and the cross-entropy exchanges per-token
 //!   statistics only (`loss_parallel`); a reader of the logits other than `cross_entropy`
 //!   gets them all-gathered over the vocabulary;
-//! - norms and `tok_embeddings` stay replicated: `sync-grads` all-reduces their gradients.
+//! - norms stay replicated: `sync-grads` all-reduces their gradients over `tp`.
 //!
 //! The reshapes of the block that split heads follow: their head dim (or last dim) shrinks by
 //! the factor their operand shrank. Parameters are recognized by their checkpoint names.
@@ -57,6 +62,8 @@ pub struct ShardTpStats {
     pub row_parallel: usize,
     /// `wk`/`wv` replicated on `tp` and sliced per kv head (`tp > n_kv_heads`).
     pub kv_replicated: usize,
+    /// Embedding tables sharded by vocabulary rows.
+    pub vocab_parallel: usize,
     pub collectives: usize,
 }
 
@@ -68,6 +75,9 @@ enum Plan {
     /// `wk`/`wv` when `tp` is a multiple of `n_kv_heads`: replicated, each rank slices the kv
     /// head its query heads use.
     KvReplicate,
+    /// `tok_embeddings`: sharded by vocabulary rows (`Shard(0)`); an output head tied to it is
+    /// vocab-parallel like `output`.
+    Vocab,
 }
 
 const KV: [&str; 2] = [".attention.wk.weight", ".attention.wv.weight"];
@@ -96,9 +106,12 @@ fn kv_replication(g: &Graph, tp: u32) -> Result<Option<(u64, u64)>, String> {
 const COLUMN: [&str; 6] =
     [".attention.wq.weight", ".attention.wk.weight", ".attention.wv.weight", ".feed_forward.w1.weight", ".feed_forward.w3.weight", "output.weight"];
 const ROW: [&str; 2] = [".attention.wo.weight", ".feed_forward.w2.weight"];
+const VOCAB: &str = "tok_embeddings.weight";
 
 fn plan_of(name: &str) -> Plan {
-    if COLUMN.iter().any(|s| name.ends_with(s)) {
+    if name == VOCAB {
+        Plan::Vocab
+    } else if COLUMN.iter().any(|s| name.ends_with(s)) {
         Plan::Column
     } else if ROW.iter().any(|s| name.ends_with(s)) {
         Plan::Row
@@ -144,7 +157,7 @@ pub fn shard_tp(g: &mut Graph) -> Result<ShardTpStats, String> {
             return Err(format!("tensor-parallel parameter `{}` must be a {}matrix, found {ty}", info.name, if first == 1 { "stacked " } else { "" }));
         }
         let d = match plan {
-            Plan::Column | Plan::KvReplicate => first,
+            Plan::Column | Plan::KvReplicate | Plan::Vocab => first,
             Plan::Row => first + 1,
             Plan::Replicate => 0,
         };
@@ -161,10 +174,13 @@ pub fn shard_tp(g: &mut Graph) -> Result<ShardTpStats, String> {
         g.main.values[v.index()].placement = with_placement(&placement, MeshDim::Tp, Placement::Shard(d as u32));
         match plan {
             Plan::Column => stats.column_parallel += 1,
+            Plan::Vocab => stats.vocab_parallel += 1,
             _ => stats.row_parallel += 1,
         }
         plans.push((v, plan, d));
     }
+    // Vocabulary-parallel outputs: `output`, or the embedding table an output head is tied to.
+    let vocab_sharded = |p: Plan| matches!(p, Plan::Column | Plan::Vocab);
     // Blocks: the arguments the sharded parameters feed, then an all_reduce after each
     // row-parallel product.
     let order = g.main.order.clone();
@@ -234,7 +250,7 @@ pub fn shard_tp(g: &mut Graph) -> Result<ShardTpStats, String> {
         .iter()
         .filter_map(|&m| {
             let nd = g.main.node(m);
-            (matches!(nd.op, Op::Linear) && plans.iter().any(|(v, p, _)| *v == nd.inputs[1] && *p == Plan::Column)).then_some(nd.results[0])
+            (matches!(nd.op, Op::Linear) && plans.iter().any(|(v, p, _)| *v == nd.inputs[1] && vocab_sharded(*p))).then_some(nd.results[0])
         })
         .collect();
     let loss_parallel_enabled = g.meta_i64(LOSS_PARALLEL_META) != Some(0);
@@ -266,17 +282,16 @@ pub fn shard_tp(g: &mut Graph) -> Result<ShardTpStats, String> {
             }
         }
     }
-    let out_weights: Vec<Value> = plans.iter().filter(|(_, p, _)| *p == Plan::Column).map(|(v, _, _)| *v).collect();
+    let out_weights: Vec<Value> = plans.iter().filter(|(_, p, _)| vocab_sharded(*p)).map(|(v, _, _)| *v).collect();
     stats.collectives += gather_sequence(&mut g.main, &out_weights, n);
-    // The embedding reads this rank's slice of the sequence: `tokens` is fed sharded.
-    let tokens = g.main.find("tokens").ok_or("sequence parallelism needs the input `%tokens`")?;
-    let ty = g.main.ty(tokens).clone();
-    if ty.rank() != 2 {
-        return Err(format!("input `%tokens` must be [batch, seq], found {ty}"));
+    // The vocab-parallel embedding reads the whole `tokens` (replicated on `tp`) and
+    // reduce-scatters its partial rows along `seq`.
+    let tables: Vec<Value> = plans.iter().filter(|(_, p, _)| *p == Plan::Vocab).map(|(v, _, _)| *v).collect();
+    let lookups: Vec<NodeId> =
+        g.main.order.iter().copied().filter(|&m| matches!(g.main.node(m).op, Op::Embedding) && tables.contains(&g.main.node(m).inputs[1])).collect();
+    for emb in lookups {
+        stats.collectives += vocab_parallel_embedding(&mut g.main, emb, n, &g.dims)?;
     }
-    g.main.values[tokens.index()].ty = shrink(&ty, 1, n, &g.dims, "input `%tokens`")?;
-    let placement = g.main.value(tokens).placement.clone();
-    g.main.values[tokens.index()].placement = with_placement(&placement, MeshDim::Tp, Placement::Shard(1));
     let blocks = g.blocks.clone();
     reinfer(&mut g.main, &g.dims, &blocks, n)?;
     Ok(stats)
@@ -342,6 +357,58 @@ fn loss_parallel(main: &mut Region, ce: NodeId, n: u32) -> Result<usize, String>
     node.op = Op::CrossEntropyCombine;
     node.inputs = gathered;
     Ok(3)
+}
+
+/// The vocabulary-parallel embedding (TorchTitan's `RowwiseParallel` for `tok_embeddings`):
+/// rewrite `embedding(tokens, table)` node `emb`, whose table is this rank's row shard
+/// `[V / n, dim]`, into
+///
+/// ```text
+/// %shard = place_shard(constant 1 : f32[1]) {mesh_dim = tp, dim = 0, size = n}   // one-hot of the rank's rows
+/// %x.partial = gather_shard(%table, %tokens, %shard)                            // [batch, seq, dim], zero rows for other ranks' tokens
+/// %x = reduce_scatter(%x.partial) {mesh_dim = tp, dim = 1, size = n, reduce = sum}  // [batch, seq / n, dim]
+/// ```
+///
+/// Every token's row is nonzero on exactly one rank, so the sum is exact (any dtype) and `%x`
+/// is the sequence shard of the single-rank embedding. Autodiff derives the backward: the
+/// reduce-scatter's VJP all-gathers the cotangent along `seq`, `gather_shard`'s
+/// (`scatter_add_shard`) sums it into the rank's rows only, in token order like `scatter_add`.
+/// Returns the number of collectives added.
+fn vocab_parallel_embedding(main: &mut Region, emb: NodeId, n: u32, dims: &DimTable) -> Result<usize, String> {
+    let (tokens, table) = (main.node(emb).inputs[0], main.node(emb).inputs[1]);
+    let x = main.node(emb).results[0];
+    let pos = main.order.iter().position(|&m| m == emb).ok_or("invariant: the embedding is in the order")?;
+    let one = main.add_node(Op::Constant { value: 1.0 }, vec![], vec![TensorType::new(DType::F32, vec![Dim::Fixed(1)])]);
+    let one_v = main.node(one).results[0];
+    let shard = main.add_node(
+        Op::PlaceShard { mesh_dim: MeshDim::Tp, dim: 0, size: n },
+        vec![one_v],
+        vec![TensorType::new(DType::F32, vec![Dim::Fixed(u64::from(n))])],
+    );
+    let shard_v = main.node(shard).results[0];
+    let ty = main.ty(x).clone();
+    if ty.rank() != 3 {
+        return Err(format!("the vocab-parallel embedding must give [batch, seq, dim], found {ty}"));
+    }
+    let rs = Op::ReduceScatter { mesh_dim: MeshDim::Tp, dim: 1, size: n, reduce: CollectiveReduce::Sum };
+    let scattered = main.add_node(rs, vec![x], vec![shrink(&ty, 1, n, dims, "the embedding's sequence")?]);
+    let out = main.node(scattered).results[0];
+    main.order.truncate(main.order.len() - 3);
+    main.order.splice(pos..pos, [one, shard]);
+    main.order.insert(pos + 3, scattered);
+    replace_uses(main, x, out, Some(scattered));
+    let node = &mut main.nodes[emb.index()];
+    node.op = Op::GatherShard;
+    node.inputs = vec![table, tokens, shard_v];
+    let base = main.value(table).name.clone().unwrap_or_else(|| "tok_embeddings".into());
+    main.values[shard_v.index()].name = Some(format!("{base}.vocab_shard"));
+    let name = main.value(x).name.clone().unwrap_or_else(|| "x".into());
+    main.values[out.index()].name = Some(name.clone());
+    main.values[x.index()].name = Some(format!("{name}.partial"));
+    let placement = main.value(x).placement.clone();
+    main.values[out.index()].placement = with_placement(&placement, MeshDim::Tp, Placement::Shard(1));
+    main.values[x.index()].placement = with_placement(&placement, MeshDim::Tp, Placement::Partial);
+    Ok(1)
 }
 
 /// kv-head replication: slice this rank's kv head out of the replicated block argument `w`

@@ -239,6 +239,22 @@ fn cross_entropy_and_embedding() {
     check("scatter_add", vec![input(&[2, 3], Dist::Index(4)), input(&[2, 3, 5], Dist::Signed)], 1, &typed(Op::ScatterAdd, f32t(&[4, 5])));
 }
 
+/// The vocab-parallel embedding's row-shard ops (shard 1 of 3 of a 6-row table for the
+/// gather, shard 2 of 3 of a 12-row table for the scatter): indices of other shards give zero
+/// rows or are dropped, so their VJPs are each other. The mesh composition (reduce-scatter of
+/// the partial embeddings) is checked end to end against single-rank training
+/// (`tests/tests/e2e/distributed.rs`, every tp mesh).
+#[test]
+fn vocab_parallel_embedding() {
+    check("gather_shard", vec![input(&[2, 3], Dist::Signed), input(&[2, 4], Dist::Index(6)), input(&[3], Dist::OneHot(1))], 1, &one(Op::GatherShard));
+    check(
+        "scatter_add_shard",
+        vec![input(&[2, 3], Dist::Index(12)), input(&[2, 3, 5], Dist::Signed), input(&[3], Dist::OneHot(2))],
+        1,
+        &typed(Op::ScatterAddShard, f32t(&[4, 5])),
+    );
+}
+
 /// The vocabulary-parallel cross-entropy's ops (loss parallelism), each on its own and
 /// composed for one shard of one (no communicator: with one shard the gathers over tp are the
 /// identity, so `cross_entropy_combine(cross_entropy_stats(..))` is the cross-entropy). The

@@ -241,13 +241,13 @@ fn every_generated_kernel_and_gemm_matches_the_cpu_backend() {
             args[3] = fwd.next().expect("out");
             args[4] = fwd.next().expect("lse");
         }
-        // The vocab-parallel loss: `shard` is a one-hot of a random shard, and the shards'
-        // `sumexp` are positive (sums of exponentials).
+        // The vocab-parallel loss and embedding: `shard` is a one-hot of a random shard, and the
+        // shards' `sumexp` are positive (sums of exponentials).
         for &n in &body.order {
             let node = body.node(n);
             let arg = |v: titan_ir::Value| body.args.iter().position(|a| a.value == v);
             match node.op {
-                Op::CrossEntropyStats | Op::CrossEntropyStatsBwd => {
+                Op::CrossEntropyStats | Op::CrossEntropyStatsBwd | Op::GatherShard | Op::ScatterAddShard => {
                     if let Some(i) = arg(node.inputs[2]) {
                         let shards = args[i].data.len();
                         let k = (rng.next() % shards as u64) as usize;

@@ -233,7 +233,7 @@ pub(crate) fn cross_entropy_bwd<T: Real>(logits: &Tensor<T>, targets: &Tensor<T>
 }
 
 /// The index of the vocabulary shard that the one-hot `shard` (`f32[n]`) names.
-fn shard_index<T: Real>(shard: &Tensor<T>, what: &str) -> Result<usize, String> {
+pub(crate) fn shard_index<T: Real>(shard: &Tensor<T>, what: &str) -> Result<usize, String> {
     let xs = floats(shard, what)?;
     let ones: Vec<usize> = xs.iter().enumerate().filter(|(_, x)| **x != T::zero()).map(|(i, _)| i).collect();
     match ones.as_slice() {

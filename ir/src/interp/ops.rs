@@ -164,9 +164,11 @@ fn dispatch<T: Real>(op: &Op, x: &[&Tensor<T>], rts: &[ResultType], precision: P
     let rt = &rts[0];
     let one = |t: Tensor<T>| Ok(vec![t]);
     match op {
-        Op::Embedding => one(gather(x[1], x[0], rt, "token id")?),
-        Op::Gather => one(gather(x[0], x[1], rt, "index")?),
-        Op::ScatterAdd => one(scatter_add(x[0], x[1], rt)?),
+        Op::Embedding => one(gather(x[1], x[0], None, rt, "token id")?),
+        Op::Gather => one(gather(x[0], x[1], None, rt, "index")?),
+        Op::ScatterAdd => one(scatter_add(x[0], x[1], None, rt)?),
+        Op::GatherShard => one(gather(x[0], x[1], Some(row_shard(x[2], "gather_shard")?), rt, "index")?),
+        Op::ScatterAddShard => one(scatter_add(x[0], x[1], Some(row_shard(x[2], "scatter_add_shard")?), rt)?),
         Op::Linear => one(linalg::linear(x[0], x[1], rt)?),
         Op::Matmul { transpose_a, transpose_b } => one(linalg::matmul(x[0], x[1], *transpose_a, *transpose_b, rt)?),
         Op::RmsNorm { eps } => one(model::rmsnorm(x[0], x[1], *eps, rt, precision)?),
@@ -397,32 +399,52 @@ fn row_index(id: i64, rows: usize, what: &str) -> Result<usize, String> {
     }
 }
 
-fn gather_rows<E: Copy>(table: &[E], row_len: usize, rows: usize, idx: &[i64], what: &str) -> Result<Vec<E>, String> {
+/// Row shard `k` of `n` of a table whose shards have `rows` rows each (`None`: the whole table).
+#[derive(Clone, Copy)]
+struct RowShard {
+    k: usize,
+    n: usize,
+}
+
+/// The row of a table shard of `rows` rows that index `id` names, `None` when the row is in
+/// another shard; `id` must be a row of the whole table (`rows x n`).
+fn shard_row(id: i64, rows: usize, shard: Option<RowShard>, what: &str) -> Result<Option<usize>, String> {
+    let Some(RowShard { k, n }) = shard else { return row_index(id, rows, what).map(Some) };
+    let r = row_index(id, rows * n, what)?;
+    Ok((r / rows == k).then_some(r % rows))
+}
+
+fn gather_rows<E: Copy + Default>(table: &[E], row_len: usize, rows: usize, idx: &[i64], shard: Option<RowShard>, what: &str) -> Result<Vec<E>, String> {
     let mut out = Vec::with_capacity(idx.len() * row_len);
     for &id in idx {
-        let r = row_index(id, rows, what)?;
-        out.extend_from_slice(&table[r * row_len..(r + 1) * row_len]);
+        match shard_row(id, rows, shard, what)? {
+            Some(r) => out.extend_from_slice(&table[r * row_len..(r + 1) * row_len]),
+            None => out.resize(out.len() + row_len, E::default()),
+        }
     }
     Ok(out)
 }
 
-/// Rows of `table` at `idx`; `what` names an index in errors (`token id` for embedding).
-fn gather<T: Real>(table: &Tensor<T>, idx: &Tensor<T>, rt: &ResultType, what: &str) -> Result<Tensor<T>, String> {
+/// Rows of `table` at `idx`; `what` names an index in errors (`token id` for embedding). With
+/// `shard`, `table` is that row shard and indices of other shards give zero rows.
+fn gather<T: Real>(table: &Tensor<T>, idx: &Tensor<T>, shard: Option<RowShard>, rt: &ResultType, what: &str) -> Result<Tensor<T>, String> {
     let ids = ints(idx, "indices")?;
     let Some((&rows, rest)) = table.shape.split_first() else {
         return Err(format!("the table must have rank >= 1, found {}", table.type_string()));
     };
     let row_len: usize = rest.iter().product();
     let data = match &table.data {
-        Data::Float(v) => Data::Float(gather_rows(v, row_len, rows, ids, what)?),
-        Data::Int(v) => Data::Int(gather_rows(v, row_len, rows, ids, what)?),
+        Data::Float(v) => Data::Float(gather_rows(v, row_len, rows, ids, shard, what)?),
+        Data::Int(v) => Data::Int(gather_rows(v, row_len, rows, ids, shard, what)?),
     };
     let mut shape = idx.shape.clone();
     shape.extend_from_slice(rest);
     Ok(Tensor { dtype: rt.0, shape, data })
 }
 
-fn scatter_add<T: Real>(idx: &Tensor<T>, src: &Tensor<T>, rt: &ResultType) -> Result<Tensor<T>, String> {
+/// `scatter_add`; with `shard`, the result is that row shard of the table and sources whose
+/// index lies in another shard are dropped.
+fn scatter_add<T: Real>(idx: &Tensor<T>, src: &Tensor<T>, shard: Option<RowShard>, rt: &ResultType) -> Result<Tensor<T>, String> {
     let ids = ints(idx, "scatter_add indices")?;
     let s = floats(src, "scatter_add source")?;
     let out = &rt.1;
@@ -441,11 +463,16 @@ fn scatter_add<T: Real>(idx: &Tensor<T>, src: &Tensor<T>, rt: &ResultType) -> Re
     let row_len: usize = row_shape.iter().product();
     let mut acc = vec![T::zero(); rows * row_len];
     for (j, &id) in ids.iter().enumerate() {
-        let r = row_index(id, rows, "index")?;
+        let Some(r) = shard_row(id, rows, shard, "index")? else { continue };
         let dst = &mut acc[r * row_len..(r + 1) * row_len];
         for (d, &v) in dst.iter_mut().zip(&s[j * row_len..(j + 1) * row_len]) {
             *d = *d + v;
         }
     }
     float_result(rt, out.clone(), acc)
+}
+
+/// The row shard named by the one-hot `shard` (`f32[n]`) of a `gather_shard`/`scatter_add_shard`.
+fn row_shard<T: Real>(shard: &Tensor<T>, what: &str) -> Result<RowShard, String> {
+    Ok(RowShard { k: model::shard_index(shard, what)?, n: shard.numel() })
 }

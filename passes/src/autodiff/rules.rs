@@ -19,6 +19,8 @@ pub fn vjp_needs(op: &Op, n_in: usize, n_out: usize) -> Needs {
     match op {
         Op::Embedding | Op::Gather => needs(n_in, n_out, &[if matches!(op, Op::Embedding) { 0 } else { 1 }], &[]),
         Op::ScatterAdd => needs(n_in, n_out, &[0], &[]),
+        Op::GatherShard => needs(n_in, n_out, &[1, 2], &[]),
+        Op::ScatterAddShard => needs(n_in, n_out, &[0, 2], &[]),
         Op::Linear | Op::RmsNorm { .. } | Op::CrossEntropy | Op::Matmul { .. } | Op::CrossEntropyCombine => needs(n_in, n_out, &[0, 1], &[]),
         Op::CrossEntropyStats => needs(n_in, n_out, &[0, 1, 2], &[]),
         Op::Attention { .. } => needs(n_in, n_out, &[0, 1, 2], &[0, 1]),
@@ -92,6 +94,16 @@ pub fn vjp(op: &Op, a: &VjpArgs, b: &mut Builder) -> Result<Vec<Option<Value>>, 
         Op::ScatterAdd => {
             let Some(dy) = dy0 else { return Ok(none(2)) };
             vec![None, Some(b.push1(Op::Gather, &[dy, a.x(0)])?)]
+        }
+        // The row shard's gather and scatter are each other's transposes, as the whole table's.
+        Op::GatherShard => {
+            let Some(dy) = dy0 else { return Ok(none(3)) };
+            let table = b.push_typed(Op::ScatterAddShard, &[a.x(1), dy, a.x(2)], a.x_ty[0].clone())?;
+            vec![Some(table), None, None]
+        }
+        Op::ScatterAddShard => {
+            let Some(dy) = dy0 else { return Ok(none(3)) };
+            vec![None, Some(b.push1(Op::GatherShard, &[dy, a.x(0), a.x(2)])?), None]
         }
         Op::Linear => {
             let Some(dy) = dy0 else { return Ok(none(2)) };

@@ -83,8 +83,8 @@ pub fn classify(op: &Op, ins: &[&TensorType], outs: &[&TensorType], dims: &DimTa
         Op::Linear | Op::Matmul { .. } => Class::Single(KernelKind::Gemm),
         Op::Attention { .. } => Class::Single(KernelKind::Attention),
         Op::AttentionBwd { .. } => Class::Single(KernelKind::AttentionBwd),
-        Op::Embedding | Op::Gather => Class::Single(KernelKind::Gather),
-        Op::ScatterAdd => Class::Single(KernelKind::ScatterAdd),
+        Op::Embedding | Op::Gather | Op::GatherShard => Class::Single(KernelKind::Gather),
+        Op::ScatterAdd | Op::ScatterAddShard => Class::Single(KernelKind::ScatterAdd),
         Op::AdamW(_) | Op::LrSchedule(_) => Class::Optimizer,
         Op::Constant { .. } => {
             if out0.is_some_and(|t| t.rank() == 0) {

@@ -147,8 +147,8 @@ pub fn check_kernel_graph(g: &Graph) -> Vec<String> {
                 KernelKind::Gemm => matches!(ops.as_slice(), [Op::Linear | Op::Matmul { .. }]),
                 KernelKind::Attention => matches!(ops.as_slice(), [Op::Attention { .. }]),
                 KernelKind::AttentionBwd => matches!(ops.as_slice(), [Op::AttentionBwd { .. }]),
-                KernelKind::Gather => matches!(ops.as_slice(), [Op::Embedding | Op::Gather]),
-                KernelKind::ScatterAdd => matches!(ops.as_slice(), [Op::ScatterAdd]),
+                KernelKind::Gather => matches!(ops.as_slice(), [Op::Embedding | Op::Gather | Op::GatherShard]),
+                KernelKind::ScatterAdd => matches!(ops.as_slice(), [Op::ScatterAdd | Op::ScatterAddShard]),
                 KernelKind::Fused | KernelKind::Optimizer => true,
             };
             if !single {

@@ -22,7 +22,7 @@ use std::path::{Path, PathBuf};
 use titan_compiler::build::{BuildOptions, build_artifact};
 use titan_compiler::{LlamaConfig, Preset, build_llama3};
 use titan_ir::interp::Tensor;
-use titan_ir::{DType, Graph, Mesh};
+use titan_ir::{DType, Graph, Mesh, Placement};
 use titan_passes::{TrainOptions, lower_to_train};
 use titan_runtime::checkpoint::{self, CHECKPOINT_FORMAT_VERSION, CheckpointError, CheckpointMesh, MODEL_FILE, OPTIMIZER_FILE, TrainerState};
 use titan_runtime::{Artifact, ArtifactMeshTrainer, BUNDLED_CORPUS, Batcher, CpuArtifactTrainer, CpuTrainer, MeshTrainer, Trainer, byte_tokens};
@@ -267,6 +267,35 @@ fn a_dp_shard_2_checkpoint_reshards_onto_tp_2_and_one_device() {
     let (name, t) = one_at_2.iter().find(|(n, _)| n.contains("attention.wq.weight")).expect("wq");
     init.set_state(name, t.floats().expect("floats")).expect("set_state");
     assert_eq!(states(&init)[name].floats(), t.floats(), "{name}");
+}
+
+/// The vocab-parallel embedding: on dp_shard 2 x tp 2, `tok_embeddings.weight` is `Shard(0)`
+/// on tp (vocabulary rows) and `Shard(1)` on dp_shard, so each rank writes a box of rows x
+/// columns. The files are the single-device files (same headers), and one device reads back
+/// the full tensors bit for bit.
+#[test]
+fn a_dp_shard_2_tp_2_checkpoint_holds_the_full_vocab_parallel_embedding() {
+    let (_d1, single) = artifact(Mesh::new(1, 1, 1), "emb-single");
+    let (_d2, mesh) = artifact(Mesh::new(1, 2, 2), "emb-fsdp2-tp2");
+    let emb = mesh.graph.main.find("tok_embeddings").expect("tok_embeddings state");
+    assert_eq!(mesh.graph.main.value(emb).placement, vec![Placement::Replicate, Placement::Shard(1), Placement::Shard(0)]);
+    let mut one = CpuArtifactTrainer::new(&single, SEED).expect("trainer");
+    let (_, data) = steps(&mut one, SEED, 0, 2);
+    let one_ckpt = scratch("emb-one");
+    let one_written = save(&one_ckpt.0, &one, 2, &data, &single.manifest.content_hash);
+    let mut writer = ArtifactMeshTrainer::new(&mesh, SEED).expect("mesh trainer");
+    let (_, data) = steps(&mut writer, SEED, 0, 2);
+    let ckpt = scratch("emb-fsdp2-tp2");
+    let written = save(&ckpt.0, &writer, 2, &data, &mesh.manifest.content_hash);
+    for file in [MODEL_FILE, OPTIMIZER_FILE] {
+        assert!(header(&written.join(file)) == header(&one_written.join(file)), "{file}: names, shapes or offsets differ from one device's");
+    }
+    let at_2 = bits(&writer);
+    let mut back = CpuArtifactTrainer::new(&single, SEED + 1).expect("trainer");
+    checkpoint::resume(&written, &mut back, "another build", true).expect("resume");
+    assert!(bits(&back) == at_2, "the full tensors read on one device differ from the mesh's states");
+    let (d, worst) = max_diff(&states(&back), &states(&one));
+    assert!(d <= STATE_TOL, "dp_shard 2 x tp 2 vs one device at step 2: `{worst}` by {d}");
 }
 
 /// A checkpoint of another model (one layer fewer, as a graph-mode run writes it) on a tp 2
