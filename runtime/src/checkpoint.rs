@@ -991,5 +991,70 @@ mod tests {
         let back: TrainerState = serde_json::from_str(&serde_json::to_string_pretty(&st).expect("json")).expect("read");
         assert_eq!(back, st);
         assert_eq!(back.mesh.to_string(), "a mesh of dp_replicate 2 x dp_shard 2");
+        assert_eq!((back.model_hash, back.model_config.len()), (None, 0), "an old state has no model hash");
+        let json = serde_json::to_string_pretty(&st).expect("json");
+        assert!(!json.contains("model_hash") && !json.contains("model_config"), "written only when known: {json}");
+    }
+
+    /// The decision table of `check_identity`: the content hash first, then the model hash;
+    /// without a model hash on either side, as before (another mesh, another build).
+    #[test]
+    fn checkpoints_match_on_the_content_hash_then_the_model_hash() {
+        let config = |lr: &str| BTreeMap::from([("n_layers".to_string(), "2".to_string()), ("train_lr".to_string(), lr.to_string())]);
+        let id = |content: &str, model: Option<&str>, lr: &str| RunIdentity {
+            content_hash: content.into(),
+            model_hash: model.map(str::to_string),
+            model_config: if model.is_some() { config(lr) } else { BTreeMap::new() },
+        };
+        let state = |i: &RunIdentity, mesh: CheckpointMesh| TrainerState {
+            format_version: CHECKPOINT_FORMAT_VERSION,
+            step: 2,
+            seed: 0,
+            data_position: 2,
+            content_hash: i.content_hash.clone(),
+            data: String::new(),
+            mesh,
+            model_hash: i.model_hash.clone(),
+            model_config: i.model_config.clone(),
+        };
+        let (one, tp2) = (CheckpointMesh::default(), CheckpointMesh { tp: 2, ..CheckpointMesh::default() });
+        let fsdp_tp = CheckpointMesh { dp_replicate: 1, dp_shard: 2, tp: 2 };
+        let written = state(&id("c1", Some("m1"), "0.003"), fsdp_tp);
+        // The same build.
+        assert_eq!(check_identity(&written, &id("c1", Some("m1"), "0.003"), fsdp_tp, false).expect("same build"), None);
+        // The same model on another mesh, or another build on the same mesh.
+        let note = check_identity(&written, &id("c2", Some("m1"), "0.003"), one, false).expect("same model");
+        assert_eq!(note.as_deref(), Some("resharding a checkpoint of dp_shard 2 x tp 2 onto one device"));
+        let note = check_identity(&written, &id("c2", Some("m1"), "0.003"), fsdp_tp, false).expect("same model");
+        assert_eq!(note.as_deref(), Some("resuming a checkpoint of another build of the same model (content hash c1, this build's c2)"));
+        // Another model: refused naming what differs, unless forced.
+        let e = check_identity(&written, &id("c2", Some("m2"), "0.001"), tp2, false).unwrap_err().to_string();
+        assert!(e.contains("(train_lr 0.003 in the checkpoint, 0.001 in this run; model hash m1 in the checkpoint, m2 in this run)"), "{e}");
+        let e = check_identity(&written, &id("c2", Some("m2"), "0.003"), tp2, false).unwrap_err().to_string();
+        assert!(e.contains("the same sizes and training options, but the model graphs differ"), "{e}");
+        let note = check_identity(&written, &id("c2", Some("m2"), "0.001"), tp2, true).expect("forced");
+        assert_eq!(
+            note.as_deref(),
+            Some(
+                "--allow-different-build: resuming a checkpoint of another model or training configuration (train_lr 0.003 in the checkpoint, 0.001 in this run); resharding a checkpoint of dp_shard 2 x tp 2 onto a mesh of tp 2"
+            )
+        );
+        // No model hash on one side: as before the model hash.
+        let old = state(&id("c1", None, ""), fsdp_tp);
+        let e = check_identity(&old, &id("c2", Some("m1"), "0.003"), one, false).unwrap_err();
+        assert!(
+            matches!(e, CheckpointError::DifferentMesh { checkpoint_has_model_hash: false, .. })
+                && e.to_string().contains("the checkpoint records no model hash"),
+            "{e}"
+        );
+        let e = check_identity(&written, &"c2".into(), one, false).unwrap_err();
+        assert!(e.to_string().contains("this run's artifact or graph has no model hash"), "{e}");
+        let e = check_identity(&old, &id("c2", Some("m1"), "0.003"), fsdp_tp, false).unwrap_err();
+        assert!(matches!(e, CheckpointError::DifferentBuild { .. }), "{e}");
+        assert!(check_identity(&old, &"c1".into(), one, false).expect("same content").is_none());
+        assert_eq!(
+            check_identity(&old, &"c2".into(), one, true).expect("forced").as_deref(),
+            Some("--allow-different-build: resuming a checkpoint of another build; resharding a checkpoint of dp_shard 2 x tp 2 onto one device")
+        );
     }
 }

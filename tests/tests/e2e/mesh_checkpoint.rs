@@ -201,7 +201,7 @@ fn a_dp_shard_2_checkpoint_reshards_onto_tp_2_and_one_device() {
     let mut one = CpuArtifactTrainer::new(&single, SEED).expect("trainer");
     let (mut want, data) = steps(&mut one, SEED, 0, 2);
     let one_ckpt = scratch("reshard-one");
-    let one_written = save(&one_ckpt.0, &one, 2, &data, &hash(&single));
+    let one_written = save(&one_ckpt.0, &one, 2, &data, hash(&single));
     let one_at_2 = states(&one);
     let (rest, _) = steps(&mut one, SEED, 2, 4);
     want.extend(rest);
@@ -211,7 +211,7 @@ fn a_dp_shard_2_checkpoint_reshards_onto_tp_2_and_one_device() {
     let mut writer = ArtifactMeshTrainer::new(&fsdp, SEED).expect("mesh trainer");
     let (losses, data) = steps(&mut writer, SEED, 0, 2);
     let ckpt = scratch("reshard-fsdp2");
-    let written = save(&ckpt.0, &writer, 2, &data, &hash(&fsdp));
+    let written = save(&ckpt.0, &writer, 2, &data, hash(&fsdp));
     let fsdp_at_2 = bits(&writer);
     let fsdp_at_2_states = states(&writer);
 
@@ -242,7 +242,7 @@ fn a_dp_shard_2_checkpoint_reshards_onto_tp_2_and_one_device() {
     let mut on_one = CpuArtifactTrainer::new(&single, SEED + 1).expect("trainer");
     let targets: [(&str, &Artifact, &mut dyn Trainer); 2] = [("a mesh of tp 2", &tp, &mut on_tp), ("one device", &single, &mut on_one)];
     for (what, art, t) in targets {
-        let (_, st) = checkpoint::resume(&written, t, &hash(art), false).expect("resume");
+        let (_, st) = checkpoint::resume(&written, t, hash(art), false).expect("resume");
         let note = checkpoint::check_identity(&st, &hash(art), checkpoint::run_mesh(t), false).expect("same model");
         assert_eq!(note, Some(format!("resharding a checkpoint of dp_shard 2 onto {what}")));
         assert_eq!(st.mesh, CheckpointMesh { dp_replicate: 1, dp_shard: 2, tp: 1 });
@@ -301,7 +301,7 @@ fn a_checkpoint_of_another_model_is_refused_on_a_mesh() {
     let mut t = CpuTrainer::new(&g_small, SEED).expect("trainer");
     let (_, data) = steps(&mut t, SEED, 0, 1);
     let ckpt = scratch("other-model");
-    let written = save(&ckpt.0, &t, 1, &data, &RunIdentity::of_graph(&titan_ir::print::print_graph(&g_small), &g_small));
+    let written = save(&ckpt.0, &t, 1, &data, RunIdentity::of_graph(&titan_ir::print::print_graph(&g_small), &g_small));
 
     let mut m = model();
     Mesh::new(1, 1, 2).write_meta(&mut m);
@@ -344,7 +344,7 @@ fn a_tp_2_checkpoint_resumes_on_dp_shard_2_and_one_device_without_the_flag() {
     let mut writer = ArtifactMeshTrainer::new(&tp, SEED).expect("mesh trainer");
     let (mut want, data) = steps(&mut writer, SEED, 0, 2);
     let ckpt = scratch("by-model-tp2");
-    let written = save(&ckpt.0, &writer, 2, &data, &id(&tp));
+    let written = save(&ckpt.0, &writer, 2, &data, id(&tp));
     let at_2 = bits(&writer);
     let (rest, _) = steps(&mut writer, SEED, 2, 4);
     want.extend(rest);
@@ -356,7 +356,7 @@ fn a_tp_2_checkpoint_resumes_on_dp_shard_2_and_one_device_without_the_flag() {
     let mut on_one = CpuArtifactTrainer::new(&single, SEED + 1).expect("trainer");
     let targets: [(&str, &Artifact, &mut dyn Trainer); 2] = [("a mesh of dp_shard 2", &fsdp, &mut on_fsdp), ("one device", &single, &mut on_one)];
     for (what, art, t) in targets {
-        let (_, st) = checkpoint::resume(&written, t, &id(art), false).unwrap_or_else(|e| panic!("{what}: {e}"));
+        let (_, st) = checkpoint::resume(&written, t, id(art), false).unwrap_or_else(|e| panic!("{what}: {e}"));
         let note = checkpoint::check_identity(&st, &id(art), checkpoint::run_mesh(t), false).expect("same model");
         assert_eq!(note, Some(format!("resharding a checkpoint of tp 2 onto {what}")));
         assert!(bits(t) == at_2, "{what}: the restored states differ from the written ones");
@@ -377,14 +377,14 @@ fn a_tp_2_checkpoint_resumes_on_dp_shard_2_and_one_device_without_the_flag() {
     old.remove("model_config");
     std::fs::write(written.join(checkpoint::STATE_FILE), serde_json::to_string_pretty(&old).expect("json")).expect("write");
     let mut again = ArtifactMeshTrainer::new(&fsdp, SEED + 2).expect("mesh trainer");
-    let e = checkpoint::resume(&written, &mut again, &id(&fsdp), false).unwrap_err();
+    let e = checkpoint::resume(&written, &mut again, id(&fsdp), false).unwrap_err();
     assert!(matches!(e, CheckpointError::DifferentMesh { .. }), "{e}");
     assert!(
         e.to_string().contains("written on a mesh of tp 2 and this run is on a mesh of dp_shard 2")
             && e.to_string().contains("the checkpoint records no model hash"),
         "{e}"
     );
-    let (_, st) = checkpoint::resume(&written, &mut again, &id(&fsdp), true).expect("forced");
+    let (_, st) = checkpoint::resume(&written, &mut again, id(&fsdp), true).expect("forced");
     let note = checkpoint::check_identity(&st, &id(&fsdp), checkpoint::run_mesh(&again), true).expect("forced");
     assert_eq!(
         note.as_deref(),
@@ -409,9 +409,9 @@ fn an_spmd_graph_checkpoint_resumes_on_one_device_without_the_flag() {
     let mut writer = MeshTrainer::new(&spmd, SEED).expect("mesh trainer");
     let (_, data) = steps(&mut writer, SEED, 0, 2);
     let ckpt = scratch("graph-by-model");
-    let written = save(&ckpt.0, &writer, 2, &data, &id(&spmd));
+    let written = save(&ckpt.0, &writer, 2, &data, id(&spmd));
     let mut t = CpuTrainer::new(&one, SEED + 1).expect("trainer");
-    let (_, st) = checkpoint::resume(&written, &mut t, &id(&one), false).expect("resume");
+    let (_, st) = checkpoint::resume(&written, &mut t, id(&one), false).expect("resume");
     let note = checkpoint::check_identity(&st, &id(&one), checkpoint::run_mesh(&t), false).expect("same model");
     assert_eq!(note.as_deref(), Some("resharding a checkpoint of dp_shard 2 x tp 2 onto one device"));
     assert!(bits(&t) == bits(&writer), "the restored states differ from the written ones");
@@ -429,11 +429,11 @@ fn a_checkpoint_of_another_learning_rate_is_refused_naming_it() {
     let mut writer = CpuArtifactTrainer::new(&a, SEED).expect("trainer");
     let (_, data) = steps(&mut writer, SEED, 0, 1);
     let ckpt = scratch("lr");
-    let written = save(&ckpt.0, &writer, 1, &data, &id(&a));
+    let written = save(&ckpt.0, &writer, 1, &data, id(&a));
 
     let mut t = CpuArtifactTrainer::new(&b, SEED).expect("trainer");
     let before = bits(&t);
-    let e = checkpoint::resume(&written, &mut t, &id(&b), false).unwrap_err();
+    let e = checkpoint::resume(&written, &mut t, id(&b), false).unwrap_err();
     assert!(matches!(e, CheckpointError::DifferentModel { .. }), "{e}");
     let msg = e.to_string();
     assert!(
@@ -441,7 +441,7 @@ fn a_checkpoint_of_another_learning_rate_is_refused_naming_it() {
         "{msg}"
     );
     assert!(bits(&t) == before, "a refused checkpoint changed the states");
-    let (_, st) = checkpoint::resume(&written, &mut t, &id(&b), true).expect("forced");
+    let (_, st) = checkpoint::resume(&written, &mut t, id(&b), true).expect("forced");
     let note = checkpoint::check_identity(&st, &id(&b), checkpoint::run_mesh(&t), true).expect("forced");
     assert_eq!(
         note.as_deref(),
