@@ -247,7 +247,8 @@ fn build_with_parallel_degrees_prints_the_mesh_report() {
 /// FSDP builds prefetch the next layer's weights by default (`prefetch = 9` on both loops of the
 /// training graph, `prefetch` steps in the artifact's loops); `--disable-prefetch-next-layer`
 /// and the job config's `parallelism.disable_prefetch_next_layer = true` turn it off, and change
-/// the content hash.
+/// the content hash but not the model hash (neither does the mesh; another `--lr` does, in the
+/// manifest and in the lowered graph's `meta`).
 #[test]
 fn prefetch_next_layer_is_on_for_fsdp_and_can_be_turned_off() {
     let dir = scratch("prefetch");
@@ -266,15 +267,32 @@ fn prefetch_next_layer_is_on_for_fsdp_and_can_be_turned_off() {
         let out = titanc(&[&["build", model.as_str(), "-o", o.to_str().unwrap(), "--dp-shard", "2"], extra].concat());
         assert!(out.status.success(), "{}", text(&out.stderr));
         let manifest = std::fs::read_to_string(o.join("manifest.json")).unwrap();
-        let hash = manifest.lines().find(|l| l.contains("\"content_hash\"")).unwrap_or_default().to_string();
-        (manifest.contains("\"prefetch\": ["), hash)
+        let line = |key: &str| manifest.lines().find(|l| l.contains(&format!("\"{key}\""))).unwrap_or_default().trim().to_string();
+        (manifest.contains("\"prefetch\": ["), line("content_hash"), line("model_hash"), text(&out.stdout))
     };
-    let (on, hash_on) = built("on", &[]);
-    let (flag, hash_off) = built("flag", &["--disable-prefetch-next-layer"]);
-    let (file, hash_file) = built("file", &["--job-config", job.to_str().unwrap()]);
+    let (on, hash_on, model_on, stdout) = built("on", &[]);
+    let (flag, hash_off, model_off, _) = built("flag", &["--disable-prefetch-next-layer"]);
+    let (file, hash_file, model_file, _) = built("file", &["--job-config", job.to_str().unwrap()]);
     assert_eq!((on, flag, file), (true, false, false));
     assert_ne!(hash_on, hash_off);
     assert_eq!(hash_off, hash_file);
+    let full = model_on.trim_start_matches("\"model_hash\": \"").trim_end_matches([',', '"']).to_string();
+    assert_eq!(full.len(), 64, "{model_on}");
+    assert_eq!((&model_on, &model_on), (&model_off, &model_file));
+    assert!(stdout.contains(&format!(", model hash {})", &full[..16])), "{stdout}");
+    let (_, _, model_lr, _) = built("lr", &["--lr", "1e-3"]);
+    assert_ne!(model_lr, model_on);
+    // The lowered graphs record the same hash in their meta, whatever the mesh.
+    let meta_hash = |extra: &[&str]| {
+        let out = titanc(&[&["lower", model.as_str(), "--to", "train"], extra].concat());
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        let g = text(&out.stdout);
+        let at = g.find("model_hash = \"").map(|i| i + "model_hash = \"".len()).unwrap_or_default();
+        g[at..at + 64].to_string()
+    };
+    assert_eq!(meta_hash(&[]), full);
+    assert_eq!(meta_hash(&["--tp", "2", "--disable-loss-parallel"]), meta_hash(&[]));
+    assert_ne!(meta_hash(&["--lr", "1e-3"]), meta_hash(&[]));
     let _ = std::fs::remove_dir_all(&dir);
 }
 

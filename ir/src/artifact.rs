@@ -17,8 +17,13 @@ use crate::placement::MeshDim as GraphMeshDim;
 /// `collective` schedule step and the optional mesh `report` (SPMD artifacts): a version-2
 /// reader would reject the unknown step and run a mesh artifact as one rank. Version 4 added
 /// the loop's `prefetch` steps (`prefetch-next-layer`): a version-3 reader would ignore them
-/// and read prefetched carry slots nothing wrote.
-pub const FORMAT_VERSION: u32 = 4;
+/// and read prefetched carry slots nothing wrote. Version 5 added `model_hash`: a version-4
+/// reader would run the artifact but drop the model identity from its checkpoints, so they
+/// could not be resumed on another mesh without `--allow-different-build`; readers of version 5
+/// still read version 4 (no `model_hash`: checkpoints are matched on the content hash alone).
+pub const FORMAT_VERSION: u32 = 5;
+/// The oldest format version this reader reads: version 4 is version 5 without `model_hash`.
+pub const MIN_FORMAT_VERSION: u32 = 4;
 pub const MANIFEST_FILE: &str = "manifest.json";
 /// The fused training graph; each kernel's `body` names one of its blocks.
 pub const GRAPH_FILE: &str = "graph.ir";
@@ -498,6 +503,11 @@ pub struct Manifest {
     pub titan_version: String,
     /// Hex SHA-256 of the input IR text, the effective build options and the target.
     pub content_hash: String,
+    /// Hex SHA-256 of the model graph before partitioning and the training options, not the
+    /// mesh or any build choice: a checkpoint of a build with the same model hash resumes on
+    /// this one (`docs/checkpoints.md`). Absent in artifacts before format version 5.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model_hash: Option<String>,
     pub target: Target,
     /// The model graph's `meta` (dim, n_layers, ...), as JSON values.
     pub model: BTreeMap<String, serde_json::Value>,
@@ -522,7 +532,9 @@ pub enum ArtifactError {
     Io { path: String, message: String },
     #[error("`{path}` is not a titan manifest: {message}")]
     Malformed { path: String, message: String },
-    #[error("artifact format version {found} is not supported by this titan-run (reads version {expected}); rebuild it with this version's titanc")]
+    #[error(
+        "artifact format version {found} is not supported by this titan-run (reads versions {MIN_FORMAT_VERSION} to {expected}); rebuild it with this version's titanc"
+    )]
     Version { found: u32, expected: u32 },
     #[error("artifact was built for {found}, this runtime targets {expected}; rebuild with `titanc build --target {expected}`")]
     Target { found: String, expected: String },
@@ -546,7 +558,7 @@ impl Manifest {
             .get("format_version")
             .and_then(serde_json::Value::as_u64)
             .ok_or_else(|| ArtifactError::Malformed { path: path.into(), message: "missing `format_version`".into() })?;
-        if found != u64::from(FORMAT_VERSION) {
+        if !(u64::from(MIN_FORMAT_VERSION)..=u64::from(FORMAT_VERSION)).contains(&found) {
             return Err(ArtifactError::Version { found: found as u32, expected: FORMAT_VERSION });
         }
         serde_json::from_value(v).map_err(|e| ArtifactError::Malformed { path: path.into(), message: e.to_string() })

@@ -6,6 +6,7 @@ pub mod attr;
 pub mod diag;
 pub mod dtype;
 pub mod graph;
+pub mod identity;
 pub mod infer;
 pub mod interp;
 pub mod op;

@@ -9,6 +9,7 @@ pub mod cse;
 pub mod dce;
 pub mod fuse;
 pub mod mixed_precision;
+pub mod model_hash;
 pub mod optimizer;
 pub mod pipeline;
 pub mod prefetch;
@@ -20,6 +21,7 @@ pub mod train;
 pub mod util;
 
 pub use fuse::{FuseStats, FusionReport, fuse, fusion_report};
+pub use model_hash::{model_hash, stamp_model_identity};
 pub use pipeline::{
     BUILD_PIPELINE, DumpAfter, PassContext, PassFn, PassInfo, PassRecord, PassStats, PipelineOptions, PipelineReport, SPMD_BUILD_PIPELINE, SPMD_TRAIN_PIPELINE,
     TRAIN_PIPELINE, build_pipeline, compile_train_graph, lookup_passes, pass_table, run_pipeline,

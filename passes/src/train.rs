@@ -41,6 +41,43 @@ impl Default for TrainOptions {
 }
 
 impl TrainOptions {
+    /// The options as `(key, value)`, floats printed so they read back exactly, in a fixed
+    /// order: part of the content hash (`train.<key>`) and of the model hash.
+    pub fn canonical_lines(&self) -> Vec<(&'static str, String)> {
+        let fl = titan_ir::attr::fmt_float;
+        vec![
+            ("lr", fl(self.lr)),
+            ("warmup_steps", self.warmup_steps.to_string()),
+            ("decay_steps", self.decay_steps.to_string()),
+            ("decay", decay_name(self.decay).to_string()),
+            ("min_lr_ratio", fl(self.min_lr_ratio)),
+            ("beta1", fl(self.beta1)),
+            ("beta2", fl(self.beta2)),
+            ("eps", fl(self.eps)),
+            ("weight_decay", fl(self.weight_decay)),
+            ("max_norm", self.max_norm.map_or_else(|| "none".to_string(), fl)),
+        ]
+    }
+
+    /// The options as the training graph's `meta` records them (`train_lr = 0.003`, ...; keys
+    /// `titan_ir::identity::TRAIN_META`).
+    pub fn meta_entries(&self) -> Vec<(String, AttrValue)> {
+        let int = |n: u64| AttrValue::Int(i64::try_from(n).unwrap_or(i64::MAX));
+        let values = [
+            AttrValue::Float(self.lr),
+            int(self.warmup_steps),
+            int(self.decay_steps),
+            AttrValue::Str(decay_name(self.decay).into()),
+            AttrValue::Float(self.min_lr_ratio),
+            AttrValue::Float(self.beta1),
+            AttrValue::Float(self.beta2),
+            AttrValue::Float(self.eps),
+            AttrValue::Float(self.weight_decay),
+            self.max_norm.map_or_else(|| AttrValue::Str("none".into()), AttrValue::Float),
+        ];
+        titan_ir::identity::TRAIN_META.iter().map(|k| k.to_string()).zip(values).collect()
+    }
+
     /// Reject settings that would make the step meaningless.
     pub fn validate(&self) -> Result<(), PassError> {
         let bad = |message: String| Err(PassError::Failed { pass: "lower-to-train", message });
@@ -112,6 +149,7 @@ pub(crate) fn run_on_copy(
     let mut g = model.clone();
     g.name = format!("{}_train", model.name);
     g.meta.entries.push(("step".into(), AttrValue::Str("train".into())));
+    crate::model_hash::stamp_model_identity(&mut g, model, opts);
     let report = crate::pipeline::run_pipeline(&mut g, passes, opts, popts)?;
     Ok((g, report))
 }
@@ -135,5 +173,14 @@ pub fn grad_output_name(main: &Region, arg: usize) -> String {
     match name {
         Some(n) => format!("d_{}", n.chars().map(|c| if c.is_ascii_alphanumeric() || c == '_' { c } else { '_' }).collect::<String>()),
         None => format!("d_arg{arg}"),
+    }
+}
+
+/// The IR text's name of a decay shape (`--decay`).
+fn decay_name(d: DecayKind) -> &'static str {
+    match d {
+        DecayKind::Constant => "constant",
+        DecayKind::Linear => "linear",
+        DecayKind::Cosine => "cosine",
     }
 }

@@ -2,7 +2,12 @@
 //! weights under Hugging Face Llama names, stacked per-layer buffers split into one tensor per
 //! layer), `optimizer.safetensors` (the AdamW moments, the parameter's HF name plus `.exp_avg` /
 //! `.exp_avg_sq`) and `trainer_state.json` ([`TrainerState`]: step, seed, data position, the
-//! artifact's content hash, the mesh, format version). `docs/checkpoints.md` documents the layout.
+//! artifact's content hash and model hash, the mesh, format version). `docs/checkpoints.md`
+//! documents the layout.
+//!
+//! A checkpoint resumes on a run of the same build (content hash) or, resharded, on any build
+//! of the same model (model hash: the model and training options, not the mesh or build
+//! choices; [`RunIdentity`], [`check_identity`]).
 //!
 //! One format for every run: the files hold the full (unsharded) tensors whatever mesh wrote
 //! them. A mesh run writes them in parallel: every tensor's place in the file follows from the
@@ -51,11 +56,23 @@ pub enum CheckpointError {
     )]
     DifferentBuild { found: String, expected: String },
     #[error(
-        "the checkpoint was written on {found} and this run is on {expected}; the content hash covers the mesh, so titan cannot tell whether the model and training options are the same: pass --allow-different-build to reshard the checkpoint onto this run (tensor names and shapes are still checked), or --init-from CKPT/step-<n>/model.safetensors for the weights only"
+        "the checkpoint was written on {found} and this run is on {expected}, and {}, so titan cannot tell whether the model and training options are the same: pass --allow-different-build to reshard the checkpoint onto this run (tensor names and shapes are still checked), or --init-from CKPT/step-<n>/model.safetensors for the weights only",
+        if *checkpoint_has_model_hash { "this run's artifact or graph has no model hash (an older titanc built it)" } else { "the checkpoint records no model hash (an older titan-run, or a build without one, wrote it)" }
     )]
-    DifferentMesh { found: CheckpointMesh, expected: CheckpointMesh },
+    DifferentMesh { found: CheckpointMesh, expected: CheckpointMesh, checkpoint_has_model_hash: bool },
+    #[error(
+        "the checkpoint was written by a run of another model or training configuration ({differences}; model hash {} in the checkpoint, {} in this run); resume with the model and training options that wrote it, use --init-from CKPT/step-<n>/model.safetensors to load the weights only, or pass --allow-different-build to force it (tensor names and shapes are still checked)",
+        short(found),
+        short(expected)
+    )]
+    DifferentModel { found: String, expected: String, differences: String },
     #[error(transparent)]
     Runtime(#[from] RuntimeError),
+}
+
+/// The first 16 characters of a hash, as the build summary prints it.
+fn short(hash: &str) -> &str {
+    hash.get(..16).unwrap_or(hash)
 }
 
 fn io(action: &'static str, path: &Path, e: impl std::fmt::Display) -> CheckpointError {
@@ -94,6 +111,63 @@ impl std::fmt::Display for CheckpointMesh {
     }
 }
 
+impl CheckpointMesh {
+    /// `dp_shard 2 x tp 2`, or `one device`.
+    pub fn degrees(&self) -> String {
+        let s = self.to_string();
+        s.strip_prefix("a mesh of ").map_or(s.clone(), str::to_string)
+    }
+}
+
+/// What identifies the build a run executes, for matching a checkpoint against it.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct RunIdentity {
+    /// The artifact's `content_hash` (graph mode: [`graph_identity`] of the graph text).
+    pub content_hash: String,
+    /// The model hash (`manifest.json`'s `model_hash`, a training graph's `meta model_hash`);
+    /// `None` for artifacts and graphs of titanc before the model hash.
+    pub model_hash: Option<String>,
+    /// The model configuration (`titan_ir::identity::model_config` of the training graph), to
+    /// name what differs; empty without a model hash.
+    pub model_config: BTreeMap<String, String>,
+}
+
+impl RunIdentity {
+    /// An artifact's identity: its content hash, model hash and its graph's model configuration.
+    pub fn of_artifact(a: &crate::Artifact) -> RunIdentity {
+        let model_hash = a.manifest.model_hash.clone();
+        let model_config = if model_hash.is_some() { titan_ir::identity::model_config(&a.graph) } else { BTreeMap::new() };
+        RunIdentity { content_hash: a.manifest.content_hash.clone(), model_hash, model_config }
+    }
+
+    /// A training graph's identity (graph mode): [`graph_identity`] of its text, and the model
+    /// hash and configuration its `meta` records (`titanc lower --to train` writes them).
+    pub fn of_graph(text: &str, g: &titan_ir::Graph) -> RunIdentity {
+        let model_hash = titan_ir::identity::graph_model_hash(g);
+        let model_config = if model_hash.is_some() { titan_ir::identity::model_config(g) } else { BTreeMap::new() };
+        RunIdentity { content_hash: graph_identity(text), model_hash, model_config }
+    }
+}
+
+/// A content hash alone (no model hash): checkpoints match it as before the model hash.
+impl From<&str> for RunIdentity {
+    fn from(content_hash: &str) -> RunIdentity {
+        RunIdentity { content_hash: content_hash.to_string(), ..RunIdentity::default() }
+    }
+}
+
+impl From<&String> for RunIdentity {
+    fn from(content_hash: &String) -> RunIdentity {
+        content_hash.as_str().into()
+    }
+}
+
+impl From<&RunIdentity> for RunIdentity {
+    fn from(id: &RunIdentity) -> RunIdentity {
+        id.clone()
+    }
+}
+
 /// The mesh `trainer` runs on (one device when it is not sharded).
 pub fn run_mesh(trainer: &dyn Trainer) -> CheckpointMesh {
     trainer.sharded().map_or_else(CheckpointMesh::default, |s| s.mesh().into())
@@ -111,6 +185,14 @@ pub struct TrainerState {
     pub data_position: u64,
     /// The artifact's `content_hash` (graph mode: `graph-fnv1a:` and a hash of the graph text).
     pub content_hash: String,
+    /// The model hash of the run that wrote it (absent in older checkpoints and for runs of
+    /// artifacts or graphs without one: matched on `content_hash` alone).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model_hash: Option<String>,
+    /// The model configuration of that run (architecture `meta`, `dims.*`, `train_*`), to name
+    /// what differs when the model hashes do.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub model_config: BTreeMap<String, String>,
     /// The data source, for reference.
     #[serde(default)]
     pub data: String,
@@ -706,21 +788,85 @@ pub fn read_state(step_dir: &Path) -> Result<TrainerState, CheckpointError> {
     Ok(state)
 }
 
+/// Whether checkpoint `state` may resume on a run of identity `here` on mesh `here_mesh`, and
+/// the line to print about it:
+///
+/// - the same content hash: `Ok(None)`, the same build;
+/// - another content hash but the same model hash: `Ok(Some("resharding a checkpoint of
+///   dp_shard 2 x tp 2 onto one device"))` (or "... of another build of the same model" on the
+///   same mesh);
+/// - another model hash: [`CheckpointError::DifferentModel`], naming the configuration entries
+///   that differ; without a model hash on either side (older checkpoints, artifacts or graphs),
+///   [`CheckpointError::DifferentMesh`] or [`CheckpointError::DifferentBuild`] as before.
+///
+/// `allow_different_build` turns every refusal into `Ok(Some(..))` saying what was forced.
+pub fn check_identity(
+    state: &TrainerState,
+    here: &RunIdentity,
+    here_mesh: CheckpointMesh,
+    allow_different_build: bool,
+) -> Result<Option<String>, CheckpointError> {
+    if state.content_hash == here.content_hash {
+        return Ok(None);
+    }
+    let reshard = (state.mesh != here_mesh).then(|| format!("resharding a checkpoint of {} onto {}", state.mesh.degrees(), here_mesh));
+    let refusal = match (&state.model_hash, &here.model_hash) {
+        (Some(found), Some(expected)) if found == expected => {
+            return Ok(Some(reshard.unwrap_or_else(|| {
+                format!(
+                    "resuming a checkpoint of another build of the same model (content hash {}, this build's {})",
+                    short(&state.content_hash),
+                    short(&here.content_hash)
+                )
+            })));
+        }
+        (Some(found), Some(expected)) => CheckpointError::DifferentModel {
+            found: found.clone(),
+            expected: expected.clone(),
+            differences: differences(&state.model_config, &here.model_config),
+        },
+        (found, _) if state.mesh != here_mesh => {
+            CheckpointError::DifferentMesh { found: state.mesh, expected: here_mesh, checkpoint_has_model_hash: found.is_some() }
+        }
+        _ => CheckpointError::DifferentBuild { found: state.content_hash.clone(), expected: here.content_hash.clone() },
+    };
+    if !allow_different_build {
+        return Err(refusal);
+    }
+    let what = match &refusal {
+        CheckpointError::DifferentModel { differences, .. } => format!("of another model or training configuration ({differences})"),
+        _ => "of another build".to_string(),
+    };
+    Ok(Some(format!("--allow-different-build: resuming a checkpoint {what}{}", reshard.map_or(String::new(), |r| format!("; {r}")))))
+}
+
+/// The model configuration entries that differ, `key X in the checkpoint, Y in this run`.
+fn differences(found: &BTreeMap<String, String>, expected: &BTreeMap<String, String>) -> String {
+    if found.is_empty() || expected.is_empty() {
+        return "which settings differ is not recorded".into();
+    }
+    let d = titan_ir::identity::config_differences(found, expected);
+    if d.is_empty() {
+        return "the same sizes and training options, but the model graphs differ".into();
+    }
+    let named: Vec<String> = d.iter().map(|(k, a, b)| format!("{k} {a} in the checkpoint, {b} in this run")).collect();
+    named.join("; ")
+}
+
 /// Restore everything from checkpoint `path` (a step directory, or a checkpoint directory for
 /// its latest step) into `trainer`: parameters, moments and the step counter; on a mesh, every
-/// rank `trainer` holds reads its own slices (the checkpoint may come from any mesh). A
-/// checkpoint of another build (`content_hash`) is refused unless `allow_different_build`;
-/// one written on another mesh is always of another build, which the error says.
-pub fn resume(path: &Path, trainer: &mut dyn Trainer, content_hash: &str, allow_different_build: bool) -> Result<(PathBuf, TrainerState), CheckpointError> {
+/// rank `trainer` holds reads its own slices (the checkpoint may come from any mesh). The
+/// checkpoint must be of this build or of the same model (see [`check_identity`]; a content
+/// hash alone converts into an identity without a model hash), unless `allow_different_build`.
+pub fn resume(
+    path: &Path,
+    trainer: &mut dyn Trainer,
+    identity: impl Into<RunIdentity>,
+    allow_different_build: bool,
+) -> Result<(PathBuf, TrainerState), CheckpointError> {
     let dir = resolve(path)?;
     let state = read_state(&dir)?;
-    if state.content_hash != content_hash && !allow_different_build {
-        let here = run_mesh(trainer);
-        if state.mesh != here {
-            return Err(CheckpointError::DifferentMesh { found: state.mesh, expected: here });
-        }
-        return Err(CheckpointError::DifferentBuild { found: state.content_hash, expected: content_hash.to_string() });
-    }
+    check_identity(&state, &identity.into(), run_mesh(trainer), allow_different_build)?;
     let model = TensorFile::open(&dir.join(MODEL_FILE))?;
     let optimizer = TensorFile::open(&dir.join(OPTIMIZER_FILE))?;
     restore(trainer, &model, &|n| !is_optimizer_state(n))?;
@@ -845,5 +991,70 @@ mod tests {
         let back: TrainerState = serde_json::from_str(&serde_json::to_string_pretty(&st).expect("json")).expect("read");
         assert_eq!(back, st);
         assert_eq!(back.mesh.to_string(), "a mesh of dp_replicate 2 x dp_shard 2");
+        assert_eq!((back.model_hash, back.model_config.len()), (None, 0), "an old state has no model hash");
+        let json = serde_json::to_string_pretty(&st).expect("json");
+        assert!(!json.contains("model_hash") && !json.contains("model_config"), "written only when known: {json}");
+    }
+
+    /// The decision table of `check_identity`: the content hash first, then the model hash;
+    /// without a model hash on either side, as before (another mesh, another build).
+    #[test]
+    fn checkpoints_match_on_the_content_hash_then_the_model_hash() {
+        let config = |lr: &str| BTreeMap::from([("n_layers".to_string(), "2".to_string()), ("train_lr".to_string(), lr.to_string())]);
+        let id = |content: &str, model: Option<&str>, lr: &str| RunIdentity {
+            content_hash: content.into(),
+            model_hash: model.map(str::to_string),
+            model_config: if model.is_some() { config(lr) } else { BTreeMap::new() },
+        };
+        let state = |i: &RunIdentity, mesh: CheckpointMesh| TrainerState {
+            format_version: CHECKPOINT_FORMAT_VERSION,
+            step: 2,
+            seed: 0,
+            data_position: 2,
+            content_hash: i.content_hash.clone(),
+            data: String::new(),
+            mesh,
+            model_hash: i.model_hash.clone(),
+            model_config: i.model_config.clone(),
+        };
+        let (one, tp2) = (CheckpointMesh::default(), CheckpointMesh { tp: 2, ..CheckpointMesh::default() });
+        let fsdp_tp = CheckpointMesh { dp_replicate: 1, dp_shard: 2, tp: 2 };
+        let written = state(&id("c1", Some("m1"), "0.003"), fsdp_tp);
+        // The same build.
+        assert_eq!(check_identity(&written, &id("c1", Some("m1"), "0.003"), fsdp_tp, false).expect("same build"), None);
+        // The same model on another mesh, or another build on the same mesh.
+        let note = check_identity(&written, &id("c2", Some("m1"), "0.003"), one, false).expect("same model");
+        assert_eq!(note.as_deref(), Some("resharding a checkpoint of dp_shard 2 x tp 2 onto one device"));
+        let note = check_identity(&written, &id("c2", Some("m1"), "0.003"), fsdp_tp, false).expect("same model");
+        assert_eq!(note.as_deref(), Some("resuming a checkpoint of another build of the same model (content hash c1, this build's c2)"));
+        // Another model: refused naming what differs, unless forced.
+        let e = check_identity(&written, &id("c2", Some("m2"), "0.001"), tp2, false).unwrap_err().to_string();
+        assert!(e.contains("(train_lr 0.003 in the checkpoint, 0.001 in this run; model hash m1 in the checkpoint, m2 in this run)"), "{e}");
+        let e = check_identity(&written, &id("c2", Some("m2"), "0.003"), tp2, false).unwrap_err().to_string();
+        assert!(e.contains("the same sizes and training options, but the model graphs differ"), "{e}");
+        let note = check_identity(&written, &id("c2", Some("m2"), "0.001"), tp2, true).expect("forced");
+        assert_eq!(
+            note.as_deref(),
+            Some(
+                "--allow-different-build: resuming a checkpoint of another model or training configuration (train_lr 0.003 in the checkpoint, 0.001 in this run); resharding a checkpoint of dp_shard 2 x tp 2 onto a mesh of tp 2"
+            )
+        );
+        // No model hash on one side: as before the model hash.
+        let old = state(&id("c1", None, ""), fsdp_tp);
+        let e = check_identity(&old, &id("c2", Some("m1"), "0.003"), one, false).unwrap_err();
+        assert!(
+            matches!(e, CheckpointError::DifferentMesh { checkpoint_has_model_hash: false, .. })
+                && e.to_string().contains("the checkpoint records no model hash"),
+            "{e}"
+        );
+        let e = check_identity(&written, &"c2".into(), one, false).unwrap_err();
+        assert!(e.to_string().contains("this run's artifact or graph has no model hash"), "{e}");
+        let e = check_identity(&old, &id("c2", Some("m1"), "0.003"), fsdp_tp, false).unwrap_err();
+        assert!(matches!(e, CheckpointError::DifferentBuild { .. }), "{e}");
+        assert!(check_identity(&old, &"c1".into(), one, false).expect("same content").is_none());
+        assert_eq!(
+            check_identity(&old, &"c2".into(), one, true).expect("forced").as_deref(),
+            Some("--allow-different-build: resuming a checkpoint of another build; resharding a checkpoint of dp_shard 2 x tp 2 onto one device")
+        );
     }
 }

@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use crate::backend::profile::kernel_table;
-use crate::checkpoint::{self, TrainerState};
+use crate::checkpoint::{self, RunIdentity, TrainerState};
 use crate::data::{check_vocab, load_tokens};
 use crate::dist::{DistEnv, ProcessGroup, ProcessMeshTrainer, RendezvousOptions};
 use crate::log::{H200_MEMORY_BYTES, MetricsRecord, MetricsWriter, Progress, format_memory_check, format_startup, memory_summary};
@@ -56,7 +56,9 @@ struct Cli {
     /// f32); the optimizer state starts at zero.
     #[arg(long, value_name = "FILE")]
     init_from: Option<PathBuf>,
-    /// Resume from a checkpoint written by another build of the model (same shapes).
+    /// Resume from a checkpoint whose model hash differs from this run's (another model or
+    /// training configuration with the same tensor shapes), or that has none; a checkpoint of the
+    /// same model on another mesh or build resumes without it.
     #[arg(long)]
     allow_different_build: bool,
     /// Print every K-th step (the first and last are always printed).
@@ -228,7 +230,7 @@ fn run_rank(cli: &Cli, env: &DistEnv, tokens: Vec<u32>, data_name: &str) -> Resu
             cli.steps
         )
     };
-    run_in_group(&group, made, announce, cli, tokens, data_name, &checkpoint::graph_identity(&graph_text))
+    run_in_group(&group, made, announce, cli, tokens, data_name, &RunIdentity::of_graph(&graph_text, &graph))
 }
 
 /// Run this rank (`made`) through the training: a failure is first told to the other ranks
@@ -241,7 +243,7 @@ fn run_in_group(
     cli: &Cli,
     tokens: Vec<u32>,
     data_name: &str,
-    identity: &str,
+    identity: &RunIdentity,
 ) -> Result<()> {
     let mut trainer = match made {
         Ok(t) => t,
@@ -320,7 +322,7 @@ fn run_artifact_rank(cli: &Cli, env: &DistEnv, tokens: Vec<u32>, data_name: &str
             cli.steps
         )
     };
-    run_in_group(&group, made, announce, cli, tokens, data_name, &m.content_hash)
+    run_in_group(&group, made, announce, cli, tokens, data_name, &RunIdentity::of_artifact(&artifact))
 }
 
 fn run(cli: Cli) -> Result<()> {
@@ -363,7 +365,7 @@ fn run(cli: Cli) -> Result<()> {
                 Trainer::seq_len(&trainer),
                 cli.steps
             );
-            return train(&mut trainer, &cli, tokens, &data_name, &checkpoint::graph_identity(&graph_text), true);
+            return train(&mut trainer, &cli, tokens, &data_name, &RunIdentity::of_graph(&graph_text, &graph), true);
         }
         let mut trainer = CpuTrainer::new(&graph, seed)?;
         eprintln!(
@@ -373,7 +375,7 @@ fn run(cli: Cli) -> Result<()> {
             trainer.seq_len(),
             cli.steps
         );
-        return train(&mut trainer, &cli, tokens, &data_name, &checkpoint::graph_identity(&graph_text), true);
+        return train(&mut trainer, &cli, tokens, &data_name, &RunIdentity::of_graph(&graph_text, &graph), true);
     }
     if cli.path.is_file() {
         bail!("`{}` is neither an artifact directory nor a `.ir` training graph; pass the directory `titanc build -o DIR` wrote", cli.path.display());
@@ -411,7 +413,7 @@ fn run(cli: Cli) -> Result<()> {
             cli.steps
         );
         eprintln!("titan-run: per rank: {}", memory_summary(&artifact));
-        return train(&mut trainer, &cli, tokens, &data_name, &artifact.manifest.content_hash, true);
+        return train(&mut trainer, &cli, tokens, &data_name, &RunIdentity::of_artifact(&artifact), true);
     }
     if cli.backend == "cuda" {
         return run_cuda(&cli, &artifact, tokens, &data_name, started, load_s);
@@ -432,7 +434,7 @@ fn run(cli: Cli) -> Result<()> {
         cli.steps
     );
     eprintln!("titan-run: {}", memory_summary(&artifact));
-    train(&mut trainer, &cli, tokens, &data_name, &artifact.manifest.content_hash, true)?;
+    train(&mut trainer, &cli, tokens, &data_name, &RunIdentity::of_artifact(&artifact), true)?;
     if let Some((times, steps)) = trainer.profile() {
         eprint!("{}", kernel_table(&artifact, times, None, steps, "cpu"));
     }
@@ -440,9 +442,9 @@ fn run(cli: Cli) -> Result<()> {
 }
 
 /// Run steps up to `--steps`, resuming or loading weights first, logging every step and
-/// writing checkpoints. `identity` is the artifact's content hash (checked on resume). Only the
+/// writing checkpoints. `identity` is the build's (checked on resume, written into checkpoints). Only the
 /// `logger` prints steps and writes metrics and batch dumps (rank 0 of a multi-process run).
-fn train(trainer: &mut dyn Trainer, cli: &Cli, tokens: Vec<u32>, data_name: &str, identity: &str, logger: bool) -> Result<()> {
+fn train(trainer: &mut dyn Trainer, cli: &Cli, tokens: Vec<u32>, data_name: &str, identity: &RunIdentity, logger: bool) -> Result<()> {
     check_vocab(&tokens, trainer.vocab_size())?;
     let mut seed = cli.seed.unwrap_or(0);
     let mut data_position = 0;
@@ -459,6 +461,10 @@ fn train(trainer: &mut dyn Trainer, cli: &Cli, tokens: Vec<u32>, data_name: &str
         seed = state.seed;
         data_position = state.data_position;
         if logger {
+            // Checked by `resume` already: this only says what was resumed across.
+            if let Ok(Some(note)) = checkpoint::check_identity(&state, identity, checkpoint::run_mesh(trainer), cli.allow_different_build) {
+                eprintln!("titan-run: {note}");
+            }
             eprintln!("titan-run: resumed from {} at step {}", dir.display(), state.step);
         }
     }
@@ -505,7 +511,9 @@ fn train(trainer: &mut dyn Trainer, cli: &Cli, tokens: Vec<u32>, data_name: &str
                 step: s,
                 seed,
                 data_position: batcher.position(),
-                content_hash: identity.to_string(),
+                content_hash: identity.content_hash.clone(),
+                model_hash: identity.model_hash.clone(),
+                model_config: identity.model_config.clone(),
                 data: data_name.to_string(),
                 mesh: checkpoint::run_mesh(trainer),
             };
@@ -545,7 +553,7 @@ fn run_cuda(cli: &Cli, artifact: &Artifact, tokens: Vec<u32>, data_name: &str, s
     startup.load_s += load_s;
     eprintln!("titan-run: {}", format_startup(started.elapsed().as_secs_f64(), &startup));
     trainer.set_log_capture(true);
-    train(&mut trainer, cli, tokens, data_name, &m.content_hash, true)?;
+    train(&mut trainer, cli, tokens, data_name, &RunIdentity::of_artifact(artifact), true)?;
     eprintln!("titan-run: {}", format_memory_check(m.memory.peak_bytes, trainer.measured_peak_bytes()));
     if let Some((times, other, steps)) = trainer.profile() {
         if steps == 0 {

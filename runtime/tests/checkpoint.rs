@@ -34,6 +34,8 @@ fn state(step: u64, seed: u64, hash: &str) -> TrainerState {
         content_hash: hash.into(),
         data: "bundled corpus".into(),
         mesh: Default::default(),
+        model_hash: None,
+        model_config: Default::default(),
     }
 }
 

@@ -80,32 +80,15 @@ impl BuildOptions {
     /// The options that decide the artifact's bytes, one `key = value` per line, floats printed
     /// so they read back exactly. Part of the content hash.
     pub fn canonical_text(&self) -> String {
-        let t = &self.train;
-        let decay = match t.decay {
-            titan_ir::DecayKind::Constant => "constant",
-            titan_ir::DecayKind::Linear => "linear",
-            titan_ir::DecayKind::Cosine => "cosine",
-        };
-        let max_norm = t.max_norm.map_or_else(|| "none".to_string(), fmt_float);
         let spmd = self.mesh.world_size() > 1;
         let pipeline: &[&str] = if spmd { &SPMD_BUILD_PIPELINE } else { &BUILD_PIPELINE };
         let mut lines = vec![
             format!("titan_version = {}", env!("CARGO_PKG_VERSION")),
             format!("format_version = {FORMAT_VERSION}"),
             format!("pipeline = {}", pipeline.join(",")),
-            format!("train.lr = {}", fmt_float(t.lr)),
-            format!("train.warmup_steps = {}", t.warmup_steps),
-            format!("train.decay_steps = {}", t.decay_steps),
-            format!("train.decay = {decay}"),
-            format!("train.min_lr_ratio = {}", fmt_float(t.min_lr_ratio)),
-            format!("train.beta1 = {}", fmt_float(t.beta1)),
-            format!("train.beta2 = {}", fmt_float(t.beta2)),
-            format!("train.eps = {}", fmt_float(t.eps)),
-            format!("train.weight_decay = {}", fmt_float(t.weight_decay)),
-            format!("train.max_norm = {max_norm}"),
-            format!("target.arch = {}", self.target.arch),
-            format!("target.ptx_isa = {}", self.target.ptx_isa),
         ];
+        lines.extend(self.train.canonical_lines().into_iter().map(|(k, v)| format!("train.{k} = {v}")));
+        lines.extend([format!("target.arch = {}", self.target.arch), format!("target.ptx_isa = {}", self.target.ptx_isa)]);
         if spmd {
             let [r, d, t] = self.mesh.sizes;
             lines.push(format!("mesh = dp_replicate {r}, dp_shard {d}, tp {t}"));
@@ -166,6 +149,9 @@ pub struct BuildSummary {
     /// The fused graph's name (`llama3_debug_train`).
     pub graph: String,
     pub content_hash: String,
+    /// The model hash (`titan_passes::model_hash`): the model and training options, not the
+    /// mesh or build choices.
+    pub model_hash: String,
     /// Kernels of the kernel table, by kind name.
     pub kernels_by_kind: BTreeMap<&'static str, usize>,
     pub kernels: usize,
@@ -202,7 +188,14 @@ fn secs(d: Duration) -> String {
 
 impl fmt::Display for BuildSummary {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        writeln!(f, "built {} from @{} (content hash {})", self.out_dir.display(), self.graph, &self.content_hash[..self.content_hash.len().min(16)])?;
+        writeln!(
+            f,
+            "built {} from @{} (content hash {}, model hash {})",
+            self.out_dir.display(),
+            self.graph,
+            &self.content_hash[..self.content_hash.len().min(16)],
+            &self.model_hash[..self.model_hash.len().min(16)]
+        )?;
         let kinds: Vec<String> = self.kernels_by_kind.iter().map(|(k, n)| format!("{n} {k}")).collect();
         writeln!(
             f,
@@ -686,6 +679,8 @@ fn compile(model: &Graph, model_text: &str, opts: &BuildOptions, generate_code: 
     let vocab_size = fused.meta_i64("vocab_size").and_then(|v| u64::try_from(v).ok()).unwrap_or(0);
     let flops_per_token = model_stats(model).ok().and_then(|s| s.flops_per_token).map_or(0, |f| f.round() as u64);
     let content_hash = content_hash(model_text, opts);
+    // `model` carries the mesh meta here; the model hash leaves it out.
+    let model_hash = titan_passes::model_hash(model, &opts.train);
     let mut kernels_by_kind = BTreeMap::new();
     for k in &kernels {
         *kernels_by_kind.entry(k.kind.name()).or_insert(0) += 1;
@@ -694,6 +689,7 @@ fn compile(model: &Graph, model_text: &str, opts: &BuildOptions, generate_code: 
         format_version: FORMAT_VERSION,
         titan_version: env!("CARGO_PKG_VERSION").to_string(),
         content_hash: content_hash.clone(),
+        model_hash: Some(model_hash.clone()),
         target: opts.target.clone(),
         model: model.meta.entries.iter().map(|(k, v)| (k.clone(), meta_json(v))).collect(),
         dims: dims.into_iter().collect(),
@@ -709,6 +705,7 @@ fn compile(model: &Graph, model_text: &str, opts: &BuildOptions, generate_code: 
         out_dir: PathBuf::new(),
         graph: fused.name.clone(),
         content_hash,
+        model_hash,
         kernels_by_kind,
         kernels: manifest.kernels.len(),
         ptx_files: ptx.len(),

@@ -429,6 +429,82 @@ fn builds_are_byte_identical_and_hashed() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// The model hash covers the model and the training options, not the mesh, the partitioning
+/// toggles (`--disable-loss-parallel`, `--disable-prefetch-next-layer`), fusion, the pipeline
+/// options or the input's formatting; the content hash covers the build choices.
+#[test]
+fn the_model_hash_ignores_the_mesh_and_build_choices() {
+    let text = debug_text();
+    let m = titan_ir::parse::parse_and_verify("llama3-debug.ir", &text).unwrap_or_else(|e| panic!("{e}"));
+    let base = BuildOptions { train: TrainOptions { lr: 3e-3, ..TrainOptions::default() }, ..BuildOptions::default() };
+    let built = |m: &Graph, text: &str, opts: &BuildOptions| compile(m, text, opts, false, None).unwrap_or_else(|e| panic!("{e}")).0;
+    let one = built(&m, &text, &base);
+    let hash = one.manifest.model_hash.clone().unwrap_or_else(|| panic!("a model hash in the manifest"));
+    assert_eq!(hash.len(), 64);
+    assert_eq!(hash, titan_passes::model_hash(&m, &base.train));
+    // The kernel graph (fused) records it, as the unfused training graph does.
+    let fused = titan_ir::parse::parse_and_verify("graph.ir", &one.graph_text).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(titan_ir::identity::graph_model_hash(&fused).as_deref(), Some(hash.as_str()));
+    let unfused = titan_passes::lower_to_train(&m, &base.train).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(titan_ir::identity::graph_model_hash(&unfused).as_deref(), Some(hash.as_str()));
+
+    let mesh = |r, d, t| titan_ir::Mesh::new(r, d, t);
+    let layouts = [
+        ("tp 2", BuildOptions { mesh: mesh(1, 1, 2), ..base.clone() }),
+        ("tp 2 without loss parallelism", BuildOptions { mesh: mesh(1, 1, 2), loss_parallel: false, ..base.clone() }),
+        ("dp_shard 2", BuildOptions { mesh: mesh(1, 2, 1), ..base.clone() }),
+        ("dp_shard 2 without prefetch", BuildOptions { mesh: mesh(1, 2, 1), prefetch_next_layer: false, ..base.clone() }),
+        (
+            "dp_replicate 2 x dp_shard 2 x tp 2, both off",
+            BuildOptions { mesh: mesh(2, 2, 2), loss_parallel: false, prefetch_next_layer: false, ..base.clone() },
+        ),
+    ];
+    for (what, opts) in &layouts {
+        let a = built(&m, &text, opts);
+        assert_eq!(a.manifest.model_hash.as_deref(), Some(hash.as_str()), "{what}");
+        assert_ne!(a.manifest.content_hash, one.manifest.content_hash, "{what}");
+    }
+    // Options that change neither the artifact nor the model.
+    let quiet = BuildOptions { report: true, pipeline: PipelineOptions { verify_each: true, timings: true, ..PipelineOptions::default() }, ..base.clone() };
+    assert_eq!(built(&m, &text, &quiet).manifest.model_hash.as_deref(), Some(hash.as_str()));
+    // The input's formatting: another content hash, the same model.
+    let spaced = format!("{text}\n");
+    let a = built(&m, &spaced, &base);
+    assert_ne!(a.manifest.content_hash, one.manifest.content_hash);
+    assert_eq!(a.manifest.model_hash.as_deref(), Some(hash.as_str()));
+
+    // Another learning rate, schedule or clipping, another model: another model hash.
+    for (what, train) in [
+        ("lr", TrainOptions { lr: 1e-3, ..base.train.clone() }),
+        ("warmup", TrainOptions { warmup_steps: 3, ..base.train.clone() }),
+        ("max_norm", TrainOptions { max_norm: None, ..base.train.clone() }),
+    ] {
+        let a = built(&m, &text, &BuildOptions { train, ..base.clone() });
+        assert_ne!(a.manifest.model_hash.as_deref(), Some(hash.as_str()), "{what}");
+    }
+    let deeper = model(Preset::Debug, Some(3));
+    let a = built(&deeper, &titan_ir::print::print_graph(&deeper), &base);
+    assert_ne!(a.manifest.model_hash.as_deref(), Some(hash.as_str()), "n_layers");
+}
+
+/// A version-4 manifest (before the model hash) still loads, without one; other versions do not.
+#[test]
+fn version_4_manifests_load_without_a_model_hash() {
+    let m = model(Preset::Debug, None);
+    let man = manifest_of(&m, &titan_ir::print::print_graph(&m));
+    let mut v: serde_json::Value = serde_json::from_str(&man.to_json()).unwrap_or_else(|e| panic!("{e}"));
+    assert!(v.get("model_hash").is_some());
+    v["format_version"] = 4.into();
+    if let Some(o) = v.as_object_mut() {
+        o.remove("model_hash");
+    }
+    let back = Manifest::from_json("manifest.json", &v.to_string()).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!((back.format_version, back.model_hash), (4, None));
+    v["format_version"] = 3.into();
+    let e = Manifest::from_json("manifest.json", &v.to_string()).err().map(|e| e.to_string()).unwrap_or_default();
+    assert!(e.contains("format version 3 is not supported") && e.contains("reads versions 4 to 5"), "{e}");
+}
+
 #[test]
 fn writes_are_atomic_and_never_clobber_other_directories() {
     let text = debug_text();

@@ -134,6 +134,7 @@ impl Fixture {
             format_version: FORMAT_VERSION,
             titan_version: "test".into(),
             content_hash: "0".repeat(64),
+            model_hash: None,
             target: Target::sm90a(),
             model: BTreeMap::new(),
             dims: BTreeMap::from([("batch".to_string(), self.batch), ("seq".to_string(), self.seq)]),

@@ -67,6 +67,8 @@ fn debug_model_resumes_bit_identically_from_a_checkpoint() {
         content_hash: hash.clone(),
         data: "bundled corpus".into(),
         mesh: Default::default(),
+        model_hash: None,
+        model_config: Default::default(),
     };
     let written = checkpoint::save(&ckpt.0, &first, &state).expect("save");
     let at_10 = bits(&first);

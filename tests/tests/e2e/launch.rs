@@ -21,15 +21,23 @@ const STEPS: usize = 4;
 /// The single-rank run sums in a different order (see `distributed.rs`).
 const LOSS_TOL: f64 = 1e-5;
 
+fn train_options() -> TrainOptions {
+    TrainOptions { lr: 3e-3, warmup_steps: 2, decay_steps: 10, ..TrainOptions::default() }
+}
+
 /// The debug model (f32), lowered with `mesh` in its meta (or single-rank), written to a file.
 fn graph_file(name: &str, mesh: Option<Mesh>) -> PathBuf {
+    graph_file_with(name, mesh, &train_options())
+}
+
+/// [`graph_file`] with training options `opts`.
+fn graph_file_with(name: &str, mesh: Option<Mesh>, opts: &TrainOptions) -> PathBuf {
     let cfg = LlamaConfig { dtype: DType::F32, ..LlamaConfig::preset(Preset::Debug) };
     let mut m: Graph = build_llama3(&cfg, "llama3_debug").expect("debug model");
     if let Some(mesh) = mesh {
         mesh.write_meta(&mut m);
     }
-    let opts = TrainOptions { lr: 3e-3, warmup_steps: 2, decay_steps: 10, ..TrainOptions::default() };
-    let g = lower_to_train(&m, &opts).expect("lowering");
+    let g = lower_to_train(&m, opts).expect("lowering");
     let dir = std::env::temp_dir().join(format!("titan-e2e-launch-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("temp dir");
     let path = dir.join(format!("{name}.ir"));
@@ -132,6 +140,20 @@ fn two_processes_run_an_spmd_artifact_like_the_simulated_mesh() {
         let at = |d: &Path| std::fs::read(d.join(format!("step-{STEPS}")).join(file)).expect("checkpoint file");
         assert!(at(&ckpt) == at(&sim_ckpt), "{file}: the processes' checkpoint differs from the simulated mesh's");
     }
+    // The artifact of one device has another content hash and the same model hash (both in the
+    // manifest and the checkpoint): the processes' checkpoint resumes on it without the flag.
+    let one = dir.with_file_name("one-device-artifact");
+    let one_opts = titan_compiler::build::BuildOptions { mesh: Mesh::new(1, 1, 1), ..opts.clone() };
+    titan_compiler::build::build_artifact(&m, &titan_ir::print::print_graph(&m), &one_opts, &one).expect("build");
+    let steps = (STEPS + 1).to_string();
+    let out = titan_run(&[p(&one), "--steps", &steps, "--resume", p(&ckpt)]);
+    let e = text(&out.stderr);
+    assert!(out.status.success() && e.contains("titan-run: resharding a checkpoint of tp 2 onto one device\n"), "{e}");
+    let state = std::fs::read_to_string(ckpt.join(format!("step-{STEPS}")).join("trainer_state.json")).expect("state");
+    let manifest = std::fs::read_to_string(one.join("manifest.json")).expect("manifest");
+    let model_hash = |t: &str| t.lines().find(|l| l.contains("\"model_hash\"")).map(str::trim).map(|l| l.trim_end_matches(',').to_string());
+    assert!(model_hash(&state).is_some() && model_hash(&state) == model_hash(&manifest), "{state}\n{manifest}");
+    let _ = std::fs::remove_dir_all(&one);
     for d in [&ckpt, &sim_ckpt] {
         let _ = std::fs::remove_dir_all(d);
     }
@@ -159,8 +181,9 @@ fn two_processes_run_an_spmd_artifact_like_the_simulated_mesh() {
 /// into the single-device format. 4 steps straight == 2 steps + checkpoint + `--resume` to 4
 /// (the losses bit for bit); the files are byte-identical to those the simulated mesh writes
 /// (the processes compute the same bits); the checkpoint resumes in the simulated mesh too, and
-/// on one device only with --allow-different-build (another mesh is another build), tracking
-/// the run within the distributed tolerance.
+/// on one device without --allow-different-build (the same model hash; titan-run says it
+/// reshards), tracking the run within the distributed tolerance; a graph of another learning
+/// rate refuses it naming `train_lr`, unless --allow-different-build.
 #[test]
 fn two_processes_checkpoint_and_resume_bit_identically() {
     let spmd = graph_file("ckpt-fsdp2", Some(Mesh::new(1, 2, 1)));
@@ -208,14 +231,22 @@ fn two_processes_checkpoint_and_resume_bit_identically() {
     assert_eq!(init.len(), STEPS);
     assert!(init[0] < straight[0], "training starts from the step-2 weights: {init:?} vs {straight:?}");
 
-    // On one device: another build, said so; allowed, it tracks the mesh run.
+    // On one device: the same model, resharded without the flag, said so; it tracks the mesh run.
     let single = graph_file("ckpt-single", None);
-    let out = titan_run(&[p(&single), "--steps", "4", "--resume", p(&ckpt)]);
-    let e = text(&out.stderr);
-    assert!(!out.status.success() && e.contains("written on a mesh of dp_shard 2 and this run is on one device"), "{e}");
-    let (one, _, _) = train(&single, "ckpt-single-resumed", &["--resume", p(&ckpt), "--allow-different-build"]);
+    let (one, _, stderr) = train(&single, "ckpt-single-resumed", &["--resume", p(&ckpt)]);
+    assert!(stderr.contains("titan-run: resharding a checkpoint of dp_shard 2 onto one device\n"), "{stderr}");
     let diff = one.iter().zip(&straight[2..]).map(|(a, b)| (a - b).abs()).fold(0.0, f64::max);
     assert!(diff <= LOSS_TOL, "one device resumed from the processes' checkpoint: {one:?} vs {straight:?}");
+    // Another learning rate is another model: refused naming it; the flag forces it.
+    let other = graph_file_with("ckpt-single-lr", None, &TrainOptions { lr: 1e-3, ..train_options() });
+    let out = titan_run(&[p(&other), "--steps", "4", "--resume", p(&ckpt)]);
+    let e = text(&out.stderr);
+    assert!(!out.status.success() && e.contains("another model or training configuration (train_lr 0.003 in the checkpoint, 0.001 in this run;"), "{e}");
+    let (_, _, stderr) = train(&other, "ckpt-single-lr-forced", &["--resume", p(&ckpt), "--allow-different-build"]);
+    assert!(
+        stderr.contains("--allow-different-build: resuming a checkpoint of another model or training configuration (train_lr 0.003 in the checkpoint, 0.001 in this run); resharding a checkpoint of dp_shard 2 onto one device"),
+        "{stderr}"
+    );
     for d in [&ckpt, &sim_ckpt] {
         let _ = std::fs::remove_dir_all(d);
     }

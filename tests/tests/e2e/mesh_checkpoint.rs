@@ -12,7 +12,13 @@
 //! - the files a mesh writes have exactly the single-device files' headers (names, shapes,
 //!   offsets), and tensor values within the same state tolerance of the single-device run at the
 //!   same step; resharded onto one device and saved again they are byte-identical;
-//! - a checkpoint of another model is refused with the tensor named, not a panic.
+//! - a checkpoint reshards without `--allow-different-build` when only the mesh (the build)
+//!   differs: the model hash (`titan_passes::model_hash`) is the same, so a tp 2 checkpoint
+//!   resumes on dp_shard 2 and on one device (and an SPMD graph's on one device), saying so;
+//! - a checkpoint of another model or training configuration (another lr, another n_layers) is
+//!   refused naming what differs, and with the flag refused with the tensor named, not a panic;
+//!   one of a build without a model hash (older checkpoints) is matched on the content hash as
+//!   before.
 //!
 //! The multi-process runs (`--nproc-per-node 2`) are in `launch.rs`.
 
@@ -24,7 +30,7 @@ use titan_compiler::{LlamaConfig, Preset, build_llama3};
 use titan_ir::interp::Tensor;
 use titan_ir::{DType, Graph, Mesh, Placement};
 use titan_passes::{TrainOptions, lower_to_train};
-use titan_runtime::checkpoint::{self, CHECKPOINT_FORMAT_VERSION, CheckpointError, CheckpointMesh, MODEL_FILE, OPTIMIZER_FILE, TrainerState};
+use titan_runtime::checkpoint::{self, CHECKPOINT_FORMAT_VERSION, CheckpointError, CheckpointMesh, MODEL_FILE, OPTIMIZER_FILE, RunIdentity, TrainerState};
 use titan_runtime::{Artifact, ArtifactMeshTrainer, BUNDLED_CORPUS, Batcher, CpuArtifactTrainer, CpuTrainer, MeshTrainer, Trainer, byte_tokens};
 
 const SEED: u64 = 3;
@@ -61,9 +67,13 @@ fn scratch(name: &str) -> Scratch {
 
 /// The debug model's artifact for `mesh` (one device for `Mesh::new(1, 1, 1)`).
 fn artifact(mesh: Mesh, name: &str) -> (Scratch, Artifact) {
+    artifact_with(model(), options(), mesh, name)
+}
+
+/// The artifact of model `m` trained with `train` for `mesh`.
+fn artifact_with(m: Graph, train: TrainOptions, mesh: Mesh, name: &str) -> (Scratch, Artifact) {
     let dir = scratch(&format!("artifact-{name}"));
-    let m = model();
-    let opts = BuildOptions { train: options(), mesh, ..BuildOptions::default() };
+    let opts = BuildOptions { train, mesh, ..BuildOptions::default() };
     build_artifact(&m, &titan_ir::print::print_graph(&m), &opts, &dir.0).unwrap_or_else(|e| panic!("building {name}: {e}"));
     let a = Artifact::load(&dir.0).expect("load");
     (dir, a)
@@ -101,22 +111,27 @@ fn max_diff(a: &BTreeMap<String, Tensor<f32>>, b: &BTreeMap<String, Tensor<f32>>
     worst
 }
 
-fn save(dir: &Path, t: &dyn Trainer, step: u64, data: &Batcher, hash: &str) -> PathBuf {
+/// Save a checkpoint as `titan-run` does for a run of identity `id` (a content hash alone
+/// writes no model hash, as before the model hash).
+fn save(dir: &Path, t: &dyn Trainer, step: u64, data: &Batcher, id: impl Into<RunIdentity>) -> PathBuf {
+    let id = id.into();
     let state = TrainerState {
         format_version: CHECKPOINT_FORMAT_VERSION,
         step,
         seed: SEED,
         data_position: data.position(),
-        content_hash: hash.to_string(),
+        content_hash: id.content_hash,
         data: "bundled corpus".into(),
         mesh: checkpoint::run_mesh(t),
+        model_hash: id.model_hash,
+        model_config: id.model_config,
     };
     checkpoint::save(dir, t, &state).expect("save")
 }
 
 /// 4 steps straight == 2 steps, checkpoint, a fresh trainer (another seed) resumed, 2 steps:
 /// losses and final states bit for bit. `make` builds a trainer of the run with a seed.
-fn check_resume<'a>(name: &str, hash: &str, make: &dyn Fn(u64) -> Box<dyn Trainer + 'a>) {
+fn check_resume<'a>(name: &str, hash: &RunIdentity, make: &dyn Fn(u64) -> Box<dyn Trainer + 'a>) {
     let mut full = make(SEED);
     let (want, _) = steps(full.as_mut(), SEED, 0, 4);
     let ckpt = scratch(&format!("resume-{name}"));
@@ -139,7 +154,7 @@ fn check_resume<'a>(name: &str, hash: &str, make: &dyn Fn(u64) -> Box<dyn Traine
 
 fn check_artifact_resume(mesh: Mesh, name: &str) {
     let (_dir, art) = artifact(mesh, name);
-    let hash = art.manifest.content_hash.clone();
+    let hash = RunIdentity::of_artifact(&art);
     check_resume(name, &hash, &|seed| Box::new(ArtifactMeshTrainer::new(&art, seed).expect("mesh trainer")));
 }
 
@@ -164,7 +179,7 @@ fn fsdp_tp_graph_resumes_bit_identically() {
     let mut m = model();
     Mesh::new(1, 2, 2).write_meta(&mut m);
     let g = lower_to_train(&m, &options()).expect("lowering");
-    let hash = checkpoint::graph_identity(&titan_ir::print::print_graph(&g));
+    let hash = RunIdentity::of_graph(&titan_ir::print::print_graph(&g), &g);
     check_resume("graph-fsdp2-tp2", &hash, &|seed| Box::new(MeshTrainer::new(&g, seed).expect("mesh trainer")));
 }
 
@@ -180,13 +195,13 @@ fn a_dp_shard_2_checkpoint_reshards_onto_tp_2_and_one_device() {
     let (_d1, single) = artifact(Mesh::new(1, 1, 1), "single");
     let (_d2, fsdp) = artifact(Mesh::new(1, 2, 1), "reshard-fsdp2");
     let (_d3, tp) = artifact(Mesh::new(1, 1, 2), "reshard-tp2");
-    let hash = |a: &Artifact| a.manifest.content_hash.clone();
+    let hash = RunIdentity::of_artifact;
 
     // The single-device reference: 4 steps, and its checkpoint at step 2.
     let mut one = CpuArtifactTrainer::new(&single, SEED).expect("trainer");
     let (mut want, data) = steps(&mut one, SEED, 0, 2);
     let one_ckpt = scratch("reshard-one");
-    let one_written = save(&one_ckpt.0, &one, 2, &data, &hash(&single));
+    let one_written = save(&one_ckpt.0, &one, 2, &data, hash(&single));
     let one_at_2 = states(&one);
     let (rest, _) = steps(&mut one, SEED, 2, 4);
     want.extend(rest);
@@ -196,7 +211,7 @@ fn a_dp_shard_2_checkpoint_reshards_onto_tp_2_and_one_device() {
     let mut writer = ArtifactMeshTrainer::new(&fsdp, SEED).expect("mesh trainer");
     let (losses, data) = steps(&mut writer, SEED, 0, 2);
     let ckpt = scratch("reshard-fsdp2");
-    let written = save(&ckpt.0, &writer, 2, &data, &hash(&fsdp));
+    let written = save(&ckpt.0, &writer, 2, &data, hash(&fsdp));
     let fsdp_at_2 = bits(&writer);
     let fsdp_at_2_states = states(&writer);
 
@@ -211,19 +226,25 @@ fn a_dp_shard_2_checkpoint_reshards_onto_tp_2_and_one_device() {
     let (d, worst) = max_diff(&fsdp_at_2_states, &one_at_2);
     assert!(d <= STATE_TOL, "dp_shard 2 vs one device at step 2: `{worst}` by {d}");
 
-    // Another mesh is another build: refused, saying why and how.
+    // Another mesh is another build of the same model: the model hashes agree.
+    assert!(hash(&fsdp).content_hash != hash(&tp).content_hash && hash(&fsdp).model_hash.is_some());
+    assert_eq!(hash(&fsdp).model_hash, hash(&tp).model_hash);
+    assert_eq!(hash(&fsdp).model_hash, hash(&single).model_hash);
+    // Without a model hash (the content hash alone, as before) it is refused, saying why and how.
     let mut on_tp = ArtifactMeshTrainer::new(&tp, SEED + 1).expect("mesh trainer");
-    let e = checkpoint::resume(&written, &mut on_tp, &hash(&tp), false).unwrap_err();
+    let e = checkpoint::resume(&written, &mut on_tp, &hash(&tp).content_hash, false).unwrap_err();
     assert!(matches!(e, CheckpointError::DifferentMesh { .. }), "{e}");
     let msg = e.to_string();
     assert!(msg.contains("written on a mesh of dp_shard 2 and this run is on a mesh of tp 2") && msg.contains("--allow-different-build"), "{msg}");
 
-    // Resharded onto tp 2 and onto one device: the restored states are the written ones, bit
-    // for bit, and the runs go on like the single-device run.
+    // Resharded onto tp 2 and onto one device without the flag: the restored states are the
+    // written ones, bit for bit, and the runs go on like the single-device run.
     let mut on_one = CpuArtifactTrainer::new(&single, SEED + 1).expect("trainer");
-    let targets: [(&str, &mut dyn Trainer); 2] = [("tp 2", &mut on_tp), ("one device", &mut on_one)];
-    for (what, t) in targets {
-        let (_, st) = checkpoint::resume(&written, t, "another build", true).expect("resume");
+    let targets: [(&str, &Artifact, &mut dyn Trainer); 2] = [("a mesh of tp 2", &tp, &mut on_tp), ("one device", &single, &mut on_one)];
+    for (what, art, t) in targets {
+        let (_, st) = checkpoint::resume(&written, t, hash(art), false).expect("resume");
+        let note = checkpoint::check_identity(&st, &hash(art), checkpoint::run_mesh(t), false).expect("same model");
+        assert_eq!(note, Some(format!("resharding a checkpoint of dp_shard 2 onto {what}")));
         assert_eq!(st.mesh, CheckpointMesh { dp_replicate: 1, dp_shard: 2, tp: 1 });
         assert!(bits(t) == fsdp_at_2, "{what}: the restored states differ from the written ones");
         let (rest, _) = steps(t, st.seed, st.data_position, 4);
@@ -299,8 +320,9 @@ fn a_dp_shard_2_tp_2_checkpoint_holds_the_full_vocab_parallel_embedding() {
 }
 
 /// A checkpoint of another model (one layer fewer, as a graph-mode run writes it) on a tp 2
-/// mesh: refused as another build, and with --allow-different-build refused naming the tensor
-/// the mesh needs; nothing panics.
+/// mesh: refused as another model naming `n_layers`, and with --allow-different-build refused
+/// naming the tensor the mesh needs; nothing panics. Without model hashes (content hashes only,
+/// as before) it is refused as another mesh.
 #[test]
 fn a_checkpoint_of_another_model_is_refused_on_a_mesh() {
     let small = model_with(LlamaConfig { n_layers: 1, ..LlamaConfig::preset(Preset::Debug) });
@@ -308,18 +330,158 @@ fn a_checkpoint_of_another_model_is_refused_on_a_mesh() {
     let mut t = CpuTrainer::new(&g_small, SEED).expect("trainer");
     let (_, data) = steps(&mut t, SEED, 0, 1);
     let ckpt = scratch("other-model");
-    let written = save(&ckpt.0, &t, 1, &data, "graph-fnv1a:small");
+    let written = save(&ckpt.0, &t, 1, &data, RunIdentity::of_graph(&titan_ir::print::print_graph(&g_small), &g_small));
 
     let mut m = model();
     Mesh::new(1, 1, 2).write_meta(&mut m);
     let g = lower_to_train(&m, &options()).expect("lowering");
+    let id = RunIdentity::of_graph(&titan_ir::print::print_graph(&g), &g);
     let mut mesh = MeshTrainer::new(&g, SEED).expect("mesh trainer");
     let before = bits(&mesh);
+    let e = checkpoint::resume(&written, &mut mesh, &id, false).unwrap_err();
+    assert!(matches!(e, CheckpointError::DifferentModel { .. }), "{e}");
+    let e = e.to_string();
+    assert!(
+        e.contains("another model or training configuration (n_layers 1 in the checkpoint, 2 in this run;")
+            && e.contains("--allow-different-build to force it"),
+        "{e}"
+    );
     let e = checkpoint::resume(&written, &mut mesh, "graph-fnv1a:big", false).unwrap_err().to_string();
-    assert!(e.contains("written on one device and this run is on a mesh of tp 2"), "{e}");
-    let e = checkpoint::resume(&written, &mut mesh, "graph-fnv1a:big", true).unwrap_err().to_string();
+    assert!(e.contains("written on one device and this run is on a mesh of tp 2") && e.contains("has no model hash"), "{e}");
+    let e = checkpoint::resume(&written, &mut mesh, &id, true).unwrap_err().to_string();
     assert!(e.contains("has no tensor `model.layers.1.") && e.contains("is it a checkpoint of this model?"), "{e}");
     let e = checkpoint::init_from(&written.join(MODEL_FILE), &mut mesh).unwrap_err().to_string();
     assert!(e.contains("has no tensor `model.layers.1."), "{e}");
     assert!(bits(&mesh) == before, "a refused checkpoint changed the states");
+}
+
+/// A tp 2 checkpoint resumes on dp_shard 2 and on one device without --allow-different-build
+/// (the model hashes agree; the content hashes do not), saying which layout it reshards from and
+/// to: the states restored bit for bit, the runs tracking the tp 2 run's own continuation within
+/// the mesh tolerances.
+#[test]
+fn a_tp_2_checkpoint_resumes_on_dp_shard_2_and_one_device_without_the_flag() {
+    let (_d1, tp) = artifact(Mesh::new(1, 1, 2), "by-model-tp2");
+    let (_d2, fsdp) = artifact(Mesh::new(1, 2, 1), "by-model-fsdp2");
+    let (_d3, single) = artifact(Mesh::new(1, 1, 1), "by-model-single");
+    let id = RunIdentity::of_artifact;
+    for a in [&fsdp, &single] {
+        assert_ne!(id(a).content_hash, id(&tp).content_hash);
+        assert_eq!(id(a).model_hash, id(&tp).model_hash);
+    }
+
+    let mut writer = ArtifactMeshTrainer::new(&tp, SEED).expect("mesh trainer");
+    let (mut want, data) = steps(&mut writer, SEED, 0, 2);
+    let ckpt = scratch("by-model-tp2");
+    let written = save(&ckpt.0, &writer, 2, &data, id(&tp));
+    let at_2 = bits(&writer);
+    let (rest, _) = steps(&mut writer, SEED, 2, 4);
+    want.extend(rest);
+    let at_4 = states(&writer);
+    let json = std::fs::read_to_string(written.join(checkpoint::STATE_FILE)).expect("state");
+    assert!(json.contains(&format!("\"model_hash\": \"{}\"", id(&tp).model_hash.expect("model hash"))) && json.contains("\"train_lr\": \"0.003\""), "{json}");
+
+    let mut on_fsdp = ArtifactMeshTrainer::new(&fsdp, SEED + 1).expect("mesh trainer");
+    let mut on_one = CpuArtifactTrainer::new(&single, SEED + 1).expect("trainer");
+    let targets: [(&str, &Artifact, &mut dyn Trainer); 2] = [("a mesh of dp_shard 2", &fsdp, &mut on_fsdp), ("one device", &single, &mut on_one)];
+    for (what, art, t) in targets {
+        let (_, st) = checkpoint::resume(&written, t, id(art), false).unwrap_or_else(|e| panic!("{what}: {e}"));
+        let note = checkpoint::check_identity(&st, &id(art), checkpoint::run_mesh(t), false).expect("same model");
+        assert_eq!(note, Some(format!("resharding a checkpoint of tp 2 onto {what}")));
+        assert!(bits(t) == at_2, "{what}: the restored states differ from the written ones");
+        let (rest, _) = steps(t, st.seed, st.data_position, 4);
+        let got: Vec<f64> = want[..2].iter().copied().chain(rest).collect();
+        let dl = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0, f64::max);
+        let (ds, worst) = max_diff(&states(t), &at_4);
+        println!("tp 2 -> {what}: losses {got:?}; vs tp 2: max |dloss| {dl:.3e}, max |dstate| {ds:.3e} ({worst})");
+        assert!(dl <= LOSS_TOL, "{what}: losses {got:?} vs {want:?}");
+        assert!(ds <= STATE_TOL, "{what}: state `{worst}` differs by {ds}");
+    }
+
+    // The same checkpoint without the model hash (a trainer_state.json of an older titan-run):
+    // matched on the content hash alone, so another mesh is refused as before; the flag forces it.
+    let old: serde_json::Value = serde_json::from_str(&json).expect("json");
+    let mut old = old.as_object().expect("object").clone();
+    old.remove("model_hash");
+    old.remove("model_config");
+    std::fs::write(written.join(checkpoint::STATE_FILE), serde_json::to_string_pretty(&old).expect("json")).expect("write");
+    let mut again = ArtifactMeshTrainer::new(&fsdp, SEED + 2).expect("mesh trainer");
+    let e = checkpoint::resume(&written, &mut again, id(&fsdp), false).unwrap_err();
+    assert!(matches!(e, CheckpointError::DifferentMesh { .. }), "{e}");
+    assert!(
+        e.to_string().contains("written on a mesh of tp 2 and this run is on a mesh of dp_shard 2")
+            && e.to_string().contains("the checkpoint records no model hash"),
+        "{e}"
+    );
+    let (_, st) = checkpoint::resume(&written, &mut again, id(&fsdp), true).expect("forced");
+    let note = checkpoint::check_identity(&st, &id(&fsdp), checkpoint::run_mesh(&again), true).expect("forced");
+    assert_eq!(
+        note.as_deref(),
+        Some("--allow-different-build: resuming a checkpoint of another build; resharding a checkpoint of tp 2 onto a mesh of dp_shard 2")
+    );
+    assert!(bits(&again) == at_2);
+}
+
+/// Graph mode: the SPMD graph of dp_shard 2 x tp 2 and the single-device graph lowered from the
+/// same model record the same model hash, so the mesh's checkpoint resumes on one device without
+/// the flag, restored bit for bit.
+#[test]
+fn an_spmd_graph_checkpoint_resumes_on_one_device_without_the_flag() {
+    let mut m = model();
+    Mesh::new(1, 2, 2).write_meta(&mut m);
+    let spmd = lower_to_train(&m, &options()).expect("lowering");
+    let one = lower_to_train(&model(), &options()).expect("lowering");
+    let id = |g: &Graph| RunIdentity::of_graph(&titan_ir::print::print_graph(g), g);
+    assert_eq!(id(&spmd).model_hash, id(&one).model_hash);
+    assert_eq!(id(&spmd).model_config, id(&one).model_config);
+
+    let mut writer = MeshTrainer::new(&spmd, SEED).expect("mesh trainer");
+    let (_, data) = steps(&mut writer, SEED, 0, 2);
+    let ckpt = scratch("graph-by-model");
+    let written = save(&ckpt.0, &writer, 2, &data, id(&spmd));
+    let mut t = CpuTrainer::new(&one, SEED + 1).expect("trainer");
+    let (_, st) = checkpoint::resume(&written, &mut t, id(&one), false).expect("resume");
+    let note = checkpoint::check_identity(&st, &id(&one), checkpoint::run_mesh(&t), false).expect("same model");
+    assert_eq!(note.as_deref(), Some("resharding a checkpoint of dp_shard 2 x tp 2 onto one device"));
+    assert!(bits(&t) == bits(&writer), "the restored states differ from the written ones");
+}
+
+/// A checkpoint of a run with another learning rate (same shapes) is refused naming it, and
+/// resumes with --allow-different-build; the same model and options on the same mesh but
+/// another build resumes as "another build of the same model".
+#[test]
+fn a_checkpoint_of_another_learning_rate_is_refused_naming_it() {
+    let (_d1, a) = artifact(Mesh::new(1, 1, 1), "lr-3e-3");
+    let (_d2, b) = artifact_with(model(), TrainOptions { lr: 1e-3, ..options() }, Mesh::new(1, 1, 1), "lr-1e-3");
+    let id = RunIdentity::of_artifact;
+    assert_ne!(id(&a).model_hash, id(&b).model_hash);
+    let mut writer = CpuArtifactTrainer::new(&a, SEED).expect("trainer");
+    let (_, data) = steps(&mut writer, SEED, 0, 1);
+    let ckpt = scratch("lr");
+    let written = save(&ckpt.0, &writer, 1, &data, id(&a));
+
+    let mut t = CpuArtifactTrainer::new(&b, SEED).expect("trainer");
+    let before = bits(&t);
+    let e = checkpoint::resume(&written, &mut t, id(&b), false).unwrap_err();
+    assert!(matches!(e, CheckpointError::DifferentModel { .. }), "{e}");
+    let msg = e.to_string();
+    assert!(
+        msg.contains("(train_lr 0.003 in the checkpoint, 0.001 in this run; model hash ") && msg.contains("pass --allow-different-build to force it"),
+        "{msg}"
+    );
+    assert!(bits(&t) == before, "a refused checkpoint changed the states");
+    let (_, st) = checkpoint::resume(&written, &mut t, id(&b), true).expect("forced");
+    let note = checkpoint::check_identity(&st, &id(&b), checkpoint::run_mesh(&t), true).expect("forced");
+    assert_eq!(
+        note.as_deref(),
+        Some("--allow-different-build: resuming a checkpoint of another model or training configuration (train_lr 0.003 in the checkpoint, 0.001 in this run)")
+    );
+    assert!(bits(&t) == bits(&writer));
+
+    // Same model and options, another build (here: another content hash on the same mesh).
+    let other = RunIdentity { content_hash: "another build".into(), ..id(&a) };
+    let mut u = CpuArtifactTrainer::new(&a, SEED + 1).expect("trainer");
+    let (_, st) = checkpoint::resume(&written, &mut u, &other, false).expect("same model");
+    let note = checkpoint::check_identity(&st, &other, checkpoint::run_mesh(&u), false).expect("same model");
+    assert!(note.as_deref().is_some_and(|n| n.starts_with("resuming a checkpoint of another build of the same model (content hash ")), "{note:?}");
 }
