@@ -60,6 +60,18 @@ fn loc(rank: u32, path: &[usize]) -> String {
 
 /// A persistent buffer (parameter or optimizer state) with the state argument of `graph.ir` it
 /// holds: what every backend needs to initialize and checkpoint it.
+/// What [`Artifact::step_feeds`] finds.
+#[derive(Clone, Copy, Debug)]
+pub struct StepFeeds<'a> {
+    pub tokens: &'a Buffer,
+    pub targets: &'a Buffer,
+    pub step: &'a Buffer,
+    pub batch: usize,
+    pub seq: usize,
+    /// Elements of `tokens`: `batch * seq`, or this rank's share with sequence parallelism.
+    pub tokens_len: usize,
+}
+
 pub struct StateSlot<'a> {
     pub buffer: &'a Buffer,
     pub info: &'a titan_ir::ParamInfo,
@@ -211,6 +223,41 @@ impl Artifact {
     /// The input buffer fed with `feed` (`tokens`, `targets`, `step`).
     pub fn feed_buffer(&self, feed: &str) -> Option<&Buffer> {
         self.manifest.buffers.iter().find(|b| b.feed.as_deref() == Some(feed))
+    }
+
+    /// Check that a rank of `mesh` can run this artifact: the same size on every mesh dim.
+    pub fn check_rank_mesh(&self, mesh: &titan_ir::Mesh) -> Result<(), ArtifactError> {
+        let m = &self.manifest.mesh;
+        let size = |name: &str| m.dims.iter().find(|d| d.name == name).map_or(1, |d| d.size);
+        let want = [size("dp_replicate"), size("dp_shard"), size("tp")];
+        if mesh.sizes != want || mesh.world_size() != m.world_size {
+            return Err(invalid(format!(
+                "a rank of mesh {:?} (dp_replicate, dp_shard, tp) cannot run an artifact built for {want:?} (world size {})",
+                mesh.sizes, m.world_size
+            )));
+        }
+        Ok(())
+    }
+
+    /// The fed buffers of a step and its shape, checked against the manifest, for a rank whose
+    /// mesh has `tp` tensor-parallel ranks (1 off a mesh): a sequence-parallel rank reads a slice
+    /// of every row's tokens, so the step's `[batch, seq]` is the targets'.
+    pub fn step_feeds(&self, tp: u32) -> Result<StepFeeds<'_>, ArtifactError> {
+        let feed = |f: &str| self.feed_buffer(f).ok_or_else(|| invalid(format!("no input buffer is fed `{f}`")));
+        let (tokens, targets, step) = (feed("tokens")?, feed("targets")?, feed("step")?);
+        let seq_parallel = tp > 1 && tokens.shape.first() == targets.shape.first();
+        let &[b, s] = targets.shape.as_slice() else {
+            return Err(invalid(format!("the targets buffer is {:?}; it must be [batch, seq]", targets.shape)));
+        };
+        if tokens.shape != targets.shape && !seq_parallel {
+            return Err(invalid(format!("the tokens buffer is {:?} and the targets buffer {:?}; they must match", tokens.shape, targets.shape)));
+        }
+        let t = &self.manifest.training;
+        if (t.batch, t.seq_len) != (b, s) {
+            return Err(invalid(format!("the manifest trains batch {} x seq {}, its targets buffer is {:?}", t.batch, t.seq_len, targets.shape)));
+        }
+        let size = |x: u64, what: &str| usize::try_from(x).map_err(|_| invalid(format!("{what} {x} does not fit this machine")));
+        Ok(StepFeeds { tokens, targets, step, batch: size(b, "batch")?, seq: size(s, "seq")?, tokens_len: size(tokens.shape.iter().product(), "tokens")? })
     }
 
     /// Collective steps per training step (rank-local `take_shard`/`place_shard` included),

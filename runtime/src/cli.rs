@@ -6,7 +6,6 @@
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
-use crate::backend::profile::kernel_table;
 use crate::checkpoint::{self, RunIdentity, TrainerState};
 use crate::data::{check_vocab, load_tokens};
 use crate::dist::{DistEnv, ProcessGroup, ProcessMeshTrainer, RendezvousOptions};
@@ -270,11 +269,7 @@ fn run_in_group(
         return Err(e);
     }
     if cli.profile {
-        match trainer.profile_report(logger) {
-            Some(r) => eprint!("{r}"),
-            None if logger => eprintln!("titan-run: --profile: no step after the first to report; run at least 2 steps"),
-            None => {}
-        }
+        print_profile(&trainer, logger);
     }
     group.finish()?;
     Ok(())
@@ -435,10 +430,20 @@ fn run(cli: Cli) -> Result<()> {
     );
     eprintln!("titan-run: {}", memory_summary(&artifact));
     train(&mut trainer, &cli, tokens, &data_name, &RunIdentity::of_artifact(&artifact), true)?;
-    if let Some((times, steps)) = trainer.profile() {
-        eprint!("{}", kernel_table(&artifact, times, None, steps, "cpu"));
+    if cli.profile {
+        print_profile(&trainer, true);
     }
     Ok(())
+}
+
+/// After a `--profile` run: the backend's report (`full` in a single process and on rank 0; one
+/// line on the other ranks), or why there is none.
+fn print_profile(trainer: &dyn Trainer, full: bool) {
+    match trainer.profile_report(full) {
+        Some(r) => eprint!("{r}"),
+        None if full => eprintln!("titan-run: --profile: no profiled step to report (the GPU does not count the first); run at least 2 steps"),
+        None => {}
+    }
 }
 
 /// Run steps up to `--steps`, resuming or loading weights first, logging every step and
@@ -555,12 +560,8 @@ fn run_cuda(cli: &Cli, artifact: &Artifact, tokens: Vec<u32>, data_name: &str, s
     trainer.set_log_capture(true);
     train(&mut trainer, cli, tokens, data_name, &RunIdentity::of_artifact(artifact), true)?;
     eprintln!("titan-run: {}", format_memory_check(m.memory.peak_bytes, trainer.measured_peak_bytes()));
-    if let Some((times, other, steps)) = trainer.profile() {
-        if steps == 0 {
-            eprintln!("titan-run: --profile: no step after the first to report; run at least 2 steps");
-        } else {
-            eprint!("{}", kernel_table(artifact, times, Some(other), steps, "cuda"));
-        }
+    if cli.profile {
+        print_profile(&trainer, true);
     }
     Ok(())
 }

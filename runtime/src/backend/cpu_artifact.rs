@@ -32,7 +32,7 @@ use titan_ir::interp::{Interpreter, Precision, Tensor, eval_collective, eval_op}
 use titan_ir::{DType, Op, Region, TensorType, ValueDef};
 
 use crate::RuntimeError;
-use crate::artifact::{Artifact, arena_name};
+use crate::artifact::{Artifact, StepFeeds, arena_name};
 use crate::backend::KernelTime;
 use crate::backend::codec::{decode, encode, encode_floats, encode_ints};
 use crate::backend::cpu_graph::{RankContext, init_state_shard};
@@ -195,16 +195,7 @@ impl<'a> CpuArtifactTrainer<'a> {
                     m.mesh.world_size
                 )));
             }
-            Some(r) => {
-                let size = |name: &str| m.mesh.dims.iter().find(|d| d.name == name).map_or(1, |d| d.size);
-                let want = [size("dp_replicate"), size("dp_shard"), size("tp")];
-                if r.mesh.sizes != want || r.mesh.world_size() != m.mesh.world_size {
-                    return Err(RuntimeError::Backend(format!(
-                        "a rank of mesh {:?} (dp_replicate, dp_shard, tp) cannot run an artifact built for {want:?} (world size {})",
-                        r.mesh.sizes, m.mesh.world_size
-                    )));
-                }
-            }
+            Some(r) => artifact.check_rank_mesh(&r.mesh)?,
             None => {}
         }
         let mut arenas = Vec::with_capacity(ARENAS.len());
@@ -217,20 +208,8 @@ impl<'a> CpuArtifactTrainer<'a> {
             v.resize(bytes, 0);
             arenas.push(v);
         }
-        let feed = |f: &str| artifact.feed_buffer(f).ok_or_else(|| bad(format!("no input buffer is fed `{f}`")));
-        let (tokens, targets, step_buf) = (feed("tokens")?, feed("targets")?, feed("step")?);
-        // A sequence-parallel rank reads a slice of every row's tokens; the step's shape is the
-        // targets'.
-        let seq_parallel = tokens.shape.first() == targets.shape.first() && rank.as_ref().is_some_and(|r| r.mesh.sizes[2] > 1);
-        if tokens.shape != targets.shape && !seq_parallel {
-            return Err(bad(format!("the tokens buffer is {:?} and the targets buffer {:?}; they must match", tokens.shape, targets.shape)));
-        }
+        let StepFeeds { tokens, targets, step: step_buf, batch, seq, tokens_len } = artifact.step_feeds(rank.as_ref().map_or(1, |r| r.mesh.sizes[2]))?;
         let t = &m.training;
-        let (batch, seq) = (usize_of(targets.shape[0], "batch")?, usize_of(targets.shape[1], "seq")?);
-        if (t.batch, t.seq_len) != (targets.shape[0], targets.shape[1]) {
-            return Err(bad(format!("the manifest trains batch {} x seq {}, its targets buffer is {:?}", t.batch, t.seq_len, targets.shape)));
-        }
-        let tokens_len = usize_of(tokens.shape.iter().product(), "tokens")?;
         let loss = artifact.output_buffer("loss").ok_or_else(|| bad("no buffer holds the `loss` output".into()))?;
         let interp = match &rank {
             Some(r) => Interpreter::new(&artifact.graph, Precision::Emulate).with_communicator(Arc::clone(&r.comm)),

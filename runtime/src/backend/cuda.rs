@@ -47,7 +47,7 @@ use self::collective::{Action, Loc};
 use self::driver::{CudaError, DeviceBuffer, Event, Function, Gpu, Graph, Module};
 use self::gemm::{Blas, GemmPlan, pow2_align};
 use crate::RuntimeError;
-use crate::artifact::{Artifact, arena_name};
+use crate::artifact::{Artifact, StepFeeds, arena_name};
 use crate::backend::KernelTime;
 use crate::backend::codec::{decode, encode_floats, encode_ints};
 use crate::backend::cpu_graph::init_state_shard;
@@ -721,24 +721,12 @@ impl<'a> CudaArtifactTrainer<'a> {
                     m.mesh.world_size, m.mesh.world_size
                 )));
             }
-            Some(r) if r.mesh.world_size() != m.mesh.world_size => {
-                return Err(RuntimeError::Backend(format!(
-                    "a rank of a {}-rank mesh cannot run an artifact built for {} ranks",
-                    r.mesh.world_size(),
-                    m.mesh.world_size
-                )));
-            }
-            _ => {}
+            Some(r) => artifact.check_rank_mesh(&r.mesh)?,
+            None => {}
         }
         check_gpu_code(artifact)?;
-        let feed = |f: &str| artifact.feed_buffer(f).ok_or_else(|| bad(format!("no input buffer is fed `{f}`")));
-        let (tokens, targets, step_buf) = (feed("tokens")?, feed("targets")?, feed("step")?);
-        // A sequence-parallel rank reads a slice of every row's tokens; the step's shape is the
-        // targets'.
-        let seq_parallel = tokens.shape.first() == targets.shape.first() && rank.as_ref().is_some_and(|r| r.mesh.sizes[2] > 1);
-        if targets.shape.len() != 2 || (tokens.shape != targets.shape && !seq_parallel) {
-            return Err(bad(format!("the tokens buffer is {:?} and the targets buffer {:?}; they must match", tokens.shape, targets.shape)));
-        }
+        let feeds = artifact.step_feeds(rank.as_ref().map_or(1, |r| r.mesh.sizes[2]))?;
+        let StepFeeds { tokens, targets, step: step_buf, .. } = feeds;
         let loss = artifact.output_buffer("loss").ok_or_else(|| bad("no buffer holds the `loss` output".into()))?;
         let mut startup = StartupTimes::default();
         let t = Instant::now();
@@ -842,9 +830,9 @@ impl<'a> CudaArtifactTrainer<'a> {
             targets: whole(targets)?,
             step_buf: whole(step_buf)?,
             outputs: [Some(whole(loss)?), artifact.output_buffer("grad_norm").map(whole).transpose()?, artifact.output_buffer("lr").map(whole).transpose()?],
-            batch: usize_of(targets.shape[0], "batch")?,
-            seq: usize_of(targets.shape[1], "seq")?,
-            tokens_len: usize_of(tokens.shape.iter().product(), "tokens")?,
+            batch: feeds.batch,
+            seq: feeds.seq,
+            tokens_len: feeds.tokens_len,
             vocab: usize_of(m.training.vocab_size, "vocab_size")?,
             arenas,
             step: 0,
@@ -1226,12 +1214,6 @@ impl<'a> CudaArtifactTrainer<'a> {
         self.profile = Some(Profile { events, kernels, other: KernelTime::default(), steps: 0, comm });
         self.set_graphs(false);
         Ok(())
-    }
-
-    /// Time per kernel (in `manifest.kernels` order) summed over the profiled steps, the time in
-    /// copies and memsets, and the number of profiled steps.
-    pub fn profile(&self) -> Option<(&[KernelTime], KernelTime, u64)> {
-        self.profile.as_ref().map(|p| (p.kernels.as_slice(), p.other, p.steps))
     }
 
     /// The `--profile` report: the kernel table and, on a mesh, the collectives' (`full`), or

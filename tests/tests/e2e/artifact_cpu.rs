@@ -9,9 +9,10 @@
 //! expected difference is zero, in f32 and in bf16; the tests demand identical bits and print
 //! the largest difference they measured.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::Instant;
 
+use crate::common::{Scratch, scratch};
 use titan_compiler::build::{BuildOptions, build_artifact};
 use titan_compiler::{LlamaConfig, Preset, build_llama3};
 use titan_ir::artifact::{BufRef, GRAPH_FILE, MANIFEST_FILE, Manifest, Step};
@@ -32,32 +33,8 @@ fn demo_options(steps: u64) -> TrainOptions {
     }
 }
 
-/// An output directory under the target's temp dir, removed when dropped.
-struct Scratch(PathBuf);
-
-impl std::ops::Deref for Scratch {
-    type Target = Path;
-    fn deref(&self) -> &Path {
-        &self.0
-    }
-}
-
-impl AsRef<Path> for Scratch {
-    fn as_ref(&self) -> &Path {
-        &self.0
-    }
-}
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
 fn out_dir(name: &str) -> Scratch {
-    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("artifact-cpu-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    Scratch(dir)
+    scratch("artifact-cpu", name)
 }
 
 /// `titanc build` of `model` into a fresh directory.

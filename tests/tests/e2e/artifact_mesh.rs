@@ -9,7 +9,7 @@
 //! sums added across ranks); the artifact executes the same ops as the graph on the same
 //! interpreter, so the measured maxima equal graph mode's (printed with `--nocapture`).
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::Instant;
 
 use titan_compiler::build::{BuildOptions, BuildSummary, build_artifact};
@@ -17,44 +17,20 @@ use titan_compiler::{LlamaConfig, Preset, build_llama3};
 use titan_ir::artifact::{CollectiveOp, Manifest, Step};
 use titan_ir::interp::Tensor;
 use titan_ir::{DType, Graph, Mesh};
-use titan_passes::TrainOptions;
 use titan_runtime::{Artifact, ArtifactMeshTrainer, BUNDLED_CORPUS, Batch, Batcher, CpuArtifactTrainer, Trainer, byte_tokens};
 
 const STEPS: usize = 5;
 const LOSS_TOL: f64 = 1e-5;
 const STATE_TOL: f32 = 5e-5;
 
-fn model() -> Graph {
-    let cfg = LlamaConfig { dtype: DType::F32, ..LlamaConfig::preset(Preset::Debug) };
-    build_llama3(&cfg, "llama3_debug").expect("debug model")
-}
-
-fn options() -> TrainOptions {
-    TrainOptions { lr: 3e-3, warmup_steps: 2, decay_steps: 10, ..TrainOptions::default() }
-}
-
-/// An output directory under the target's temp dir, removed when dropped.
-struct Scratch(PathBuf);
-
-impl AsRef<Path> for Scratch {
-    fn as_ref(&self) -> &Path {
-        &self.0
-    }
-}
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
+use crate::common::{Scratch, debug_f32, train_options};
 
 fn build(model: &Graph, mesh: Mesh, name: &str) -> (Scratch, BuildSummary) {
-    build_with(model, BuildOptions { train: options(), mesh, ..BuildOptions::default() }, name)
+    build_with(model, BuildOptions { train: train_options(), mesh, ..BuildOptions::default() }, name)
 }
 
 fn build_with(model: &Graph, opts: BuildOptions, name: &str) -> (Scratch, BuildSummary) {
-    let dir = Scratch(PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("artifact-mesh-{name}-{}", std::process::id())));
-    let _ = std::fs::remove_dir_all(&dir.0);
+    let dir = crate::common::scratch("artifact-mesh", name);
     let text = titan_ir::print::print_graph(model);
     let summary = build_artifact(model, &text, &opts, dir.as_ref()).unwrap_or_else(|e| panic!("building {name}: {e}"));
     (dir, summary)
@@ -86,7 +62,7 @@ fn single_rank_artifact(model: &Graph, name: &str) -> Run {
 }
 
 fn check(mesh: Mesh, name: &str) {
-    check_model(&model(), mesh, name);
+    check_model(&debug_f32(), mesh, name);
 }
 
 fn check_model(model: &Graph, mesh: Mesh, name: &str) {
@@ -183,7 +159,7 @@ fn collective_listing(steps: &[Step], indent: usize, out: &mut String) {
 /// weight gradients in the backward loop, the gradient-norm and loss all-reduces in `main`).
 #[test]
 fn fsdp_tp_schedule_has_collective_steps() {
-    let (dir, summary) = build(&model(), Mesh::new(1, 2, 2), "schedule");
+    let (dir, summary) = build(&debug_f32(), Mesh::new(1, 2, 2), "schedule");
     let manifest: Manifest = Artifact::load(&dir).expect("load").manifest;
     assert_eq!(manifest.ranks.len(), 1, "SPMD: one schedule every rank runs");
     let mut listing = String::new();
@@ -297,7 +273,7 @@ fn llama3_70b_tp8_fsdp4_report_follows_the_documented_arithmetic() {
     // without it, plus what the planner reused within a layer before (a gathered weight's
     // bytes after its last reader; now its slot lives to the end of the layer): 240.5 MiB in
     // all. The communication is the same: no layer is gathered twice.
-    let opts = BuildOptions { train: options(), mesh: Mesh::new(1, 4, 8), prefetch_next_layer: false, ..BuildOptions::default() };
+    let opts = BuildOptions { train: train_options(), mesh: Mesh::new(1, 4, 8), prefetch_next_layer: false, ..BuildOptions::default() };
     let (dir_off, summary_off) = build_with(&m, opts, "70b-no-prefetch");
     println!("without prefetch-next-layer:\n{summary_off}");
     let off = Artifact::load(&dir_off).expect("load").manifest.report.expect("report");
@@ -313,9 +289,9 @@ fn llama3_70b_tp8_fsdp4_report_follows_the_documented_arithmetic() {
 #[test]
 fn unsupported_meshes_fail_the_build_clearly() {
     let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("artifact-mesh-bad-{}", std::process::id()));
-    let text = titan_ir::print::print_graph(&model());
-    let opts = BuildOptions { train: options(), mesh: Mesh::new(1, 3, 1), ..BuildOptions::default() };
-    let err = build_artifact(&model(), &text, &opts, &dir).expect_err("8 rows over 3 ranks").to_string();
+    let text = titan_ir::print::print_graph(&debug_f32());
+    let opts = BuildOptions { train: train_options(), mesh: Mesh::new(1, 3, 1), ..BuildOptions::default() };
+    let err = build_artifact(&debug_f32(), &text, &opts, &dir).expect_err("8 rows over 3 ranks").to_string();
     assert!(err.contains("batch = 8 is not divisible by dp_replicate x dp_shard = 3"), "{err}");
     assert!(!dir.exists());
     let dims = |cp: i64, pp: i64| {

@@ -5,8 +5,8 @@
 //! the parameters.
 
 use std::collections::BTreeMap;
-use std::path::PathBuf;
 
+use crate::common::Scratch;
 use titan_compiler::build::{BuildOptions, build_artifact};
 use titan_compiler::{LlamaConfig, Preset, build_llama3};
 use titan_ir::DecayKind;
@@ -14,19 +14,8 @@ use titan_passes::TrainOptions;
 use titan_runtime::checkpoint::{self, CHECKPOINT_FORMAT_VERSION, MODEL_FILE, OPTIMIZER_FILE, TrainerState};
 use titan_runtime::{Artifact, BUNDLED_CORPUS, Batcher, CpuArtifactTrainer, Trainer, byte_tokens};
 
-/// A directory under the target's temp dir, removed when dropped.
-struct Scratch(PathBuf);
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
 fn scratch(name: &str) -> Scratch {
-    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("checkpoint-e2e-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    Scratch(dir)
+    crate::common::scratch("checkpoint-e2e", name)
 }
 
 fn bits(t: &dyn Trainer) -> BTreeMap<String, Vec<u32>> {

@@ -14,7 +14,7 @@
 use titan_compiler::{LlamaConfig, Preset, build_llama3};
 use titan_ir::interp::Tensor;
 use titan_ir::{DType, Graph, Mesh, MeshDim, Op, Placement, TensorType};
-use titan_passes::{TrainOptions, lower_to_train};
+use titan_passes::lower_to_train;
 use titan_runtime::{BUNDLED_CORPUS, Batch, Batcher, CpuTrainer, MeshTrainer, byte_tokens};
 
 const STEPS: usize = 5;
@@ -23,10 +23,7 @@ const LOSS_TOL: f64 = 1e-5;
 /// Max |difference| of any state element (weights and moments), after 5 steps.
 const STATE_TOL: f32 = 5e-5;
 
-fn model() -> Graph {
-    let cfg = LlamaConfig { dtype: DType::F32, ..LlamaConfig::preset(Preset::Debug) };
-    build_llama3(&cfg, "llama3_debug").expect("debug model")
-}
+use crate::common::debug_f32;
 
 /// The debug model with as many kv heads as query heads (4), so tp = 4 splits whole heads.
 fn mha_model() -> Graph {
@@ -40,9 +37,7 @@ fn tied_model() -> Graph {
     build_llama3(&cfg, "llama3_debug_tied").expect("debug model")
 }
 
-fn options() -> TrainOptions {
-    TrainOptions { lr: 3e-3, warmup_steps: 2, decay_steps: 10, ..TrainOptions::default() }
-}
+use crate::common::train_options;
 
 fn batches(batch: usize, seq: usize) -> Vec<Batch> {
     let mut b = Batcher::new(byte_tokens(BUNDLED_CORPUS.as_bytes()), batch, seq, 7).expect("batcher");
@@ -56,7 +51,7 @@ struct Run {
 }
 
 fn single_rank(model: fn() -> Graph) -> Run {
-    let g = lower_to_train(&model(), &options()).expect("lowering");
+    let g = lower_to_train(&model(), &train_options()).expect("lowering");
     let mut t = CpuTrainer::new(&g, 0).expect("trainer");
     let (mut losses, mut grad_norms) = (Vec::new(), Vec::new());
     for b in batches(t.batch_size(), t.seq_len()) {
@@ -69,13 +64,13 @@ fn single_rank(model: fn() -> Graph) -> Run {
 }
 
 fn spmd_graph(mesh: Mesh) -> Result<Graph, String> {
-    spmd_graph_of(mesh, model)
+    spmd_graph_of(mesh, debug_f32)
 }
 
 fn spmd_graph_of(mesh: Mesh, model: fn() -> Graph) -> Result<Graph, String> {
     let mut m = model();
     mesh.write_meta(&mut m);
-    lower_to_train(&m, &options()).map_err(|e| e.to_string())
+    lower_to_train(&m, &train_options()).map_err(|e| e.to_string())
 }
 
 fn mesh_run(mesh: Mesh, model: fn() -> Graph) -> Run {
@@ -94,7 +89,7 @@ fn mesh_run(mesh: Mesh, model: fn() -> Graph) -> Run {
 }
 
 fn check(mesh: Mesh) {
-    check_model(mesh, model);
+    check_model(mesh, debug_f32);
 }
 
 fn check_model(mesh: Mesh, model: fn() -> Graph) {
@@ -134,7 +129,7 @@ fn check_model_with(mesh: Mesh, model: fn() -> Graph, loss_tol: f64) {
 #[test]
 fn tp_2_without_loss_parallel_matches_single_rank() {
     fn whole_loss() -> Graph {
-        let mut g = model();
+        let mut g = debug_f32();
         titan_passes::shard_tp::disable_loss_parallel(&mut g);
         g
     }
@@ -286,10 +281,10 @@ fn fsdp_prefetches_the_next_layers_weights() {
     }
     // The same collectives on every communicator, reordered: each loop gathers layer l + 1
     // before the rest of layer l (in the backward, before its gradient reduce-scatters).
-    let mut off = model();
+    let mut off = debug_f32();
     Mesh::new(1, 2, 1).write_meta(&mut off);
     titan_passes::prefetch_next_layer::disable_prefetch_next_layer(&mut off);
-    let off = lower_to_train(&off, &options()).expect("lowering without prefetch");
+    let off = lower_to_train(&off, &train_options()).expect("lowering without prefetch");
     assert!(!titan_ir::print::print_graph(&off).contains("prefetch ="));
     let calls = |g: &Graph| -> Vec<String> {
         let sched = titan_passes::check_collectives::collective_schedule(g).expect("schedule");
@@ -319,7 +314,7 @@ fn fsdp_prefetches_the_next_layers_weights() {
 #[test]
 fn dp_shard_2_without_prefetch_matches_single_rank() {
     fn no_prefetch() -> Graph {
-        let mut g = model();
+        let mut g = debug_f32();
         titan_passes::prefetch_next_layer::disable_prefetch_next_layer(&mut g);
         g
     }
@@ -444,14 +439,14 @@ fn a_batch_not_divisible_by_the_data_parallel_degree_is_rejected() {
 
 #[test]
 fn a_mesh_meta_that_disagrees_with_world_size_is_rejected() {
-    let mut m = model();
+    let mut m = debug_f32();
     Mesh::new(1, 2, 1).write_meta(&mut m);
     for (k, v) in &mut m.meta.entries {
         if k == "world_size" {
             *v = titan_ir::AttrValue::Int(4);
         }
     }
-    let err = lower_to_train(&m, &options()).expect_err("inconsistent mesh").to_string();
+    let err = lower_to_train(&m, &train_options()).expect_err("inconsistent mesh").to_string();
     assert!(err.contains("meta world_size = 4 but the mesh"), "{err}");
 }
 

@@ -6,6 +6,7 @@ mod artifact_cpu;
 mod artifact_mesh;
 mod block_gradcheck;
 mod checkpoint_e2e;
+mod common;
 mod distributed;
 mod example_files;
 mod fusion;

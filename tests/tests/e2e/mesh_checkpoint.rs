@@ -26,9 +26,9 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use titan_compiler::build::{BuildOptions, build_artifact};
-use titan_compiler::{LlamaConfig, Preset, build_llama3};
+use titan_compiler::{LlamaConfig, Preset};
 use titan_ir::interp::Tensor;
-use titan_ir::{DType, Graph, Mesh, Placement};
+use titan_ir::{Graph, Mesh, Placement};
 use titan_passes::{TrainOptions, lower_to_train};
 use titan_runtime::checkpoint::{self, CHECKPOINT_FORMAT_VERSION, CheckpointError, CheckpointMesh, MODEL_FILE, OPTIMIZER_FILE, RunIdentity, TrainerState};
 use titan_runtime::{Artifact, ArtifactMeshTrainer, BUNDLED_CORPUS, Batcher, CpuArtifactTrainer, CpuTrainer, MeshTrainer, Trainer, byte_tokens};
@@ -38,36 +38,15 @@ const SEED: u64 = 3;
 const LOSS_TOL: f64 = 1e-5;
 const STATE_TOL: f32 = 5e-5;
 
-fn model_with(cfg: LlamaConfig) -> Graph {
-    build_llama3(&LlamaConfig { dtype: DType::F32, ..cfg }, "llama3_debug").expect("debug model")
-}
-
-fn model() -> Graph {
-    model_with(LlamaConfig::preset(Preset::Debug))
-}
-
-fn options() -> TrainOptions {
-    TrainOptions { lr: 3e-3, warmup_steps: 2, decay_steps: 10, ..TrainOptions::default() }
-}
-
-/// A directory under the target's temp dir, removed when dropped.
-struct Scratch(PathBuf);
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
+use crate::common::{Scratch, debug_f32, debug_f32_with, train_options};
 
 fn scratch(name: &str) -> Scratch {
-    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("mesh-ckpt-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    Scratch(dir)
+    crate::common::scratch("mesh-ckpt", name)
 }
 
 /// The debug model's artifact for `mesh` (one device for `Mesh::new(1, 1, 1)`).
 fn artifact(mesh: Mesh, name: &str) -> (Scratch, Artifact) {
-    artifact_with(model(), options(), mesh, name)
+    artifact_with(debug_f32(), train_options(), mesh, name)
 }
 
 /// The artifact of model `m` trained with `train` for `mesh`.
@@ -176,9 +155,9 @@ fn dp_replicate_2_dp_shard_2_tp_2_artifact_resumes_bit_identically() {
 /// Graph mode on the simulated mesh (`MeshTrainer`), dp_shard 2 x tp 2.
 #[test]
 fn fsdp_tp_graph_resumes_bit_identically() {
-    let mut m = model();
+    let mut m = debug_f32();
     Mesh::new(1, 2, 2).write_meta(&mut m);
-    let g = lower_to_train(&m, &options()).expect("lowering");
+    let g = lower_to_train(&m, &train_options()).expect("lowering");
     let hash = RunIdentity::of_graph(&titan_ir::print::print_graph(&g), &g);
     check_resume("graph-fsdp2-tp2", &hash, &|seed| Box::new(MeshTrainer::new(&g, seed).expect("mesh trainer")));
 }
@@ -325,16 +304,16 @@ fn a_dp_shard_2_tp_2_checkpoint_holds_the_full_vocab_parallel_embedding() {
 /// as before) it is refused as another mesh.
 #[test]
 fn a_checkpoint_of_another_model_is_refused_on_a_mesh() {
-    let small = model_with(LlamaConfig { n_layers: 1, ..LlamaConfig::preset(Preset::Debug) });
-    let g_small = lower_to_train(&small, &options()).expect("lowering");
+    let small = debug_f32_with(LlamaConfig { n_layers: 1, ..LlamaConfig::preset(Preset::Debug) });
+    let g_small = lower_to_train(&small, &train_options()).expect("lowering");
     let mut t = CpuTrainer::new(&g_small, SEED).expect("trainer");
     let (_, data) = steps(&mut t, SEED, 0, 1);
     let ckpt = scratch("other-model");
     let written = save(&ckpt.0, &t, 1, &data, RunIdentity::of_graph(&titan_ir::print::print_graph(&g_small), &g_small));
 
-    let mut m = model();
+    let mut m = debug_f32();
     Mesh::new(1, 1, 2).write_meta(&mut m);
-    let g = lower_to_train(&m, &options()).expect("lowering");
+    let g = lower_to_train(&m, &train_options()).expect("lowering");
     let id = RunIdentity::of_graph(&titan_ir::print::print_graph(&g), &g);
     let mut mesh = MeshTrainer::new(&g, SEED).expect("mesh trainer");
     let before = bits(&mesh);
@@ -427,10 +406,10 @@ fn a_tp_2_checkpoint_resumes_on_dp_shard_2_and_one_device_without_the_flag() {
 /// the flag, restored bit for bit.
 #[test]
 fn an_spmd_graph_checkpoint_resumes_on_one_device_without_the_flag() {
-    let mut m = model();
+    let mut m = debug_f32();
     Mesh::new(1, 2, 2).write_meta(&mut m);
-    let spmd = lower_to_train(&m, &options()).expect("lowering");
-    let one = lower_to_train(&model(), &options()).expect("lowering");
+    let spmd = lower_to_train(&m, &train_options()).expect("lowering");
+    let one = lower_to_train(&debug_f32(), &train_options()).expect("lowering");
     let id = |g: &Graph| RunIdentity::of_graph(&titan_ir::print::print_graph(g), g);
     assert_eq!(id(&spmd).model_hash, id(&one).model_hash);
     assert_eq!(id(&spmd).model_config, id(&one).model_config);
@@ -452,7 +431,7 @@ fn an_spmd_graph_checkpoint_resumes_on_one_device_without_the_flag() {
 #[test]
 fn a_checkpoint_of_another_learning_rate_is_refused_naming_it() {
     let (_d1, a) = artifact(Mesh::new(1, 1, 1), "lr-3e-3");
-    let (_d2, b) = artifact_with(model(), TrainOptions { lr: 1e-3, ..options() }, Mesh::new(1, 1, 1), "lr-1e-3");
+    let (_d2, b) = artifact_with(debug_f32(), TrainOptions { lr: 1e-3, ..train_options() }, Mesh::new(1, 1, 1), "lr-1e-3");
     let id = RunIdentity::of_artifact;
     assert_ne!(id(&a).model_hash, id(&b).model_hash);
     let mut writer = CpuArtifactTrainer::new(&a, SEED).expect("trainer");
