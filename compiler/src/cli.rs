@@ -71,28 +71,28 @@ pub struct NewArgs {
 #[derive(Debug, Default, Args)]
 pub struct OverrideArgs {
     /// Model dimension
-    #[arg(long)]
+    #[arg(long, value_parser = titan_ir::flags::positive::<u64>, allow_negative_numbers = true)]
     pub dim: Option<u64>,
     /// Number of transformer layers
-    #[arg(long)]
+    #[arg(long, value_parser = titan_ir::flags::positive::<u64>, allow_negative_numbers = true)]
     pub n_layers: Option<u64>,
     /// Number of query heads
-    #[arg(long)]
+    #[arg(long, value_parser = titan_ir::flags::positive::<u64>, allow_negative_numbers = true)]
     pub n_heads: Option<u64>,
     /// Number of key/value heads
-    #[arg(long)]
+    #[arg(long, value_parser = titan_ir::flags::positive::<u64>, allow_negative_numbers = true)]
     pub n_kv_heads: Option<u64>,
     /// Feed-forward hidden dimension
-    #[arg(long)]
+    #[arg(long, value_parser = titan_ir::flags::positive::<u64>, allow_negative_numbers = true)]
     pub ffn_dim: Option<u64>,
     /// Vocabulary size
-    #[arg(long)]
+    #[arg(long, value_parser = titan_ir::flags::positive::<u64>, allow_negative_numbers = true)]
     pub vocab_size: Option<u64>,
     /// Tokens per sequence
-    #[arg(long)]
+    #[arg(long, value_parser = titan_ir::flags::positive::<u64>, allow_negative_numbers = true)]
     pub seq_len: Option<u64>,
     /// Sequences per step
-    #[arg(long)]
+    #[arg(long, value_parser = titan_ir::flags::positive::<u64>, allow_negative_numbers = true)]
     pub batch_size: Option<u64>,
     /// RoPE base frequency
     #[arg(long, allow_hyphen_values = true)]
@@ -158,10 +158,10 @@ pub struct TrainFlags {
     #[arg(long, allow_hyphen_values = true)]
     pub lr: Option<f64>,
     /// Linear warmup steps [default: 200]
-    #[arg(long)]
+    #[arg(long, value_parser = titan_ir::flags::non_negative::<u64>, allow_negative_numbers = true)]
     pub warmup_steps: Option<u64>,
     /// Decay steps after warmup [default: 800, or training.steps - warmup with a job config]
-    #[arg(long)]
+    #[arg(long, value_parser = titan_ir::flags::non_negative::<u64>, allow_negative_numbers = true)]
     pub decay_steps: Option<u64>,
     /// Decay shape: cosine, linear or constant [default: linear]
     #[arg(long)]

@@ -334,7 +334,7 @@ fn cli_errors_are_specific() {
     let err = |args: &[&str]| run_args(args.iter().copied()).unwrap_err().render();
     assert_contains(&err(&["titanc", "new", "gpt2", "--preset", "debug"]), "unknown model family `gpt2`; choose one of: llama3");
     assert_contains(&err(&["titanc", "new", "llama3", "--preset", "debug", "--n-kv-heads", "3"]), "n_kv_heads=3 does not divide n_heads=4");
-    assert_contains(&err(&["titanc", "new", "llama3", "--preset", "debug", "--dim", "0"]), "dim=0 must be positive");
+    assert_contains(&err(&["titanc", "new", "llama3", "--preset", "debug", "--dim", "0"]), "invalid value '0' for '--dim <DIM>': the value must be at least 1");
     assert_contains(&err(&["titanc", "new", "llama3", "--preset", "debug", "--dtype", "f64"]), "unknown dtype `f64`");
     assert_contains(&err(&["titanc", "new", "llama3"]), "--preset <PRESET>|--from-hf <CONFIG_JSON>");
     assert_contains(&err(&["titanc", "lower", "m.ir", "--to", "inference"]), "unknown lowering target `inference`; choose one of: train");
@@ -380,4 +380,31 @@ fn cli_build_flags_override_the_job_config() {
     assert_eq!((o.lr, o.warmup_steps, o.decay_steps, o.max_norm), (1e-3, 50, 150, Some(2.0)));
     let o = options(&["titanc", "build", "m.ir", "-o", "out", "--decay-steps", "7", "--decay", "linear"]);
     assert_eq!((o.decay_steps, o.decay), (7, titan_ir::DecayKind::Linear));
+}
+
+/// Every unsigned flag of every command refuses a negative number saying the bound, rather than
+/// taking `-1` for an unknown argument.
+#[test]
+fn every_unsigned_flag_says_its_bound_for_a_negative_number() {
+    use clap::CommandFactory;
+    use std::any::TypeId;
+    let cmd = titan_compiler::cli::Cli::command();
+    let unsigned = [TypeId::of::<u64>(), TypeId::of::<u32>(), TypeId::of::<u16>(), TypeId::of::<usize>()];
+    let mut checked = Vec::new();
+    for sub in cmd.get_subcommands() {
+        for arg in sub.get_arguments() {
+            let Some(long) = arg.get_long() else { continue };
+            if !unsigned.iter().any(|t| arg.get_value_parser().type_id() == *t) {
+                continue;
+            }
+            let flag = format!("--{long}");
+            let e = run_args(["titanc", sub.get_name(), &flag, "-1"]).unwrap_err().render();
+            assert_contains(&e, &format!("invalid value '-1' for '{flag}"));
+            assert!(e.contains("-1 is negative; the value must be at least 1") || e.contains("-1 is negative; the value must be 0 or more"), "{e}");
+            checked.push(format!("{} {flag}", sub.get_name()));
+        }
+    }
+    for want in ["new --dim", "new --batch-size", "lower --warmup-steps", "build --decay-steps"] {
+        assert!(checked.iter().any(|c| c == want), "{want} not checked: {checked:?}");
+    }
 }

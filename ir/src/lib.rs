@@ -5,6 +5,7 @@ pub mod artifact;
 pub mod attr;
 pub mod diag;
 pub mod dtype;
+pub mod flags;
 pub mod graph;
 pub mod identity;
 pub mod infer;

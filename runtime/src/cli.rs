@@ -24,7 +24,7 @@ struct Cli {
     /// file (`titanc lower model.ir --to train`) to run unfused in graph mode.
     path: PathBuf,
     /// Total number of training steps (a resumed run continues up to it).
-    #[arg(long, default_value_t = 100)]
+    #[arg(long, default_value_t = 100, value_parser = titan_ir::flags::positive::<u64>, allow_negative_numbers = true)]
     steps: u64,
     /// Data file: text tokenized byte by byte, or pre-tokenized tokens (see --data-format); the
     /// bundled corpus when omitted.
@@ -36,7 +36,7 @@ struct Cli {
     data_format: String,
     /// Seed for parameter initialization and batch sampling (default 0; a resumed run uses the
     /// checkpoint's).
-    #[arg(long)]
+    #[arg(long, value_parser = titan_ir::flags::non_negative::<u64>, allow_negative_numbers = true)]
     seed: Option<u64>,
     /// Write one JSON object per step to this `.jsonl` file (appended to on --resume).
     #[arg(long)]
@@ -46,7 +46,7 @@ struct Cli {
     #[arg(long, value_name = "CKPT")]
     checkpoint_dir: Option<PathBuf>,
     /// Also write a checkpoint every K steps.
-    #[arg(long, value_name = "K")]
+    #[arg(long, value_name = "K", value_parser = titan_ir::flags::positive::<u64>, allow_negative_numbers = true)]
     checkpoint_every: Option<u64>,
     /// Resume from a checkpoint: CKPT/step-<n>, or CKPT for its latest step.
     #[arg(long)]
@@ -61,7 +61,7 @@ struct Cli {
     #[arg(long)]
     allow_different_build: bool,
     /// Print every K-th step (the first and last are always printed).
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 1, value_parser = titan_ir::flags::positive::<u64>, allow_negative_numbers = true)]
     log_every: u64,
     /// Execution backend: `cpu` (the reference executor) or `cuda` (one GPU, artifacts only).
     #[arg(long, default_value = "cpu")]
@@ -76,24 +76,24 @@ struct Cli {
     /// Run N processes on this host, one per rank of the SPMD graph (its mesh must have N
     /// ranks), torchrun-style; only rank 0 prints the step log. Under torchrun or Slurm
     /// (`WORLD_SIZE` / `SLURM_NTASKS` > 1) titan-run runs its own rank without this flag.
-    #[arg(long, value_name = "N")]
+    #[arg(long, value_name = "N", value_parser = titan_ir::flags::positive::<usize>, allow_negative_numbers = true)]
     nproc_per_node: Option<usize>,
     /// With --nproc-per-node: the number of nodes of the run (torchrun's --nnodes); launch
     /// titan-run once on every node with its --node-rank and the same --master-addr/-port.
-    #[arg(long, value_name = "M", requires = "nproc_per_node")]
+    #[arg(long, value_name = "M", requires = "nproc_per_node", value_parser = titan_ir::flags::positive::<usize>, allow_negative_numbers = true)]
     nnodes: Option<usize>,
     /// With --nnodes: this node's index, 0 to M-1 (node 0 runs rank 0, which listens at the
     /// master address).
-    #[arg(long, value_name = "K", requires = "nnodes")]
+    #[arg(long, value_name = "K", requires = "nnodes", value_parser = titan_ir::flags::non_negative::<usize>, allow_negative_numbers = true)]
     node_rank: Option<usize>,
     /// With --nnodes: the host of node 0, as the other nodes reach it.
     #[arg(long, value_name = "HOST", requires = "nnodes")]
     master_addr: Option<String>,
     /// With --nnodes: the port rank 0 listens on.
-    #[arg(long, value_name = "PORT", requires = "nnodes")]
+    #[arg(long, value_name = "PORT", requires = "nnodes", value_parser = titan_ir::flags::positive::<u16>, allow_negative_numbers = true)]
     master_port: Option<u16>,
     /// Seconds every rank waits for the others at the rendezvous of a multi-process run.
-    #[arg(long, value_name = "SECS", default_value_t = 300)]
+    #[arg(long, value_name = "SECS", default_value_t = 300, value_parser = titan_ir::flags::positive::<u64>, allow_negative_numbers = true)]
     rendezvous_timeout: u64,
 }
 
@@ -574,5 +574,56 @@ pub fn main() -> ExitCode {
             eprintln!("error: {e:#}");
             ExitCode::FAILURE
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    /// The message of the command line `titan-run ARGS...` clap refuses.
+    fn refused(args: &[&str]) -> String {
+        match Cli::try_parse_from(std::iter::once("titan-run").chain(args.iter().copied())) {
+            Ok(cli) => panic!("{args:?} parsed: {cli:?}"),
+            Err(e) => e.to_string(),
+        }
+    }
+
+    /// Every unsigned flag refuses a negative number saying the bound, rather than taking `-1`
+    /// for an unknown argument.
+    #[test]
+    fn every_unsigned_flag_says_its_bound_for_a_negative_number() {
+        use std::any::TypeId;
+        let unsigned = [TypeId::of::<u64>(), TypeId::of::<u32>(), TypeId::of::<u16>(), TypeId::of::<usize>()];
+        let mut checked = Vec::new();
+        for arg in Cli::command().get_arguments() {
+            let Some(long) = arg.get_long() else { continue };
+            if !unsigned.iter().any(|t| arg.get_value_parser().type_id() == *t) {
+                continue;
+            }
+            let flag = format!("--{long}");
+            let e = refused(&["DIR", &flag, "-1"]);
+            assert!(e.contains(&format!("invalid value '-1' for '{flag}")), "{e}");
+            assert!(e.contains("-1 is negative; the value must be at least 1") || e.contains("-1 is negative; the value must be 0 or more"), "{e}");
+            checked.push(flag);
+        }
+        for want in ["--steps", "--seed", "--log-every", "--nproc-per-node", "--master-port"] {
+            assert!(checked.iter().any(|c| c == want), "{want} not checked: {checked:?}");
+        }
+    }
+
+    /// `--steps 0` would run nothing and write no checkpoint: it is refused before any work.
+    #[test]
+    fn zero_steps_are_refused() {
+        let e = refused(&["DIR", "--steps", "0", "--checkpoint-dir", "CKPT"]);
+        assert!(e.contains("invalid value '0' for '--steps <STEPS>': the value must be at least 1"), "{e}");
+    }
+
+    #[test]
+    fn the_help_names_both_backends() {
+        let help = Cli::command().render_help().to_string();
+        assert!(!help.contains("for now"), "{help}");
+        assert!(help.contains("CPU reference backend or NVIDIA GPUs (--backend cuda)"), "{help}");
     }
 }

@@ -72,6 +72,9 @@ impl DataFormat {
 pub enum DataError {
     #[error("cannot read data file `{path}`: {message}")]
     Io { path: String, message: String },
+    /// An output file (`--dump-batches`) that cannot be created or written.
+    #[error("cannot write `{path}`: {message}")]
+    Write { path: String, message: String },
     #[error("{0}")]
     Format(String),
     #[error(
@@ -253,7 +256,7 @@ impl BatchDump {
     pub fn create(path: &Path) -> Result<BatchDump, DataError> {
         let name = path.display().to_string();
         let file =
-            std::fs::File::create(path).map_err(|e| DataError::Io { path: name.clone(), message: format!("{e}; pass a writable --dump-batches path") })?;
+            std::fs::File::create(path).map_err(|e| DataError::Write { path: name.clone(), message: format!("{e}; pass a writable --dump-batches path") })?;
         Ok(BatchDump { path: name, out: std::io::BufWriter::new(file) })
     }
 
@@ -265,7 +268,7 @@ impl BatchDump {
             let t = i32::try_from(t).map_err(|_| DataError::Batch(format!("token id {t} does not fit the int32 of --dump-batches")))?;
             bytes.extend_from_slice(&t.to_le_bytes());
         }
-        let io = |e: std::io::Error| DataError::Io { path: self.path.clone(), message: e.to_string() };
+        let io = |e: std::io::Error| DataError::Write { path: self.path.clone(), message: e.to_string() };
         self.out.write_all(&bytes).map_err(io)?;
         self.out.flush().map_err(io)
     }
@@ -322,6 +325,13 @@ mod tests {
         let _ = std::fs::remove_file(&path);
         let ints: Vec<i32> = bytes.chunks_exact(4).map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
         assert_eq!(ints, [1, 2, 3, 4, 2, 3, 4, 5, 1, 2, 3, 4, 2, 3, 4, 5]);
+    }
+
+    #[test]
+    fn an_unwritable_dump_path_is_named_as_an_output() {
+        let path = std::env::temp_dir().join(format!("titan-no-such-dir-{}", std::process::id())).join("dump.bin");
+        let e = BatchDump::create(&path).err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(e.starts_with(&format!("cannot write `{}`: ", path.display())) && e.ends_with("pass a writable --dump-batches path"), "{e}");
     }
 
     #[test]

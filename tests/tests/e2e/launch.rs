@@ -296,7 +296,7 @@ fn bad_launches_are_refused_clearly() {
         text(&out.stderr)
     };
     let e = err(&[p(&spmd), "--nproc-per-node", "0"], &[]);
-    assert!(e.contains("--nproc-per-node must be at least 1"), "{e}");
+    assert!(e.contains("invalid value '0' for '--nproc-per-node <N>': the value must be at least 1"), "{e}");
     // Every rank says why, rank 0 plainly, the others prefixed; the launch names the first.
     let e = err(&[p(&spmd), "--steps", "2", "--nproc-per-node", "3"], &[]);
     assert!(e.contains("WORLD_SIZE=3 but the graph's mesh has 2 ranks (dp_replicate 1 x dp_shard 1 x tp 2); launch 2 processes"), "{e}");
