@@ -394,8 +394,12 @@ pub fn new_config(a: &NewArgs) -> Result<(LlamaConfig, &'static str), CliError> 
         (None, Some(path)) => (load_hf_config(path)?, "custom"),
         _ => return Err(CliError::Usage("give exactly one of --preset and --from-hf".into())),
     };
-    a.overrides.to_overrides().apply(&mut cfg);
-    cfg.validate()?;
+    let overrides = a.overrides.to_overrides();
+    overrides.apply(&mut cfg);
+    match &a.from_hf {
+        Some(path) => crate::hf::validate_hf_config(&cfg, path, !overrides.is_empty())?,
+        None => cfg.validate()?,
+    }
     Ok((cfg, name))
 }
 
@@ -484,6 +488,7 @@ fn cmd_lower(a: &LowerArgs) -> Result<Outcome, CliError> {
     }
     let opts = a.train_options()?;
     let mut g = load_graph(&a.file)?;
+    crate::build::check_model_graph(&g, &format!("`{}`", a.file.display()))?;
     let request = a.parallel.request();
     let dims = crate::parallel::ParallelDims::resolve(&request)?;
     if dims.world_size > 1 {
@@ -561,6 +566,7 @@ fn cmd_build(a: &BuildArgs) -> Result<Outcome, CliError> {
     let file = a.file.display().to_string();
     let text = std::fs::read_to_string(&a.file).map_err(|e| FrontendError::Io { file: file.clone(), message: e.to_string() })?;
     let model = titan_ir::parse::parse_and_verify(&file, &text)?;
+    crate::build::check_model_graph(&model, &format!("`{file}`"))?;
     let job = a.job_config.as_deref().map(JobConfig::load).transpose()?;
     if let Some(j) = &job {
         j.check_model(&model)?;

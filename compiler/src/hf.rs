@@ -27,6 +27,8 @@ pub fn load_hf_config(path: &Path) -> Result<LlamaConfig, FrontendError> {
 /// `batch_size` is 1 and `seq_len` is `min(max_position_embeddings, 8192)`.
 pub fn parse_hf_config(file: &str, text: &str) -> Result<LlamaConfig, FrontendError> {
     let err = |message: String| FrontendError::HfConfig { file: file.to_string(), message };
+    // Editors on Windows save UTF-8 with a byte-order mark, which JSON parsers reject.
+    let text = text.strip_prefix('\u{feff}').unwrap_or(text);
     let json: Json = serde_json::from_str(text).map_err(|e| err(format!("invalid JSON: {e}")))?;
     let obj = match &json {
         Json::Object(o) => o,
@@ -62,6 +64,18 @@ fn convert(c: &Keys) -> Result<LlamaConfig, String> {
     let n_kv_heads = c.opt_u64("num_key_value_heads")?.unwrap_or(n_heads);
     let ffn_dim = c.req_u64("intermediate_size")?;
     let vocab_size = c.req_u64("vocab_size")?;
+    for (key, v) in [
+        ("hidden_size", dim),
+        ("num_hidden_layers", n_layers),
+        ("num_attention_heads", n_heads),
+        ("num_key_value_heads", n_kv_heads),
+        ("intermediate_size", ffn_dim),
+        ("vocab_size", vocab_size),
+    ] {
+        if v == 0 {
+            return Err(format!("{key}=0 must be at least 1; a Llama model needs a positive {key}"));
+        }
+    }
     if let Some(hd) = c.opt_u64("head_dim")?
         && n_heads.checked_mul(hd) != Some(dim)
     {
@@ -120,6 +134,15 @@ fn rope_scaling(c: &Keys) -> Result<Option<RopeScaling>, String> {
         high_freq_factor: c.req_f64("high_freq_factor")?,
         original_max_position: c.req_u64("original_max_position_embeddings")?,
     }))
+}
+
+/// [`LlamaConfig::validate`] of a configuration read from the Hugging Face `config.json` at
+/// `path` (with the command-line overrides applied when `overridden`): its errors name the file.
+pub fn validate_hf_config(cfg: &LlamaConfig, path: &Path, overridden: bool) -> Result<(), FrontendError> {
+    cfg.validate().map_err(|e| FrontendError::HfConfig {
+        file: path.display().to_string(),
+        message: if overridden { format!("{e} (with the command-line overrides applied)") } else { e.to_string() },
+    })
 }
 
 /// Typed access to the keys of one JSON object; `prefix` qualifies keys in messages.

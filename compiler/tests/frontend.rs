@@ -382,6 +382,14 @@ fn cli_build_flags_override_the_job_config() {
     assert_eq!((o.decay_steps, o.decay), (7, titan_ir::DecayKind::Linear));
 }
 
+/// A scratch directory under the target's temp dir for one test.
+fn scratch(test: &str) -> PathBuf {
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("frontend-{test}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("create scratch dir");
+    dir
+}
+
 /// Every unsigned flag of every command refuses a negative number saying the bound, rather than
 /// taking `-1` for an unknown argument.
 #[test]
@@ -407,4 +415,54 @@ fn every_unsigned_flag_says_its_bound_for_a_negative_number() {
     for want in ["new --dim", "new --batch-size", "lower --warmup-steps", "build --decay-steps"] {
         assert!(checked.iter().any(|c| c == want), "{want} not checked: {checked:?}");
     }
+}
+
+/// `titanc lower --to train` and `titanc build` of a training graph say what it is and what to do.
+#[test]
+fn a_training_graph_is_refused_where_a_model_graph_is_expected() {
+    let dir = scratch("train-graph");
+    let model = dir.join("model.ir");
+    let train = dir.join("train.ir");
+    let (m, t) = (model.to_str().unwrap(), train.to_str().unwrap());
+    run_args(["titanc", "new", "llama3", "--preset", "debug", "-o", m]).unwrap();
+    run_args(["titanc", "lower", m, "--to", "train", "-o", t]).unwrap();
+    let out = dir.join("out");
+    for args in [vec!["titanc", "lower", t, "--to", "train"], vec!["titanc", "build", t, "-o", out.to_str().unwrap()]] {
+        let e = run_args(args.iter().copied()).unwrap_err().render();
+        assert_contains(&e, &format!("`{t}` is already a training-step graph (its meta has step = \"train\")"));
+        assert_contains(&e, "take the model graph (`titanc new ...`)");
+        assert_contains(&e, "titan-run runs a training graph directly");
+        assert!(!e.contains("autodiff"), "{e}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn hf_configs_accept_a_byte_order_mark_and_name_the_file_in_every_error() {
+    let text = std::fs::read_to_string(workspace().join("examples/hf/llama-3.2-1b.json")).unwrap();
+    let with_bom = parse_hf_config("bom/config.json", &format!("\u{feff}{text}")).expect("a UTF-8 BOM is accepted");
+    assert_eq!(with_bom, LlamaConfig::preset(Preset::B1));
+    let e = hf_error(&edited(|o| {
+        o.insert("num_attention_heads".into(), serde_json::json!(0));
+    }));
+    assert_contains(&e, "bad/config.json: num_attention_heads=0 must be at least 1");
+    // Errors found when validating the configuration name the file too.
+    let dir = scratch("hf");
+    let file = dir.join("config.json");
+    let f = file.to_str().unwrap();
+    std::fs::write(
+        &file,
+        edited(|o| {
+            o.insert("num_key_value_heads".into(), serde_json::json!(3));
+        }),
+    )
+    .unwrap();
+    let e = run_args(["titanc", "new", "llama3", "--from-hf", f]).unwrap_err().render();
+    assert_contains(&e, &format!("error: {f}: n_kv_heads=3 does not divide n_heads=32"));
+    std::fs::write(&file, format!("\u{feff}{text}")).unwrap();
+    run_args(["titanc", "new", "llama3", "--from-hf", f, "--n-layers", "1"]).expect("a file with a BOM builds");
+    let e = run_args(["titanc", "new", "llama3", "--from-hf", f, "--n-kv-heads", "5"]).unwrap_err().render();
+    assert_contains(&e, &format!("error: {f}: n_kv_heads=5 does not divide n_heads=32"));
+    assert_contains(&e, "(with the command-line overrides applied)");
+    let _ = std::fs::remove_dir_all(&dir);
 }

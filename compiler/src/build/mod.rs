@@ -546,10 +546,23 @@ pub fn compile_artifact(model: &Graph, model_text: &str, opts: &BuildOptions) ->
     compile(model, model_text, opts, true, ptxas.as_deref())
 }
 
+/// Refuse a graph that is already a training step (`meta` `step = "train"`: the output of
+/// `titanc lower --to train`, or an artifact's `graph.ir`) where a model graph is expected;
+/// `source` names it in the message (a file, or the graph).
+pub fn check_model_graph(g: &Graph, source: &str) -> Result<(), BuildError> {
+    match g.meta.get("step").and_then(AttrValue::as_str) {
+        Some("train") => Err(BuildError::Invalid(format!(
+            "{source} is already a training-step graph (its meta has step = \"train\"); titanc build and titanc lower --to train take the model graph (`titanc new ...`), and titan-run runs a training graph directly (`titan-run FILE.ir`, unfused)"
+        ))),
+        _ => Ok(()),
+    }
+}
+
 /// [`compile_artifact`], optionally without code generation (tests of the plan and schedule),
 /// with an explicit `ptxas` (`None`: no cubins).
 fn compile(model: &Graph, model_text: &str, opts: &BuildOptions, generate_code: bool, ptxas: Option<&Path>) -> Result<(Artifact, BuildSummary), BuildError> {
     check_target(&opts.target)?;
+    check_model_graph(model, &format!("the graph @{}", model.name))?;
     let mut phases = Phases::default();
 
     let t = Instant::now();
