@@ -482,6 +482,32 @@ fn build_layer(cfg: &LlamaConfig, dims: &DimTable) -> Result<Region, String> {
     Ok(r)
 }
 
+/// The output head's init (TorchTitan's): `trunc_normal(dim^-1/2, +-3 std)`. After the final
+/// RMSNorm (unit weight) the hidden state has unit RMS, so the logits start with a standard
+/// deviation of about 0.99 whatever `dim` is, and the first loss is about `ln(vocab) + 0.49`
+/// (`docs/ir.md`, "Initial loss").
+fn head_init(dim: u64) -> Init {
+    let std = (dim as f64).powf(-0.5);
+    Init::TruncNormal { std, lo: -3.0 * std, hi: 3.0 * std, depth_scaled: false }
+}
+
+/// The embedding table's init: TorchTitan's `normal(1.0)` for an embedding of its own. A table
+/// tied to the output head serves both uses, and `normal(1.0)` as a head starts the logits of a
+/// tied 1B model with a standard deviation of `sqrt(dim)` = 45 (a first loss in the thousands).
+/// It takes Hugging Face's `initializer_range` of 0.02 (what Llama 3.2 1B/3B were initialized
+/// with), capped at the head's `dim^-1/2` so that the logits never start wider than an untied
+/// head's (at `dim` 2500 and more), truncated at ±3 std like the head: small enough that the
+/// input token's own logit (`|row|² / rms(h)`) stays near 1 on small models too, where the layers
+/// add little to the residual stream, and the first layer's RMSNorm makes the attention input
+/// independent of the scale (`docs/ir.md`, "Initial loss").
+fn embedding_init(cfg: &LlamaConfig) -> Init {
+    if !cfg.tie_embeddings {
+        return Init::Normal { std: 1.0 };
+    }
+    let std = (cfg.dim as f64).powf(-0.5).min(0.02);
+    Init::TruncNormal { std, lo: -3.0 * std, hi: 3.0 * std, depth_scaled: false }
+}
+
 /// The `@main` step function: embedding, the repeated layers, the final norm, head and loss.
 fn build_main(cfg: &LlamaConfig, g: &mut Graph, layer: BlockId) -> Result<(), String> {
     let (d, v) = (cfg.dim, cfg.vocab_size);
@@ -491,7 +517,7 @@ fn build_main(cfg: &LlamaConfig, g: &mut Graph, layer: BlockId) -> Result<(), St
     let m = main;
     let tokens = m.add_arg(TensorType::new(DType::I32, bs(&[])), ArgKind::Input, Some("tokens"));
     let targets = m.add_arg(TensorType::new(DType::I32, bs(&[])), ArgKind::Input, Some("targets"));
-    let emb = m.add_arg(t(&[v, d]), param("tok_embeddings.weight", Init::Normal { std: 1.0 }), Some("tok_embeddings"));
+    let emb = m.add_arg(t(&[v, d]), param("tok_embeddings.weight", embedding_init(cfg)), Some("tok_embeddings"));
     let stacked: Vec<Value> = layer_weights(cfg)
         .into_iter()
         .map(|lw| {
@@ -501,13 +527,7 @@ fn build_main(cfg: &LlamaConfig, g: &mut Graph, layer: BlockId) -> Result<(), St
         })
         .collect();
     let norm = m.add_arg(t(&[d]), param("norm.weight", Init::Ones), Some("norm"));
-    let head = if cfg.tie_embeddings {
-        emb
-    } else {
-        let std = (d as f64).powf(-0.5);
-        let init = Init::TruncNormal { std, lo: -3.0 * std, hi: 3.0 * std, depth_scaled: false };
-        m.add_arg(t(&[v, d]), param("output.weight", init), Some("output"))
-    };
+    let head = if cfg.tie_embeddings { emb } else { m.add_arg(t(&[v, d]), param("output.weight", head_init(d)), Some("output")) };
     let loss = {
         let mut b = Builder::new(m, dims, blocks);
         let x = b.push1(Op::Embedding, &[tokens, emb])?;

@@ -188,17 +188,14 @@ fn fsdp_dp_shard_2_tp_4_matches_single_rank() {
 
 /// Tied embeddings on dp_shard 2 x tp 2: the one table is vocab-parallel for both readers
 /// (`gather_shard` for the embedding, the vocab-parallel logits and loss for the head), and
-/// its gradient sums both uses on each rank's rows. The head is the unit-variance embedding
-/// table, so the losses are about 10x the untied model's (65 at the first step) and the same
-/// relative f32 rounding (3.5e-7 measured) is about 10x the absolute difference: the loss
-/// bound is 10x `LOSS_TOL`; states and gradient norms keep theirs.
+/// its gradient sums both uses on each rank's rows.
 #[test]
 fn fsdp_dp_shard_2_tp_2_with_tied_embeddings_matches_single_rank() {
     let g = spmd_graph_of(Mesh::new(1, 2, 2), tied_model).expect("spmd lowering");
     let ops: Vec<&Op> = g.main.order.iter().map(|&n| &g.main.node(n).op).collect();
     assert!(ops.contains(&&Op::GatherShard) && ops.contains(&&Op::CrossEntropyStats), "{ops:?}");
     assert!(g.main.find("output").is_none(), "one table");
-    check_model_with(Mesh::new(1, 2, 2), tied_model, 10.0 * LOSS_TOL);
+    check_model_with(Mesh::new(1, 2, 2), tied_model, LOSS_TOL);
 }
 
 #[test]

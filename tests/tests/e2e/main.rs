@@ -10,6 +10,7 @@ mod common;
 mod distributed;
 mod example_files;
 mod fusion;
+mod initial_loss;
 mod launch;
 mod mesh_checkpoint;
 mod ptx_presets;
