@@ -10,6 +10,7 @@ use crate::checkpoint::{self, RunIdentity, TrainerState};
 use crate::data::{check_vocab, load_tokens};
 use crate::dist::{DistEnv, ProcessGroup, ProcessMeshTrainer, RendezvousOptions};
 use crate::log::{H200_MEMORY_BYTES, MetricsRecord, MetricsWriter, Progress, format_memory_check, format_startup, memory_summary};
+use crate::nonfinite::{NonFiniteGuard, StepOutcome};
 use crate::{
     Artifact, ArtifactMeshTrainer, Batcher, CpuArtifactTrainer, CpuTrainer, DataFormat, LogContext, MeshTrainer, Trainer, byte_tokens, format_step_with,
 };
@@ -92,6 +93,14 @@ struct Cli {
     /// With --nnodes: the port rank 0 listens on.
     #[arg(long, value_name = "PORT", requires = "nnodes", value_parser = titan_ir::flags::positive::<u16>, allow_negative_numbers = true)]
     master_port: Option<u16>,
+    /// Skip a step whose loss or gradient norm is not finite instead of stopping: its update is
+    /// undone (the states from before it are restored; cpu backend only) and it is counted and
+    /// logged. Without it such a step stops the run with an error.
+    #[arg(long)]
+    skip_nonfinite_steps: bool,
+    /// With --skip-nonfinite-steps: stop when more than this many steps in a row are skipped.
+    #[arg(long, value_name = "N", requires = "skip_nonfinite_steps", default_value_t = crate::nonfinite::DEFAULT_MAX_CONSECUTIVE_SKIPS, value_parser = titan_ir::flags::non_negative::<u64>, allow_negative_numbers = true)]
+    max_consecutive_skips: u64,
     /// Seconds every rank waits for the others at the rendezvous of a multi-process run.
     #[arg(long, value_name = "SECS", default_value_t = 300, value_parser = titan_ir::flags::positive::<u64>, allow_negative_numbers = true)]
     rendezvous_timeout: u64,
@@ -113,6 +122,18 @@ fn is_graph_file(path: &Path) -> bool {
 /// The memory denominator of the log line: the device's memory on a GPU backend, none on the CPU.
 fn log_context(trainer: &dyn Trainer, backend: &str) -> LogContext {
     LogContext { flops_per_token: trainer.flops_per_token(), device_memory_bytes: (backend != "cpu").then_some(H200_MEMORY_BYTES) }
+}
+
+/// `--skip-nonfinite-steps` restores every state after a skipped step, from a copy taken before
+/// each step: on the cpu backends a copy in host memory; the cuda backend would copy every state
+/// to the host and back around each step, so it refuses the flag rather than skip inexactly.
+fn check_skip_flags(cli: &Cli) -> Result<()> {
+    if cli.skip_nonfinite_steps && cli.backend == "cuda" {
+        bail!(
+            "--skip-nonfinite-steps is not supported with --backend cuda yet: undoing a step there would copy every state to the host before each step; drop the flag (a non-finite step then stops the run) or run on --backend cpu"
+        );
+    }
+    Ok(())
 }
 
 /// Check the checkpoint flags before any work is done.
@@ -324,6 +345,7 @@ fn run(cli: Cli) -> Result<()> {
     let started = std::time::Instant::now();
     check_backend(&cli.backend)?;
     check_checkpoint_flags(&cli)?;
+    check_skip_flags(&cli)?;
     if let Some(n) = cli.nproc_per_node {
         return launch_local(n, &cli);
     }
@@ -491,19 +513,28 @@ fn train(trainer: &mut dyn Trainer, cli: &Cli, tokens: Vec<u32>, data_name: &str
     let steps = cli.steps + 1 - first.min(cli.steps + 1);
     let progress = if logger { Progress::new(steps) } else { Progress::with_visibility(steps, false) };
     let started = std::time::Instant::now();
+    let mut guard = NonFiniteGuard::new(cli.skip_nonfinite_steps.then_some(cli.max_consecutive_skips));
     for s in first..=cli.steps {
         let batch = batcher.next_batch();
         if let Some(d) = dump.as_mut() {
             d.write(&batch)?;
         }
+        guard.before_step(trainer)?;
         let m = trainer.step(&batch)?;
         progress.step(&m);
         if let Some(w) = metrics.as_mut() {
             w.write(&MetricsRecord::new(&m, &ctx, m.measured_peak_bytes, started.elapsed().as_secs_f64()))?;
         }
-        if !m.loss.is_finite() {
-            progress.finish();
-            bail!("step {s}: loss is {}; lower the learning rate", m.loss);
+        match guard.after_step(trainer, s, &m) {
+            Ok(StepOutcome::Applied) => {}
+            Ok(StepOutcome::Skipped { what, in_a_row, total }) if logger => {
+                progress.println(&format!("titan-run: step {s}: {what}; update skipped ({in_a_row} in a row, {total} in all)"));
+            }
+            Ok(StepOutcome::Skipped { .. }) => {}
+            Err(e) => {
+                progress.finish();
+                return Err(e.into());
+            }
         }
         if logger && (s == first || s == cli.steps || s % cli.log_every.max(1) == 0) {
             progress.println(&format_step_with(&m, &ctx));
@@ -530,6 +561,9 @@ fn train(trainer: &mut dyn Trainer, cli: &Cli, tokens: Vec<u32>, data_name: &str
         }
     }
     progress.finish();
+    if logger && guard.skipped() > 0 {
+        eprintln!("titan-run: {} of {steps} steps skipped (non-finite loss or gradient norm)", guard.skipped());
+    }
     Ok(())
 }
 
@@ -608,7 +642,7 @@ mod tests {
             assert!(e.contains("-1 is negative; the value must be at least 1") || e.contains("-1 is negative; the value must be 0 or more"), "{e}");
             checked.push(flag);
         }
-        for want in ["--steps", "--seed", "--log-every", "--nproc-per-node", "--master-port"] {
+        for want in ["--steps", "--seed", "--log-every", "--nproc-per-node", "--master-port", "--max-consecutive-skips"] {
             assert!(checked.iter().any(|c| c == want), "{want} not checked: {checked:?}");
         }
     }

@@ -677,4 +677,8 @@ impl Trainer for CpuArtifactTrainer<'_> {
     fn flops_per_token(&self) -> Option<u64> {
         Some(self.artifact.manifest.training.flops_per_token).filter(|&f| f > 0)
     }
+
+    fn reports_grad_norm(&self) -> bool {
+        self.grad_norm.is_some()
+    }
 }

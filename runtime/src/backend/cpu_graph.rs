@@ -348,4 +348,8 @@ impl Trainer for CpuTrainer<'_> {
     fn flops_per_token(&self) -> Option<u64> {
         CpuTrainer::flops_per_token(self)
     }
+
+    fn reports_grad_norm(&self) -> bool {
+        self.out_grad_norm.is_some()
+    }
 }

@@ -83,6 +83,11 @@ pub trait Trainer {
     fn flops_per_token(&self) -> Option<u64> {
         None
     }
+    /// Whether [`StepMetrics::grad_norm`] is the step's gradient norm; `false` for a graph
+    /// without a `grad_norm` output, whose steps report NaN.
+    fn reports_grad_norm(&self) -> bool {
+        true
+    }
     /// The per-rank view of a trainer whose states are sharded over a device mesh (the
     /// simulated mesh, a rank of a multi-process run): checkpoints are written and read rank by
     /// rank through it. `None` for a single-device trainer, whose [`Trainer::states`] are whole.

@@ -404,6 +404,10 @@ impl Trainer for ArtifactMeshTrainer<'_> {
     fn flops_per_token(&self) -> Option<u64> {
         Some(self.artifact.manifest.training.flops_per_token).filter(|&f| f > 0)
     }
+
+    fn reports_grad_norm(&self) -> bool {
+        self.ranks.first().is_none_or(|r| r.reports_grad_norm())
+    }
 }
 
 impl Trainer for MeshTrainer<'_> {
@@ -421,6 +425,10 @@ impl Trainer for MeshTrainer<'_> {
 
     fn vocab_size(&self) -> usize {
         self.ranks.first().map_or(0, CpuTrainer::vocab_size)
+    }
+
+    fn reports_grad_norm(&self) -> bool {
+        self.ranks.first().is_none_or(Trainer::reports_grad_norm)
     }
 
     fn steps_done(&self) -> u64 {

@@ -154,6 +154,10 @@ impl Trainer for ProcessMeshTrainer<'_> {
         self.trainer.profile_report(full)
     }
 
+    fn reports_grad_norm(&self) -> bool {
+        self.trainer.reports_grad_norm()
+    }
+
     fn sharded(&self) -> Option<&dyn ShardedStates> {
         Some(self)
     }

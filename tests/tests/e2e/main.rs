@@ -13,6 +13,7 @@ mod fusion;
 mod initial_loss;
 mod launch;
 mod mesh_checkpoint;
+mod nonfinite;
 mod ptx_presets;
 mod train_debug;
 mod train_graph;
