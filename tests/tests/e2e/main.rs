@@ -15,5 +15,6 @@ mod launch;
 mod mesh_checkpoint;
 mod nonfinite;
 mod ptx_presets;
+mod readme;
 mod train_debug;
 mod train_graph;
