@@ -15,6 +15,7 @@ pub mod data;
 pub mod dist;
 pub mod init;
 pub mod log;
+pub mod manifest_check;
 
 pub use artifact::{Artifact, KNOWN_TARGETS, format_bytes};
 pub use backend::{ArtifactMeshTrainer, CpuArtifactTrainer, CpuTrainer, MeshTrainer, StepMetrics, Trainer};

@@ -610,3 +610,34 @@ fn without_ptxas_the_build_ships_ptx_only_and_says_so() {
     assert_eq!(summary.notes.len(), 1, "one note, not one per kernel: {:?}", summary.notes);
     assert!(summary.notes[0].starts_with("no cubins") && summary.notes[0].contains("/nonexistent/ptxas"), "{:?}", summary.notes);
 }
+
+/// The lifetimes a loader recomputes from the manifest alone
+/// (`titan_ir::artifact::liveness`, which `titan-run` checks placements with) are the planner's,
+/// on one device, an 8B-shaped model and SPMD builds (FSDP x TP, and FSDP over an odd layer count
+/// with prefetched carries).
+#[test]
+fn manifest_lifetimes_are_the_planners() {
+    let one = titan_ir::Mesh::new(1, 1, 1);
+    for (p, layers, mesh) in [
+        (Preset::Debug, None, one),
+        (Preset::B8, Some(3), one),
+        (Preset::Debug, None, titan_ir::Mesh::new(1, 2, 2)),
+        (Preset::Debug, Some(3), titan_ir::Mesh::new(1, 2, 1)),
+    ] {
+        let m = model(p, layers);
+        let opts = BuildOptions { mesh, ..BuildOptions::default() };
+        let manifest = compile(&m, "", &opts, false, None).unwrap_or_else(|e| panic!("{p} {mesh:?}: {e}")).0.manifest;
+        let mut meshed = m.clone();
+        if mesh.world_size() > 1 {
+            mesh.write_meta(&mut meshed);
+        }
+        let plan = plan_kernel_graph(&kernel_graph(&meshed)).unwrap_or_else(|e| panic!("{e}"));
+        let planner: Vec<Option<(u32, u32)>> = plan.lifetimes.iter().map(|l| l.map(|l| (l.start, l.end))).collect();
+        let derived: Vec<Option<(u32, u32)>> =
+            titan_ir::artifact::liveness::buffer_lifetimes(&manifest, 0).iter().map(|l| l.map(|l| (l.start, l.end))).collect();
+        assert_eq!(derived.len(), planner.len(), "{p} {mesh:?}");
+        for (i, (d, q)) in derived.iter().zip(&planner).enumerate() {
+            assert_eq!(d, q, "{p} {mesh:?}: buffer {i} (`{}`)", manifest.buffers[i].name);
+        }
+    }
+}

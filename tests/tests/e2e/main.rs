@@ -11,6 +11,7 @@ mod distributed;
 mod example_files;
 mod fusion;
 mod launch;
+mod manifest_mutation;
 mod mesh_checkpoint;
 mod ptx_presets;
 mod train_debug;
