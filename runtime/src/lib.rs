@@ -16,6 +16,7 @@ pub mod dist;
 pub mod init;
 pub mod log;
 pub mod manifest_check;
+pub mod memory_fit;
 
 pub use artifact::{Artifact, KNOWN_TARGETS, format_bytes};
 pub use backend::{ArtifactMeshTrainer, CpuArtifactTrainer, CpuTrainer, MeshTrainer, StepMetrics, Trainer};

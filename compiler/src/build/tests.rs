@@ -641,3 +641,29 @@ fn manifest_lifetimes_are_the_planners() {
         }
     }
 }
+
+/// `titanc build` warns when a rank's predicted peak (plan + library workspaces) exceeds the
+/// device memory: the 70B preset at tp 8 without dp_shard (178 GiB per rank) against
+/// the default 80 GiB and `--device-memory 141`, naming both numbers and a dp_shard that fits;
+/// the debug model does not warn, and a large enough budget silences it.
+#[test]
+fn a_rank_that_does_not_fit_the_device_warns() {
+    let m = model(Preset::B70, None);
+    let opts = BuildOptions { mesh: titan_ir::Mesh::new(1, 1, 8), ..BuildOptions::default() };
+    let (_, summary) = compile(&m, "", &opts, false, None).unwrap_or_else(|e| panic!("{e}"));
+    let peak = summary.peak_bytes_per_rank[0];
+    assert!(peak > 141 << 30, "{}", human_bytes(peak));
+    for (budget, named) in [(None, "the 80 GiB of an H100 (the sm_90a default"), (Some(141.0), "the 141.00 GiB of `--device-memory 141`")] {
+        let w = device_memory::memory_warning(&summary, "sm_90a", budget).expect("warns");
+        assert!(w.starts_with("each rank needs "), "{w}");
+        assert!(w.contains(&format!("memory plan {} + library workspaces", human_bytes(peak))), "{w}");
+        assert!(w.contains(named), "{w}");
+        assert!(w.contains("`--dp-shard "), "{w}");
+    }
+    assert_eq!(device_memory::memory_warning(&summary, "sm_90a", Some(4096.0)), None);
+    let (_, debug) = compile(&model(Preset::Debug, None), "", &BuildOptions::default(), false, None).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(device_memory::memory_warning(&debug, "sm_90a", None), None);
+    assert!(debug.to_string().contains("  library workspaces    32.00 MiB  cuBLASLt 32.00 MiB"), "{debug}");
+    assert_eq!(device_memory::parse_gib("141"), Ok(141.0));
+    assert!(device_memory::parse_gib("-1").is_err() && device_memory::parse_gib("nan").is_err() && device_memory::parse_gib("0").is_err());
+}
