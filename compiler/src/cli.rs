@@ -239,6 +239,10 @@ pub struct BuildArgs {
     /// GPU architecture to generate code for; only sm_90a (H100/H200)
     #[arg(long, default_value = "sm_90a")]
     pub target: String,
+    /// Device memory per GPU in GiB that a rank's predicted peak is checked against (a warning
+    /// when it does not fit) [default: the target's smallest GPU, 80 for sm_90a; 141 on an H200]
+    #[arg(long, value_name = "GIB", allow_hyphen_values = true, value_parser = crate::build::device_memory::parse_gib)]
+    pub device_memory: Option<f64>,
     #[command(flatten)]
     pub parallel: ParallelFlags,
 }
@@ -581,6 +585,7 @@ fn cmd_build(a: &BuildArgs) -> Result<Outcome, CliError> {
     opts.prefetch_next_layer = !request.disable_prefetch_next_layer.unwrap_or(false);
     let summary = build_artifact(&model, &text, &opts, &a.output)?;
     let mut out = Outcome { stdout: summary.to_string(), stderr: String::new() };
+    out.stderr.extend(crate::build::device_memory::memory_warning(&summary, &a.target, a.device_memory).map(|w| format!("warning: {w}\n")));
     for (pass, ir) in &summary.pipeline.dumps {
         out.stderr.push_str(&format!("// ---- IR after `{pass}` ----\n{ir}"));
     }

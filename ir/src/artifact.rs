@@ -13,6 +13,9 @@ use crate::dtype::DType;
 use crate::op::{CollectiveReduce, KernelKind, Op};
 use crate::placement::MeshDim as GraphMeshDim;
 
+pub mod liveness;
+pub mod workspace;
+
 /// Bumped on every change a reader of an older version would misread. Version 3 added the
 /// `collective` schedule step and the optional mesh `report` (SPMD artifacts): a version-2
 /// reader would reject the unknown step and run a mesh artifact as one rank. Version 4 added

@@ -184,6 +184,7 @@ impl Artifact {
             }
         }
         let graph = titan_ir::parse_file(&graph_path).map_err(|e| invalid(format!("`{}` does not parse: {e}", graph_path.display())))?;
+        crate::manifest_check::verify_manifest(&manifest, &graph, dir)?;
         let mut artifact =
             Artifact { dir: dir.to_path_buf(), manifest, graph, buffer_index: BTreeMap::new(), kernel_index: BTreeMap::new(), arena_bytes: BTreeMap::new() };
         artifact.check()?;

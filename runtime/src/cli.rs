@@ -593,7 +593,7 @@ fn run_cuda(cli: &Cli, artifact: &Artifact, tokens: Vec<u32>, data_name: &str, s
     eprintln!("titan-run: {}", format_startup(started.elapsed().as_secs_f64(), &startup));
     trainer.set_log_capture(true);
     train(&mut trainer, cli, tokens, data_name, &RunIdentity::of_artifact(artifact), true)?;
-    eprintln!("titan-run: {}", format_memory_check(m.memory.peak_bytes, trainer.measured_peak_bytes()));
+    eprintln!("titan-run: {}", format_memory_check(crate::memory_fit::predicted_device_bytes(m), trainer.measured_peak_bytes()));
     if cli.profile {
         print_profile(&trainer, true);
     }

@@ -15,6 +15,8 @@ pub mod data;
 pub mod dist;
 pub mod init;
 pub mod log;
+pub mod manifest_check;
+pub mod memory_fit;
 pub mod nonfinite;
 
 pub use artifact::{Artifact, KNOWN_TARGETS, format_bytes};

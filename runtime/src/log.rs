@@ -182,6 +182,16 @@ pub fn memory_summary(a: &Artifact) -> String {
     if unplanned > 0 {
         s.push_str(&format!("; activations {} without reuse", format_bytes(unplanned)));
     }
+    let w = titan_ir::artifact::workspace::library_workspaces(&a.manifest);
+    s.push_str(&format!(
+        "; on a GPU also library workspaces {} (cuBLASLt {}, kernel workspaces {}, collective staging {}, NCCL {}): {} in all",
+        format_bytes(w.total()),
+        format_bytes(w.cublaslt),
+        format_bytes(w.kernels),
+        format_bytes(w.collective_staging),
+        format_bytes(w.nccl),
+        format_bytes(crate::memory_fit::predicted_device_bytes(&a.manifest))
+    ));
     s
 }
 

@@ -100,17 +100,18 @@ fn the_loop_uses_carries_and_layer_slices_as_documented() {
     assert_eq!(layer0, want);
 }
 
+/// Two buffers live at the same time on the same bytes (the second carry slot on top of the
+/// stacked output, as a broken planner might place them) corrupted the result; the loader now
+/// refuses the plan, naming the buffer.
 #[test]
-fn an_overlapping_memory_plan_corrupts_the_result() {
+fn an_overlapping_memory_plan_is_refused() {
     let mut l = looped(DType::F32);
-    // Put the second carry buffer on top of the stacked output, as a broken planner might.
     let saved_offset = l.fixture.buffers[l.saved as usize].offset;
     l.fixture.buffers[l.carry_b as usize].offset = saved_offset;
-    let ir = looped_ir("f32");
-    let dir = write("overlap", &l.fixture, &ir);
-    let want = graph_mode(&ir, 1, 1);
-    let got = artifact_mode(&dir, 1, 1);
-    assert_ne!(got.0, want.0, "the overlap went unnoticed");
+    let dir = write("overlap", &l.fixture, &looped_ir("f32"));
+    let e = Artifact::load(&dir).expect_err("overlapping live buffers").to_string();
+    let later = l.saved.max(l.carry_b);
+    assert!(e.contains(&format!("manifest.json: buffers[{later}].offset: bytes ")) && e.contains("while both are live"), "{e}");
 }
 
 #[test]
@@ -187,13 +188,16 @@ fn loading_errors_say_what_to_do() {
     let dir = write("cubin", &bigram(), BIGRAM_IR);
     let path = dir.join("manifest.json");
     let mut v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path).expect("read")).expect("json");
-    v["kernels"][0]["ptx"] = "kernels/k0.ptx".into();
-    v["kernels"][0]["cubin"] = "kernels/k0.cubin".into();
+    v["kernels"][0]["ptx"] = "kernels/main.k_fwd.ptx".into();
+    v["kernels"][0]["cubin"] = "kernels/main.k_fwd.cubin".into();
+    v["kernels"][0]["entry"] = "k_fwd".into();
+    v["kernels"][0]["launch"] = serde_json::json!({"grid": [1, 1, 1], "block": [128, 1, 1], "shared_bytes": 0});
     std::fs::write(&path, serde_json::to_string_pretty(&v).expect("json")).expect("write");
     std::fs::create_dir_all(dir.join("kernels")).expect("mkdir");
-    std::fs::write(dir.join("kernels/k0.cubin"), b"\x7fELF").expect("write");
+    std::fs::write(dir.join("kernels/main.k_fwd.cubin"), b"\x7fELF").expect("write");
+    std::fs::write(dir.join("kernels/main.k_fwd.ptx"), ".version 8.0").expect("write");
     let a = Artifact::load(&dir).unwrap_or_else(|e| panic!("{e}"));
-    assert_eq!(a.manifest.kernels[0].cubin.as_deref(), Some("kernels/k0.cubin"));
+    assert_eq!(a.manifest.kernels[0].cubin.as_deref(), Some("kernels/main.k_fwd.cubin"));
     let (losses, _) = artifact_mode(&dir, 1, 0);
     assert!(losses[0].is_finite());
 
@@ -247,7 +251,7 @@ fn a_collective_step_needs_the_mesh_it_names() {
     });
     let dir = write("collective-without-mesh", &l.fixture, &looped_ir("f32"));
     let e = Artifact::load(&dir).expect_err("no mesh").to_string();
-    assert!(e.contains("(all_reduce over tp): a collective over 2 ranks of `tp`, but the artifact's mesh (world size 1) has 1 there"), "{e}");
+    assert!(e.contains("manifest.json: ranks[0].steps[5].group: a collective over 2 ranks of `tp`, but the artifact's mesh (world size 1) has 1 there"), "{e}");
 }
 
 fn titan_run(args: &[&str]) -> (bool, String, String) {

@@ -12,6 +12,7 @@
 //! Building is deterministic: the same model text, options and target give byte-identical
 //! files, and `content_hash` (hex SHA-256 of the three) identifies them.
 
+pub mod device_memory;
 pub mod emit;
 pub mod gemm;
 pub mod memory;
@@ -25,6 +26,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use sha2::{Digest, Sha256};
+use titan_ir::artifact::workspace::{LibraryWorkspaces, library_workspaces};
 use titan_ir::artifact::{
     Arena, ArenaPlan, BufRef, CollectiveOp, CommVolume, FORMAT_VERSION, KERNEL_DIR, Kernel, Manifest, MemoryPlan, Mesh, MeshDim, MeshReport, RankMemory,
     RankSchedule, Step, Target, TrainingInfo,
@@ -175,6 +177,8 @@ pub struct BuildSummary {
     pub collectives_per_step: u64,
     /// Per-rank memory and communication of an SPMD build.
     pub report: Option<MeshReport>,
+    /// What a GPU rank needs besides the memory plan (`titan_ir::artifact::workspace`).
+    pub workspaces: LibraryWorkspaces,
 }
 
 /// `1.50 GiB`.
@@ -213,10 +217,13 @@ impl fmt::Display for BuildSummary {
         let planned = self.arenas.iter().find(|a| a.arena == titan_ir::artifact::Arena::Activations).map_or(0, |a| a.bytes);
         writeln!(f, "  activations are {} planned, {} if no buffer were reused", human_bytes(planned), human_bytes(self.activation_bytes_unplanned))?;
         match &self.report {
-            Some(r) => write_mesh_report(f, &self.mesh, self.collectives_per_step, r)?,
+            Some(r) => {
+                write_mesh_report(f, &self.mesh, self.collectives_per_step, r, &self.workspaces)?;
+            }
             None => {
                 for (rank, peak) in self.peak_bytes_per_rank.iter().enumerate() {
-                    writeln!(f, "predicted peak memory: rank {rank}: {} ({peak} bytes, excluding library workspaces)", human_bytes(*peak))?;
+                    writeln!(f, "predicted peak memory: rank {rank}: {} ({peak} bytes) in the memory plan", human_bytes(*peak))?;
+                    write_workspaces(f, &format!("rank {rank}"), *peak, &self.workspaces)?;
                 }
             }
         }
@@ -243,8 +250,23 @@ impl fmt::Display for BuildSummary {
     }
 }
 
+/// The library workspaces a GPU rank needs on top of the plan's `peak`, one line, and the total.
+fn write_workspaces(f: &mut fmt::Formatter<'_>, who: &str, peak: u64, w: &LibraryWorkspaces) -> fmt::Result {
+    writeln!(
+        f,
+        "  library workspaces {:>12}  cuBLASLt {}, kernel workspaces {}, collective staging {}, NCCL {} (estimate)",
+        human_bytes(w.total()),
+        human_bytes(w.cublaslt),
+        human_bytes(w.kernels),
+        human_bytes(w.collective_staging),
+        human_bytes(w.nccl)
+    )?;
+    let total = peak.saturating_add(w.total());
+    writeln!(f, "predicted peak device memory with library workspaces: {who}: {} ({total} bytes)", human_bytes(total))
+}
+
 /// The mesh part of the summary: per-rank memory by class and communication per mesh dim.
-fn write_mesh_report(f: &mut fmt::Formatter<'_>, mesh: &Mesh, collectives: u64, r: &MeshReport) -> fmt::Result {
+fn write_mesh_report(f: &mut fmt::Formatter<'_>, mesh: &Mesh, collectives: u64, r: &MeshReport, w: &LibraryWorkspaces) -> fmt::Result {
     let dims: Vec<String> = mesh.dims.iter().map(|d| format!("{} {}", d.name, d.size)).collect();
     writeln!(
         f,
@@ -265,7 +287,8 @@ fn write_mesh_report(f: &mut fmt::Formatter<'_>, mesh: &Mesh, collectives: u64, 
         human_bytes(m.gathered_weights_saved)
     )?;
     writeln!(f, "  inputs           {:>12}", human_bytes(m.inputs))?;
-    writeln!(f, "predicted peak memory: each rank: {} ({} bytes, excluding library workspaces and communication buffers)", human_bytes(m.peak), m.peak)?;
+    writeln!(f, "predicted peak memory: each rank: {} ({} bytes) in the memory plan", human_bytes(m.peak), m.peak)?;
+    write_workspaces(f, "each rank", m.peak, w)?;
     writeln!(
         f,
         "communication per step, bytes each rank sends (and receives) with ring algorithms: all_gather and reduce_scatter (n-1)/n of the full buffer, all_reduce 2(n-1)/n:"
@@ -735,6 +758,7 @@ fn compile(model: &Graph, model_text: &str, opts: &BuildOptions, generate_code: 
         mesh: manifest_mesh(&opts.mesh),
         collectives_per_step: plan.schedule.collectives_per_step,
         report,
+        workspaces: library_workspaces(&manifest),
     };
     let graph_text = titan_ir::print::print_graph(&fused);
     Ok((Artifact { manifest, graph_text, ptx, cubins }, summary))

@@ -610,3 +610,60 @@ fn without_ptxas_the_build_ships_ptx_only_and_says_so() {
     assert_eq!(summary.notes.len(), 1, "one note, not one per kernel: {:?}", summary.notes);
     assert!(summary.notes[0].starts_with("no cubins") && summary.notes[0].contains("/nonexistent/ptxas"), "{:?}", summary.notes);
 }
+
+/// The lifetimes a loader recomputes from the manifest alone
+/// (`titan_ir::artifact::liveness`, which `titan-run` checks placements with) are the planner's,
+/// on one device, an 8B-shaped model and SPMD builds (FSDP x TP, and FSDP over an odd layer count
+/// with prefetched carries).
+#[test]
+fn manifest_lifetimes_are_the_planners() {
+    let one = titan_ir::Mesh::new(1, 1, 1);
+    for (p, layers, mesh) in [
+        (Preset::Debug, None, one),
+        (Preset::B8, Some(3), one),
+        (Preset::Debug, None, titan_ir::Mesh::new(1, 2, 2)),
+        (Preset::Debug, Some(3), titan_ir::Mesh::new(1, 2, 1)),
+    ] {
+        let m = model(p, layers);
+        let opts = BuildOptions { mesh, ..BuildOptions::default() };
+        let manifest = compile(&m, "", &opts, false, None).unwrap_or_else(|e| panic!("{p} {mesh:?}: {e}")).0.manifest;
+        let mut meshed = m.clone();
+        if mesh.world_size() > 1 {
+            mesh.write_meta(&mut meshed);
+        }
+        let plan = plan_kernel_graph(&kernel_graph(&meshed)).unwrap_or_else(|e| panic!("{e}"));
+        let planner: Vec<Option<(u32, u32)>> = plan.lifetimes.iter().map(|l| l.map(|l| (l.start, l.end))).collect();
+        let derived: Vec<Option<(u32, u32)>> =
+            titan_ir::artifact::liveness::buffer_lifetimes(&manifest, 0).iter().map(|l| l.map(|l| (l.start, l.end))).collect();
+        assert_eq!(derived.len(), planner.len(), "{p} {mesh:?}");
+        for (i, (d, q)) in derived.iter().zip(&planner).enumerate() {
+            assert_eq!(d, q, "{p} {mesh:?}: buffer {i} (`{}`)", manifest.buffers[i].name);
+        }
+    }
+}
+
+/// `titanc build` warns when a rank's predicted peak (plan + library workspaces) exceeds the
+/// device memory: the 70B preset at tp 8 without dp_shard (178 GiB per rank) against
+/// the default 80 GiB and `--device-memory 141`, naming both numbers and a dp_shard that fits;
+/// the debug model does not warn, and a large enough budget silences it.
+#[test]
+fn a_rank_that_does_not_fit_the_device_warns() {
+    let m = model(Preset::B70, None);
+    let opts = BuildOptions { mesh: titan_ir::Mesh::new(1, 1, 8), ..BuildOptions::default() };
+    let (_, summary) = compile(&m, "", &opts, false, None).unwrap_or_else(|e| panic!("{e}"));
+    let peak = summary.peak_bytes_per_rank[0];
+    assert!(peak > 141 << 30, "{}", human_bytes(peak));
+    for (budget, named) in [(None, "the 80 GiB of an H100 (the sm_90a default"), (Some(141.0), "the 141.00 GiB of `--device-memory 141`")] {
+        let w = device_memory::memory_warning(&summary, "sm_90a", budget).expect("warns");
+        assert!(w.starts_with("each rank needs "), "{w}");
+        assert!(w.contains(&format!("memory plan {} + library workspaces", human_bytes(peak))), "{w}");
+        assert!(w.contains(named), "{w}");
+        assert!(w.contains("`--dp-shard "), "{w}");
+    }
+    assert_eq!(device_memory::memory_warning(&summary, "sm_90a", Some(4096.0)), None);
+    let (_, debug) = compile(&model(Preset::Debug, None), "", &BuildOptions::default(), false, None).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(device_memory::memory_warning(&debug, "sm_90a", None), None);
+    assert!(debug.to_string().contains("  library workspaces    32.00 MiB  cuBLASLt 32.00 MiB"), "{debug}");
+    assert_eq!(device_memory::parse_gib("141"), Ok(141.0));
+    assert!(device_memory::parse_gib("-1").is_err() && device_memory::parse_gib("nan").is_err() && device_memory::parse_gib("0").is_err());
+}

@@ -733,6 +733,7 @@ impl<'a> CudaArtifactTrainer<'a> {
         let gpu = Gpu::open_device(rank.as_ref().map_or(0, |r| r.device))?;
         let (free, total) = gpu.mem_info()?;
         let mem_baseline = total.saturating_sub(free);
+        crate::memory_fit::check_manifest_fits(m, free).map_err(|e| RuntimeError::Backend(e.to_string()))?;
         let nccl = match &rank {
             Some(r) => Some(NcclMesh::new(r.group, r.mesh).map_err(|e| RuntimeError::Backend(format!("creating the NCCL communicators: {e}")))?),
             None => None,
@@ -1338,7 +1339,7 @@ impl<'a> CudaArtifactTrainer<'a> {
             grad_norm: vals[1],
             lr: vals[2],
             tokens_per_s: (self.batch * self.seq) as f64 / secs.max(1e-9),
-            peak_bytes: Some(self.artifact.manifest.memory.peak_bytes),
+            peak_bytes: Some(crate::memory_fit::predicted_device_bytes(&self.artifact.manifest)),
             measured_peak_bytes: Some(self.measured_peak),
         })
     }

@@ -30,7 +30,8 @@ pub struct StepMetrics {
     pub grad_norm: f64,
     pub lr: f64,
     pub tokens_per_s: f64,
-    /// The memory plan's predicted peak device memory, when running an artifact.
+    /// The predicted peak device memory when running an artifact: the memory plan's, plus the
+    /// library workspaces on a GPU.
     pub peak_bytes: Option<u64>,
     /// The measured peak device memory so far (the CUDA backend: `cuMemGetInfo` used bytes
     /// above what was used before its first allocation, maxed over steps); `None` elsewhere.

@@ -129,7 +129,7 @@ impl Fixture {
             .map(|a| ArenaPlan { arena: a, bytes: self.used.get(&a).copied().unwrap_or(0) })
             .collect();
         let peak_bytes = arenas.iter().map(|a| a.bytes).sum();
-        let activation_bytes_unplanned = self.buffers.iter().filter(|b| b.class == BufferClass::Activation).map(|b| b.bytes).sum();
+        let activation_bytes_unplanned = self.buffers.iter().filter(|b| b.class == BufferClass::Activation).map(|b| b.bytes.div_ceil(ALIGN) * ALIGN).sum();
         Manifest {
             format_version: FORMAT_VERSION,
             titan_version: "test".into(),
@@ -148,10 +148,24 @@ impl Fixture {
         }
     }
 
-    /// Write `manifest.json` and `graph.ir` into `dir`.
+    /// Write `manifest.json` and `graph.ir` into `dir`, with each kernel's `bytes_read` and
+    /// `bytes_written` taken from its body in `graph`.
     pub fn write(&self, dir: &Path, graph: &str) {
         std::fs::create_dir_all(dir).expect("create artifact dir");
-        std::fs::write(dir.join("manifest.json"), self.manifest().to_json()).expect("write manifest");
+        let mut manifest = self.manifest();
+        if let Ok((g, _)) = titan_ir::parse::parse(graph) {
+            for k in &mut manifest.kernels {
+                let Some(body) = g.block_by_name(&k.body) else { continue };
+                let r = g.block(body);
+                let bytes = |v: titan_ir::Value| {
+                    let ty = r.ty(v);
+                    ty.resolve(&g.dims).map_or(0, |s| s.iter().product::<usize>() as u64 * ty.dtype.size_bytes() as u64)
+                };
+                k.bytes_read = r.arg_values().map(bytes).sum();
+                k.bytes_written = r.outputs.iter().map(|o| bytes(o.value)).sum();
+            }
+        }
+        std::fs::write(dir.join("manifest.json"), manifest.to_json()).expect("write manifest");
         std::fs::write(dir.join("graph.ir"), graph).expect("write graph");
     }
 }

@@ -12,6 +12,7 @@ mod example_files;
 mod fusion;
 mod initial_loss;
 mod launch;
+mod manifest_mutation;
 mod mesh_checkpoint;
 mod nonfinite;
 mod ptx_presets;

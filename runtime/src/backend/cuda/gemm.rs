@@ -23,7 +23,7 @@ use super::driver::CudaError;
 pub const MAX_CANDIDATES: usize = 6;
 
 /// The cuBLASLt workspace every GEMM may use (NVIDIA recommends 32 MiB on Hopper).
-pub const WORKSPACE_BYTES: u64 = 32 << 20;
+pub const WORKSPACE_BYTES: u64 = titan_ir::artifact::workspace::CUBLASLT_WORKSPACE_BYTES;
 
 fn lt_err(what: &str, doing: &str, e: lt::CublasError) -> CudaError {
     CudaError::Call { what: what.into(), message: format!("cuBLASLt {doing} failed with {:?}", e.0) }

@@ -1,0 +1,176 @@
+//! Buffer lifetimes recomputed from a manifest's schedule alone, as `docs/artifact.md`
+//! ("Lifetimes") defines them: what a loader needs to check that no two buffers live at the same
+//! time share a byte, without the compiler's storage tables.
+//!
+//! The schedule is linearized with each top-level loop's prefetch and body steps once, after a
+//! position of the loop itself. A buffer lives from the first position that touches it to the
+//! last. A *loop temporary* (a buffer referenced only whole, only inside one loop's steps, and
+//! not one of its carry slots) lives within the positions of the steps that touch it, so every
+//! iteration reuses its bytes; any other buffer a loop touches (layer-sliced operands and results,
+//! invariant operands, carry slots) lives across the whole loop. A buffer holding a step output
+//! (`loss`, `grad_norm`, `lr`) lives to the end of the step. This is the planner's rule
+//! (`compiler/src/build/memory.rs`), recovered without its per-buffer scope: the compiler's tests
+//! check that both give the same lifetimes.
+
+use super::{BufRef, Manifest, Step};
+
+/// The inclusive range of schedule positions during which a buffer's bytes are in use.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Lifetime {
+    pub start: u32,
+    pub end: u32,
+}
+
+impl Lifetime {
+    pub fn overlaps(&self, o: &Lifetime) -> bool {
+        self.start <= o.end && o.start <= self.end
+    }
+}
+
+/// Where a buffer is referenced: `None` not yet, `Some(Some(l))` only whole inside top-level loop
+/// `l` (not as one of its carries), `Some(None)` anywhere else too.
+type Scope = Option<Option<usize>>;
+
+fn step_refs(s: &Step) -> Vec<BufRef> {
+    match s {
+        Step::Launch { inputs, outputs, .. } => inputs.iter().chain(outputs).copied().collect(),
+        Step::Copy { src, dst, .. } => vec![*src, *dst],
+        Step::Memset { dst, .. } => vec![*dst],
+        Step::Collective { input, output, .. } => vec![*input, *output],
+        Step::Loop { .. } => Vec::new(),
+    }
+}
+
+fn ref_buffers(r: &BufRef, carries: &[[u32; 2]]) -> Vec<u32> {
+    match *r {
+        BufRef::Buffer { buffer, .. } => vec![buffer],
+        BufRef::Carry { carry, .. } => carries.get(carry as usize).map(|c| c.to_vec()).unwrap_or_default(),
+    }
+}
+
+/// Which buffers are temporaries of which top-level loop (by buffer position).
+fn scopes(m: &Manifest, steps: &[Step]) -> Vec<Scope> {
+    let mut scope: Vec<Scope> = vec![None; m.buffers.len()];
+    let mut mark = |id: u32, s: Option<usize>| {
+        if let Some(slot) = scope.get_mut(id as usize) {
+            *slot = match *slot {
+                None => Some(s),
+                Some(old) if old == s => Some(s),
+                Some(_) => Some(None),
+            };
+        }
+    };
+    let mut loop_index = 0usize;
+    for s in steps {
+        match s {
+            Step::Loop { carries, body, prefetch, .. } => {
+                for id in carries.iter().flatten() {
+                    mark(*id, None);
+                }
+                for bs in prefetch.iter().chain(body) {
+                    for r in step_refs(bs) {
+                        match r {
+                            BufRef::Buffer { buffer, layer: false } => mark(buffer, Some(loop_index)),
+                            BufRef::Buffer { buffer, layer: true } => mark(buffer, None),
+                            BufRef::Carry { .. } => {}
+                        }
+                    }
+                    // A loop nested in a loop body is not something the planner writes: its
+                    // buffers count as touched across the whole outer loop.
+                    if let Step::Loop { carries, body, prefetch, .. } = bs {
+                        for id in carries.iter().flatten() {
+                            mark(*id, None);
+                        }
+                        for inner in prefetch.iter().chain(body) {
+                            for r in step_refs(inner) {
+                                for id in ref_buffers(&r, &[]) {
+                                    mark(id, None);
+                                }
+                            }
+                        }
+                    }
+                }
+                loop_index += 1;
+            }
+            other => {
+                for r in step_refs(other) {
+                    for id in ref_buffers(&r, &[]) {
+                        mark(id, None);
+                    }
+                }
+            }
+        }
+    }
+    scope
+}
+
+/// The lifetime of every buffer of rank `rank`'s schedule, by position in `m.buffers`
+/// (`None`: never touched). References to buffers that do not exist are ignored (the loader
+/// refuses them separately).
+pub fn buffer_lifetimes(m: &Manifest, rank: usize) -> Vec<Option<Lifetime>> {
+    let n = m.buffers.len();
+    let mut lt: Vec<Option<Lifetime>> = vec![None; n];
+    let Some(schedule) = m.ranks.get(rank) else { return lt };
+    let steps = &schedule.steps;
+    let scope = scopes(m, steps);
+    let mut touch = |id: u32, at: u32| {
+        if let Some(slot) = lt.get_mut(id as usize) {
+            *slot = Some(match *slot {
+                None => Lifetime { start: at, end: at },
+                Some(l) => Lifetime { start: l.start.min(at), end: l.end.max(at) },
+            });
+        }
+    };
+    let mut pos = 0u32;
+    let mut loop_index = 0usize;
+    for s in steps {
+        match s {
+            Step::Loop { carries, body, prefetch, .. } => {
+                let start = pos;
+                pos += 1;
+                let mut whole: Vec<u32> = carries.iter().flatten().copied().collect();
+                for bs in prefetch.iter().chain(body) {
+                    let mut refs = step_refs(bs);
+                    if let Step::Loop { body, prefetch, .. } = bs {
+                        refs.extend(prefetch.iter().chain(body).flat_map(step_refs));
+                    }
+                    for r in refs {
+                        for id in ref_buffers(&r, carries) {
+                            if scope.get(id as usize).copied().flatten() == Some(Some(loop_index)) {
+                                touch(id, pos);
+                            } else {
+                                whole.push(id);
+                            }
+                        }
+                    }
+                    if let Step::Loop { carries, .. } = bs {
+                        whole.extend(carries.iter().flatten());
+                    }
+                    pos += 1;
+                }
+                let end = pos.saturating_sub(1).max(start);
+                for id in whole {
+                    touch(id, start);
+                    touch(id, end);
+                }
+                loop_index += 1;
+            }
+            other => {
+                for r in step_refs(other) {
+                    for id in ref_buffers(&r, &[]) {
+                        touch(id, pos);
+                    }
+                }
+                pos += 1;
+            }
+        }
+    }
+    let last = pos.saturating_sub(1);
+    for (i, b) in m.buffers.iter().enumerate() {
+        if b.output.is_some() {
+            let l = lt[i].get_or_insert(Lifetime { start: last, end: last });
+            l.end = last;
+        }
+    }
+    lt
+}
