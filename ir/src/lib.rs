@@ -5,6 +5,7 @@ pub mod artifact;
 pub mod attr;
 pub mod diag;
 pub mod dtype;
+pub mod fp8;
 pub mod graph;
 pub mod identity;
 pub mod infer;
