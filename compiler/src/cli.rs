@@ -44,6 +44,10 @@ pub enum Command {
     Stats(FileArgs),
     /// Compile a model graph into an artifact directory for titan-run (`titanc build model.ir -o DIR`)
     Build(BuildArgs),
+    /// Run named passes on a graph file and print the result (`titanc opt f.ir --passes cse,dce`)
+    Opt(OptArgs),
+    /// List the passes `titanc opt --passes` and `--dump-after` take, with their summaries
+    Passes,
 }
 
 #[derive(Debug, Args)]
@@ -245,6 +249,33 @@ pub struct BuildArgs {
     pub device_memory: Option<f64>,
     #[command(flatten)]
     pub parallel: ParallelFlags,
+    /// Verify the graph after every pass; a pass that breaks it is named
+    #[arg(long)]
+    pub verify_each: bool,
+}
+
+#[derive(Debug, Args)]
+pub struct OptArgs {
+    /// The graph file (a model graph, a training graph or a kernel graph)
+    pub file: PathBuf,
+    /// Passes to run, in order, separated by commas (`titanc passes` lists them)
+    #[arg(long, value_name = "PASS,...", required = true)]
+    pub passes: String,
+    /// The device mesh to write into the graph's meta first, e.g. `tp=2,dp_shard=2`
+    /// (dims dp_replicate, dp_shard, tp; the others are 1)
+    #[arg(long, value_name = "DIM=N,...")]
+    pub mesh: Option<String>,
+    /// Verify the input and the graph after every pass; a pass that breaks it is named
+    #[arg(long)]
+    pub verify_each: bool,
+    /// Print each pass's statistics to stderr
+    #[arg(long)]
+    pub stats: bool,
+    #[command(flatten)]
+    pub train: TrainFlags,
+    /// Write the IR to FILE instead of stdout
+    #[arg(short, long, value_name = "FILE")]
+    pub output: Option<PathBuf>,
 }
 
 /// TorchTitan's parallel degrees (they override `[parallelism]` of the job config).
@@ -374,6 +405,8 @@ pub fn execute(cli: &Cli) -> Result<Outcome, CliError> {
         Command::Fmt(a) => cmd_fmt(a),
         Command::Stats(a) => cmd_stats(&a.file),
         Command::Build(a) => cmd_build(a),
+        Command::Opt(a) => cmd_opt(a),
+        Command::Passes => Ok(cmd_passes()),
     }
 }
 
@@ -384,8 +417,16 @@ where
     I: IntoIterator<Item = T>,
     T: Into<std::ffi::OsString> + Clone,
 {
-    let cli = Cli::try_parse_from(args).map_err(|e| CliError::Usage(e.to_string().trim_end().trim_start_matches("error: ").to_string()))?;
-    execute(&cli)
+    execute(&parse_args(args)?)
+}
+
+/// Parse `args` (the first is the program name) as `titanc`'s command line; clap's message on error.
+pub fn parse_args<I, T>(args: I) -> Result<Cli, CliError>
+where
+    I: IntoIterator<Item = T>,
+    T: Into<std::ffi::OsString> + Clone,
+{
+    Cli::try_parse_from(args).map_err(|e| CliError::Usage(e.to_string().trim_end().trim_start_matches("error: ").to_string()))
 }
 
 /// The configuration and graph-name suffix `titanc new` builds for these arguments.
@@ -556,7 +597,7 @@ impl BuildArgs {
         };
         Ok(BuildOptions {
             train,
-            pipeline: PipelineOptions { verify_each: false, dump_after, timings: self.timings },
+            pipeline: PipelineOptions { verify_each: self.verify_each, dump_after, timings: self.timings },
             target,
             report: self.report,
             mesh: titan_ir::Mesh::new(1, 1, 1),
@@ -583,7 +624,10 @@ fn cmd_build(a: &BuildArgs) -> Result<Outcome, CliError> {
     opts.mesh = dims.spmd_mesh()?;
     opts.loss_parallel = !request.disable_loss_parallel.unwrap_or(false);
     opts.prefetch_next_layer = !request.disable_prefetch_next_layer.unwrap_or(false);
-    let summary = build_artifact(&model, &text, &opts, &a.output)?;
+    let summary = build_artifact(&model, &text, &opts, &a.output).map_err(|e| match e {
+        crate::build::BuildError::Pass(p) => locate_pass_error(p, &file, &text),
+        other => other.into(),
+    })?;
     let mut out = Outcome { stdout: summary.to_string(), stderr: String::new() };
     out.stderr.extend(crate::build::device_memory::memory_warning(&summary, &a.target, a.device_memory).map(|w| format!("warning: {w}\n")));
     for (pass, ir) in &summary.pipeline.dumps {
@@ -593,6 +637,56 @@ fn cmd_build(a: &BuildArgs) -> Result<Outcome, CliError> {
         out.stdout.push_str(&format!("note: {note}\n"));
     }
     Ok(out)
+}
+
+fn cmd_opt(a: &OptArgs) -> Result<Outcome, CliError> {
+    let file = a.file.display().to_string();
+    let text = std::fs::read_to_string(&a.file).map_err(|e| FrontendError::Io { file: file.clone(), message: e.to_string() })?;
+    opt_on_text(a, &file, &text)
+}
+
+/// `titanc opt` on `text` (named `file` in messages) instead of the file `a` names: the
+/// filetests run their cases through this, with the run line parsed as `titanc opt` arguments.
+pub fn opt_on_text(a: &OptArgs, file: &str, text: &str) -> Result<Outcome, CliError> {
+    use titan_passes::opt::{OptError, OptRequest, parse_mesh_spec, parse_pass_list, run_opt};
+    let usage = |e: OptError| CliError::Usage(e.to_string());
+    let req = OptRequest {
+        passes: parse_pass_list(&a.passes).map_err(usage)?,
+        mesh: a.mesh.as_deref().map(parse_mesh_spec).transpose().map_err(usage)?,
+        verify_each: a.verify_each,
+        train: a.train.checked()?,
+    };
+    let result = run_opt(file, text, &req).map_err(|e| match e {
+        OptError::Source(s) => CliError::Source(s),
+        OptError::Pass(p) => CliError::Pass(p),
+        OptError::Usage(u) => CliError::Usage(u),
+    })?;
+    let mut out = Outcome::default();
+    if a.stats {
+        out.stderr = result.report.to_string();
+    }
+    emit(a.output.as_deref(), result.text, &mut out)?;
+    Ok(out)
+}
+
+fn cmd_passes() -> Outcome {
+    let table = titan_passes::pass_table();
+    let width = table.iter().map(|p| p.name.len()).max().unwrap_or(0);
+    let stdout = table.iter().map(|p| format!("{:<width$}  {}\n", p.name, p.summary)).collect();
+    Outcome { stdout, stderr: String::new() }
+}
+
+/// A pass error of a build or lowering of `text` (the file `file`), pointing at its source line
+/// when it is located on a node, argument or output the pass still knew by its source id.
+fn locate_pass_error(e: PassError, file: &str, text: &str) -> CliError {
+    let Ok((parsed, map)) = titan_ir::parse(text) else { return e.into() };
+    // The build ran on the canonicalized graph: its ids are the source's when that changed nothing.
+    let mut canonical = parsed.clone();
+    canonical.canonicalize();
+    match e.source_diagnostic(Some(&map)).filter(|_| canonical == parsed) {
+        Some(diag) => CliError::Source(SourceError { file: file.to_string(), source_text: text.to_string(), diagnostics: vec![diag] }),
+        None => e.into(),
+    }
 }
 
 /// Read, parse and verify a graph file; every problem comes back rendered with its location.

@@ -6,6 +6,7 @@ pub mod attr;
 pub mod diag;
 pub mod dtype;
 pub mod flags;
+pub mod fp8;
 pub mod graph;
 pub mod identity;
 pub mod infer;

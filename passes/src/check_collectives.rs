@@ -17,6 +17,8 @@
 //!   in the last) before the layer's other nodes; its block must split into prefetch nodes
 //!   and the rest (`titan_ir::prefetch`).
 
+use crate::PassDiag;
+use titan_ir::verify::{Loc, RegionRef};
 use titan_ir::{Graph, Mesh, MeshDim, Op, Region};
 
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -38,12 +40,17 @@ pub struct CollectiveCall {
 
 /// The collectives a rank issues per step, per mesh dim, in issue order.
 pub fn collective_schedule(g: &Graph) -> Result<Vec<(MeshDim, Vec<CollectiveCall>)>, String> {
-    let mesh = Mesh::from_graph(g)?;
+    schedule(g).map_err(|errors| errors.iter().map(|e| e.message.as_str()).collect::<Vec<_>>().join("; "))
+}
+
+/// [`collective_schedule`] with every problem found as a typed diagnostic.
+fn schedule(g: &Graph) -> Result<Vec<(MeshDim, Vec<CollectiveCall>)>, Vec<PassDiag>> {
+    let mesh = Mesh::from_graph(g).map_err(|e| vec![PassDiag::invalid(e)])?;
     let mut errors = Vec::new();
     let mut calls = Vec::new();
-    walk(g, &g.main, mesh.as_ref(), &mut calls, &mut errors, false);
+    walk(g, &g.main, RegionRef::Main, mesh.as_ref(), &mut calls, &mut errors, false);
     if !errors.is_empty() {
-        return Err(errors.join("; "));
+        return Err(errors);
     }
     let mut out: Vec<(MeshDim, Vec<CollectiveCall>)> = Vec::new();
     for m in MeshDim::ALL {
@@ -60,7 +67,9 @@ fn describe(op: &Op, g: &Graph, region: &Region, nid: titan_ir::NodeId) -> Strin
     format!("`{} {attrs}` (node {nid} in @{})", op.name(), region.name)
 }
 
-fn walk(g: &Graph, region: &Region, mesh: Option<&Mesh>, calls: &mut Vec<CollectiveCall>, errors: &mut Vec<String>, in_kernel: bool) {
+fn walk(g: &Graph, region: &Region, at: RegionRef, mesh: Option<&Mesh>, calls: &mut Vec<CollectiveCall>, errors: &mut Vec<PassDiag>, in_kernel: bool) {
+    let here = |nid| Loc::Node(at, nid);
+    const NO_MESH: &str = "needs a device mesh; give the graph `meta` entries world_size, mesh_dp_replicate, mesh_dp_shard and mesh_tp";
     for &nid in &region.order {
         let Some(node) = region.nodes.get(nid.index()) else { continue };
         match &node.op {
@@ -68,7 +77,7 @@ fn walk(g: &Graph, region: &Region, mesh: Option<&Mesh>, calls: &mut Vec<Collect
                 let Some(b) = g.blocks.get(block.index()) else { continue };
                 if *prefetch == 0 {
                     for _ in 0..*count {
-                        walk(g, b, mesh, calls, errors, in_kernel);
+                        walk(g, b, RegionRef::Block(*block), mesh, calls, errors, in_kernel);
                     }
                     continue;
                 }
@@ -81,32 +90,33 @@ fn walk(g: &Graph, region: &Region, mesh: Option<&Mesh>, calls: &mut Vec<Collect
                         pre.order.retain(|&m| split.contains(m));
                         let mut rest = b.clone();
                         rest.order.retain(|&m| !split.contains(m));
+                        let inner = RegionRef::Block(*block);
                         if *count > 0 {
-                            walk(g, &pre, mesh, calls, errors, in_kernel);
+                            walk(g, &pre, inner, mesh, calls, errors, in_kernel);
                         }
                         for t in 0..*count {
                             if t + 1 < *count {
-                                walk(g, &pre, mesh, calls, errors, in_kernel);
+                                walk(g, &pre, inner, mesh, calls, errors, in_kernel);
                             }
-                            walk(g, &rest, mesh, calls, errors, in_kernel);
+                            walk(g, &rest, inner, mesh, calls, errors, in_kernel);
                         }
                     }
-                    Err(e) => errors.push(format!("`repeat` (node {nid} in @{}): {e}", region.name)),
+                    Err(e) => errors.push(PassDiag::invalid(format!("`repeat` (node {nid} in @{}): {e}", region.name)).at(here(nid))),
                 }
             }
             Op::Kernel { body, .. } => {
                 if let Some(b) = g.blocks.get(body.index()) {
-                    walk(g, b, mesh, calls, errors, true);
+                    walk(g, b, RegionRef::Block(*body), mesh, calls, errors, true);
                 }
             }
             op if op.is_collective() => {
                 let what = describe(op, g, region, nid);
                 let Some(m) = op.collective_mesh_dim() else { continue };
                 if in_kernel {
-                    errors.push(format!("{what} inside a `kernel` body: fusing collectives is not supported yet"));
+                    errors.push(PassDiag::unsupported(format!("{what} inside a `kernel` body: fusing collectives is not supported yet")).at(here(nid)));
                 }
                 let Some(mesh) = mesh else {
-                    errors.push(format!("{what} needs a device mesh; give the graph `meta` entries world_size, mesh_dp_replicate, mesh_dp_shard and mesh_tp"));
+                    errors.push(PassDiag::precondition(format!("{what} {NO_MESH}")).at(here(nid)));
                     continue;
                 };
                 let size = match op {
@@ -116,25 +126,33 @@ fn walk(g: &Graph, region: &Region, mesh: Option<&Mesh>, calls: &mut Vec<Collect
                 if let Some(s) = size
                     && s != mesh.size(m)
                 {
-                    errors.push(format!("{what} has size = {s} but mesh dim {m} has {} ranks; set size = {}", mesh.size(m), mesh.size(m)));
+                    errors.push(
+                        PassDiag::invalid(format!("{what} has size = {s} but mesh dim {m} has {} ranks; set size = {}", mesh.size(m), mesh.size(m)))
+                            .at(here(nid)),
+                    );
                 }
                 let elems = node.inputs.first().and_then(|&v| region.values.get(v.index())).and_then(|d| d.ty.numel(&g.dims));
                 match elems {
                     Some(elems) => calls.push(CollectiveCall { mesh_dim: m, what, elems }),
-                    None => errors.push(format!("{what} has an operand without a static shape; every rank must send the same number of elements")),
+                    None => errors.push(
+                        PassDiag::invalid(format!("{what} has an operand without a static shape; every rank must send the same number of elements"))
+                            .at(here(nid)),
+                    ),
                 }
             }
             // Rank-local slicing: no communication, but its `size` must match the mesh too.
             Op::TakeShard { mesh_dim, size, .. } | Op::PlaceShard { mesh_dim, size, .. } => {
                 let what = describe(&node.op, g, region, nid);
                 match mesh {
-                    None => errors
-                        .push(format!("{what} needs a device mesh; give the graph `meta` entries world_size, mesh_dp_replicate, mesh_dp_shard and mesh_tp")),
-                    Some(mesh) if *size != mesh.size(*mesh_dim) => errors.push(format!(
-                        "{what} has size = {size} but mesh dim {mesh_dim} has {} ranks; set size = {}",
-                        mesh.size(*mesh_dim),
-                        mesh.size(*mesh_dim)
-                    )),
+                    None => errors.push(PassDiag::precondition(format!("{what} {NO_MESH}")).at(here(nid))),
+                    Some(mesh) if *size != mesh.size(*mesh_dim) => errors.push(
+                        PassDiag::invalid(format!(
+                            "{what} has size = {size} but mesh dim {mesh_dim} has {} ranks; set size = {}",
+                            mesh.size(*mesh_dim),
+                            mesh.size(*mesh_dim)
+                        ))
+                        .at(here(nid)),
+                    ),
                     Some(_) => {}
                 }
             }
@@ -143,7 +161,14 @@ fn walk(g: &Graph, region: &Region, mesh: Option<&Mesh>, calls: &mut Vec<Collect
     }
 }
 
-pub fn check_collectives(g: &mut Graph) -> Result<CheckCollectivesStats, String> {
-    let schedule = collective_schedule(g)?;
+pub fn check_collectives(g: &mut Graph) -> Result<CheckCollectivesStats, PassDiag> {
+    let schedule = schedule(g).map_err(|mut errors| {
+        let rest: Vec<String> = errors.drain(1..).map(|e| e.message).collect();
+        let mut first = errors.remove(0);
+        if !rest.is_empty() {
+            first.message = format!("{}; {}", first.message, rest.join("; "));
+        }
+        first
+    })?;
     Ok(CheckCollectivesStats { collectives: schedule.iter().map(|(_, s)| s.len()).sum(), communicators: schedule.len() })
 }

@@ -10,8 +10,10 @@ use std::time::{Duration, Instant};
 
 use titan_ir::{Graph, Output};
 
-use crate::PassError;
+use titan_ir::verify::{Loc, RegionRef};
+
 use crate::train::{TrainOptions, grad_output_name};
+use crate::{PassDiag, PassError, PassErrorKind};
 
 /// Counters a pass reports, in the order it reports them (`params 12, casts 12`).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -55,7 +57,7 @@ pub struct PassContext {
 }
 
 /// The signature of every pass in the table.
-pub type PassFn = fn(&mut Graph, &PassContext) -> Result<PassStats, PassError>;
+pub type PassFn = fn(&mut Graph, &PassContext) -> Result<PassStats, PassDiag>;
 
 /// One entry of the pass table.
 #[derive(Clone, Copy, Debug)]
@@ -65,25 +67,35 @@ pub struct PassInfo {
     /// One line for `--help` and listings.
     pub summary: &'static str,
     pub run: PassFn,
+    /// The pass renumbers nodes (or rebuilds regions): after it, node ids no longer name the
+    /// parts of the pipeline's input, so errors of later passes cannot point at its source.
+    pub renumbers: bool,
+}
+
+impl PassInfo {
+    pub const fn new(name: &'static str, summary: &'static str, run: PassFn) -> PassInfo {
+        PassInfo { name, summary, run, renumbers: false }
+    }
+
+    const fn renumbering(mut self) -> PassInfo {
+        self.renumbers = true;
+        self
+    }
 }
 
 static PASSES: [PassInfo; 12] = [
-    PassInfo { name: "shard-tp", summary: "tensor parallelism: column/row-parallel block weights, vocab-parallel embedding and output", run: run_shard_tp },
-    PassInfo { name: "shard-dp", summary: "split the batch over data-parallel ranks; FSDP-shard parameters on dp_shard", run: run_shard_dp },
-    PassInfo { name: "master-weights", summary: "make every parameter an fp32 master `state` read through a compute-dtype cast", run: run_master_weights },
-    PassInfo { name: "autodiff", summary: "differentiate `loss` (each block once) and expose each gradient as output `d_<param>`", run: run_autodiff },
-    PassInfo { name: "sync-grads", summary: "all-reduce gradients of replicated parameters and the loss across the mesh", run: run_sync_grads },
-    PassInfo { name: "adamw", summary: "consume the `d_<param>` outputs: global-norm clipping, lr schedule and AdamW updates", run: run_adamw },
-    PassInfo { name: "cse", summary: "merge identical nodes", run: run_cse },
-    PassInfo { name: "dce", summary: "drop nodes that reach no output or update, and renumber", run: run_dce },
-    PassInfo { name: "prefetch-gathers", summary: "issue each block's parameter all-gathers at its top (FSDP prefetch)", run: run_prefetch_gathers },
-    PassInfo {
-        name: "prefetch-next-layer",
-        summary: "gather the next layer's parameter shards during each layer (FSDP cross-layer prefetch)",
-        run: run_prefetch_next_layer,
-    },
-    PassInfo { name: "check-collectives", summary: "prove every rank issues the same collectives in order on each communicator", run: run_check_collectives },
-    PassInfo { name: "fuse", summary: "group every region's ops into kernels (gemm, attention, fused pointwise/row ops, optimizer)", run: run_fuse },
+    PassInfo::new("shard-tp", "tensor parallelism: column/row-parallel block weights, vocab-parallel embedding and output", run_shard_tp),
+    PassInfo::new("shard-dp", "split the batch over data-parallel ranks; FSDP-shard parameters on dp_shard", run_shard_dp),
+    PassInfo::new("master-weights", "make every parameter an fp32 master `state` read through a compute-dtype cast", run_master_weights),
+    PassInfo::new("autodiff", "differentiate `loss` (each block once); record each gradient output in the gradient map", run_autodiff),
+    PassInfo::new("sync-grads", "all-reduce gradients of replicated parameters and the loss across the mesh", run_sync_grads),
+    PassInfo::new("adamw", "consume the gradient map's outputs: global-norm clipping, lr schedule and AdamW updates", run_adamw),
+    PassInfo::new("cse", "merge identical nodes", run_cse),
+    PassInfo::new("dce", "drop nodes that reach no output or update, and renumber", run_dce).renumbering(),
+    PassInfo::new("prefetch-gathers", "issue each block's parameter all-gathers at its top (FSDP prefetch)", run_prefetch_gathers),
+    PassInfo::new("prefetch-next-layer", "gather the next layer's parameter shards during each layer (FSDP cross-layer prefetch)", run_prefetch_next_layer),
+    PassInfo::new("check-collectives", "prove every rank issues the same collectives in order on each communicator", run_check_collectives),
+    PassInfo::new("fuse", "group every region's ops into kernels (gemm, attention, fused pointwise/row ops, optimizer)", run_fuse).renumbering(),
 ];
 
 /// The passes of `titanc lower --to train`.
@@ -117,7 +129,7 @@ pub const SPMD_BUILD_PIPELINE: [&str; 12] = [
 /// The build pipeline for `model`: [`SPMD_BUILD_PIPELINE`] when its `meta` names a mesh of more
 /// than one rank, else [`BUILD_PIPELINE`].
 pub fn build_pipeline(model: &Graph) -> Result<&'static [&'static str], PassError> {
-    let mesh = titan_ir::Mesh::from_graph(model).map_err(|message| PassError::Failed { pass: "build", message })?;
+    let mesh = titan_ir::Mesh::from_graph(model).map_err(|message| PassError::new("build", PassErrorKind::Invalid, message))?;
     Ok(if mesh.is_some_and(|m| m.world_size() > 1) { &SPMD_BUILD_PIPELINE } else { &BUILD_PIPELINE })
 }
 
@@ -223,10 +235,11 @@ pub fn run_pipeline(g: &mut Graph, passes: &[PassInfo], train: &TrainOptions, po
         lookup_passes(&[name.as_str()])?;
         if !passes.iter().any(|p| p.name == name) {
             let ran: Vec<&str> = passes.iter().map(|p| p.name).collect();
-            return Err(PassError::Failed {
-                pass: "pipeline",
-                message: format!("`--dump-after {name}`: this pipeline does not run `{name}`; it runs {}", ran.join(", ")),
-            });
+            return Err(PassError::new(
+                "pipeline",
+                PassErrorKind::Precondition,
+                format!("`--dump-after {name}`: this pipeline does not run `{name}`; it runs {}", ran.join(", ")),
+            ));
         }
     }
     let ctx = PassContext { train: train.clone(), verify_each: popts.verify_each };
@@ -237,9 +250,11 @@ pub fn run_pipeline(g: &mut Graph, passes: &[PassInfo], train: &TrainOptions, po
         }
     }
     let mut report = PipelineReport { timings: popts.timings, ..PipelineReport::default() };
+    let mut input_ids = true;
     for p in passes {
         let start = Instant::now();
-        let stats = (p.run)(g, &ctx)?;
+        let stats = (p.run)(g, &ctx).map_err(|diag| PassError::from_diag(p.name, diag, g, input_ids))?;
+        input_ids &= !p.renumbers;
         let wall = start.elapsed();
         report.passes.push(PassRecord { pass: p.name, stats, wall });
         if popts.verify_each {
@@ -268,37 +283,34 @@ pub fn compile_train_graph(model: &Graph, opts: &TrainOptions, popts: &PipelineO
     crate::train::run_on_copy(model, opts, &passes, popts)
 }
 
-/// Map a pass's `String` error to a [`PassError`] naming it.
-fn fail(pass: &'static str) -> impl Fn(String) -> PassError {
-    move |message: String| {
-        if message.contains("not supported yet") {
-            PassError::Unsupported { pass, what: message.replace(" is not supported yet", "").replace(" (not supported yet)", "") }
-        } else {
-            PassError::Failed { pass, message }
-        }
-    }
-}
-
-fn run_master_weights(g: &mut Graph, _: &PassContext) -> Result<PassStats, PassError> {
-    let s = crate::mixed_precision::master_weights(g).map_err(fail("master-weights"))?;
+fn run_master_weights(g: &mut Graph, _: &PassContext) -> Result<PassStats, PassDiag> {
+    let s = crate::master_weights::master_weights(g)?;
     Ok(PassStats::new().with("params", s.params as u64).with("casts", s.casts as u64))
 }
 
-fn run_autodiff(g: &mut Graph, _: &PassContext) -> Result<PassStats, PassError> {
-    let err = fail("autodiff");
-    let (grads, s) = crate::autodiff::differentiate_main(g, "loss").map_err(&err)?;
+fn run_autodiff(g: &mut Graph, _: &PassContext) -> Result<PassStats, PassDiag> {
+    if crate::train::gradient_map(g)?.is_some() {
+        return Err(PassDiag::precondition("the graph already has a gradient map (meta `gradients`): `autodiff` has run on it"));
+    }
+    let (grads, s) = crate::autodiff::differentiate_main(g, "loss")?;
     let mut outputs = Vec::new();
+    let mut map = Vec::new();
     for (i, grad) in grads.iter().enumerate() {
         let Some(value) = *grad else { continue };
         let name = grad_output_name(&g.main, i);
         let taken = g.main.outputs.iter().chain(&outputs).any(|o: &Output| o.name.as_deref() == Some(name.as_str()));
         if taken {
-            return Err(err(format!("the gradient of argument {i} would be output `{name}`, which already exists; rename the argument or that output")));
+            return Err(PassDiag::invalid(format!(
+                "the gradient of argument {i} would be output `{name}`, which already exists; rename the argument or that output"
+            ))
+            .at(Loc::Arg(RegionRef::Main, i)));
         }
+        map.push((i, name.clone()));
         outputs.push(Output { name: Some(name), value });
     }
     let n = outputs.len() as u64;
     g.main.outputs.extend(outputs);
+    crate::train::record_gradients(g, &map);
     Ok(PassStats::new()
         .with("blocks_differentiated", s.blocks_differentiated as u64)
         .with("saved_per_layer", s.saved_per_layer as u64)
@@ -306,27 +318,26 @@ fn run_autodiff(g: &mut Graph, _: &PassContext) -> Result<PassStats, PassError> 
         .with("gradients", n))
 }
 
-fn run_adamw(g: &mut Graph, ctx: &PassContext) -> Result<PassStats, PassError> {
-    let names: Vec<String> = (0..g.main.args.len()).map(|i| grad_output_name(&g.main, i)).collect();
-    let mut grads = vec![None; names.len()];
-    let mut found = 0;
-    g.main.outputs.retain(|o| match o.name.as_deref().and_then(|n| names.iter().position(|m| m == n)) {
-        Some(i) => {
-            grads[i] = Some(o.value);
-            found += 1;
-            false
-        }
-        None => true,
-    });
-    if found == 0 {
-        return Err(PassError::Failed { pass: "adamw", message: "`main` has no gradient outputs (`d_<param>`); run `autodiff` before `adamw`".into() });
+fn run_adamw(g: &mut Graph, ctx: &PassContext) -> Result<PassStats, PassDiag> {
+    let map = crate::train::gradient_map(g)?
+        .ok_or_else(|| PassDiag::precondition("the graph has no gradient map (meta `gradients`); run `autodiff` before `adamw`"))?;
+    let mut grads = vec![None; g.main.args.len()];
+    for &(arg, output) in &map {
+        grads[arg] = Some(g.main.outputs[output].value);
     }
-    let s = crate::optimizer::append_adamw(g, &grads, &ctx.train).map_err(fail("adamw"))?;
+    let taken: Vec<usize> = map.iter().map(|&(_, o)| o).collect();
+    let mut k = 0;
+    g.main.outputs.retain(|_| {
+        k += 1;
+        !taken.contains(&(k - 1))
+    });
+    crate::train::take_gradient_map(g);
+    let s = crate::adamw::append_adamw(g, &grads, &ctx.train)?;
     Ok(PassStats::new().with("params", s.params as u64).with("state_buffers", s.state_buffers as u64))
 }
 
-fn run_shard_tp(g: &mut Graph, _: &PassContext) -> Result<PassStats, PassError> {
-    let s = crate::shard_tp::shard_tp(g).map_err(fail("shard-tp"))?;
+fn run_shard_tp(g: &mut Graph, _: &PassContext) -> Result<PassStats, PassDiag> {
+    let s = crate::shard_tp::shard_tp(g)?;
     Ok(PassStats::new()
         .with("column_parallel", s.column_parallel as u64)
         .with("row_parallel", s.row_parallel as u64)
@@ -335,46 +346,46 @@ fn run_shard_tp(g: &mut Graph, _: &PassContext) -> Result<PassStats, PassError> 
         .with("collectives", s.collectives as u64))
 }
 
-fn run_shard_dp(g: &mut Graph, _: &PassContext) -> Result<PassStats, PassError> {
-    let s = crate::shard_dp::shard_dp(g).map_err(fail("shard-dp"))?;
+fn run_shard_dp(g: &mut Graph, _: &PassContext) -> Result<PassStats, PassDiag> {
+    let s = crate::shard_dp::shard_dp(g)?;
     Ok(PassStats::new().with("params_sharded", s.params_sharded as u64).with("gathers", s.gathers as u64))
 }
 
-fn run_sync_grads(g: &mut Graph, _: &PassContext) -> Result<PassStats, PassError> {
-    let s = crate::shard_grads::sync_grads(g).map_err(fail("sync-grads"))?;
+fn run_sync_grads(g: &mut Graph, _: &PassContext) -> Result<PassStats, PassDiag> {
+    let s = crate::sync_grads::sync_grads(g)?;
     Ok(PassStats::new().with("grad_all_reduces", s.grad_all_reduces as u64))
 }
 
-fn run_prefetch_gathers(g: &mut Graph, _: &PassContext) -> Result<PassStats, PassError> {
-    Ok(PassStats::new().with("hoisted", crate::prefetch::prefetch_gathers(g).hoisted as u64))
+fn run_prefetch_gathers(g: &mut Graph, _: &PassContext) -> Result<PassStats, PassDiag> {
+    Ok(PassStats::new().with("hoisted", crate::prefetch_gathers::prefetch_gathers(g).hoisted as u64))
 }
 
-fn run_prefetch_next_layer(g: &mut Graph, _: &PassContext) -> Result<PassStats, PassError> {
-    let s = crate::prefetch_next_layer::prefetch_next_layer(g).map_err(fail("prefetch-next-layer"))?;
+fn run_prefetch_next_layer(g: &mut Graph, _: &PassContext) -> Result<PassStats, PassDiag> {
+    let s = crate::prefetch_next_layer::prefetch_next_layer(g)?;
     Ok(PassStats::new().with("loops", s.loops as u64).with("gathers", s.gathers as u64))
 }
 
-fn run_check_collectives(g: &mut Graph, _: &PassContext) -> Result<PassStats, PassError> {
-    let s = crate::check_collectives::check_collectives(g).map_err(fail("check-collectives"))?;
+fn run_check_collectives(g: &mut Graph, _: &PassContext) -> Result<PassStats, PassDiag> {
+    let s = crate::check_collectives::check_collectives(g)?;
     Ok(PassStats::new().with("collectives", s.collectives as u64).with("communicators", s.communicators as u64))
 }
 
-fn run_cse(g: &mut Graph, _: &PassContext) -> Result<PassStats, PassError> {
+fn run_cse(g: &mut Graph, _: &PassContext) -> Result<PassStats, PassDiag> {
     Ok(PassStats::new().with("merged", crate::cse::cse(g) as u64))
 }
 
-fn run_dce(g: &mut Graph, _: &PassContext) -> Result<PassStats, PassError> {
+fn run_dce(g: &mut Graph, _: &PassContext) -> Result<PassStats, PassDiag> {
     let removed = crate::dce::dce(g);
     g.canonicalize();
     Ok(PassStats::new().with("removed", removed as u64))
 }
 
-fn run_fuse(g: &mut Graph, ctx: &PassContext) -> Result<PassStats, PassError> {
+fn run_fuse(g: &mut Graph, ctx: &PassContext) -> Result<PassStats, PassDiag> {
     let s = crate::fuse::fuse(g)?;
     if ctx.verify_each {
         let errors = crate::fuse::check_kernel_graph(g);
         if !errors.is_empty() {
-            return Err(PassError::Failed { pass: "fuse", message: format!("the result is not a kernel graph: {}", errors.join("; ")) });
+            return Err(PassDiag::invalid(format!("the result is not a kernel graph: {}", errors.join("; "))));
         }
     }
     Ok(PassStats::new()
@@ -454,7 +465,7 @@ mod tests {
         assert!(matches!(lookup_passes(&["cse", "nope"]), Err(PassError::UnknownPass { name, .. }) if name == "nope"));
     }
 
-    fn breaks_the_graph(g: &mut Graph, _: &PassContext) -> Result<PassStats, PassError> {
+    fn breaks_the_graph(g: &mut Graph, _: &PassContext) -> Result<PassStats, PassDiag> {
         g.main.outputs[0].value = Value(9999);
         Ok(PassStats::new())
     }
@@ -462,7 +473,7 @@ mod tests {
     #[test]
     fn verify_each_names_the_pass_that_broke_the_graph() {
         let mut passes = lookup_passes(&["master-weights"]).expect("names");
-        passes.push(PassInfo { name: "break-it", summary: "test", run: breaks_the_graph });
+        passes.push(PassInfo::new("break-it", "test", breaks_the_graph));
         let err = run_pipeline(&mut model(), &passes, &TrainOptions::default(), &opts(true, DumpAfter::None)).expect_err("broken");
         match &err {
             PassError::Verify { after, errors } => {

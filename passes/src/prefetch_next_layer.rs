@@ -28,6 +28,7 @@
 //! --disable-prefetch-next-layer`). Runs after autodiff (which does not differentiate a
 //! prefetching `repeat`).
 
+use crate::PassDiag;
 use titan_ir::{Arg, ArgKind, Graph, MeshDim, Op, Output, Value, ValueDef};
 
 /// The meta key that turns the pass off (`0`).
@@ -49,7 +50,7 @@ pub struct PrefetchNextLayerStats {
 }
 
 /// Make each repeated block's parameter all-gathers over `dp_shard` fetch the next layer.
-pub fn prefetch_next_layer(g: &mut Graph) -> Result<PrefetchNextLayerStats, String> {
+pub fn prefetch_next_layer(g: &mut Graph) -> Result<PrefetchNextLayerStats, PassDiag> {
     let mut stats = PrefetchNextLayerStats::default();
     if g.meta_i64(PREFETCH_NEXT_LAYER_META) == Some(0) {
         return Ok(stats);

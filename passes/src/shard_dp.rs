@@ -17,6 +17,8 @@
 //! Runs after `shard-tp`: FSDP shards the tensor-parallel local parameter along a dim tensor
 //! parallelism does not shard, so the two shardings commute.
 
+use crate::PassDiag;
+use titan_ir::verify::{Loc, RegionRef};
 use titan_ir::{ArgKind, Dim, Graph, Mesh, MeshDim, Op, Placement, Region, TensorType, Value};
 
 use crate::shard_tp::with_placement;
@@ -42,14 +44,14 @@ fn pick_shard_dim(shape: &[u64], stacked: bool, n: u64, tp_dim: Option<usize>) -
     (first..shape.len()).find(|&d| Some(d) != tp_dim && shape[d].is_multiple_of(n) && shape[d] >= n)
 }
 
-pub fn shard_dp(g: &mut Graph) -> Result<ShardDpStats, String> {
+pub fn shard_dp(g: &mut Graph) -> Result<ShardDpStats, PassDiag> {
     let mut stats = ShardDpStats::default();
-    let Some(mesh) = Mesh::from_graph(g)? else { return Ok(stats) };
+    let Some(mesh) = Mesh::from_graph(g)? else { return Err(crate::error::no_mesh()) };
     if mesh.world_size() == 1 {
         return Ok(stats);
     }
     if g.main.args.iter().any(|a| matches!(a.kind, ArgKind::State(_))) {
-        return Err("`shard-dp` partitions a model graph (params, no state); run it before the training lowering".into());
+        return Err(PassDiag::precondition("`shard-dp` partitions a model graph (params, no state); run it before the training lowering"));
     }
     split_batch(g, &mesh)?;
     scale_loss(g, &mesh)?;
@@ -70,11 +72,12 @@ pub fn shard_dp(g: &mut Graph) -> Result<ShardDpStats, String> {
         let shape = crate::util::fixed_dims(&ty, &g.dims)?;
         let stacked = info.is_stacked();
         let d = pick_shard_dim(&shape, stacked, u64::from(n), tp_dim).ok_or_else(|| {
-            format!(
+            PassDiag::unsupported(format!(
                 "parameter `{}` of type {ty} has no {}dim divisible by dp_shard = {n} (choose another dp_shard); uneven FSDP sharding is not supported yet",
                 info.name,
                 if stacked { "non-layer " } else { "" }
-            )
+            ))
+            .at(Loc::Arg(RegionRef::Main, i))
         })?;
         let mut local = shape.clone();
         local[d] /= u64::from(n);
@@ -150,7 +153,7 @@ fn insert_gather(region: &mut Region, v: Value, dim: usize, n: u32, full: Tensor
 
 /// Gather the sharded parameter `v` where it is used: in `main`, and inside the block of
 /// each `repeat` it feeds. Returns the number of gathers inserted.
-fn gather_uses(g: &mut Graph, v: Value, d: usize, stacked: bool, n: u32, pname: &str) -> Result<usize, String> {
+fn gather_uses(g: &mut Graph, v: Value, d: usize, stacked: bool, n: u32, pname: &str) -> Result<usize, PassDiag> {
     let mut gathers = 0;
     let mut main_users = false;
     let order = g.main.order.clone();
@@ -163,15 +166,20 @@ fn gather_uses(g: &mut Graph, v: Value, d: usize, stacked: bool, n: u32, pname: 
         for (j, _) in node.inputs.iter().enumerate().filter(|(_, x)| **x == v) {
             let per_layer = j >= carry as usize && j < (carry + ns) as usize;
             if per_layer != stacked {
-                return Err(format!(
+                return Err(PassDiag::unsupported(format!(
                     "passing parameter `{pname}` to a `repeat` {} when it is {}stacked is not supported yet",
                     if per_layer { "per layer" } else { "whole" },
                     if stacked { "" } else { "not " }
-                ));
+                ))
+                .at(Loc::Node(RegionRef::Main, nid)));
             }
             let users = g.main.nodes.iter().filter(|m| matches!(m.op, Op::Repeat { block: b, .. } if b == block)).count();
             if users != 1 {
-                return Err(format!("sharding parameters of block @{}, run by {users} `repeat` nodes, is not supported yet", g.blocks[block.index()].name));
+                return Err(PassDiag::unsupported(format!(
+                    "sharding parameters of block @{}, run by {users} `repeat` nodes, is not supported yet",
+                    g.blocks[block.index()].name
+                ))
+                .at(Loc::Node(RegionRef::Main, nid)));
             }
             let bd = if per_layer { d - 1 } else { d };
             let region = &mut g.blocks[block.index()];

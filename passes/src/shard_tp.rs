@@ -51,7 +51,9 @@
 //! subgroup all-reduce, would need a new placement kind in the runtime's init/gather and a
 //! communicator per kv group.
 
+use crate::PassDiag;
 use titan_ir::infer::{InferCtx, infer_types};
+use titan_ir::verify::{Loc, RegionRef};
 use titan_ir::{ArgKind, CollectiveReduce, DType, Dim, DimTable, Graph, Mesh, MeshDim, NodeId, Op, Placement, Region, TensorType, Value, ValueDef};
 
 use crate::util::replace_uses;
@@ -137,9 +139,9 @@ fn shrink(ty: &TensorType, d: usize, n: u32, dims: &DimTable, what: &str) -> Res
     Ok(t)
 }
 
-pub fn shard_tp(g: &mut Graph) -> Result<ShardTpStats, String> {
+pub fn shard_tp(g: &mut Graph) -> Result<ShardTpStats, PassDiag> {
     let mut stats = ShardTpStats::default();
-    let Some(mesh) = Mesh::from_graph(g)? else { return Ok(stats) };
+    let Some(mesh) = Mesh::from_graph(g)? else { return Err(crate::error::no_mesh()) };
     let n = mesh.size(MeshDim::Tp);
     if n == 1 {
         return Ok(stats);
@@ -154,7 +156,12 @@ pub fn shard_tp(g: &mut Graph) -> Result<ShardTpStats, String> {
         let ty = g.main.ty(v).clone();
         let first = usize::from(info.is_stacked());
         if ty.rank() != first + 2 && plan != Plan::Replicate {
-            return Err(format!("tensor-parallel parameter `{}` must be a {}matrix, found {ty}", info.name, if first == 1 { "stacked " } else { "" }));
+            return Err(PassDiag::invalid(format!(
+                "tensor-parallel parameter `{}` must be a {}matrix, found {ty}",
+                info.name,
+                if first == 1 { "stacked " } else { "" }
+            ))
+            .at(Loc::Arg(RegionRef::Main, i)));
         }
         let d = match plan {
             Plan::Column | Plan::KvReplicate | Plan::Vocab => first,
@@ -213,7 +220,8 @@ pub fn shard_tp(g: &mut Graph) -> Result<ShardTpStats, String> {
             let arg = region.args[j].value;
             let ty = region.ty(arg).clone();
             if ty.rank() != 3 {
-                return Err(format!("sequence parallelism of @{}: carried value {j} must be [batch, seq, dim], found {ty}", region.name));
+                return Err(PassDiag::invalid(format!("sequence parallelism of @{}: carried value {j} must be [batch, seq, dim], found {ty}", region.name))
+                    .at(Loc::Arg(RegionRef::Block(block), j)));
             }
             region.values[arg.index()].ty = shrink(&ty, 1, n, &g.dims, &format!("sequence of @{}", region.name))?;
             let placement = region.value(arg).placement.clone();

@@ -3,7 +3,7 @@
 
 use titan_ir::{AttrValue, DecayKind, Graph, Region};
 
-use crate::PassError;
+use crate::{PassDiag, PassError};
 
 /// Optimizer and schedule settings baked into the training-step graph.
 #[derive(Clone, Debug, PartialEq)]
@@ -80,7 +80,7 @@ impl TrainOptions {
 
     /// Reject settings that would make the step meaningless.
     pub fn validate(&self) -> Result<(), PassError> {
-        let bad = |message: String| Err(PassError::Failed { pass: "lower-to-train", message });
+        let bad = |message: String| Err(PassError::new("lower-to-train", crate::PassErrorKind::Invalid, message));
         if !(self.lr.is_finite() && self.lr > 0.0) {
             return bad(format!("lr must be a positive number, found {}", self.lr));
         }
@@ -154,20 +154,22 @@ pub(crate) fn run_on_copy(
     Ok((g, report))
 }
 
-/// The `main` output through which the `autodiff` pass hands the gradient of argument `arg`
-/// to the `adamw` pass: `d_<argument name>`, every character other than a letter, digit or
-/// `_` replaced by `_` (`%layers.wq` -> `d_layers_wq`), or `d_arg<arg>` for an unnamed argument.
 /// The lowering for `model`: [`SPMD_TRAIN_PIPELINE`](crate::pipeline::SPMD_TRAIN_PIPELINE)
 /// when its `meta` names a mesh of more than one rank, else
 /// [`TRAIN_PIPELINE`](crate::pipeline::TRAIN_PIPELINE).
 pub fn train_pipeline(model: &Graph) -> Result<Vec<&'static str>, PassError> {
-    let mesh = titan_ir::Mesh::from_graph(model).map_err(|message| PassError::Failed { pass: "lower-to-train", message })?;
+    let mesh = titan_ir::Mesh::from_graph(model).map_err(|message| PassError::new("lower-to-train", crate::PassErrorKind::Invalid, message))?;
     Ok(match mesh {
         Some(m) if m.world_size() > 1 => crate::pipeline::SPMD_TRAIN_PIPELINE.to_vec(),
         _ => crate::pipeline::TRAIN_PIPELINE.to_vec(),
     })
 }
 
+/// The `main` output name the `autodiff` pass gives the gradient of argument `arg`:
+/// `d_<argument name>`, every character other than a letter, digit or `_` replaced by `_`
+/// (`%layers.wq` -> `d_layers_wq`), or `d_arg<arg>` for an unnamed argument. Only a name for
+/// readers of the IR: which output holds which gradient is the graph's gradient map
+/// ([`record_gradients`]), not this convention.
 pub fn grad_output_name(main: &Region, arg: usize) -> String {
     let name = main.args.get(arg).and_then(|a| main.value(a.value).name.as_deref());
     match name {
@@ -183,4 +185,44 @@ fn decay_name(d: DecayKind) -> &'static str {
         DecayKind::Linear => "linear",
         DecayKind::Cosine => "cosine",
     }
+}
+
+/// The `meta` key of the gradient map: the link from `autodiff` to `sync-grads` and `adamw`.
+pub const GRADIENTS_META: &str = "gradients";
+
+/// Record in `g`'s meta which `main` output holds the gradient of which `main` argument:
+/// `gradients = [grad(2, "d_w"), ...]` (argument number, output name), replacing any earlier map.
+pub fn record_gradients(g: &mut Graph, grads: &[(usize, String)]) {
+    let list = grads.iter().map(|(arg, out)| AttrValue::Call("grad".into(), vec![AttrValue::Int(*arg as i64), AttrValue::Str(out.clone())])).collect();
+    g.meta.entries.retain(|(k, _)| k != GRADIENTS_META);
+    g.meta.entries.push((GRADIENTS_META.into(), AttrValue::List(list)));
+}
+
+/// The gradient map of `g` as `(argument number, output index)` pairs, in map order; `Ok(None)`
+/// when the graph has none (autodiff has not run). A map that names a missing argument or
+/// output is an error.
+pub fn gradient_map(g: &Graph) -> Result<Option<Vec<(usize, usize)>>, PassDiag> {
+    let Some(entry) = g.meta.get(GRADIENTS_META) else { return Ok(None) };
+    let bad = |what: String| PassDiag::invalid(format!("meta `{GRADIENTS_META}`: {what}; it must list `grad(<argument number>, \"<output name>\")`"));
+    let AttrValue::List(items) = entry else { return Err(bad(format!("found {entry}"))) };
+    let mut out = Vec::with_capacity(items.len());
+    for item in items {
+        let (arg, name) = match item {
+            AttrValue::Call(w, a) if w == "grad" => match a.as_slice() {
+                [AttrValue::Int(i), AttrValue::Str(n)] => (*i, n),
+                _ => return Err(bad(format!("found {item}"))),
+            },
+            _ => return Err(bad(format!("found {item}"))),
+        };
+        let arg = usize::try_from(arg).ok().filter(|&i| i < g.main.args.len()).ok_or_else(|| bad(format!("argument {arg} does not exist")))?;
+        let output =
+            g.main.outputs.iter().position(|o| o.name.as_deref() == Some(name.as_str())).ok_or_else(|| bad(format!("output `{name}` does not exist")))?;
+        out.push((arg, output));
+    }
+    Ok(Some(out))
+}
+
+/// Remove the gradient map from `g`'s meta (the consumer of the gradients took them).
+pub fn take_gradient_map(g: &mut Graph) {
+    g.meta.entries.retain(|(k, _)| k != GRADIENTS_META);
 }

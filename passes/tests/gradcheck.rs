@@ -326,6 +326,7 @@ fn non_differentiable_ops_are_reported() {
         let inputs: Vec<Input> = (0..n).map(|_| input(&[3], Dist::Signed)).collect();
         let (mut g, _) = build(&inputs, 1, &one(op.clone()));
         let err = differentiate_main(&mut g, "loss").expect_err("must not differentiate");
-        assert!(err.contains("not supported yet"), "{}: {err}", op.name());
+        assert_eq!(err.kind, titan_passes::PassErrorKind::Unsupported, "{}: {err}", op.name());
+        assert!(err.message.contains("not supported yet") && err.at.is_some(), "{}: {err}", op.name());
     }
 }

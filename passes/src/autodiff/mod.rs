@@ -6,7 +6,9 @@
 
 pub mod rules;
 
+use crate::PassDiag;
 use std::collections::HashMap;
+use titan_ir::verify::{Loc, RegionRef};
 
 use titan_ir::{ArgKind, BlockId, Builder, Graph, NodeId, Op, Region, TensorType, Value, ValueDef};
 
@@ -154,10 +156,17 @@ impl PrimalMap for BlockPrimals {
 }
 
 /// Emits the VJP of one `repeat` node: `(builder, node, result cotangents) -> input cotangents`.
-type RepeatVjp<'a> = dyn FnMut(&mut Builder, NodeId, &[Option<Value>]) -> Result<Vec<Option<Value>>, String> + 'a;
+type RepeatVjp<'a> = dyn FnMut(&mut Builder, NodeId, &[Option<Value>]) -> Result<Vec<Option<Value>>, PassDiag> + 'a;
 
 /// Walk `primal`'s nodes in reverse, emitting VJPs through `b`. `repeat_vjp` handles repeat nodes.
-fn backprop(primal: &Region, b: &mut Builder, cot: &mut Cotangents, pm: &mut dyn PrimalMap, repeat_vjp: &mut RepeatVjp<'_>) -> Result<(), String> {
+fn backprop(
+    primal: &Region,
+    at: RegionRef,
+    b: &mut Builder,
+    cot: &mut Cotangents,
+    pm: &mut dyn PrimalMap,
+    repeat_vjp: &mut RepeatVjp<'_>,
+) -> Result<(), PassDiag> {
     for &n in primal.order.iter().rev() {
         let node = primal.node(n);
         let dy: Vec<Option<Value>> = node.results.iter().map(|r| cot.map.get(r).copied()).collect();
@@ -165,7 +174,7 @@ fn backprop(primal: &Region, b: &mut Builder, cot: &mut Cotangents, pm: &mut dyn
             continue;
         }
         let dx = if matches!(node.op, Op::Repeat { .. }) {
-            repeat_vjp(b, n, &dy)?
+            repeat_vjp(b, n, &dy).map_err(|e| e.at(Loc::Node(at, n)))?
         } else {
             let need = vjp_needs(&node.op, node.inputs.len(), node.results.len());
             let x: Vec<Option<Value>> =
@@ -175,7 +184,7 @@ fn backprop(primal: &Region, b: &mut Builder, cot: &mut Cotangents, pm: &mut dyn
             let x_ty: Vec<TensorType> = node.inputs.iter().map(|&v| primal.ty(v).clone()).collect();
             let y_ty: Vec<TensorType> = node.results.iter().map(|&v| primal.ty(v).clone()).collect();
             let args = VjpArgs { x: &x, y: &y, x_ty: &x_ty, y_ty: &y_ty, dy: &dy };
-            vjp(&node.op, &args, b).map_err(|e| format!("backward of node {n} (`{}`): {e}", node.op.name()))?
+            vjp(&node.op, &args, b).map_err(|e| e.context(format_args!("backward of node {n} (`{}`)", node.op.name())).at(Loc::Node(at, n)))?
         };
         for (&input, g) in node.inputs.iter().zip(dx) {
             if let Some(g) = g
@@ -189,12 +198,13 @@ fn backprop(primal: &Region, b: &mut Builder, cot: &mut Cotangents, pm: &mut dyn
 }
 
 /// Derive the backward of `block` as repeated with `n_carry` carried and `n_stacked` stacked args.
-pub fn differentiate_block(g: &Graph, block: BlockId, n_carry: usize, n_stacked: usize) -> Result<BlockGrad, String> {
+pub fn differentiate_block(g: &Graph, block: BlockId, n_carry: usize, n_stacked: usize) -> Result<BlockGrad, PassDiag> {
     let fwd = g.block(block);
     let n_args = fwd.args.len();
     for i in 0..n_carry {
         if !differentiable(fwd.ty(fwd.args[i].value).dtype) {
-            return Err(format!("@{}: a carried integer value cannot be differentiated (not supported yet)", fwd.name));
+            return Err(PassDiag::unsupported(format!("@{}: a carried integer value cannot be differentiated (not supported yet)", fwd.name))
+                .at(Loc::Arg(RegionRef::Block(block), i)));
         }
     }
     let mut bwd = Region::new(&format!("{}_bwd", fwd.name));
@@ -228,10 +238,10 @@ pub fn differentiate_block(g: &Graph, block: BlockId, n_carry: usize, n_stacked:
         .collect();
     {
         let mut b = Builder::new(&mut bwd, &g.dims, &g.blocks);
-        let mut no_repeat = |_: &mut Builder, n: NodeId, _: &[Option<Value>]| -> Result<Vec<Option<Value>>, String> {
-            Err(format!("node {n}: repeat inside a block is not supported yet"))
+        let mut no_repeat = |_: &mut Builder, n: NodeId, _: &[Option<Value>]| -> Result<Vec<Option<Value>>, PassDiag> {
+            Err(PassDiag::unsupported(format!("node {n}: repeat inside a block is not supported yet")))
         };
-        backprop(fwd, &mut b, &mut cot, &mut pm, &mut no_repeat).map_err(|e| format!("@{}: {e}", fwd.name))?;
+        backprop(fwd, RegionRef::Block(block), &mut b, &mut cot, &mut pm, &mut no_repeat).map_err(|e| e.context(format_args!("@{}", fwd.name)))?;
     }
     // Outputs: carried grads, accumulators, then per-layer grads of stacked inputs.
     let mut b = Builder::new(&mut bwd, &g.dims, &g.blocks);
@@ -304,7 +314,7 @@ struct RepeatGrad {
 /// Differentiate `g.main` with respect to every `state` argument, seeding the output `loss`
 /// with 1. Returns the gradient of each state argument (in argument order; `None` for
 /// non-float or unused ones) and statistics.
-pub fn differentiate_main(g: &mut Graph, loss_output: &str) -> Result<(Vec<Option<Value>>, AutodiffStats), String> {
+pub fn differentiate_main(g: &mut Graph, loss_output: &str) -> Result<(Vec<Option<Value>>, AutodiffStats), PassDiag> {
     let mut stats = AutodiffStats::default();
     // 1. Differentiate each repeated block once and make its forward save what the backward reads.
     let mut repeats: HashMap<NodeId, RepeatGrad> = HashMap::new();
@@ -313,7 +323,10 @@ pub fn differentiate_main(g: &mut Graph, loss_output: &str) -> Result<(Vec<Optio
     for n in order {
         let Op::Repeat { block, count, carry, stacked, prefetch, .. } = g.main.node(n).op.clone() else { continue };
         if prefetch > 0 {
-            return Err(format!("node {n}: `repeat` with prefetched carries cannot be differentiated; run prefetch-next-layer after autodiff"));
+            return Err(PassDiag::precondition(format!(
+                "node {n}: `repeat` with prefetched carries cannot be differentiated; run prefetch-next-layer after autodiff"
+            ))
+            .at(Loc::Node(RegionRef::Main, n)));
         }
         if let std::collections::hash_map::Entry::Vacant(slot) = done.entry(block) {
             let grad = differentiate_block(g, block, carry as usize, stacked as usize)?;
@@ -343,9 +356,9 @@ pub fn differentiate_main(g: &mut Graph, loss_output: &str) -> Result<(Vec<Optio
         .iter()
         .find(|o| o.name.as_deref() == Some(loss_output))
         .map(|o| o.value)
-        .ok_or_else(|| format!("the model has no `{loss_output}` output to differentiate"))?;
+        .ok_or_else(|| PassDiag::precondition(format!("the model has no `{loss_output}` output to differentiate")))?;
     if primal.ty(loss).rank() != 0 || !primal.ty(loss).dtype.is_float() {
-        return Err(format!("output `{loss_output}` must be a float scalar, found {}", primal.ty(loss)));
+        return Err(PassDiag::precondition(format!("output `{loss_output}` must be a float scalar, found {}", primal.ty(loss))));
     }
     let nodes_before = g.main.order.len();
     let mut cot = Cotangents::default();
@@ -353,11 +366,11 @@ pub fn differentiate_main(g: &mut Graph, loss_output: &str) -> Result<(Vec<Optio
     let mut b = Builder::new(main, dims, blocks);
     let one = crate::util::scalar(&mut b, 1.0, primal.ty(loss).dtype)?;
     cot.add(&mut b, loss, one)?;
-    let mut repeat_vjp = |b: &mut Builder, n: NodeId, dy: &[Option<Value>]| -> Result<Vec<Option<Value>>, String> {
+    let mut repeat_vjp = |b: &mut Builder, n: NodeId, dy: &[Option<Value>]| -> Result<Vec<Option<Value>>, PassDiag> {
         let rg = repeats.get(&n).ok_or_else(|| format!("node {n}: repeat was not prepared for differentiation"))?;
         let node = primal.node(n);
         let Op::Repeat { count, carry, stacked, reverse, .. } = node.op else {
-            return Err(format!("node {n} is not a repeat"));
+            return Err(PassDiag::invalid(format!("node {n} is not a repeat")));
         };
         let (nc, ns) = (carry as usize, stacked as usize);
         let mut carry_in = Vec::new();
@@ -403,7 +416,7 @@ pub fn differentiate_main(g: &mut Graph, loss_output: &str) -> Result<(Vec<Optio
         }
         Ok(dx)
     };
-    backprop(&primal, &mut b, &mut cot, &mut Identity, &mut repeat_vjp)?;
+    backprop(&primal, RegionRef::Main, &mut b, &mut cot, &mut Identity, &mut repeat_vjp)?;
     stats.backward_nodes = g.main.order.len() - nodes_before;
     let grads = primal
         .args

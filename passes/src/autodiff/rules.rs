@@ -1,5 +1,6 @@
 //! Vector-Jacobian products of every differentiable op, emitted as IR ops.
 
+use crate::PassDiag;
 use titan_ir::{BinaryOp, Builder, CollectiveReduce, DType, Op, ReduceKind, RopeConfig, TensorType, UnaryOp, Value};
 
 use crate::util::{flatten_leading, scalar};
@@ -75,7 +76,35 @@ fn unbroadcast(b: &mut Builder, g: Value, operand: &TensorType) -> Result<Value,
 }
 
 /// Emit the VJP of one node. Returns one cotangent per input (`None`: no gradient flows).
-pub fn vjp(op: &Op, a: &VjpArgs, b: &mut Builder) -> Result<Vec<Option<Value>>, String> {
+pub fn vjp(op: &Op, a: &VjpArgs, b: &mut Builder) -> Result<Vec<Option<Value>>, PassDiag> {
+    match op {
+        Op::Embedding
+        | Op::Gather
+        | Op::ScatterAdd
+        | Op::GatherShard
+        | Op::ScatterAddShard
+        | Op::Linear
+        | Op::RmsNorm { .. }
+        | Op::Rope(_)
+        | Op::Attention { .. }
+        | Op::CrossEntropy
+        | Op::CrossEntropyStats
+        | Op::CrossEntropyCombine => model_op_vjp(op, a, b),
+        Op::Unary(_) | Op::Binary(_) | Op::Cast => pointwise_vjp(op, a, b),
+        Op::Reshape | Op::Transpose { .. } | Op::Reduce { .. } | Op::Broadcast { .. } => layout_vjp(op, a, b),
+        Op::Matmul { .. } => matmul_vjp(op, a, b),
+        Op::AllGather { .. } | Op::ReduceScatter { .. } | Op::AllReduce { .. } | Op::TakeShard { .. } | Op::PlaceShard { .. } => collective_vjp(op, a, b),
+        Op::Constant { .. } => Ok(vec![]),
+        Op::RmsNormBwd { .. } | Op::AttentionBwd { .. } | Op::CrossEntropyBwd | Op::CrossEntropyStatsBwd | Op::LrSchedule(_) | Op::AdamW(_) => {
+            Err(PassDiag::unsupported(format!("differentiating `{}` is not supported", op.name())))
+        }
+        Op::Repeat { .. } => Err("invariant: repeat is differentiated by the region driver".into()),
+        Op::Kernel { .. } => Err(PassDiag::precondition("differentiating a fused graph (`kernel` nodes) is not supported; differentiate before fusion")),
+    }
+}
+
+/// The VJPs of the model-level ops (embedding, linear, norms, RoPE, attention, losses).
+fn model_op_vjp(op: &Op, a: &VjpArgs, b: &mut Builder) -> Result<Vec<Option<Value>>, PassDiag> {
     let dims = b.ctx.dims;
     let none = |n: usize| vec![None; n];
     // Most rules need the cotangent of result 0.
@@ -132,7 +161,7 @@ pub fn vjp(op: &Op, a: &VjpArgs, b: &mut Builder) -> Result<Vec<Option<Value>>, 
         }
         Op::Attention { causal, scale } => {
             if a.dy.get(1).copied().flatten().is_some() {
-                return Err("differentiating through attention's logsumexp result is not supported yet".into());
+                return Err(PassDiag::unsupported("differentiating through attention's logsumexp result is not supported yet"));
             }
             let Some(d_out) = dy0 else { return Ok(none(3)) };
             let r = b.push(Op::AttentionBwd { causal: *causal, scale: *scale }, &[a.x(0), a.x(1), a.x(2), a.y(0), a.y(1), d_out])?;
@@ -187,6 +216,16 @@ pub fn vjp(op: &Op, a: &VjpArgs, b: &mut Builder) -> Result<Vec<Option<Value>>, 
             let dt = b.push_typed(Op::Broadcast { dims: vec![] }, &[neg], ty)?;
             vec![Some(dm), Some(ds), Some(dt)]
         }
+        _ => unreachable!("invariant: `vjp` routes only its ops to model_op_vjp"),
+    })
+}
+
+/// The VJPs of elementwise ops and casts.
+fn pointwise_vjp(op: &Op, a: &VjpArgs, b: &mut Builder) -> Result<Vec<Option<Value>>, PassDiag> {
+    let none = |n: usize| vec![None; n];
+    // Most rules need the cotangent of result 0.
+    let dy0 = a.dy.first().copied().flatten();
+    Ok(match op {
         Op::Unary(u) => {
             let Some(dy) = dy0 else { return Ok(none(1)) };
             let dt = a.x_ty[0].dtype;
@@ -265,7 +304,7 @@ pub fn vjp(op: &Op, a: &VjpArgs, b: &mut Builder) -> Result<Vec<Option<Value>>, 
                     (da, bin(b, BinaryOp::Mul, dy, t)?)
                 }
                 BinaryOp::Max | BinaryOp::Min | BinaryOp::SiluGrad => {
-                    return Err(format!("differentiating `{}` is not supported yet", bo.name()));
+                    return Err(PassDiag::unsupported(format!("differentiating `{}` is not supported yet", bo.name())));
                 }
             };
             vec![Some(unbroadcast(b, da, ta)?), Some(unbroadcast(b, db, tb)?)]
@@ -277,6 +316,17 @@ pub fn vjp(op: &Op, a: &VjpArgs, b: &mut Builder) -> Result<Vec<Option<Value>>, 
             }
             vec![Some(b.push_typed(Op::Cast, &[dy], a.x_ty[0].clone())?)]
         }
+        _ => unreachable!("invariant: `vjp` routes only its ops to pointwise_vjp"),
+    })
+}
+
+/// The VJPs of reshapes, transposes, reductions and broadcasts.
+fn layout_vjp(op: &Op, a: &VjpArgs, b: &mut Builder) -> Result<Vec<Option<Value>>, PassDiag> {
+    let dims = b.ctx.dims;
+    let none = |n: usize| vec![None; n];
+    // Most rules need the cotangent of result 0.
+    let dy0 = a.dy.first().copied().flatten();
+    Ok(match op {
         Op::Reshape => {
             let Some(dy) = dy0 else { return Ok(none(1)) };
             vec![Some(b.push_typed(Op::Reshape, &[dy], a.x_ty[0].clone())?)]
@@ -303,7 +353,7 @@ pub fn vjp(op: &Op, a: &VjpArgs, b: &mut Builder) -> Result<Vec<Option<Value>>, 
                     let c = scalar(b, 1.0 / n as f64, x_ty.dtype)?;
                     bin(b, BinaryOp::Mul, dy, c)?
                 }
-                ReduceKind::Max => return Err("differentiating `reduce_max` is not supported yet".into()),
+                ReduceKind::Max => return Err(PassDiag::unsupported("differentiating `reduce_max` is not supported yet")),
             };
             vec![Some(b.push_typed(Op::Broadcast { dims: keep }, &[g], x_ty.clone())?)]
         }
@@ -327,6 +377,17 @@ pub fn vjp(op: &Op, a: &VjpArgs, b: &mut Builder) -> Result<Vec<Option<Value>>, 
             let r = if axes.is_empty() { dy } else { b.push1(Op::Reduce { kind: ReduceKind::Sum, axes }, &[dy])? };
             vec![Some(b.push_typed(Op::Reshape, &[r], x_ty.clone())?)]
         }
+        _ => unreachable!("invariant: `vjp` routes only its ops to layout_vjp"),
+    })
+}
+
+/// The VJPs of `matmul` (either operand transposed, batched or shared).
+fn matmul_vjp(op: &Op, a: &VjpArgs, b: &mut Builder) -> Result<Vec<Option<Value>>, PassDiag> {
+    let dims = b.ctx.dims;
+    let none = |n: usize| vec![None; n];
+    // Most rules need the cotangent of result 0.
+    let dy0 = a.dy.first().copied().flatten();
+    Ok(match op {
         Op::Matmul { transpose_a: ta, transpose_b: tb } => {
             let Some(dy) = dy0 else { return Ok(none(2)) };
             let (ra, rb) = (a.x_ty[0].rank(), a.x_ty[1].rank());
@@ -337,7 +398,7 @@ pub fn vjp(op: &Op, a: &VjpArgs, b: &mut Builder) -> Result<Vec<Option<Value>>, 
             } else if ra == 2 || rb > 2 {
                 mm(b, *tb, true, w, dy)?
             } else {
-                return Err("differentiating a transposed batched matmul with a shared 2-d rhs is not supported yet".into());
+                return Err(PassDiag::unsupported("differentiating a transposed batched matmul with a shared 2-d rhs is not supported yet"));
             };
             let db = if rb > 2 || ra == 2 {
                 if *tb { mm(b, true, *ta, dy, x)? } else { mm(b, !*ta, false, x, dy)? }
@@ -348,10 +409,20 @@ pub fn vjp(op: &Op, a: &VjpArgs, b: &mut Builder) -> Result<Vec<Option<Value>>, 
                 let dy2 = b.push_typed(Op::Reshape, &[dy], flatten_leading(&dy_ty, dims)?)?;
                 if *tb { mm(b, true, false, dy2, x2)? } else { mm(b, true, false, x2, dy2)? }
             } else {
-                return Err("differentiating a transposed batched matmul with a shared 2-d rhs is not supported yet".into());
+                return Err(PassDiag::unsupported("differentiating a transposed batched matmul with a shared 2-d rhs is not supported yet"));
             };
             vec![Some(da), Some(db)]
         }
+        _ => unreachable!("invariant: `vjp` routes only its ops to matmul_vjp"),
+    })
+}
+
+/// The VJPs of collectives and rank-local shard slicing (the SPMD cotangent convention of docs/ir.md).
+fn collective_vjp(op: &Op, a: &VjpArgs, b: &mut Builder) -> Result<Vec<Option<Value>>, PassDiag> {
+    let none = |n: usize| vec![None; n];
+    // Most rules need the cotangent of result 0.
+    let dy0 = a.dy.first().copied().flatten();
+    Ok(match op {
         // Collectives, with the SPMD cotangent convention: a rank's cotangent of a value is its
         // contribution to the true gradient, which is the sum over ranks (a replicated value's
         // cotangent is `Partial`). So all_gather and reduce_scatter are each other's VJP and
@@ -379,14 +450,9 @@ pub fn vjp(op: &Op, a: &VjpArgs, b: &mut Builder) -> Result<Vec<Option<Value>>, 
             vec![Some(b.push1(Op::TakeShard { mesh_dim: *mesh_dim, dim: *dim, size: *size }, &[dy])?)]
         }
         Op::AllReduce { reduce: CollectiveReduce::Max, .. } => {
-            return Err("differentiating `all_reduce` with `reduce = max` is not supported yet".into());
+            return Err(PassDiag::unsupported("differentiating `all_reduce` with `reduce = max` is not supported yet"));
         }
-        Op::Constant { .. } => vec![],
-        Op::RmsNormBwd { .. } | Op::AttentionBwd { .. } | Op::CrossEntropyBwd | Op::CrossEntropyStatsBwd | Op::LrSchedule(_) | Op::AdamW(_) => {
-            return Err(format!("differentiating `{}` is not supported", op.name()));
-        }
-        Op::Repeat { .. } => return Err("invariant: repeat is differentiated by the region driver".into()),
-        Op::Kernel { .. } => return Err("differentiating a fused graph (`kernel` nodes) is not supported; differentiate before fusion".into()),
+        _ => unreachable!("invariant: `vjp` routes only its ops to collective_vjp"),
     })
 }
 

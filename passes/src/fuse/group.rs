@@ -2,6 +2,7 @@
 //! the [module documentation](super). Builds nothing; [`super::outline`] turns the groups into
 //! kernel bodies.
 
+use crate::PassDiag;
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashSet};
 
@@ -326,7 +327,7 @@ impl<'r> Grouper<'r> {
 
     /// The optimizer group: every `adamw` and `lr_schedule`, plus the pointwise producers of
     /// each gradient operand whose results only the group reads.
-    fn optimizer_group(&mut self) -> Result<(), String> {
+    fn optimizer_group(&mut self) -> Result<(), PassDiag> {
         let region = self.region;
         let core: Vec<NodeId> = region.order.iter().copied().filter(|&n| self.node_class(n) == Some(Class::Optimizer)).collect();
         if core.is_empty() {
@@ -356,7 +357,10 @@ impl<'r> Grouper<'r> {
             // Retry without the absorbed producers before giving up.
             let core_set: HashSet<NodeId> = core.iter().copied().collect();
             if !self.convex(&|n| core_set.contains(&n), &core) {
-                return Err(format!("@{}: the optimizer updates depend on each other through other ops (not supported yet)", region.name));
+                return Err(PassDiag::unsupported(format!(
+                    "@{}: the optimizer updates depend on each other through other ops (not supported yet)",
+                    region.name
+                )));
             }
             members = core;
         }
@@ -516,7 +520,7 @@ impl<'r> Grouper<'r> {
 }
 
 /// Group the nodes of `region` into kernels.
-pub fn group_region(region: &Region, dims: &DimTable) -> Result<Grouping, String> {
+pub fn group_region(region: &Region, dims: &DimTable) -> Result<Grouping, PassDiag> {
     let mut g = Grouper::new(region, dims)?;
     g.optimizer_group()?;
     g.fuse_pointwise();

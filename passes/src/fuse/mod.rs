@@ -66,7 +66,7 @@ use titan_ir::{BlockId, Graph, KernelKind, Op, Region};
 pub use group::{Class, Space, classify};
 pub use report::{FusionReport, KernelInfo, RegionReport, fusion_report};
 
-use crate::PassError;
+use crate::PassDiag;
 
 /// What the fusion pass did.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -105,14 +105,6 @@ pub fn kernel_bodies(g: &Graph) -> HashSet<BlockId> {
             _ => None,
         })
         .collect()
-}
-
-fn fail(message: String) -> PassError {
-    if message.contains("not supported yet") {
-        PassError::Unsupported { pass: "fuse", what: message.replace(" (not supported yet)", "") }
-    } else {
-        PassError::Failed { pass: "fuse", message }
-    }
 }
 
 /// Check the shape of a kernel graph: regions (other than kernel bodies) hold only `kernel`,
@@ -162,7 +154,7 @@ pub fn check_kernel_graph(g: &Graph) -> Vec<String> {
 
 /// Fuse every region of `g` into kernels (see the module documentation). On error `g` is
 /// unchanged.
-pub fn fuse(g: &mut Graph) -> Result<FuseStats, PassError> {
+pub fn fuse(g: &mut Graph) -> Result<FuseStats, PassDiag> {
     let bodies = kernel_bodies(g);
     let base = g.blocks.len() as u32;
     let mut new_blocks: Vec<Region> = Vec::new();
@@ -178,8 +170,8 @@ pub fn fuse(g: &mut Graph) -> Result<FuseStats, PassError> {
         if is_kernel_region(region) {
             continue;
         }
-        let grouping = group::group_region(region, &g.dims).map_err(fail)?;
-        let o = outline::outline(region, &grouping, base + new_blocks.len() as u32).map_err(fail)?;
+        let grouping = group::group_region(region, &g.dims)?;
+        let o = outline::outline(region, &grouping, base + new_blocks.len() as u32)?;
         stats.regions += 1;
         stats.kernels += o.bodies.len();
         stats.fused_kernels += o.region.nodes.iter().filter(|n| matches!(n.op, Op::Kernel { kind: KernelKind::Fused, .. })).count();
@@ -190,7 +182,7 @@ pub fn fuse(g: &mut Graph) -> Result<FuseStats, PassError> {
     }
     let mut names: HashSet<&str> = g.blocks.iter().map(|b| b.name.as_str()).collect();
     if let Some(b) = new_blocks.iter().find(|b| !names.insert(b.name.as_str())) {
-        return Err(fail(format!("kernel body `@{}` would reuse the name of an existing block; rename that block", b.name)));
+        return Err(PassDiag::invalid(format!("kernel body `@{}` would reuse the name of an existing block; rename that block", b.name)));
     }
     for (t, region) in rewritten {
         match t {

@@ -123,51 +123,21 @@ pub fn encode_ints(xs: &[i64], dtype: DType, out: &mut [u8]) -> Result<(), Strin
     encode(&t, out)
 }
 
-/// OCP f8e4m3fn: bias 7, no infinities, `S.1111.111` is NaN.
+/// The fp8 formats' bit encodings are the IR's (`titan_ir::fp8`, tested there on every code).
 fn e4m3_to_f32(b: u8) -> f32 {
-    let sign = if b & 0x80 != 0 { -1.0 } else { 1.0 };
-    let e = i32::from((b >> 3) & 0x0f);
-    let m = f32::from(b & 0x07);
-    if e == 0x0f && m == 7.0 {
-        return f32::NAN;
-    }
-    let mag = if e == 0 { m * 2f32.powi(-9) } else { (1.0 + m / 8.0) * 2f32.powi(e - 7) };
-    sign * mag
+    titan_ir::fp8::decode(DType::F8E4M3, b).expect("invariant: f8e4m3 is an fp8 dtype")
 }
 
 fn f32_to_e4m3(x: f32) -> u8 {
-    let r = round_to_dtype(x, DType::F8E4M3);
-    if r.is_nan() {
-        return 0x7f;
-    }
-    let sign = if r.is_sign_negative() { 0x80 } else { 0 };
-    let a = r.abs();
-    if a == 0.0 {
-        return sign;
-    }
-    // `a` is representable: a normal f32 whose exponent is in [-9, 8].
-    let e = ((a.to_bits() >> 23) & 0xff) as i32 - 127;
-    let code = if e < -6 {
-        (a / 2f32.powi(-9)) as u8
-    } else {
-        let m = (a / 2f32.powi(e - 3)) as u8 - 8;
-        (((e + 7) as u8) << 3) | m
-    };
-    sign | code
+    titan_ir::fp8::encode(DType::F8E4M3, x).expect("invariant: f8e4m3 is an fp8 dtype")
 }
 
-/// f8e5m2 is the top byte of an IEEE half.
 fn e5m2_to_f32(b: u8) -> f32 {
-    f16::from_bits(u16::from(b) << 8).to_f32()
+    titan_ir::fp8::decode(DType::F8E5M2, b).expect("invariant: f8e5m2 is an fp8 dtype")
 }
 
 fn f32_to_e5m2(x: f32) -> u8 {
-    let r = round_to_dtype(x, DType::F8E5M2);
-    let bits = f16::from_f32(r).to_bits();
-    if r.is_nan() {
-        return ((bits >> 8) as u8) | 0x02;
-    }
-    (bits >> 8) as u8
+    titan_ir::fp8::encode(DType::F8E5M2, x).expect("invariant: f8e5m2 is an fp8 dtype")
 }
 
 #[cfg(test)]

@@ -8,7 +8,7 @@ use titan_compiler::{LlamaConfig, Preset, build_llama3};
 use titan_ir::interp::{Interpreter, Precision, Tensor};
 use titan_ir::{ArgKind, DType, Output};
 use titan_passes::autodiff::differentiate_main;
-use titan_passes::mixed_precision::master_weights;
+use titan_passes::master_weights::master_weights;
 
 fn tiny(tie_embeddings: bool) -> LlamaConfig {
     let mut c = LlamaConfig::preset(Preset::Debug);

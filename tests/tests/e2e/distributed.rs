@@ -502,6 +502,8 @@ fn collective_check_names_the_ops_it_rejects() {
     let mut wrong = g.clone();
     Mesh::new(1, 4, 1).write_meta(&mut wrong);
     let err = titan_passes::check_collectives::check_collectives(&mut wrong).expect_err("size 2 on a mesh of 4");
+    assert_eq!(err.kind, titan_passes::PassErrorKind::Invalid);
+    let err = err.message;
     assert!(
         err.contains("`all_gather {mesh_dim = dp_shard, dim = 0, size = 2}` (node")
             && err.contains("in @layer) has size = 2 but mesh dim dp_shard has 4 ranks; set size = 4"),
@@ -510,7 +512,8 @@ fn collective_check_names_the_ops_it_rejects() {
     let mut none = g.clone();
     none.meta.entries.retain(|(k, _)| k != "world_size");
     let err = titan_passes::check_collectives::check_collectives(&mut none).expect_err("no mesh");
-    assert!(err.contains("needs a device mesh"), "{err}");
+    assert_eq!(err.kind, titan_passes::PassErrorKind::Precondition);
+    assert!(err.message.contains("needs a device mesh"), "{err}");
     let mut ok = g;
     let stats = titan_passes::check_collectives::check_collectives(&mut ok).expect("consistent");
     assert_eq!(stats.communicators, 1);

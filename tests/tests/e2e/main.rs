@@ -9,6 +9,7 @@ mod checkpoint_e2e;
 mod common;
 mod distributed;
 mod example_files;
+mod filetests;
 mod fusion;
 mod initial_loss;
 mod launch;

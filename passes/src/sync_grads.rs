@@ -1,4 +1,5 @@
-//! `sync-grads`: after autodiff of an SPMD graph, make every gradient output `d_<param>` the
+//! `sync-grads`: after autodiff of an SPMD graph, make every gradient output (the graph's
+//! gradient map, meta `gradients`) the
 //! true gradient of the rank's local parameter, and report the global loss.
 //!
 //! With the SPMD cotangent convention (a rank's cotangent is its contribution to a sum over
@@ -8,9 +9,10 @@
 //! Gradients of `Shard`ed parameters were reduce-scattered by the VJP of their `all_gather`.
 //! Output `loss` (the rank's share) becomes the sum over all ranks: the global mean.
 
+use crate::PassDiag;
 use titan_ir::{CollectiveReduce, Graph, Mesh, MeshDim, Op, Placement, Value};
 
-use crate::train::grad_output_name;
+use crate::train::gradient_map;
 
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct SyncGradsStats {
@@ -18,16 +20,15 @@ pub struct SyncGradsStats {
     pub grad_all_reduces: usize,
 }
 
-pub fn sync_grads(g: &mut Graph) -> Result<SyncGradsStats, String> {
+pub fn sync_grads(g: &mut Graph) -> Result<SyncGradsStats, PassDiag> {
     let mut stats = SyncGradsStats::default();
-    let Some(mesh) = Mesh::from_graph(g)? else { return Ok(stats) };
+    let Some(mesh) = Mesh::from_graph(g)? else { return Err(crate::error::no_mesh()) };
     if mesh.world_size() == 1 {
         return Ok(stats);
     }
-    let names: Vec<String> = (0..g.main.args.len()).map(|i| grad_output_name(&g.main, i)).collect();
+    let map = gradient_map(g)?.ok_or_else(|| PassDiag::precondition("the graph has no gradient map (meta `gradients`); run `autodiff` before `sync-grads`"))?;
     let mut todo: Vec<(usize, Vec<MeshDim>)> = Vec::new();
-    for (k, o) in g.main.outputs.iter().enumerate() {
-        let Some(i) = o.name.as_deref().and_then(|n| names.iter().position(|m| m == n)) else { continue };
+    for (i, k) in map {
         let placement = &g.main.value(g.main.args[i].value).placement;
         let dims: Vec<MeshDim> =
             MeshDim::ALL.into_iter().filter(|&m| mesh.size(m) > 1 && placement.get(m.index()).is_none_or(|p| *p == Placement::Replicate)).collect();
@@ -41,7 +42,7 @@ pub fn sync_grads(g: &mut Graph) -> Result<SyncGradsStats, String> {
         }
         g.main.outputs[k].value = v;
     }
-    let pos = g.main.outputs.iter().position(|o| o.name.as_deref() == Some("loss")).ok_or("the graph has no `loss` output")?;
+    let pos = g.main.outputs.iter().position(|o| o.name.as_deref() == Some("loss")).ok_or_else(|| PassDiag::precondition("the graph has no `loss` output"))?;
     let mut loss = g.main.outputs[pos].value;
     for m in [MeshDim::Tp, MeshDim::DpShard, MeshDim::DpReplicate] {
         if mesh.size(m) > 1 {

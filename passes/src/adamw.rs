@@ -1,6 +1,7 @@
-//! The optimizer step appended to the training graph: global gradient-norm clipping and
+//! `adamw`: the optimizer step appended to the training graph: global gradient-norm clipping and
 //! AdamW over fp32 master weights with fp32 moments.
 
+use crate::PassDiag;
 use titan_ir::{
     AdamWConfig, ArgKind, BinaryOp, CollectiveReduce, DType, Graph, Init, LrSchedule, Mesh, MeshDim, Op, Output, ParamInfo, Placement, ReduceKind, TensorType,
     UnaryOp, Update, Value,
@@ -10,15 +11,15 @@ use crate::TrainOptions;
 use crate::util::{scalar, zeros};
 
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct OptimizerStats {
+pub struct AdamWStats {
     pub params: usize,
     pub state_buffers: usize,
 }
 
 /// Append clipping and AdamW for every `state` argument with a gradient in `grads`
 /// (indexed like `g.main.args`). Adds the `step` input and the `grad_norm` and `lr` outputs.
-pub fn append_adamw(g: &mut Graph, grads: &[Option<Value>], opts: &TrainOptions) -> Result<OptimizerStats, String> {
-    let mut stats = OptimizerStats::default();
+pub fn append_adamw(g: &mut Graph, grads: &[Option<Value>], opts: &TrainOptions) -> Result<AdamWStats, PassDiag> {
+    let mut stats = AdamWStats::default();
     let step = g.main.add_arg(TensorType::scalar(DType::I32), ArgKind::Input, Some("step"));
     let params: Vec<(Value, ParamInfo)> = g
         .main
@@ -94,7 +95,7 @@ pub fn append_adamw(g: &mut Graph, grads: &[Option<Value>], opts: &TrainOptions)
     }
     let total = match total {
         Some(t) => t,
-        None => return Err("the model has no parameters to train".into()),
+        None => return Err(PassDiag::precondition("the model has no parameters to train (no `state` arguments: run `master-weights` first)")),
     };
     let norm = b.push1(Op::Unary(UnaryOp::Sqrt), &[total])?;
     b.name(norm, "grad_norm");
