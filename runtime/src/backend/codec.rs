@@ -5,7 +5,7 @@
 use half::slice::{HalfBitsSliceExt, HalfFloatSliceExt};
 use half::{bf16, f16};
 use titan_ir::DType;
-use titan_ir::interp::{Data, Tensor, round_to_dtype};
+use titan_ir::interp::{Data, Tensor};
 use zerocopy::IntoBytes;
 
 /// Little-endian bytes to f32 values (one copy on little-endian machines).
@@ -142,6 +142,8 @@ fn f32_to_e5m2(x: f32) -> u8 {
 
 #[cfg(test)]
 mod tests {
+    use titan_ir::interp::round_to_dtype;
+
     use super::*;
 
     #[test]
