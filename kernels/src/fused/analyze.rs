@@ -216,7 +216,6 @@ fn domain(b: &Body) -> GenResult<(RowShape, Option<RopeInfo>)> {
 
 pub(super) fn analyze<'g>(b: &Body<'g>) -> GenResult<Analysis<'g>> {
     let (rowdef, rope) = domain(b)?;
-    let nv = b.r.values.len();
     let (flat, rows, d, n) = match rowdef {
         Some((r, d)) => (false, r, d, r * d),
         None => {
@@ -227,10 +226,51 @@ pub(super) fn analyze<'g>(b: &Body<'g>) -> GenResult<Analysis<'g>> {
     if n == 0 {
         return unsupported("empty tensors in a fused kernel; drop the group");
     }
-    let mut lay: Vec<Option<Lay>> = vec![None; nv];
-    let mut level = vec![0u32; nv];
-    // Flat kernels may cover several element domains (one per tensor size); row kernels one.
-    let class = |numel: u64| -> Option<Lay> {
+    let mut a = Analyzer::new(b, flat, rows, d, n);
+    for node in b.nodes() {
+        a.node(node)?;
+    }
+    a.finish(rope)
+}
+
+/// [`analyze`]'s state while it walks the body's nodes in order: the layout and reduction level
+/// of every value so far, and the row reductions, row ops and cross-block accumulations found.
+struct Analyzer<'a, 'g> {
+    b: &'a Body<'g>,
+    flat: bool,
+    rows: u64,
+    d: u64,
+    /// Elements of the kernel's domain.
+    n: u64,
+    lay: Vec<Option<Lay>>,
+    level: Vec<u32>,
+    reds: Vec<RowRed>,
+    row_ops: Vec<RowOp<'g>>,
+    accs: Vec<Acc>,
+    /// Whether something reads the value: results nothing reads need no cross-block sums
+    /// (rmsnorm_bwd's dw, an unused loss).
+    used: Vec<bool>,
+}
+
+impl<'a, 'g> Analyzer<'a, 'g> {
+    fn new(b: &'a Body<'g>, flat: bool, rows: u64, d: u64, n: u64) -> Self {
+        let nv = b.r.values.len();
+        let mut used = vec![false; nv];
+        for node in b.nodes() {
+            for &i in &node.inputs {
+                used[i.index()] = true;
+            }
+        }
+        for o in &b.r.outputs {
+            used[o.value.index()] = true;
+        }
+        Analyzer { b, flat, rows, d, n, lay: vec![None; nv], level: vec![0u32; nv], reds: Vec::new(), row_ops: Vec::new(), accs: Vec::new(), used }
+    }
+
+    /// The layout a value of `numel` elements has, when its size tells. Flat kernels may cover
+    /// several element domains (one per tensor size); row kernels one.
+    fn class(&self, numel: u64) -> Option<Lay> {
+        let (flat, rows, d, n) = (self.flat, self.rows, self.d, self.n);
         if numel == 1 {
             Some(Lay::Scalar)
         } else if numel == n || flat {
@@ -242,295 +282,355 @@ pub(super) fn analyze<'g>(b: &Body<'g>) -> GenResult<Analysis<'g>> {
         } else {
             None
         }
-    };
-    let demand = |lay: &mut Vec<Option<Lay>>, v: Value, want: Lay| -> GenResult<()> {
-        match lay[v.index()] {
+    }
+
+    /// Require `v` to be laid out as `want`, recording it when it is not known yet.
+    fn demand(&mut self, v: Value, want: Lay) -> GenResult<()> {
+        match self.lay[v.index()] {
             None => {
-                lay[v.index()] = Some(want);
+                self.lay[v.index()] = Some(want);
                 Ok(())
             }
             Some(l) if l == want => Ok(()),
             Some(l) => unsupported(format!("value {v} is used as {want:?} but computed as {l:?}; the group mixes index spaces")),
         }
-    };
-    let known = |lay: &Vec<Option<Lay>>, v: Value| -> GenResult<Lay> {
-        match lay[v.index()].or_else(|| class(b.numel(v))) {
+    }
+
+    /// The layout of `v`: the one recorded, else the one its size tells.
+    fn known(&self, v: Value) -> GenResult<Lay> {
+        let b = self.b;
+        match self.lay[v.index()].or_else(|| self.class(b.numel(v))) {
             Some(l) => Ok(l),
             None => unsupported(format!(
                 "cannot tell how {v} ({}) is indexed in a kernel over {} elements; only rows, columns, scalars and whole tensors are supported",
                 shape_str(&b.shape[v.index()]),
-                n
+                self.n
             )),
         }
-    };
-    let mut reds: Vec<RowRed> = Vec::new();
-    let add_red = |reds: &mut Vec<RowRed>, r: RowRed| -> usize {
-        if let Some(i) = reds.iter().position(|x| *x == r) {
+    }
+
+    /// The index of row reduction `r`, added unless an equal one exists.
+    fn add_red(&mut self, r: RowRed) -> usize {
+        if let Some(i) = self.reds.iter().position(|x| *x == r) {
             i
         } else {
-            reds.push(r);
-            reds.len() - 1
-        }
-    };
-    let mut row_ops = Vec::new();
-    let mut accs = Vec::new();
-    // Results nothing reads need no cross-block sums (rmsnorm_bwd's dw, an unused loss).
-    let mut used = vec![false; nv];
-    for node in b.nodes() {
-        for &i in &node.inputs {
-            used[i.index()] = true;
+            self.reds.push(r);
+            self.reds.len() - 1
         }
     }
-    for o in &b.r.outputs {
-        used[o.value.index()] = true;
+
+    /// The level of an op reading `vs`: the deepest of theirs.
+    fn lv(&self, vs: &[Value]) -> u32 {
+        vs.iter().map(|v| self.level[v.index()]).max().unwrap_or(0)
     }
-    for node in b.nodes() {
-        let key = b.node_key(node);
-        let lv = |level: &Vec<u32>, vs: &[Value]| vs.iter().map(|v| level[v.index()]).max().unwrap_or(0);
+
+    fn node(&mut self, node: &'g Node) -> GenResult<()> {
+        let key = self.b.node_key(node);
         match &node.op {
-            Op::Constant { .. } => {
-                let r = node.results[0];
-                let l = known(&lay, r)?;
-                lay[r.index()] = Some(l);
-            }
-            Op::Unary(_) | Op::Binary(_) | Op::Cast | Op::Reshape => {
-                // Operands already known decide unknown arguments of the same size.
-                let mut ls = Vec::new();
-                for &i in &node.inputs {
-                    if lay[i.index()].is_none() {
-                        let same = node.inputs.iter().find(|&&o| o != i && b.numel(o) == b.numel(i)).and_then(|o| lay[o.index()]);
-                        let l = match same {
-                            Some(l) => l,
-                            None => known(&lay, i)?,
-                        };
-                        lay[i.index()] = Some(l);
-                    }
-                    ls.push(lay[i.index()].unwrap_or(Lay::Scalar));
-                }
-                let r = node.results[0];
-                let l = combine_lays(&ls, r)?;
-                let l = if matches!(node.op, Op::Reshape) && l == Lay::Elem && !flat && b.numel(r) != n {
-                    return unsupported(format!("reshape of {} elements inside a kernel over {n}", b.numel(r)));
-                } else {
-                    l
+            Op::Constant { .. } => self.constant(node),
+            Op::Unary(_) | Op::Binary(_) | Op::Cast | Op::Reshape => self.pointwise(node),
+            Op::Broadcast { dims } => self.broadcast(node, dims),
+            Op::Reduce { kind, axes } => self.reduce(node, key, *kind, axes),
+            Op::RmsNorm { .. } => self.rmsnorm(node, key),
+            Op::RmsNormBwd { .. } => self.rmsnorm_bwd(node, key),
+            Op::CrossEntropy | Op::CrossEntropyBwd => self.cross_entropy(node, key),
+            Op::CrossEntropyStats | Op::CrossEntropyStatsBwd => self.cross_entropy_stats(node, key),
+            Op::CrossEntropyCombine => self.cross_entropy_combine(node, key),
+            Op::Rope(_) => self.rope(node),
+            other => unsupported(format!("`{}` in a fused kernel", other.name())),
+        }
+    }
+
+    /// A constant: laid out as its size tells.
+    fn constant(&mut self, node: &Node) -> GenResult<()> {
+        let r = node.results[0];
+        let l = self.known(r)?;
+        self.lay[r.index()] = Some(l);
+        Ok(())
+    }
+
+    /// A pointwise op or a reshape: operands already known decide unknown arguments of the same
+    /// size; the result takes the layout of its operands.
+    fn pointwise(&mut self, node: &Node) -> GenResult<()> {
+        let b = self.b;
+        let (flat, n) = (self.flat, self.n);
+        let mut ls = Vec::new();
+        for &i in &node.inputs {
+            if self.lay[i.index()].is_none() {
+                let same = node.inputs.iter().find(|&&o| o != i && b.numel(o) == b.numel(i)).and_then(|o| self.lay[o.index()]);
+                let l = match same {
+                    Some(l) => l,
+                    None => self.known(i)?,
                 };
-                lay[r.index()] = Some(l);
-                level[r.index()] = lv(&level, &node.inputs);
+                self.lay[i.index()] = Some(l);
             }
-            Op::Broadcast { dims } => {
-                let x = node.inputs[0];
-                let r = node.results[0];
-                let out_shape = &b.shape[r.index()];
-                let rl = if b.numel(r) == 1 {
-                    Lay::Scalar
-                } else if b.numel(r) == n || flat {
-                    Lay::Elem
-                } else {
-                    return unsupported(format!("broadcast to {} inside a kernel over {n} elements", shape_str(out_shape)));
-                };
-                if b.numel(x) == 1 {
-                    let xl = known(&lay, x)?;
-                    if xl.is_post() {
-                        if rl != Lay::Scalar {
-                            return unsupported(format!("broadcast of the cross-block result {x} to every element needs a second kernel; split the group"));
-                        }
-                        lay[r.index()] = Some(Lay::PostScalar);
-                        continue;
-                    }
-                    demand(&mut lay, x, Lay::Scalar)?;
-                } else if flat {
-                    if b.arg_index(x).is_none() {
-                        return unsupported(format!("broadcast of the computed value {x}; only arguments and scalars can be broadcast in a pointwise kernel"));
-                    }
-                    demand(&mut lay, x, Lay::Gen)?;
-                } else {
-                    let xs = &b.shape[x.index()];
-                    let k = dims.len();
-                    let leading = dims.iter().enumerate().all(|(i, &dd)| dd == i) && out_shape[..k].iter().product::<u64>() == rows && b.numel(x) == rows;
-                    let m = out_shape.len().saturating_sub(k);
-                    let trailing = dims.iter().enumerate().all(|(i, &dd)| dd == m + i) && out_shape[m..].iter().product::<u64>() == d && b.numel(x) == d;
-                    if trailing && xs.iter().zip(&out_shape[m..]).all(|(a, o)| a == o) {
-                        demand(&mut lay, x, Lay::Col)?;
-                    } else if leading && xs.iter().zip(&out_shape[..k]).all(|(a, o)| a == o) {
-                        demand(&mut lay, x, Lay::Row)?;
-                    } else {
-                        return unsupported(format!(
-                            "broadcast of {} along dims {dims:?} to {}: row kernels broadcast only per-row or per-column values",
-                            shape_str(xs),
-                            shape_str(out_shape)
-                        ));
-                    }
-                }
-                lay[r.index()] = Some(rl);
-                level[r.index()] = level[x.index()];
-            }
-            Op::Reduce { kind, axes } => {
-                let x = node.inputs[0];
-                let r = node.results[0];
-                let xl = known(&lay, x)?;
-                lay[x.index()] = Some(xl);
-                let s = &b.shape[x.index()];
-                let count: u64 = axes.iter().map(|&a| s[a]).product();
-                let divide = (*kind == ReduceKind::Mean).then_some(count as f64);
-                let op = RedOp::from_reduce(*kind);
-                if axes.len() == s.len() {
-                    let src = match xl {
-                        Lay::Elem => AccSrc::Elem(x),
-                        Lay::Row => AccSrc::Row(x),
-                        other => return unsupported(format!("full reduction of a {other:?} value {x}; reduce whole tensors or per-row values")),
-                    };
-                    accs.push(Acc { col: false, op, src, level: level[x.index()], result: r, divide });
-                    lay[r.index()] = Some(Lay::PostScalar);
-                } else if xl == Lay::Elem && axes.first() == Some(&0) && count == rows {
-                    accs.push(Acc { col: true, op, src: AccSrc::Elem(x), level: level[x.index()], result: r, divide });
-                    lay[r.index()] = Some(Lay::PostCol);
-                } else if xl == Lay::Elem && count == d {
-                    let i = add_red(&mut reds, RowRed { level: level[x.index()], op, contrib: Contrib::Plain(x) });
-                    row_ops.push(RowOp { node, key, level: level[x.index()], reds: vec![i] });
-                    lay[r.index()] = Some(Lay::Row);
-                    level[r.index()] = level[x.index()] + 1;
-                } else {
-                    return unsupported(format!("`{}` of the {xl:?} value {x} over axes {axes:?}", node.op.name()));
-                }
-            }
-            Op::RmsNorm { .. } => {
-                let (x, w) = (node.inputs[0], node.inputs[1]);
-                demand(&mut lay, x, Lay::Elem)?;
-                demand(&mut lay, w, if d == 1 { Lay::Scalar } else { Lay::Col })?;
-                let l = lv(&level, &node.inputs);
-                let i = add_red(&mut reds, RowRed { level: l, op: RedOp::Sum, contrib: Contrib::Square(x) });
-                row_ops.push(RowOp { node, key, level: l, reds: vec![i] });
-                lay[node.results[0].index()] = Some(Lay::Elem);
-                level[node.results[0].index()] = l + 1;
-            }
-            Op::RmsNormBwd { .. } => {
-                let (x, w, dy) = (node.inputs[0], node.inputs[1], node.inputs[2]);
-                demand(&mut lay, x, Lay::Elem)?;
-                demand(&mut lay, w, if d == 1 { Lay::Scalar } else { Lay::Col })?;
-                demand(&mut lay, dy, Lay::Elem)?;
-                let l = lv(&level, &node.inputs);
-                let i = add_red(&mut reds, RowRed { level: l, op: RedOp::Sum, contrib: Contrib::Square(x) });
-                let j = add_red(&mut reds, RowRed { level: l, op: RedOp::Sum, contrib: Contrib::DyWX { x, w, dy } });
-                row_ops.push(RowOp { node, key, level: l, reds: vec![i, j] });
-                lay[node.results[0].index()] = Some(Lay::Elem);
-                level[node.results[0].index()] = l + 1;
-                if used[node.results[1].index()] {
-                    accs.push(Acc { col: true, op: RedOp::Sum, src: AccSrc::RmsDw { key, x, dy }, level: l + 1, result: node.results[1], divide: None });
-                }
-                lay[node.results[1].index()] = Some(Lay::PostCol);
-            }
-            Op::CrossEntropy | Op::CrossEntropyBwd => {
-                let (logits, targets) = (node.inputs[0], node.inputs[1]);
-                demand(&mut lay, logits, Lay::Elem)?;
-                demand(&mut lay, targets, if rows == 1 { Lay::Scalar } else { Lay::Row })?;
-                if b.arg_index(targets).is_none() {
-                    return unsupported("cross-entropy targets must be a kernel argument");
-                }
-                let l = level[logits.index()];
-                let i = add_red(&mut reds, RowRed { level: l, op: RedOp::Lse, contrib: Contrib::Plain(logits) });
-                row_ops.push(RowOp { node, key, level: l, reds: vec![i] });
-                if matches!(node.op, Op::CrossEntropy) {
-                    if used[node.results[0].index()] {
-                        accs.push(Acc {
-                            col: false,
-                            op: RedOp::Sum,
-                            src: AccSrc::CeLoss { key, logits },
-                            level: l + 1,
-                            result: node.results[0],
-                            divide: Some(rows as f64),
-                        });
-                    }
-                    lay[node.results[0].index()] = Some(Lay::PostScalar);
-                } else {
-                    let dl = node.inputs[2];
-                    let dll = known(&lay, dl)?;
-                    if dll != Lay::Scalar {
-                        return unsupported(format!("cross_entropy_bwd's dloss {dl} must be a plain scalar (it is {dll:?}); compute it in another kernel"));
-                    }
-                    lay[dl.index()] = Some(Lay::Scalar);
-                    lay[node.results[0].index()] = Some(Lay::Elem);
-                    level[node.results[0].index()] = l + 1;
-                }
-            }
-            Op::CrossEntropyStats | Op::CrossEntropyStatsBwd => {
-                let (logits, targets, shard) = (node.inputs[0], node.inputs[1], node.inputs[2]);
-                demand(&mut lay, logits, Lay::Elem)?;
-                let per_row = if rows == 1 { Lay::Scalar } else { Lay::Row };
-                demand(&mut lay, targets, per_row)?;
-                if b.arg_index(targets).is_none() || b.arg_index(shard).is_none() {
-                    return unsupported(format!("`{}`'s targets and shard must be kernel arguments", node.op.name()));
-                }
-                if b.nodes().any(|n| n.inputs.contains(&shard) && !matches!(n.op, Op::CrossEntropyStats | Op::CrossEntropyStatsBwd)) {
-                    return unsupported(format!(
-                        "the vocabulary shard {shard} is read by an op other than cross_entropy_stats(_bwd); keep that op in another kernel"
-                    ));
-                }
-                // The one-hot shard is read element by element (`RowGen::targets`), never per lane.
-                demand(&mut lay, shard, Lay::Gen)?;
-                for &dv in node.inputs.get(3..).unwrap_or_default() {
-                    demand(&mut lay, dv, per_row)?;
-                }
-                let l = lv(&level, &node.inputs);
-                let i = add_red(&mut reds, RowRed { level: l, op: RedOp::Lse, contrib: Contrib::Plain(logits) });
-                row_ops.push(RowOp { node, key, level: l, reds: vec![i] });
-                if matches!(node.op, Op::CrossEntropyStats) {
-                    for &r in &node.results {
-                        lay[r.index()] = Some(per_row);
-                        level[r.index()] = l + 1;
-                    }
-                } else {
-                    let j = add_red(&mut reds, RowRed { level: l + 1, op: RedOp::Max, contrib: Contrib::NegFirstMax { x: logits, key } });
-                    row_ops.push(RowOp { node, key, level: l + 1, reds: vec![j] });
-                    lay[node.results[0].index()] = Some(Lay::Elem);
-                    level[node.results[0].index()] = l + 2;
-                }
-            }
-            Op::CrossEntropyCombine => {
-                let (m, s, t) = (node.inputs[0], node.inputs[1], node.inputs[2]);
-                for x in [m, s, t] {
-                    demand(&mut lay, x, Lay::Elem)?;
-                }
-                let l = lv(&level, &node.inputs);
-                let i = add_red(&mut reds, RowRed { level: l, op: RedOp::Max, contrib: Contrib::Plain(m) });
-                let j = add_red(&mut reds, RowRed { level: l, op: RedOp::Sum, contrib: Contrib::Plain(t) });
-                let k = add_red(&mut reds, RowRed { level: l + 1, op: RedOp::Sum, contrib: Contrib::ShiftedExp { s, m, key } });
-                row_ops.push(RowOp { node, key, level: l, reds: vec![i, j] });
-                row_ops.push(RowOp { node, key, level: l + 1, reds: vec![k] });
-                if used[node.results[0].index()] {
-                    accs.push(Acc {
-                        col: false,
-                        op: RedOp::Sum,
-                        src: AccSrc::CeCombine { key },
-                        level: l + 2,
-                        result: node.results[0],
-                        divide: Some(rows as f64),
-                    });
-                }
-                lay[node.results[0].index()] = Some(Lay::PostScalar);
-            }
-            Op::Rope(_) => {
-                let x = node.inputs[0];
-                demand(&mut lay, x, Lay::Elem)?;
-                lay[node.results[0].index()] = Some(Lay::Elem);
-                level[node.results[0].index()] = level[x.index()];
-            }
-            other => return unsupported(format!("`{}` in a fused kernel", other.name())),
+            ls.push(self.lay[i.index()].unwrap_or(Lay::Scalar));
         }
+        let r = node.results[0];
+        let l = combine_lays(&ls, r)?;
+        let l = if matches!(node.op, Op::Reshape) && l == Lay::Elem && !flat && b.numel(r) != n {
+            return unsupported(format!("reshape of {} elements inside a kernel over {n}", b.numel(r)));
+        } else {
+            l
+        };
+        self.lay[r.index()] = Some(l);
+        self.level[r.index()] = self.lv(&node.inputs);
+        Ok(())
     }
-    for o in &b.r.outputs {
-        if lay[o.value.index()].is_none() {
-            let l = known(&lay, o.value)?;
-            lay[o.value.index()] = Some(l);
+
+    /// A broadcast: of a scalar, of an argument (flat kernels), or of a per-row or per-column
+    /// value (row kernels).
+    fn broadcast(&mut self, node: &Node, dims: &[usize]) -> GenResult<()> {
+        let b = self.b;
+        let (flat, rows, d, n) = (self.flat, self.rows, self.d, self.n);
+        let x = node.inputs[0];
+        let r = node.results[0];
+        let out_shape = &b.shape[r.index()];
+        let rl = if b.numel(r) == 1 {
+            Lay::Scalar
+        } else if b.numel(r) == n || flat {
+            Lay::Elem
+        } else {
+            return unsupported(format!("broadcast to {} inside a kernel over {n} elements", shape_str(out_shape)));
+        };
+        if b.numel(x) == 1 {
+            let xl = self.known(x)?;
+            if xl.is_post() {
+                if rl != Lay::Scalar {
+                    return unsupported(format!("broadcast of the cross-block result {x} to every element needs a second kernel; split the group"));
+                }
+                self.lay[r.index()] = Some(Lay::PostScalar);
+                return Ok(());
+            }
+            self.demand(x, Lay::Scalar)?;
+        } else if flat {
+            if b.arg_index(x).is_none() {
+                return unsupported(format!("broadcast of the computed value {x}; only arguments and scalars can be broadcast in a pointwise kernel"));
+            }
+            self.demand(x, Lay::Gen)?;
+        } else {
+            let xs = &b.shape[x.index()];
+            let k = dims.len();
+            let leading = dims.iter().enumerate().all(|(i, &dd)| dd == i) && out_shape[..k].iter().product::<u64>() == rows && b.numel(x) == rows;
+            let m = out_shape.len().saturating_sub(k);
+            let trailing = dims.iter().enumerate().all(|(i, &dd)| dd == m + i) && out_shape[m..].iter().product::<u64>() == d && b.numel(x) == d;
+            if trailing && xs.iter().zip(&out_shape[m..]).all(|(a, o)| a == o) {
+                self.demand(x, Lay::Col)?;
+            } else if leading && xs.iter().zip(&out_shape[..k]).all(|(a, o)| a == o) {
+                self.demand(x, Lay::Row)?;
+            } else {
+                return unsupported(format!(
+                    "broadcast of {} along dims {dims:?} to {}: row kernels broadcast only per-row or per-column values",
+                    shape_str(xs),
+                    shape_str(out_shape)
+                ));
+            }
         }
-        if lay[o.value.index()] == Some(Lay::Gen) {
-            return unsupported(format!("output {} is a broadcast source; outputs must cover the kernel's domain", o.value));
+        self.lay[r.index()] = Some(rl);
+        self.level[r.index()] = self.level[x.index()];
+        Ok(())
+    }
+
+    /// A reduction: over every element (a cross-block accumulation), over the rows (a column
+    /// accumulation) or along each row (a row reduction).
+    fn reduce(&mut self, node: &'g Node, key: usize, kind: ReduceKind, axes: &[usize]) -> GenResult<()> {
+        let b = self.b;
+        let (rows, d) = (self.rows, self.d);
+        let x = node.inputs[0];
+        let r = node.results[0];
+        let xl = self.known(x)?;
+        self.lay[x.index()] = Some(xl);
+        let s = &b.shape[x.index()];
+        let count: u64 = axes.iter().map(|&a| s[a]).product();
+        let divide = (kind == ReduceKind::Mean).then_some(count as f64);
+        let op = RedOp::from_reduce(kind);
+        if axes.len() == s.len() {
+            let src = match xl {
+                Lay::Elem => AccSrc::Elem(x),
+                Lay::Row => AccSrc::Row(x),
+                other => return unsupported(format!("full reduction of a {other:?} value {x}; reduce whole tensors or per-row values")),
+            };
+            self.accs.push(Acc { col: false, op, src, level: self.level[x.index()], result: r, divide });
+            self.lay[r.index()] = Some(Lay::PostScalar);
+        } else if xl == Lay::Elem && axes.first() == Some(&0) && count == rows {
+            self.accs.push(Acc { col: true, op, src: AccSrc::Elem(x), level: self.level[x.index()], result: r, divide });
+            self.lay[r.index()] = Some(Lay::PostCol);
+        } else if xl == Lay::Elem && count == d {
+            let i = self.add_red(RowRed { level: self.level[x.index()], op, contrib: Contrib::Plain(x) });
+            self.row_ops.push(RowOp { node, key, level: self.level[x.index()], reds: vec![i] });
+            self.lay[r.index()] = Some(Lay::Row);
+            self.level[r.index()] = self.level[x.index()] + 1;
+        } else {
+            return unsupported(format!("`{}` of the {xl:?} value {x} over axes {axes:?}", node.op.name()));
         }
+        Ok(())
     }
-    let lay: Vec<Lay> = lay.into_iter().map(|l| l.unwrap_or(Lay::Scalar)).collect();
-    if rope.is_some() && !accs.is_empty() {
-        return unsupported("reductions in a rope kernel; keep rope in a group of its own pointwise ops");
+
+    /// rmsnorm: a row sum of squares.
+    fn rmsnorm(&mut self, node: &'g Node, key: usize) -> GenResult<()> {
+        let d = self.d;
+        let (x, w) = (node.inputs[0], node.inputs[1]);
+        self.demand(x, Lay::Elem)?;
+        self.demand(w, if d == 1 { Lay::Scalar } else { Lay::Col })?;
+        let l = self.lv(&node.inputs);
+        let i = self.add_red(RowRed { level: l, op: RedOp::Sum, contrib: Contrib::Square(x) });
+        self.row_ops.push(RowOp { node, key, level: l, reds: vec![i] });
+        self.lay[node.results[0].index()] = Some(Lay::Elem);
+        self.level[node.results[0].index()] = l + 1;
+        Ok(())
     }
-    Ok(Analysis { flat, rows, d, rope, lay, level, reds, row_ops, accs })
+
+    /// rmsnorm_bwd: two row sums, and `dw` as a column accumulation when something reads it.
+    fn rmsnorm_bwd(&mut self, node: &'g Node, key: usize) -> GenResult<()> {
+        let d = self.d;
+        let (x, w, dy) = (node.inputs[0], node.inputs[1], node.inputs[2]);
+        self.demand(x, Lay::Elem)?;
+        self.demand(w, if d == 1 { Lay::Scalar } else { Lay::Col })?;
+        self.demand(dy, Lay::Elem)?;
+        let l = self.lv(&node.inputs);
+        let i = self.add_red(RowRed { level: l, op: RedOp::Sum, contrib: Contrib::Square(x) });
+        let j = self.add_red(RowRed { level: l, op: RedOp::Sum, contrib: Contrib::DyWX { x, w, dy } });
+        self.row_ops.push(RowOp { node, key, level: l, reds: vec![i, j] });
+        self.lay[node.results[0].index()] = Some(Lay::Elem);
+        self.level[node.results[0].index()] = l + 1;
+        if self.used[node.results[1].index()] {
+            self.accs.push(Acc { col: true, op: RedOp::Sum, src: AccSrc::RmsDw { key, x, dy }, level: l + 1, result: node.results[1], divide: None });
+        }
+        self.lay[node.results[1].index()] = Some(Lay::PostCol);
+        Ok(())
+    }
+
+    /// cross_entropy and its backward: a row log-sum-exp; the mean loss as a cross-block
+    /// accumulation when something reads it.
+    fn cross_entropy(&mut self, node: &'g Node, key: usize) -> GenResult<()> {
+        let b = self.b;
+        let rows = self.rows;
+        let (logits, targets) = (node.inputs[0], node.inputs[1]);
+        self.demand(logits, Lay::Elem)?;
+        self.demand(targets, if rows == 1 { Lay::Scalar } else { Lay::Row })?;
+        if b.arg_index(targets).is_none() {
+            return unsupported("cross-entropy targets must be a kernel argument");
+        }
+        let l = self.level[logits.index()];
+        let i = self.add_red(RowRed { level: l, op: RedOp::Lse, contrib: Contrib::Plain(logits) });
+        self.row_ops.push(RowOp { node, key, level: l, reds: vec![i] });
+        if matches!(node.op, Op::CrossEntropy) {
+            if self.used[node.results[0].index()] {
+                self.accs.push(Acc {
+                    col: false,
+                    op: RedOp::Sum,
+                    src: AccSrc::CeLoss { key, logits },
+                    level: l + 1,
+                    result: node.results[0],
+                    divide: Some(rows as f64),
+                });
+            }
+            self.lay[node.results[0].index()] = Some(Lay::PostScalar);
+        } else {
+            let dl = node.inputs[2];
+            let dll = self.known(dl)?;
+            if dll != Lay::Scalar {
+                return unsupported(format!("cross_entropy_bwd's dloss {dl} must be a plain scalar (it is {dll:?}); compute it in another kernel"));
+            }
+            self.lay[dl.index()] = Some(Lay::Scalar);
+            self.lay[node.results[0].index()] = Some(Lay::Elem);
+            self.level[node.results[0].index()] = l + 1;
+        }
+        Ok(())
+    }
+
+    /// The vocab-parallel loss's per-shard statistics and their backward: a row log-sum-exp
+    /// over the shard, and for the backward the first position of the row's maximum.
+    fn cross_entropy_stats(&mut self, node: &'g Node, key: usize) -> GenResult<()> {
+        let b = self.b;
+        let rows = self.rows;
+        let (logits, targets, shard) = (node.inputs[0], node.inputs[1], node.inputs[2]);
+        self.demand(logits, Lay::Elem)?;
+        let per_row = if rows == 1 { Lay::Scalar } else { Lay::Row };
+        self.demand(targets, per_row)?;
+        if b.arg_index(targets).is_none() || b.arg_index(shard).is_none() {
+            return unsupported(format!("`{}`'s targets and shard must be kernel arguments", node.op.name()));
+        }
+        if b.nodes().any(|n| n.inputs.contains(&shard) && !matches!(n.op, Op::CrossEntropyStats | Op::CrossEntropyStatsBwd)) {
+            return unsupported(format!("the vocabulary shard {shard} is read by an op other than cross_entropy_stats(_bwd); keep that op in another kernel"));
+        }
+        // The one-hot shard is read element by element (`RowGen::targets`), never per lane.
+        self.demand(shard, Lay::Gen)?;
+        for &dv in node.inputs.get(3..).unwrap_or_default() {
+            self.demand(dv, per_row)?;
+        }
+        let l = self.lv(&node.inputs);
+        let i = self.add_red(RowRed { level: l, op: RedOp::Lse, contrib: Contrib::Plain(logits) });
+        self.row_ops.push(RowOp { node, key, level: l, reds: vec![i] });
+        if matches!(node.op, Op::CrossEntropyStats) {
+            for &r in &node.results {
+                self.lay[r.index()] = Some(per_row);
+                self.level[r.index()] = l + 1;
+            }
+        } else {
+            let j = self.add_red(RowRed { level: l + 1, op: RedOp::Max, contrib: Contrib::NegFirstMax { x: logits, key } });
+            self.row_ops.push(RowOp { node, key, level: l + 1, reds: vec![j] });
+            self.lay[node.results[0].index()] = Some(Lay::Elem);
+            self.level[node.results[0].index()] = l + 2;
+        }
+        Ok(())
+    }
+
+    /// cross_entropy_combine: the shards' statistics combined per row; the mean loss as a
+    /// cross-block accumulation when something reads it.
+    fn cross_entropy_combine(&mut self, node: &'g Node, key: usize) -> GenResult<()> {
+        let rows = self.rows;
+        let (m, s, t) = (node.inputs[0], node.inputs[1], node.inputs[2]);
+        for x in [m, s, t] {
+            self.demand(x, Lay::Elem)?;
+        }
+        let l = self.lv(&node.inputs);
+        let i = self.add_red(RowRed { level: l, op: RedOp::Max, contrib: Contrib::Plain(m) });
+        let j = self.add_red(RowRed { level: l, op: RedOp::Sum, contrib: Contrib::Plain(t) });
+        let k = self.add_red(RowRed { level: l + 1, op: RedOp::Sum, contrib: Contrib::ShiftedExp { s, m, key } });
+        self.row_ops.push(RowOp { node, key, level: l, reds: vec![i, j] });
+        self.row_ops.push(RowOp { node, key, level: l + 1, reds: vec![k] });
+        if self.used[node.results[0].index()] {
+            self.accs.push(Acc {
+                col: false,
+                op: RedOp::Sum,
+                src: AccSrc::CeCombine { key },
+                level: l + 2,
+                result: node.results[0],
+                divide: Some(rows as f64),
+            });
+        }
+        self.lay[node.results[0].index()] = Some(Lay::PostScalar);
+        Ok(())
+    }
+
+    /// RoPE: per element, at the level of its input.
+    fn rope(&mut self, node: &Node) -> GenResult<()> {
+        let x = node.inputs[0];
+        self.demand(x, Lay::Elem)?;
+        self.lay[node.results[0].index()] = Some(Lay::Elem);
+        self.level[node.results[0].index()] = self.level[x.index()];
+        Ok(())
+    }
+
+    /// Every output's layout, which must cover the kernel's domain; the analysis.
+    fn finish(mut self, rope: Option<RopeInfo>) -> GenResult<Analysis<'g>> {
+        let b = self.b;
+        for o in &b.r.outputs {
+            if self.lay[o.value.index()].is_none() {
+                let l = self.known(o.value)?;
+                self.lay[o.value.index()] = Some(l);
+            }
+            if self.lay[o.value.index()] == Some(Lay::Gen) {
+                return unsupported(format!("output {} is a broadcast source; outputs must cover the kernel's domain", o.value));
+            }
+        }
+        let lay: Vec<Lay> = self.lay.into_iter().map(|l| l.unwrap_or(Lay::Scalar)).collect();
+        if rope.is_some() && !self.accs.is_empty() {
+            return unsupported("reductions in a rope kernel; keep rope in a group of its own pointwise ops");
+        }
+        Ok(Analysis { flat: self.flat, rows: self.rows, d: self.d, rope, lay, level: self.level, reds: self.reds, row_ops: self.row_ops, accs: self.accs })
+    }
 }
 
 /// The layout of a pointwise result from its operands'.
