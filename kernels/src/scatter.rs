@@ -20,7 +20,7 @@
 //! the indices of other shards fall outside `[0, rows)` and are ignored, which is the op's
 //! meaning.
 
-use titan_ir::{Graph, Op, Region};
+use titan_ir::{Graph, Op, Region, Value};
 
 use crate::emit::{Elem, Func, ICmp, Ty, Val};
 use crate::values::{Body, narrow, storage, vec_align, widen};
@@ -34,6 +34,7 @@ const CAP: u64 = 4096;
 /// Column chunks a thread accumulates in registers.
 const MAX_COL_CHUNKS: u64 = 8;
 
+#[derive(Clone, Copy)]
 struct Shared {
     cnt: Val,
     gstart: Val,
@@ -90,6 +91,43 @@ fn block_scan(f: &mut Func, x: Val, tid: Val, warps_buf: Val) -> (Val, Val) {
 
 pub(crate) fn generate(g: &Graph, r: &Region, entry: &str) -> GenResult<Generated> {
     let b = Body::new(g, r)?;
+    let s = check_body(&b, r)?;
+    let na = r.args.len();
+    let mut f = Func::new(na + 1);
+    f.min_ctas_per_sm(4);
+    let c = prologue(&mut f, &b, &s, na)?;
+    count_matches(&mut f, &s, &c);
+    let cap = f.i32c(CAP as i64);
+    cut_groups(&mut f, &c, cap);
+    sum_groups(&mut f, &b, &s, &c, cap);
+    Ok(Generated::new(f.finish(entry, THREADS as u32, s.grid as u32), THREADS as u32, s.grid as u32, 0))
+}
+
+/// What a scatter_add body scatters: its operands, the table's geometry and the vector width.
+struct Scatter {
+    /// The one-hot shard argument of a `scatter_add_shard`.
+    shard: Option<Value>,
+    /// Argument positions of the indices and the sources.
+    ii: usize,
+    si: usize,
+    src: Value,
+    out: Value,
+    /// Table rows, elements per row, indices.
+    rows: u64,
+    d: u64,
+    n: u64,
+    /// Storage of the sources (and table) and of the indices.
+    ste: Elem,
+    it: Elem,
+    /// Lanes per vector, vectors per row, column chunks per thread, CTAs.
+    lanes: u32,
+    nvec: u64,
+    cpt: u64,
+    grid: u64,
+}
+
+/// Check that `r` is one scatter_add the generator handles, and size the kernel.
+fn check_body(b: &Body, r: &Region) -> GenResult<Scatter> {
     let nodes: Vec<_> = b.nodes().collect();
     let [node] = nodes.as_slice() else {
         return unsupported(format!("a scatter_add body must hold exactly one scatter_add node, found {}", nodes.len()));
@@ -139,10 +177,36 @@ pub(crate) fn generate(g: &Graph, r: &Region, entry: &str) -> GenResult<Generate
     if grid > i32::MAX as u64 {
         return unsupported("scatter_add table too large");
     }
-    let na = r.args.len();
-    let mut f = Func::new(na + 1);
-    f.min_ctas_per_sm(4);
-    let (ip, sp, op) = (f.param(ii), f.param(si), f.param(na));
+    Ok(Scatter { shard, ii, si, src, out, rows, d, n, ste, it, lanes, nvec, cpt, grid })
+}
+
+/// The values every phase of the kernel uses, emitted once at its top.
+struct Ctx {
+    /// Pointers: indices, sources, table.
+    ip: Val,
+    sp: Val,
+    op: Val,
+    sh: Shared,
+    /// The first row of the table's shard in the index space (`None`: a whole table).
+    shard_base: Option<Val>,
+    tid: Val,
+    tid64: Val,
+    /// Rows per CTA, this CTA's first row and its number of rows (i64).
+    rb: Val,
+    r0: Val,
+    rb_eff: Val,
+    z64: Val,
+    one64: Val,
+    tstep: Val,
+    nn: Val,
+    zero: Val,
+    one: Val,
+    is_t0: Val,
+}
+
+/// Emit the parameters, the shared arrays and the values every phase uses.
+fn prologue(f: &mut Func, b: &Body, s: &Scatter, na: usize) -> GenResult<Ctx> {
+    let (ip, sp, op) = (f.param(s.ii), f.param(s.si), f.param(na));
     let sh = Shared {
         cnt: f.shared_array("titan_cnt", Elem::I32, RB),
         gstart: f.shared_array("titan_gstart", Elem::I32, RB + 2),
@@ -154,10 +218,10 @@ pub(crate) fn generate(g: &Graph, r: &Region, entry: &str) -> GenResult<Generate
         misc: f.shared_array("titan_misc", Elem::I32, 4),
     };
     // The first row of the table's shard in the index space (0 for a whole table).
-    let shard_base = match shard {
+    let shard_base = match s.shard {
         Some(sv) => {
-            let k = crate::gather::shard_index(&mut f, &b, sv)?;
-            let nr = f.i64c(rows as i64);
+            let k = crate::gather::shard_index(f, b, sv)?;
+            let nr = f.i64c(s.rows as i64);
             Some(f.muli(k, nr))
         }
         None => None,
@@ -168,33 +232,37 @@ pub(crate) fn generate(g: &Graph, r: &Region, entry: &str) -> GenResult<Generate
     let bid64 = f.extui(bid, Elem::I64);
     let rb = f.i64c(RB as i64);
     let r0 = f.muli(bid64, rb);
-    let vrows = f.i64c(rows as i64);
+    let vrows = f.i64c(s.rows as i64);
     let left = f.subi(vrows, r0);
     let rb_eff = f.minsi(left, rb);
     let z64 = f.i64c(0);
     let one64 = f.i64c(1);
     let tstep = f.i64c(THREADS as i64);
-    let nn = f.i64c(n as i64);
+    let nn = f.i64c(s.n as i64);
     let zero = f.i32c(0);
     let one = f.i32c(1);
     let is_t0 = f.cmpi(ICmp::Eq, tid, zero);
+    Ok(Ctx { ip, sp, op, sh, shard_base, tid, tid64, rb, r0, rb_eff, z64, one64, tstep, nn, zero, one, is_t0 })
+}
 
-    // 1. Count matches per owned row.
-    f.for_loop(tid64, rb, tstep, &[], |f, rr, _| {
+/// Step 1: count the indices falling in each owned row (shared-memory atomics on counters).
+fn count_matches(f: &mut Func, s: &Scatter, c: &Ctx) {
+    let (sh, zero, one, it) = (c.sh, c.zero, c.one, s.it);
+    f.for_loop(c.tid64, c.rb, c.tstep, &[], |f, rr, _| {
         st(f, zero, sh.cnt, rr);
         vec![]
     });
     f.barrier();
-    f.for_loop(tid64, nn, tstep, &[], |f, i, _| {
-        let id = f.load_at(ip, i, Ty::S(it), it.bytes());
+    f.for_loop(c.tid64, c.nn, c.tstep, &[], |f, i, _| {
+        let id = f.load_at(c.ip, i, Ty::S(it), it.bytes());
         let id = f.as_i64(id);
-        let id = match shard_base {
+        let id = match c.shard_base {
             Some(sb) => f.subi(id, sb),
             None => id,
         };
-        let local = f.subi(id, r0);
-        let ge = f.cmpi(ICmp::Sge, local, z64);
-        let lt = f.cmpi(ICmp::Slt, local, rb_eff);
+        let local = f.subi(id, c.r0);
+        let ge = f.cmpi(ICmp::Sge, local, c.z64);
+        let lt = f.cmpi(ICmp::Slt, local, c.rb_eff);
         let mine = f.andi(ge, lt);
         f.if_then(mine, |f| {
             let p = f.gep(sh.cnt, local, Elem::I32);
@@ -203,11 +271,15 @@ pub(crate) fn generate(g: &Graph, r: &Region, entry: &str) -> GenResult<Generate
         vec![]
     });
     f.barrier();
+}
 
-    // 2. Groups of rows with at most CAP matches (thread 0, in row order).
-    let cap = f.i32c(CAP as i64);
-    f.if_then(is_t0, |f| {
-        let out = f.for_loop(z64, rb_eff, one64, &[zero, zero, zero], |f, rr, s| {
+/// Step 2: thread 0 cuts the owned rows, in order, into groups of at most `cap` matches (a row
+/// with more is a group of its own): group starts in `gstart`, match counts in `gsum`, the number
+/// of groups in `misc[0]`.
+fn cut_groups(f: &mut Func, c: &Ctx, cap: Val) {
+    let (sh, zero, one) = (c.sh, c.zero, c.one);
+    f.if_then(c.is_t0, |f| {
+        let out = f.for_loop(c.z64, c.rb_eff, c.one64, &[zero, zero, zero], |f, rr, s| {
             let (ng, start, sum) = (s[0], s[1], s[2]);
             let c = ld(f, sh.cnt, rr);
             let with = f.addi(sum, c);
@@ -231,65 +303,88 @@ pub(crate) fn generate(g: &Graph, r: &Region, entry: &str) -> GenResult<Generate
         st(f, start, sh.gstart, ng);
         st(f, sum, sh.gsum, ng);
         let ng1 = f.addi(ng, one);
-        let e32 = f.trunci(rb_eff, Elem::I32);
+        let e32 = f.trunci(c.rb_eff, Elem::I32);
         st(f, e32, sh.gstart, ng1);
         st(f, ng1, sh.misc, zero);
     });
     f.barrier();
+}
 
-    // 3. Each group: list, sort, sum.
-    let ng = ld(&mut f, sh.misc, zero);
+/// This thread's column chunks of a table row and how rows are read and stored through them.
+struct Columns {
+    /// Per chunk: the (clamped) first column and whether the chunk is inside the row.
+    cols: Vec<(Val, Option<Val>)>,
+    /// Elements per row (i64).
+    dd: Val,
+    vt: Ty,
+    align_src: u32,
+    align_out: u32,
+    ste: Elem,
+}
+
+impl Columns {
+    /// Add source row `i` (i64) into the accumulators.
+    fn add_row(&self, f: &mut Func, c: &Ctx, i: Val, acc: &[Val]) -> Vec<Val> {
+        let base = f.muli(i, self.dd);
+        self.cols
+            .iter()
+            .zip(acc)
+            .map(|(&(col, _), &a)| {
+                let at = f.addi(base, col);
+                let x = f.load_at(c.sp, at, self.vt, self.align_src);
+                let x = widen(f, x);
+                f.addf(a, x)
+            })
+            .collect()
+    }
+
+    /// Store the accumulators as output row `row` (local, i64).
+    fn store_row(&self, f: &mut Func, c: &Ctx, row: Val, acc: &[Val]) {
+        let gr = f.addi(c.r0, row);
+        let base = f.muli(gr, self.dd);
+        for (&(col, valid), &a) in self.cols.iter().zip(acc) {
+            let at = f.addi(base, col);
+            let y = narrow(f, a, self.ste);
+            match valid {
+                Some(ok) => f.if_then(ok, |f| f.store_at(y, c.op, at, self.align_out)),
+                None => f.store_at(y, c.op, at, self.align_out),
+            }
+        }
+    }
+}
+
+/// Step 3: each group's rows summed in f32 in increasing `i` and stored once: a row with more
+/// than `cap` matches chunk by chunk of `idx` ([`sum_big_row`]), the others listed, sorted by
+/// row and summed ([`sum_group`]).
+fn sum_groups(f: &mut Func, b: &Body, s: &Scatter, c: &Ctx, cap: Val) {
+    let (sh, z64, one64, zero) = (c.sh, c.z64, c.one64, c.zero);
+    let ng = ld(f, sh.misc, zero);
     let ng = f.extsi(ng, Elem::I64);
-    let dd = f.i64c(d as i64);
-    let lanes64 = f.i64c(i64::from(lanes));
-    let vt = Ty::lanes_of(ste, lanes);
-    let acc_t = Ty::lanes_of(Elem::F32, lanes);
-    let align_src = vec_align(ste, lanes, b.numel(src));
-    let align_out = vec_align(ste, lanes, b.numel(out));
+    let dd = f.i64c(s.d as i64);
+    let lanes64 = f.i64c(i64::from(s.lanes));
+    let vt = Ty::lanes_of(s.ste, s.lanes);
+    let acc_t = Ty::lanes_of(Elem::F32, s.lanes);
+    let align_src = vec_align(s.ste, s.lanes, b.numel(s.src));
+    let align_out = vec_align(s.ste, s.lanes, b.numel(s.out));
     // This thread's column chunks: (clamped column, valid).
     let mut cols: Vec<(Val, Option<Val>)> = Vec::new();
-    for k in 0..cpt {
+    for k in 0..s.cpt {
         let base = f.i64c((k * THREADS) as i64);
-        let w = f.addi(base, tid64);
-        let valid = if (k + 1) * THREADS > nvec {
-            let nv = f.i64c(nvec as i64);
+        let w = f.addi(base, c.tid64);
+        let valid = if (k + 1) * THREADS > s.nvec {
+            let nv = f.i64c(s.nvec as i64);
             Some(f.cmpi(ICmp::Slt, w, nv))
         } else {
             None
         };
-        let last = f.i64c(nvec as i64 - 1);
+        let last = f.i64c(s.nvec as i64 - 1);
         let w = f.minsi(w, last);
         cols.push((f.muli(w, lanes64), valid));
     }
     let zero_acc = f.cf(0.0, acc_t);
     let inits: Vec<Val> = vec![zero_acc; cols.len()];
-    // Add source row `i` (i64) into the accumulators.
-    let add_row = |f: &mut Func, i: Val, acc: &[Val]| -> Vec<Val> {
-        let base = f.muli(i, dd);
-        cols.iter()
-            .zip(acc)
-            .map(|(&(c, _), &a)| {
-                let at = f.addi(base, c);
-                let x = f.load_at(sp, at, vt, align_src);
-                let x = widen(f, x);
-                f.addf(a, x)
-            })
-            .collect()
-    };
-    // Store the accumulators as output row `row` (local, i64).
-    let store_row = |f: &mut Func, row: Val, acc: &[Val]| {
-        let gr = f.addi(r0, row);
-        let base = f.muli(gr, dd);
-        for (&(c, valid), &a) in cols.iter().zip(acc) {
-            let at = f.addi(base, c);
-            let y = narrow(f, a, ste);
-            match valid {
-                Some(ok) => f.if_then(ok, |f| f.store_at(y, op, at, align_out)),
-                None => f.store_at(y, op, at, align_out),
-            }
-        }
-    };
-    let chunks = f.i64c(n.div_ceil(THREADS) as i64);
+    let cl = Columns { cols, dd, vt, align_src, align_out, ste: s.ste };
+    let chunks = f.i64c(s.n.div_ceil(THREADS) as i64);
     f.for_loop(z64, ng, one64, &[], |f, k, _| {
         let ga = ld(f, sh.gstart, k);
         let k1 = f.addi(k, one64);
@@ -302,125 +397,136 @@ pub(crate) fn generate(g: &Graph, r: &Region, entry: &str) -> GenResult<Generate
             big,
             &[],
             |f| {
-                // One row with more than CAP matches: compact and sum chunk by chunk.
-                let target = f.addi(r0, ga64);
-                let acc = f.for_loop(z64, chunks, one64, &inits, |f, c, acc| {
-                    let base = f.muli(c, tstep);
-                    let i = f.addi(base, tid64);
-                    let inside = f.cmpi(ICmp::Slt, i, nn);
-                    let last = f.i64c(n as i64 - 1);
-                    let ic = f.minsi(i, last);
-                    let id = f.load_at(ip, ic, Ty::S(it), it.bytes());
-                    let id = f.as_i64(id);
-                    let id = match shard_base {
-                        Some(sb) => f.subi(id, sb),
-                        None => id,
-                    };
-                    let eq = f.cmpi(ICmp::Eq, id, target);
-                    let flag = f.andi(inside, eq);
-                    let fl = f.extui(flag, Elem::I32);
-                    let (excl, tot) = block_scan(f, fl, tid, sh.warps);
-                    let i32v = f.trunci(i, Elem::I32);
-                    f.if_then(flag, |f| st(f, i32v, sh.list, excl));
-                    f.barrier();
-                    let tot64 = f.extsi(tot, Elem::I64);
-                    let acc2 = f.for_loop(z64, tot64, one64, acc, |f, e, acc| {
-                        let j = ld(f, sh.list, e);
-                        let j = f.extsi(j, Elem::I64);
-                        add_row(f, j, acc)
-                    });
-                    f.barrier();
-                    acc2
-                });
-                store_row(f, ga64, &acc);
+                sum_big_row(f, s, c, &cl, &inits, chunks, ga64);
                 vec![]
             },
             |f| {
-                // List the group's matches in increasing i, sort them by row, sum each row.
-                let has = f.cmpi(ICmp::Sgt, total, zero);
-                f.if_then(has, |f| {
-                    f.for_loop(z64, chunks, one64, &[zero], |f, c, run| {
-                        let base = f.muli(c, tstep);
-                        let i = f.addi(base, tid64);
-                        let inside = f.cmpi(ICmp::Slt, i, nn);
-                        let last = f.i64c(n as i64 - 1);
-                        let ic = f.minsi(i, last);
-                        let id = f.load_at(ip, ic, Ty::S(it), it.bytes());
-                        let id = f.as_i64(id);
-                        let id = match shard_base {
-                            Some(sb) => f.subi(id, sb),
-                            None => id,
-                        };
-                        let local = f.subi(id, r0);
-                        let ge = f.cmpi(ICmp::Sge, local, ga64);
-                        let lt = f.cmpi(ICmp::Slt, local, gb64);
-                        let m = f.andi(ge, lt);
-                        let flag = f.andi(inside, m);
-                        let fl = f.extui(flag, Elem::I32);
-                        let (excl, tot) = block_scan(f, fl, tid, sh.warps);
-                        let at = f.addi(run[0], excl);
-                        let rbc = f.i64c(RB as i64);
-                        let packed = f.muli(i, rbc);
-                        let packed = f.addi(packed, local);
-                        let packed = f.trunci(packed, Elem::I32);
-                        f.if_then(flag, |f| st(f, packed, sh.list, at));
-                        vec![f.addi(run[0], tot)]
-                    });
-                    f.barrier();
-                    // Stable counting sort by row: thread t owns row ga + t.
-                    let t32 = tid;
-                    let nrows = f.subi(gb, ga);
-                    let mine = f.cmpi(ICmp::Slt, t32, nrows);
-                    let my_row = f.addi(ga, t32);
-                    let tot64 = f.extsi(total, Elem::I64);
-                    let rmask = f.i32c(RB as i64 - 1);
-                    let count = f.for_loop(z64, tot64, one64, &[zero], |f, e, cnt| {
-                        let pk = ld(f, sh.list, e);
-                        let lr = f.andi(pk, rmask);
-                        let hit = f.cmpi(ICmp::Eq, lr, my_row);
-                        let hit = f.andi(hit, mine);
-                        let inc = f.extui(hit, Elem::I32);
-                        vec![f.addi(cnt[0], inc)]
-                    });
-                    let (excl, _) = block_scan(f, count[0], tid, sh.warps);
-                    f.if_then(mine, |f| st(f, excl, sh.start2, t32));
-                    f.if_then(is_t0, |f| st(f, total, sh.start2, nrows));
-                    let sh_rb = f.i32c(RB.trailing_zeros() as i64);
-                    f.for_loop(z64, tot64, one64, &[excl], |f, e, at| {
-                        let pk = ld(f, sh.list, e);
-                        let lr = f.andi(pk, rmask);
-                        let hit = f.cmpi(ICmp::Eq, lr, my_row);
-                        let hit = f.andi(hit, mine);
-                        let i = f.shrui(pk, sh_rb);
-                        f.if_then(hit, |f| st(f, i, sh.sorted, at[0]));
-                        let inc = f.extui(hit, Elem::I32);
-                        vec![f.addi(at[0], inc)]
-                    });
-                    f.barrier();
-                });
-                let has64 = has;
-                f.for_loop(ga64, gb64, one64, &[], |f, row, _| {
-                    let lr = f.subi(row, ga64);
-                    let lr1 = f.addi(lr, one64);
-                    let es = ld(f, sh.start2, lr);
-                    let ee = ld(f, sh.start2, lr1);
-                    let es = f.select(has64, es, zero);
-                    let ee = f.select(has64, ee, zero);
-                    let es = f.extsi(es, Elem::I64);
-                    let ee = f.extsi(ee, Elem::I64);
-                    let acc = f.for_loop(es, ee, one64, &inits, |f, e, acc| {
-                        let j = ld(f, sh.sorted, e);
-                        let j = f.extsi(j, Elem::I64);
-                        add_row(f, j, acc)
-                    });
-                    store_row(f, row, &acc);
-                    vec![]
-                });
-                f.barrier();
+                sum_group(f, s, c, &cl, &inits, chunks, [ga, gb, total], [ga64, gb64]);
                 vec![]
             },
         );
         vec![]
     });
-    Ok(Generated::new(f.finish(entry, THREADS as u32, grid as u32), THREADS as u32, grid as u32, 0))
+}
+
+/// One row (local `ga64`) with more than CAP matches: compact and sum chunk by chunk of `idx`.
+fn sum_big_row(f: &mut Func, s: &Scatter, c: &Ctx, cl: &Columns, inits: &[Val], chunks: Val, ga64: Val) {
+    let (sh, z64, one64, it) = (c.sh, c.z64, c.one64, s.it);
+    let target = f.addi(c.r0, ga64);
+    let acc = f.for_loop(z64, chunks, one64, inits, |f, ch, acc| {
+        let base = f.muli(ch, c.tstep);
+        let i = f.addi(base, c.tid64);
+        let inside = f.cmpi(ICmp::Slt, i, c.nn);
+        let last = f.i64c(s.n as i64 - 1);
+        let ic = f.minsi(i, last);
+        let id = f.load_at(c.ip, ic, Ty::S(it), it.bytes());
+        let id = f.as_i64(id);
+        let id = match c.shard_base {
+            Some(sb) => f.subi(id, sb),
+            None => id,
+        };
+        let eq = f.cmpi(ICmp::Eq, id, target);
+        let flag = f.andi(inside, eq);
+        let fl = f.extui(flag, Elem::I32);
+        let (excl, tot) = block_scan(f, fl, c.tid, sh.warps);
+        let i32v = f.trunci(i, Elem::I32);
+        f.if_then(flag, |f| st(f, i32v, sh.list, excl));
+        f.barrier();
+        let tot64 = f.extsi(tot, Elem::I64);
+        let acc2 = f.for_loop(z64, tot64, one64, acc, |f, e, acc| {
+            let j = ld(f, sh.list, e);
+            let j = f.extsi(j, Elem::I64);
+            cl.add_row(f, c, j, acc)
+        });
+        f.barrier();
+        acc2
+    });
+    cl.store_row(f, c, ga64, &acc);
+}
+
+/// A group of rows `[ga, gb)` with `total` matches: list them in increasing `i`, sort them by
+/// row (stable counting sort, thread `t` owning row `ga + t`) and sum each row.
+#[allow(clippy::too_many_arguments)]
+fn sum_group(f: &mut Func, s: &Scatter, c: &Ctx, cl: &Columns, inits: &[Val], chunks: Val, [ga, gb, total]: [Val; 3], [ga64, gb64]: [Val; 2]) {
+    let (sh, z64, one64, zero, tid, it) = (c.sh, c.z64, c.one64, c.zero, c.tid, s.it);
+    let has = f.cmpi(ICmp::Sgt, total, zero);
+    f.if_then(has, |f| {
+        f.for_loop(z64, chunks, one64, &[zero], |f, ch, run| {
+            let base = f.muli(ch, c.tstep);
+            let i = f.addi(base, c.tid64);
+            let inside = f.cmpi(ICmp::Slt, i, c.nn);
+            let last = f.i64c(s.n as i64 - 1);
+            let ic = f.minsi(i, last);
+            let id = f.load_at(c.ip, ic, Ty::S(it), it.bytes());
+            let id = f.as_i64(id);
+            let id = match c.shard_base {
+                Some(sb) => f.subi(id, sb),
+                None => id,
+            };
+            let local = f.subi(id, c.r0);
+            let ge = f.cmpi(ICmp::Sge, local, ga64);
+            let lt = f.cmpi(ICmp::Slt, local, gb64);
+            let m = f.andi(ge, lt);
+            let flag = f.andi(inside, m);
+            let fl = f.extui(flag, Elem::I32);
+            let (excl, tot) = block_scan(f, fl, tid, sh.warps);
+            let at = f.addi(run[0], excl);
+            let rbc = f.i64c(RB as i64);
+            let packed = f.muli(i, rbc);
+            let packed = f.addi(packed, local);
+            let packed = f.trunci(packed, Elem::I32);
+            f.if_then(flag, |f| st(f, packed, sh.list, at));
+            vec![f.addi(run[0], tot)]
+        });
+        f.barrier();
+        // Stable counting sort by row: thread t owns row ga + t.
+        let t32 = tid;
+        let nrows = f.subi(gb, ga);
+        let mine = f.cmpi(ICmp::Slt, t32, nrows);
+        let my_row = f.addi(ga, t32);
+        let tot64 = f.extsi(total, Elem::I64);
+        let rmask = f.i32c(RB as i64 - 1);
+        let count = f.for_loop(z64, tot64, one64, &[zero], |f, e, cnt| {
+            let pk = ld(f, sh.list, e);
+            let lr = f.andi(pk, rmask);
+            let hit = f.cmpi(ICmp::Eq, lr, my_row);
+            let hit = f.andi(hit, mine);
+            let inc = f.extui(hit, Elem::I32);
+            vec![f.addi(cnt[0], inc)]
+        });
+        let (excl, _) = block_scan(f, count[0], tid, sh.warps);
+        f.if_then(mine, |f| st(f, excl, sh.start2, t32));
+        f.if_then(c.is_t0, |f| st(f, total, sh.start2, nrows));
+        let sh_rb = f.i32c(RB.trailing_zeros() as i64);
+        f.for_loop(z64, tot64, one64, &[excl], |f, e, at| {
+            let pk = ld(f, sh.list, e);
+            let lr = f.andi(pk, rmask);
+            let hit = f.cmpi(ICmp::Eq, lr, my_row);
+            let hit = f.andi(hit, mine);
+            let i = f.shrui(pk, sh_rb);
+            f.if_then(hit, |f| st(f, i, sh.sorted, at[0]));
+            let inc = f.extui(hit, Elem::I32);
+            vec![f.addi(at[0], inc)]
+        });
+        f.barrier();
+    });
+    let has64 = has;
+    f.for_loop(ga64, gb64, one64, &[], |f, row, _| {
+        let lr = f.subi(row, ga64);
+        let lr1 = f.addi(lr, one64);
+        let es = ld(f, sh.start2, lr);
+        let ee = ld(f, sh.start2, lr1);
+        let es = f.select(has64, es, zero);
+        let ee = f.select(has64, ee, zero);
+        let es = f.extsi(es, Elem::I64);
+        let ee = f.extsi(ee, Elem::I64);
+        let acc = f.for_loop(es, ee, one64, inits, |f, e, acc| {
+            let j = ld(f, sh.sorted, e);
+            let j = f.extsi(j, Elem::I64);
+            cl.add_row(f, c, j, acc)
+        });
+        cl.store_row(f, c, row, &acc);
+        vec![]
+    });
+    f.barrier();
 }

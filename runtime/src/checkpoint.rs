@@ -20,20 +20,36 @@
 //! Restoring is driven by the trainer's own state list: every state buffer must find its
 //! tensors (by HF name, per layer for stacked buffers) with the same shape, and a file holding a
 //! tensor the model does not have is refused; errors name the tensor.
+//!
+//! This file holds the format (files, [`TrainerState`], errors) and saving and restoring;
+//! `identity.rs` which run a checkpoint belongs to, `hf_names.rs` the tensor names, `shard.rs`
+//! the shard geometry and `file.rs` the safetensors files.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
-use safetensors::tensor::{Metadata, TensorInfo};
-use safetensors::{Dtype, SafeTensors};
 use serde::{Deserialize, Serialize};
+use titan_ir::Mesh;
 use titan_ir::interp::Tensor;
-use titan_ir::{Mesh, Placement};
 
 use crate::RuntimeError;
 use crate::backend::{ShardedStates, StateLayout, Trainer};
+
+mod file;
+mod hf_names;
+mod identity;
+mod shard;
+
+use self::file::{TensorFile, f32_file_layout};
+use self::hf_names::pieces;
+use self::shard::{box_parts, for_each_run};
+
+pub use self::file::{NamedTensor, read_safetensors};
+pub use self::hf_names::{hf_name, is_optimizer_state};
+pub use self::identity::{CheckpointMesh, RunIdentity, check_identity, graph_identity, run_mesh};
+pub use self::shard::{ShardBox, shard_box, shard_values};
 
 /// Bumped on every change an older reader would misread.
 pub const CHECKPOINT_FORMAT_VERSION: u32 = 1;
@@ -79,100 +95,6 @@ fn io(action: &'static str, path: &Path, e: impl std::fmt::Display) -> Checkpoin
     CheckpointError::Io { action, path: path.display().to_string(), message: e.to_string() }
 }
 
-/// The mesh a checkpoint was written on, in TorchTitan's degrees (all 1: one device).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct CheckpointMesh {
-    pub dp_replicate: u32,
-    pub dp_shard: u32,
-    pub tp: u32,
-}
-
-impl Default for CheckpointMesh {
-    fn default() -> Self {
-        CheckpointMesh { dp_replicate: 1, dp_shard: 1, tp: 1 }
-    }
-}
-
-impl From<Mesh> for CheckpointMesh {
-    fn from(m: Mesh) -> Self {
-        let [dp_replicate, dp_shard, tp] = m.sizes;
-        CheckpointMesh { dp_replicate, dp_shard, tp }
-    }
-}
-
-impl std::fmt::Display for CheckpointMesh {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let dims: Vec<String> = [("dp_replicate", self.dp_replicate), ("dp_shard", self.dp_shard), ("tp", self.tp)]
-            .iter()
-            .filter(|(_, n)| *n > 1)
-            .map(|(k, n)| format!("{k} {n}"))
-            .collect();
-        if dims.is_empty() { f.write_str("one device") } else { write!(f, "a mesh of {}", dims.join(" x ")) }
-    }
-}
-
-impl CheckpointMesh {
-    /// `dp_shard 2 x tp 2`, or `one device`.
-    pub fn degrees(&self) -> String {
-        let s = self.to_string();
-        s.strip_prefix("a mesh of ").map_or(s.clone(), str::to_string)
-    }
-}
-
-/// What identifies the build a run executes, for matching a checkpoint against it.
-#[derive(Clone, Debug, Default, PartialEq)]
-pub struct RunIdentity {
-    /// The artifact's `content_hash` (graph mode: [`graph_identity`] of the graph text).
-    pub content_hash: String,
-    /// The model hash (`manifest.json`'s `model_hash`, a training graph's `meta model_hash`);
-    /// `None` for artifacts and graphs of titanc before the model hash.
-    pub model_hash: Option<String>,
-    /// The model configuration (`titan_ir::identity::model_config` of the training graph), to
-    /// name what differs; empty without a model hash.
-    pub model_config: BTreeMap<String, String>,
-}
-
-impl RunIdentity {
-    /// An artifact's identity: its content hash, model hash and its graph's model configuration.
-    pub fn of_artifact(a: &crate::Artifact) -> RunIdentity {
-        let model_hash = a.manifest.model_hash.clone();
-        let model_config = if model_hash.is_some() { titan_ir::identity::model_config(&a.graph) } else { BTreeMap::new() };
-        RunIdentity { content_hash: a.manifest.content_hash.clone(), model_hash, model_config }
-    }
-
-    /// A training graph's identity (graph mode): [`graph_identity`] of its text, and the model
-    /// hash and configuration its `meta` records (`titanc lower --to train` writes them).
-    pub fn of_graph(text: &str, g: &titan_ir::Graph) -> RunIdentity {
-        let model_hash = titan_ir::identity::graph_model_hash(g);
-        let model_config = if model_hash.is_some() { titan_ir::identity::model_config(g) } else { BTreeMap::new() };
-        RunIdentity { content_hash: graph_identity(text), model_hash, model_config }
-    }
-}
-
-/// A content hash alone (no model hash): checkpoints match it as before the model hash.
-impl From<&str> for RunIdentity {
-    fn from(content_hash: &str) -> RunIdentity {
-        RunIdentity { content_hash: content_hash.to_string(), ..RunIdentity::default() }
-    }
-}
-
-impl From<&String> for RunIdentity {
-    fn from(content_hash: &String) -> RunIdentity {
-        content_hash.as_str().into()
-    }
-}
-
-impl From<&RunIdentity> for RunIdentity {
-    fn from(id: &RunIdentity) -> RunIdentity {
-        id.clone()
-    }
-}
-
-/// The mesh `trainer` runs on (one device when it is not sharded).
-pub fn run_mesh(trainer: &dyn Trainer) -> CheckpointMesh {
-    trainer.sharded().map_or_else(CheckpointMesh::default, |s| s.mesh().into())
-}
-
 /// `trainer_state.json`: what a resumed run needs besides the tensors.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct TrainerState {
@@ -200,335 +122,6 @@ pub struct TrainerState {
     /// checkpoints: one device). The tensors do not depend on it.
     #[serde(default)]
     pub mesh: CheckpointMesh,
-}
-
-/// A tensor of a checkpoint file: its name, shape and values as f32.
-#[derive(Clone, Debug, PartialEq)]
-pub struct NamedTensor {
-    pub name: String,
-    pub shape: Vec<usize>,
-    pub values: Vec<f32>,
-}
-
-/// An identity for a graph-mode run (no artifact content hash): FNV-1a of the graph text.
-pub fn graph_identity(text: &str) -> String {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for b in text.bytes() {
-        h ^= u64::from(b);
-        h = h.wrapping_mul(0x100_0000_01b3);
-    }
-    format!("graph-fnv1a:{h:016x}")
-}
-
-/// Whether a state's checkpoint name is an AdamW moment (stored in `optimizer.safetensors`).
-pub fn is_optimizer_state(name: &str) -> bool {
-    name.ends_with(".exp_avg") || name.ends_with(".exp_avg_sq")
-}
-
-/// The Hugging Face name of a titan (TorchTitan) checkpoint name of one tensor (a per-layer
-/// name has its layer index, not `{i}`). Moments keep their suffix after the parameter's HF
-/// name. Names outside the Llama scheme are kept as they are.
-pub fn hf_name(name: &str) -> String {
-    for suffix in [".exp_avg_sq", ".exp_avg"] {
-        if let Some(base) = name.strip_suffix(suffix) {
-            return format!("{}{suffix}", hf_name(base));
-        }
-    }
-    match name {
-        "tok_embeddings.weight" => return "model.embed_tokens.weight".into(),
-        "norm.weight" => return "model.norm.weight".into(),
-        "output.weight" => return "lm_head.weight".into(),
-        _ => {}
-    }
-    if let Some(rest) = name.strip_prefix("layers.")
-        && let Some((layer, tail)) = rest.split_once('.')
-        && layer.parse::<u64>().is_ok()
-    {
-        let mapped = match tail {
-            "attention.wq.weight" => "self_attn.q_proj.weight",
-            "attention.wk.weight" => "self_attn.k_proj.weight",
-            "attention.wv.weight" => "self_attn.v_proj.weight",
-            "attention.wo.weight" => "self_attn.o_proj.weight",
-            "feed_forward.w1.weight" => "mlp.gate_proj.weight",
-            "feed_forward.w2.weight" => "mlp.down_proj.weight",
-            "feed_forward.w3.weight" => "mlp.up_proj.weight",
-            "attention_norm.weight" => "input_layernorm.weight",
-            "ffn_norm.weight" => "post_attention_layernorm.weight",
-            _ => return name.to_string(),
-        };
-        return format!("model.layers.{layer}.{mapped}");
-    }
-    name.to_string()
-}
-
-/// One checkpoint tensor of a state buffer: its HF name, shape and range of the buffer's elements.
-type Piece = (String, Vec<usize>, std::ops::Range<usize>);
-
-/// The checkpoint tensors of one state buffer, one per layer for a stacked buffer (a name with
-/// `{i}`).
-fn pieces(name: &str, shape: &[usize]) -> Result<Vec<Piece>, CheckpointError> {
-    let numel: usize = shape.iter().product();
-    if !name.contains("{i}") {
-        return Ok(vec![(hf_name(name), shape.to_vec(), 0..numel)]);
-    }
-    let Some((&layers, rest)) = shape.split_first() else {
-        return Err(CheckpointError::Mismatch(format!("stacked state `{name}` is a scalar; it needs a leading layer dim")));
-    };
-    let per: usize = rest.iter().product();
-    Ok((0..layers).map(|l| (hf_name(&name.replace("{i}", &l.to_string())), rest.to_vec(), l * per..(l + 1) * per)).collect())
-}
-
-/// Where one rank's shard of a state lies in the full (single-device) tensor.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct ShardBox {
-    /// The full tensor's shape.
-    pub full: Vec<usize>,
-    /// The shard's first element's index along every dim.
-    pub offset: Vec<usize>,
-    /// The shard's shape (the rank's state shape).
-    pub shape: Vec<usize>,
-    /// Whether this rank writes the shard to a checkpoint: the first replica of it, at
-    /// coordinate 0 along every mesh dim the state is replicated on.
-    pub writer: bool,
-}
-
-/// The shard of state `name` (shape `local` on each rank, `placement` on `mesh`) that the rank at
-/// `coords` holds. Along every mesh dim of more than one rank where the state is `Shard(d)`,
-/// dim `d` is split in equal parts, outer mesh dims first (the rule of the initialization,
-/// `cpu_graph::init_state_shard`, and of `sim_mesh`'s gather).
-pub fn shard_box(name: &str, local: &[usize], placement: &[Placement], mesh: Mesh, coords: [usize; 3]) -> Result<ShardBox, CheckpointError> {
-    let mut full = local.to_vec();
-    let mut cuts = Vec::new();
-    let mut writer = true;
-    for (m, &size) in mesh.sizes.iter().enumerate() {
-        let n = size as usize;
-        if n <= 1 {
-            continue;
-        }
-        match placement.get(m).unwrap_or(&Placement::Replicate) {
-            Placement::Shard(d) => {
-                let d = *d as usize;
-                let dim = full
-                    .get_mut(d)
-                    .ok_or_else(|| CheckpointError::Mismatch(format!("state `{name}` is sharded along dim {d}, which its shape {local:?} does not have")))?;
-                *dim *= n;
-                cuts.push((d, n, coords[m]));
-            }
-            Placement::Replicate => writer &= coords[m] == 0,
-            Placement::Partial => {
-                return Err(CheckpointError::Mismatch(format!(
-                    "state `{name}` is a partial sum on the mesh; a checkpoint needs every state sharded or replicated"
-                )));
-            }
-        }
-    }
-    let mut offset = vec![0; full.len()];
-    let mut len = full.clone();
-    for (d, n, c) in cuts {
-        len[d] /= n;
-        offset[d] += c * len[d];
-    }
-    Ok(ShardBox { full, offset, shape: local.to_vec(), writer })
-}
-
-/// The shard `b` of the full tensor `full` (row-major values of shape `b.full`).
-pub fn shard_values(b: &ShardBox, full: &[f32]) -> Result<Vec<f32>, CheckpointError> {
-    let numel: usize = b.full.iter().product();
-    if full.len() != numel {
-        return Err(CheckpointError::Mismatch(format!("a tensor of shape {:?} has {numel} elements, {} were given", b.full, full.len())));
-    }
-    let mut out = vec![0.0f32; b.shape.iter().product()];
-    for_each_run(&b.full, &b.offset, &b.shape, &mut |src, dst, len| {
-        out[dst..dst + len].copy_from_slice(&full[src..src + len]);
-        Ok(())
-    })?;
-    Ok(out)
-}
-
-/// The parts of a shard in the checkpoint tensors of its state (one per layer it holds of a
-/// stacked state): the HF name, that tensor's shape, the shard's box in it (offset, shape) and
-/// where the part starts among the shard's elements.
-type BoxPart = (String, Vec<usize>, Vec<usize>, Vec<usize>, usize);
-
-fn box_parts(name: &str, b: &ShardBox) -> Result<Vec<BoxPart>, CheckpointError> {
-    if !name.contains("{i}") {
-        return Ok(vec![(hf_name(name), b.full.clone(), b.offset.clone(), b.shape.clone(), 0)]);
-    }
-    if b.full.is_empty() {
-        return Err(CheckpointError::Mismatch(format!("stacked state `{name}` is a scalar; it needs a leading layer dim")));
-    }
-    let per: usize = b.shape[1..].iter().product();
-    let (first, count) = (b.offset[0], b.shape[0]);
-    Ok((first..first + count)
-        .map(|l| (hf_name(&name.replace("{i}", &l.to_string())), b.full[1..].to_vec(), b.offset[1..].to_vec(), b.shape[1..].to_vec(), (l - first) * per))
-        .collect())
-}
-
-/// Call `f(element index in the tensor, element index in the box, length)` for every contiguous
-/// run of the box (`offset`, `shape`) of a row-major tensor of shape `full`, in the box's
-/// row-major order. Inner dims the box covers whole merge into one run.
-fn for_each_run(
-    full: &[usize],
-    offset: &[usize],
-    shape: &[usize],
-    f: &mut dyn FnMut(usize, usize, usize) -> Result<(), CheckpointError>,
-) -> Result<(), CheckpointError> {
-    if shape.contains(&0) {
-        return Ok(());
-    }
-    let n = full.len();
-    // Dims `whole..` are covered whole by the box.
-    let mut whole = n;
-    while whole > 0 && shape[whole - 1] == full[whole - 1] {
-        whole -= 1;
-    }
-    let inner: usize = full[whole..].iter().product();
-    // A run spans dim `whole - 1` partly (when there is one) and the dims after it whole.
-    let (outer, run) = if whole == 0 { (0, inner) } else { (whole - 1, shape[whole - 1] * inner) };
-    let mut strides = vec![1; n];
-    for d in (0..n.saturating_sub(1)).rev() {
-        strides[d] = strides[d + 1] * full[d + 1];
-    }
-    let partial = if whole == 0 { 0 } else { offset[whole - 1] * strides[whole - 1] };
-    let count: usize = shape[..outer].iter().product();
-    let mut idx = vec![0; outer];
-    for i in 0..count {
-        let src = partial + (0..outer).map(|d| (offset[d] + idx[d]) * strides[d]).sum::<usize>();
-        f(src, i * run, run)?;
-        for d in (0..outer).rev() {
-            idx[d] += 1;
-            if idx[d] < shape[d] {
-                break;
-            }
-            idx[d] = 0;
-        }
-    }
-    Ok(())
-}
-
-/// The metadata every checkpoint file carries. One entry only: safetensors writes the map in
-/// its iteration order, and the files of two identical runs must be byte-identical.
-fn file_metadata() -> HashMap<String, String> {
-    HashMap::from([("format".to_string(), "pt".to_string())])
-}
-
-/// The layout of an f32 safetensors file.
-struct FileLayout {
-    /// The bytes before the data: length prefix and JSON header.
-    prefix: Vec<u8>,
-    /// The file offset of every tensor's data.
-    offsets: HashMap<String, u64>,
-    /// The file's length.
-    len: u64,
-}
-
-/// The layout of an f32 safetensors file of `tensors` (names, shapes), exactly as
-/// `safetensors::serialize` writes it: tensors in name order, the header padded with spaces to 8
-/// bytes.
-fn f32_file_layout(tensors: &[(String, Vec<usize>)], path: &Path) -> Result<FileLayout, CheckpointError> {
-    let mut sorted: Vec<&(String, Vec<usize>)> = tensors.iter().collect();
-    sorted.sort_by(|a, b| a.0.cmp(&b.0));
-    let mut infos = Vec::with_capacity(sorted.len());
-    let mut at = 0usize;
-    for (name, shape) in sorted {
-        let n = shape.iter().product::<usize>() * 4;
-        infos.push((name.clone(), TensorInfo { dtype: Dtype::F32, shape: shape.clone(), data_offsets: (at, at + n) }));
-        at += n;
-    }
-    let fmt = |e: &dyn std::fmt::Display| CheckpointError::Format { path: path.display().to_string(), message: e.to_string() };
-    let starts: Vec<(String, usize)> = infos.iter().map(|(n, i)| (n.clone(), i.data_offsets.0)).collect();
-    let metadata = Metadata::new(Some(file_metadata()), infos).map_err(|e| fmt(&e))?;
-    let mut header = serde_json::to_string(&metadata).map_err(|e| fmt(&e))?.into_bytes();
-    header.resize(header.len().next_multiple_of(8), b' ');
-    let data_start = 8 + header.len() as u64;
-    let mut prefix = (header.len() as u64).to_le_bytes().to_vec();
-    prefix.extend_from_slice(&header);
-    let offsets = starts.into_iter().map(|(n, s)| (n, data_start + s as u64)).collect();
-    Ok(FileLayout { prefix, offsets, len: data_start + at as u64 })
-}
-
-/// A safetensors file opened for reading slices of its tensors (its header parsed and checked;
-/// no tensor data read).
-struct TensorFile {
-    path: PathBuf,
-    file: File,
-    /// Every tensor: dtype, shape and the file offset of its data.
-    tensors: BTreeMap<String, (Dtype, Vec<usize>, u64)>,
-}
-
-impl TensorFile {
-    fn open(path: &Path) -> Result<TensorFile, CheckpointError> {
-        let p = path.display().to_string();
-        let bad = |message: String| CheckpointError::Format { path: p.clone(), message };
-        let file = File::open(path).map_err(|e| io("read", path, e))?;
-        let len = file.metadata().map_err(|e| io("read", path, e))?.len();
-        let mut n = [0u8; 8];
-        file.read_exact_at(&mut n, 0).map_err(|_| bad("shorter than a safetensors header".into()))?;
-        let n = u64::from_le_bytes(n);
-        if n > 100_000_000 || 8 + n > len {
-            return Err(bad(format!("its header length {n} does not fit the file of {len} bytes")));
-        }
-        let mut header = vec![0u8; n as usize];
-        file.read_exact_at(&mut header, 8).map_err(|e| io("read", path, e))?;
-        let metadata: Metadata = serde_json::from_slice(&header).map_err(|e| bad(e.to_string()))?;
-        let mut tensors = BTreeMap::new();
-        for (name, info) in metadata.tensors() {
-            let width = match info.dtype {
-                Dtype::F32 => 4,
-                Dtype::BF16 | Dtype::F16 => 2,
-                other => return Err(bad(format!("tensor `{name}` is {other:?}; titan loads F32, BF16 and F16 tensors, convert it to one of those"))),
-            };
-            let (s, e) = info.data_offsets;
-            let numel: usize = info.shape.iter().product();
-            if e < s || e - s != numel * width || 8 + n + e as u64 > len {
-                return Err(bad(format!("tensor `{name}` has data offsets {s}..{e}, which do not fit its shape {:?} or the file", info.shape)));
-            }
-            tensors.insert(name, (info.dtype, info.shape.clone(), 8 + n + s as u64));
-        }
-        Ok(TensorFile { path: path.to_path_buf(), file, tensors })
-    }
-
-    /// Read the box (`offset`, `shape`) of tensor `name` (of shape `full`) into `out` as f32.
-    fn read_box(&self, name: &str, full: &[usize], offset: &[usize], shape: &[usize], out: &mut [f32]) -> Result<(), CheckpointError> {
-        let (dtype, _, base) = self.tensors.get(name).ok_or_else(|| CheckpointError::Mismatch(format!("`{}` has no tensor `{name}`", self.path.display())))?;
-        let width = if *dtype == Dtype::F32 { 4 } else { 2 };
-        let mut buf = Vec::new();
-        for_each_run(full, offset, shape, &mut |src, dst, len| {
-            buf.resize(len * width, 0);
-            self.file.read_exact_at(&mut buf, base + (src * width) as u64).map_err(|e| io("read", &self.path, e))?;
-            let out = &mut out[dst..dst + len];
-            match dtype {
-                Dtype::F32 => out.iter_mut().zip(buf.chunks_exact(4)).for_each(|(o, c)| *o = f32::from_le_bytes([c[0], c[1], c[2], c[3]])),
-                Dtype::BF16 => out.iter_mut().zip(buf.chunks_exact(2)).for_each(|(o, c)| *o = half::bf16::from_le_bytes([c[0], c[1]]).to_f32()),
-                _ => out.iter_mut().zip(buf.chunks_exact(2)).for_each(|(o, c)| *o = half::f16::from_le_bytes([c[0], c[1]]).to_f32()),
-            }
-            Ok(())
-        })
-    }
-}
-
-/// Read every tensor of a safetensors file, converting bf16, f16 and f32 to f32.
-pub fn read_safetensors(path: &Path) -> Result<BTreeMap<String, NamedTensor>, CheckpointError> {
-    let bytes = std::fs::read(path).map_err(|e| io("read", path, e))?;
-    let p = path.display().to_string();
-    let st = SafeTensors::deserialize(&bytes).map_err(|e| CheckpointError::Format { path: p.clone(), message: e.to_string() })?;
-    let mut out = BTreeMap::new();
-    for (name, view) in st.iter() {
-        let data = view.data();
-        let values: Vec<f32> = match view.dtype() {
-            Dtype::F32 => data.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
-            Dtype::BF16 => data.chunks_exact(2).map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
-            Dtype::F16 => data.chunks_exact(2).map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32()).collect(),
-            other => {
-                return Err(CheckpointError::Format {
-                    path: p,
-                    message: format!("tensor `{name}` is {other:?}; titan loads F32, BF16 and F16 tensors, convert it to one of those"),
-                });
-            }
-        };
-        out.insert(name.to_string(), NamedTensor { name: name.to_string(), shape: view.shape().to_vec(), values });
-    }
-    Ok(out)
 }
 
 /// A single-device trainer seen as the one rank of a one-rank mesh: its states are whole. The
@@ -788,71 +381,6 @@ pub fn read_state(step_dir: &Path) -> Result<TrainerState, CheckpointError> {
     Ok(state)
 }
 
-/// Whether checkpoint `state` may resume on a run of identity `here` on mesh `here_mesh`, and
-/// the line to print about it:
-///
-/// - the same content hash: `Ok(None)`, the same build;
-/// - another content hash but the same model hash: `Ok(Some("resharding a checkpoint of
-///   dp_shard 2 x tp 2 onto one device"))` (or "... of another build of the same model" on the
-///   same mesh);
-/// - another model hash: [`CheckpointError::DifferentModel`], naming the configuration entries
-///   that differ; without a model hash on either side (older checkpoints, artifacts or graphs),
-///   [`CheckpointError::DifferentMesh`] or [`CheckpointError::DifferentBuild`] as before.
-///
-/// `allow_different_build` turns every refusal into `Ok(Some(..))` saying what was forced.
-pub fn check_identity(
-    state: &TrainerState,
-    here: &RunIdentity,
-    here_mesh: CheckpointMesh,
-    allow_different_build: bool,
-) -> Result<Option<String>, CheckpointError> {
-    if state.content_hash == here.content_hash {
-        return Ok(None);
-    }
-    let reshard = (state.mesh != here_mesh).then(|| format!("resharding a checkpoint of {} onto {}", state.mesh.degrees(), here_mesh));
-    let refusal = match (&state.model_hash, &here.model_hash) {
-        (Some(found), Some(expected)) if found == expected => {
-            return Ok(Some(reshard.unwrap_or_else(|| {
-                format!(
-                    "resuming a checkpoint of another build of the same model (content hash {}, this build's {})",
-                    short(&state.content_hash),
-                    short(&here.content_hash)
-                )
-            })));
-        }
-        (Some(found), Some(expected)) => CheckpointError::DifferentModel {
-            found: found.clone(),
-            expected: expected.clone(),
-            differences: differences(&state.model_config, &here.model_config),
-        },
-        (found, _) if state.mesh != here_mesh => {
-            CheckpointError::DifferentMesh { found: state.mesh, expected: here_mesh, checkpoint_has_model_hash: found.is_some() }
-        }
-        _ => CheckpointError::DifferentBuild { found: state.content_hash.clone(), expected: here.content_hash.clone() },
-    };
-    if !allow_different_build {
-        return Err(refusal);
-    }
-    let what = match &refusal {
-        CheckpointError::DifferentModel { differences, .. } => format!("of another model or training configuration ({differences})"),
-        _ => "of another build".to_string(),
-    };
-    Ok(Some(format!("--allow-different-build: resuming a checkpoint {what}{}", reshard.map_or(String::new(), |r| format!("; {r}")))))
-}
-
-/// The model configuration entries that differ, `key X in the checkpoint, Y in this run`.
-fn differences(found: &BTreeMap<String, String>, expected: &BTreeMap<String, String>) -> String {
-    if found.is_empty() || expected.is_empty() {
-        return "which settings differ is not recorded".into();
-    }
-    let d = titan_ir::identity::config_differences(found, expected);
-    if d.is_empty() {
-        return "the same sizes and training options, but the model graphs differ".into();
-    }
-    let named: Vec<String> = d.iter().map(|(k, a, b)| format!("{k} {a} in the checkpoint, {b} in this run")).collect();
-    named.join("; ")
-}
-
 /// Restore everything from checkpoint `path` (a step directory, or a checkpoint directory for
 /// its latest step) into `trainer`: parameters, moments and the step counter; on a mesh, every
 /// rank `trainer` holds reads its own slices (the checkpoint may come from any mesh). The
@@ -884,6 +412,10 @@ pub fn init_from(path: &Path, trainer: &mut dyn Trainer) -> Result<(), Checkpoin
 
 #[cfg(test)]
 mod tests {
+    use safetensors::Dtype;
+    use titan_ir::Placement;
+
+    use super::file::{FileLayout, file_metadata};
     use super::*;
 
     #[test]

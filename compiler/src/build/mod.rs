@@ -589,27 +589,10 @@ fn compile(model: &Graph, model_text: &str, opts: &BuildOptions, generate_code: 
     let mut phases = Phases::default();
 
     let t = Instant::now();
-    let errors = titan_ir::verify::verify(model);
-    if !errors.is_empty() {
-        let errors = errors.iter().map(|e| format!("  {e}")).collect::<Vec<_>>().join("\n");
-        return Err(BuildError::Invalid(format!("the model graph does not verify; fix these errors first:\n{errors}")));
-    }
+    verify_model(model)?;
     let spmd = opts.mesh.world_size() > 1;
-    let meshed;
-    let model = if spmd {
-        let mut m = model.clone();
-        opts.mesh.write_meta(&mut m);
-        if !opts.loss_parallel {
-            titan_passes::shard_tp::disable_loss_parallel(&mut m);
-        }
-        if !opts.prefetch_next_layer {
-            titan_passes::prefetch_next_layer::disable_prefetch_next_layer(&mut m);
-        }
-        meshed = m;
-        &meshed
-    } else {
-        model
-    };
+    let meshed = spmd.then(|| with_layout_meta(model, opts));
+    let model = meshed.as_ref().unwrap_or(model);
     let (fused, pipeline) = compile_train_graph(model, &opts.train, &opts.pipeline)?;
     phases.pipeline = t.elapsed();
 
@@ -626,87 +609,17 @@ fn compile(model: &Graph, model_text: &str, opts: &BuildOptions, generate_code: 
     let t = Instant::now();
     let plan = plan_kernel_graph(&fused)?;
     let report = spmd.then(|| mesh_report(&plan, &opts.mesh));
-    let mut bodies = Vec::with_capacity(plan.schedule.kernels.len());
-    for &(body, kind) in &plan.schedule.kernels {
-        let region = fused.blocks.get(body.index()).ok_or_else(|| BuildError::Internal(format!("kernel body #{} does not exist", body.0)))?;
-        bodies.push((body, kind, schedule::kernel_name(region)));
-    }
-    let mut kernels = Vec::with_capacity(bodies.len());
-    for (id, (body, kind, name)) in bodies.iter().enumerate() {
-        let region = &fused.blocks[body.index()];
-        let size = |vs: &mut dyn Iterator<Item = titan_ir::Value>| -> Result<u64, BuildError> {
-            let mut total = 0u64;
-            for v in vs {
-                total += bytes_of(region.ty(v).dtype, &shape_of(&fused, region, v)?);
-            }
-            Ok(total)
-        };
-        let bytes_read = size(&mut region.arg_values())?;
-        let bytes_written = size(&mut region.outputs.iter().map(|o| o.value))?;
-        let gemm = if *kind == KernelKind::Gemm { Some(gemm::gemm_desc(&fused, region)?) } else { None };
-        kernels.push(Kernel {
-            id: id as u32,
-            name: name.clone(),
-            kind: *kind,
-            body: region.name.clone(),
-            ptx: None,
-            cubin: None,
-            entry: None,
-            launch: None,
-            prologue: None,
-            gemm,
-            workspace_bytes: 0,
-            workspace_scratch: false,
-            bytes_read,
-            bytes_written,
-        });
-    }
+    let (bodies, mut kernels) = kernel_table(&fused, &plan)?;
     phases.plan = t.elapsed();
 
     let t = Instant::now();
     let mut notes = Vec::new();
     let code = if generate_code { codegen(&fused, &bodies, &mut notes)? } else { bodies.iter().map(|_| None).collect() };
-    let mut ptx = Vec::new();
-    for (k, c) in kernels.iter_mut().zip(code) {
-        let Some(c) = c else { continue };
-        let path = format!("{KERNEL_DIR}/{}.ptx", k.name);
-        k.ptx = Some(path.clone());
-        k.entry = Some(c.entry);
-        k.launch = Some(c.launch);
-        k.prologue = c.prologue;
-        k.workspace_bytes = c.workspace_bytes;
-        k.workspace_scratch = c.workspace_scratch;
-        ptx.push((path, c.ptx));
-    }
+    let ptx = attach_code(&mut kernels, code);
     phases.codegen = t.elapsed();
 
     let t = Instant::now();
-    let mut cubins = Vec::new();
-    match ptxas {
-        Some(ptxas) => {
-            let mut jobs = Vec::with_capacity(ptx.len());
-            for (i, k) in kernels.iter().enumerate() {
-                if let (Some(path), Some(entry)) = (&k.ptx, &k.entry)
-                    && let Some((_, text)) = ptx.iter().find(|(p, _)| p == path)
-                {
-                    jobs.push((i, path.as_str(), text.as_str(), entry.as_str()));
-                }
-            }
-            let assembled = assemble_cubins(ptxas, &jobs, &mut notes);
-            let done: Vec<(usize, Vec<u8>)> = jobs.iter().zip(assembled).filter_map(|(&(i, ..), c)| c.map(|c| (i, c))).collect();
-            for (i, cubin) in done {
-                let path = format!("{KERNEL_DIR}/{}.cubin", kernels[i].name);
-                kernels[i].cubin = Some(path.clone());
-                cubins.push((path, cubin));
-            }
-        }
-        None if !ptx.is_empty() => notes.push(
-            "ptxas not found: the artifact ships PTX only and the CUDA driver JIT-compiles it at start-up (seconds); install it with \
-             `pip install nvidia-cuda-nvcc` or point TITAN_PTXAS at a ptxas binary, then rebuild"
-                .to_string(),
-        ),
-        None => {}
-    }
+    let cubins = attach_cubins(ptxas, &mut kernels, &ptx, &mut notes);
     phases.ptxas = t.elapsed();
 
     let dims = fused.dims.clone();
@@ -762,6 +675,123 @@ fn compile(model: &Graph, model_text: &str, opts: &BuildOptions, generate_code: 
     };
     let graph_text = titan_ir::print::print_graph(&fused);
     Ok((Artifact { manifest, graph_text, ptx, cubins }, summary))
+}
+
+/// Refuse a model graph that does not verify, listing every error.
+fn verify_model(model: &Graph) -> Result<(), BuildError> {
+    let errors = titan_ir::verify::verify(model);
+    if !errors.is_empty() {
+        let errors = errors.iter().map(|e| format!("  {e}")).collect::<Vec<_>>().join("\n");
+        return Err(BuildError::Invalid(format!("the model graph does not verify; fix these errors first:\n{errors}")));
+    }
+    Ok(())
+}
+
+/// `model` with the layout `meta` of an SPMD build: the mesh, and the partitioning toggles the
+/// options turn off.
+fn with_layout_meta(model: &Graph, opts: &BuildOptions) -> Graph {
+    let mut m = model.clone();
+    opts.mesh.write_meta(&mut m);
+    if !opts.loss_parallel {
+        titan_passes::shard_tp::disable_loss_parallel(&mut m);
+    }
+    if !opts.prefetch_next_layer {
+        titan_passes::prefetch_next_layer::disable_prefetch_next_layer(&mut m);
+    }
+    m
+}
+
+/// The kernels of the schedule, in order: `(body, kind, name)` for the code generator, and the
+/// manifest's entries without code (name, kind, body, GEMM description, bytes moved).
+type KernelTable = (Vec<(BlockId, KernelKind, String)>, Vec<Kernel>);
+
+fn kernel_table(fused: &Graph, plan: &Plan) -> Result<KernelTable, BuildError> {
+    let mut bodies = Vec::with_capacity(plan.schedule.kernels.len());
+    for &(body, kind) in &plan.schedule.kernels {
+        let region = fused.blocks.get(body.index()).ok_or_else(|| BuildError::Internal(format!("kernel body #{} does not exist", body.0)))?;
+        bodies.push((body, kind, schedule::kernel_name(region)));
+    }
+    let mut kernels = Vec::with_capacity(bodies.len());
+    for (id, (body, kind, name)) in bodies.iter().enumerate() {
+        let region = &fused.blocks[body.index()];
+        let size = |vs: &mut dyn Iterator<Item = titan_ir::Value>| -> Result<u64, BuildError> {
+            let mut total = 0u64;
+            for v in vs {
+                total += bytes_of(region.ty(v).dtype, &shape_of(fused, region, v)?);
+            }
+            Ok(total)
+        };
+        let bytes_read = size(&mut region.arg_values())?;
+        let bytes_written = size(&mut region.outputs.iter().map(|o| o.value))?;
+        let gemm = if *kind == KernelKind::Gemm { Some(gemm::gemm_desc(fused, region)?) } else { None };
+        kernels.push(Kernel {
+            id: id as u32,
+            name: name.clone(),
+            kind: *kind,
+            body: region.name.clone(),
+            ptx: None,
+            cubin: None,
+            entry: None,
+            launch: None,
+            prologue: None,
+            gemm,
+            workspace_bytes: 0,
+            workspace_scratch: false,
+            bytes_read,
+            bytes_written,
+        });
+    }
+    Ok((bodies, kernels))
+}
+
+/// Record each kernel's generated code (entry, launch, prologue, workspace) in its manifest
+/// entry; returns the PTX files, `(path, text)`.
+fn attach_code(kernels: &mut [Kernel], code: Vec<Option<Code>>) -> Vec<(String, String)> {
+    let mut ptx = Vec::new();
+    for (k, c) in kernels.iter_mut().zip(code) {
+        let Some(c) = c else { continue };
+        let path = format!("{KERNEL_DIR}/{}.ptx", k.name);
+        k.ptx = Some(path.clone());
+        k.entry = Some(c.entry);
+        k.launch = Some(c.launch);
+        k.prologue = c.prologue;
+        k.workspace_bytes = c.workspace_bytes;
+        k.workspace_scratch = c.workspace_scratch;
+        ptx.push((path, c.ptx));
+    }
+    ptx
+}
+
+/// Assemble every kernel's PTX into a cubin with `ptxas` (`None`: a note says the artifact ships
+/// PTX only) and record it in the kernel's entry; returns the cubin files, `(path, image)`.
+fn attach_cubins(ptxas: Option<&Path>, kernels: &mut [Kernel], ptx: &[(String, String)], notes: &mut Vec<String>) -> Vec<(String, Vec<u8>)> {
+    let mut cubins = Vec::new();
+    match ptxas {
+        Some(ptxas) => {
+            let mut jobs = Vec::with_capacity(ptx.len());
+            for (i, k) in kernels.iter().enumerate() {
+                if let (Some(path), Some(entry)) = (&k.ptx, &k.entry)
+                    && let Some((_, text)) = ptx.iter().find(|(p, _)| p == path)
+                {
+                    jobs.push((i, path.as_str(), text.as_str(), entry.as_str()));
+                }
+            }
+            let assembled = assemble_cubins(ptxas, &jobs, notes);
+            let done: Vec<(usize, Vec<u8>)> = jobs.iter().zip(assembled).filter_map(|(&(i, ..), c)| c.map(|c| (i, c))).collect();
+            for (i, cubin) in done {
+                let path = format!("{KERNEL_DIR}/{}.cubin", kernels[i].name);
+                kernels[i].cubin = Some(path.clone());
+                cubins.push((path, cubin));
+            }
+        }
+        None if !ptx.is_empty() => notes.push(
+            "ptxas not found: the artifact ships PTX only and the CUDA driver JIT-compiles it at start-up (seconds); install it with \
+             `pip install nvidia-cuda-nvcc` or point TITAN_PTXAS at a ptxas binary, then rebuild"
+                .to_string(),
+        ),
+        None => {}
+    }
+    cubins
 }
 
 /// Build the artifact of `model` into `out_dir` (see the module documentation). A failed build

@@ -2,11 +2,13 @@
 //! shares through the rendezvous, split into one communicator per mesh dim whose ranks are the
 //! same groups the TCP process group and the simulated mesh use.
 //!
-//! **Untested on multi-GPU:** no machine with several GPUs has run this yet (NCCL refuses two
-//! ranks on one GPU, and only one H200 is lent). It is compiled against cudarc's NCCL bindings
-//! (loaded at run time); the pure parts (the id payload, the split colors) are unit-tested, a
-//! one-rank communicator and its collectives run on the H200 (`runtime/tests/cuda.rs`), and the
-//! CUDA backend's collective steps (`backend/cuda/collective.rs`) call [`NcclComm::run`].
+//! **Run on two GPUs, not more:** the debug model's tp 2, dp_shard 2 and dp_replicate 2
+//! artifacts trained on two H200s, one process each, tracking one GPU and the CPU simulated mesh
+//! (`tools/cuda_check.sh mesh`, `docs/distributed.md`); no run has used more GPUs or several
+//! nodes. It is compiled against cudarc's NCCL bindings (loaded at run time); the pure parts
+//! (the id payload, the split colors) are unit-tested, a one-rank communicator and its
+//! collectives run on one GPU (`runtime/tests/cuda.rs`), and the CUDA backend's collective steps
+//! (`backend/cuda/collective.rs`) call [`NcclComm::run`].
 
 use std::ffi::{c_int, c_void};
 

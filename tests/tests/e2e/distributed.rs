@@ -449,7 +449,8 @@ fn a_mesh_meta_that_disagrees_with_world_size_is_rejected() {
 
 /// The HSDP x TP graph: every parameter is sharded on `dp_shard` and all-gathered inside the
 /// block (per-layer weights) or before its use in `main`; block weights are column- or
-/// row-parallel on `tp` with an all-reduce after each row-parallel product.
+/// row-parallel on `tp` with a reduce-scatter along the sequence after each row-parallel
+/// product (sequence parallelism).
 #[test]
 fn partitioned_debug_block() {
     let g = spmd_graph(Mesh::new(2, 2, 2)).expect("spmd lowering");
