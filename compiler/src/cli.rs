@@ -303,8 +303,7 @@ pub struct ParallelFlags {
     #[arg(long, allow_hyphen_values = true)]
     pub world_size: Option<i64>,
     /// With tp > 1: all-gather the logits and compute the loss whole on every tp rank instead of
-    /// the vocab-parallel cross-entropy (TorchTitan's `disable_loss_parallel`; the parallel loss
-    /// has no GPU kernels yet, so a tp > 1 build for --backend cuda needs this)
+    /// the vocab-parallel cross-entropy (TorchTitan's `disable_loss_parallel`)
     #[arg(long)]
     pub disable_loss_parallel: bool,
     /// With dp_shard > 1: gather each layer's weight shards at the top of that layer instead of
