@@ -65,6 +65,45 @@ pub fn infer_types(op: &Op, inputs: &[&TensorType], declared: Option<&[TensorTyp
     }
     let dims = ctx.dims;
     let out = match op {
+        Op::Embedding
+        | Op::Linear
+        | Op::RmsNorm { .. }
+        | Op::Rope(_)
+        | Op::Attention { .. }
+        | Op::AttentionBwd { .. }
+        | Op::CrossEntropy
+        | Op::CrossEntropyBwd
+        | Op::CrossEntropyStats
+        | Op::CrossEntropyStatsBwd
+        | Op::CrossEntropyCombine
+        | Op::RmsNormBwd { .. } => model_op_types(op, inputs, ctx)?,
+        Op::Unary(_) | Op::Binary(_) | Op::Cast | Op::Reduce { .. } | Op::Reshape | Op::Transpose { .. } | Op::Broadcast { .. } | Op::Matmul { .. } => {
+            primitive_types(op, inputs, declared, ctx)?
+        }
+        Op::Gather | Op::GatherShard | Op::ScatterAdd | Op::ScatterAddShard => table_types(op, inputs, declared, ctx)?,
+        Op::Constant { .. } | Op::LrSchedule(_) | Op::AdamW(_) => optimizer_types(op, inputs, declared, ctx)?,
+        Op::AllGather { .. } | Op::ReduceScatter { .. } | Op::TakeShard { .. } | Op::PlaceShard { .. } | Op::AllReduce { .. } => {
+            collective_types(op, inputs, ctx)?
+        }
+        Op::Repeat { .. } | Op::Kernel { .. } => region_types(op, inputs, ctx)?,
+    };
+    if let Some(decl) = declared {
+        if decl.len() != out.len() {
+            return Err(format!("`{}` produces {} result{}, {} declared", op.name(), out.len(), if out.len() == 1 { "" } else { "s" }, decl.len()));
+        }
+        for (i, (d, o)) in decl.iter().zip(&out).enumerate() {
+            if !d.same_as(o, dims) {
+                return Err(format!("result {i} of `{}` is {o}, declared {d}", op.name()));
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// The result types of the model-level ops and their backward ops (embedding, linear, norms, RoPE, attention, losses).
+fn model_op_types(op: &Op, inputs: &[&TensorType], ctx: &InferCtx) -> Result<Vec<TensorType>, String> {
+    let dims = ctx.dims;
+    Ok(match op {
         Op::Embedding => {
             let (tok, table) = (inputs[0], inputs[1]);
             need_int(tok, "embedding tokens")?;
@@ -166,6 +205,14 @@ pub fn infer_types(op: &Op, inputs: &[&TensorType], declared: Option<&[TensorTyp
             need_same_type(dy, x, dims, "rmsnorm_bwd: dy must have the type of x")?;
             vec![x.clone(), w.clone()]
         }
+        _ => unreachable!("invariant: `infer_types` routes only its ops to model_op_types"),
+    })
+}
+
+/// The result types of the pointwise, reduction, layout and matmul primitives.
+fn primitive_types(op: &Op, inputs: &[&TensorType], declared: Option<&[TensorType]>, ctx: &InferCtx) -> Result<Vec<TensorType>, String> {
+    let dims = ctx.dims;
+    Ok(match op {
         Op::Unary(u) => {
             need_float(inputs[0], &format!("`{}` operand", u.name()))?;
             vec![inputs[0].clone()]
@@ -262,6 +309,14 @@ pub fn infer_types(op: &Op, inputs: &[&TensorType], declared: Option<&[TensorTyp
             s.push(n.clone());
             vec![TensorType::new(a.dtype, s)]
         }
+        _ => unreachable!("invariant: `infer_types` routes only its ops to primitive_types"),
+    })
+}
+
+/// The result types of gathers and scatter-adds over a table (whole or a row shard).
+fn table_types(op: &Op, inputs: &[&TensorType], declared: Option<&[TensorType]>, ctx: &InferCtx) -> Result<Vec<TensorType>, String> {
+    let dims = ctx.dims;
+    Ok(match op {
         Op::Gather => vec![gather_type(inputs[0], inputs[1], "gather")?],
         Op::GatherShard => {
             shard_checks(inputs[2], "gather_shard")?;
@@ -272,6 +327,14 @@ pub fn infer_types(op: &Op, inputs: &[&TensorType], declared: Option<&[TensorTyp
             shard_checks(inputs[2], "scatter_add_shard")?;
             vec![scatter_add_type(inputs[0], inputs[1], one_declared(op, declared)?, dims, "scatter_add_shard")?]
         }
+        _ => unreachable!("invariant: `infer_types` routes only its ops to table_types"),
+    })
+}
+
+/// The result types of constants and the optimizer ops.
+fn optimizer_types(op: &Op, inputs: &[&TensorType], declared: Option<&[TensorType]>, ctx: &InferCtx) -> Result<Vec<TensorType>, String> {
+    let dims = ctx.dims;
+    Ok(match op {
         Op::Constant { .. } => vec![one_declared(op, declared)?.clone()],
         Op::LrSchedule(_) => {
             need_int(inputs[0], "lr_schedule step")?;
@@ -289,6 +352,14 @@ pub fn infer_types(op: &Op, inputs: &[&TensorType], declared: Option<&[TensorTyp
             need_rank(step, 0, "adamw step")?;
             vec![p.clone(), p.clone(), p.clone()]
         }
+        _ => unreachable!("invariant: `infer_types` routes only its ops to optimizer_types"),
+    })
+}
+
+/// The result types of collectives and rank-local shard slicing.
+fn collective_types(op: &Op, inputs: &[&TensorType], ctx: &InferCtx) -> Result<Vec<TensorType>, String> {
+    let dims = ctx.dims;
+    Ok(match op {
         Op::AllGather { dim, size, .. } | Op::ReduceScatter { dim, size, .. } | Op::TakeShard { dim, size, .. } | Op::PlaceShard { dim, size, .. } => {
             let x = inputs[0];
             need_float(x, &format!("{} operand", op.name()))?;
@@ -316,6 +387,14 @@ pub fn infer_types(op: &Op, inputs: &[&TensorType], declared: Option<&[TensorTyp
             need_float(inputs[0], "all_reduce operand")?;
             vec![inputs[0].clone()]
         }
+        _ => unreachable!("invariant: `infer_types` routes only its ops to collective_types"),
+    })
+}
+
+/// The result types of the ops that run a block: `repeat` and `kernel`.
+fn region_types(op: &Op, inputs: &[&TensorType], ctx: &InferCtx) -> Result<Vec<TensorType>, String> {
+    let dims = ctx.dims;
+    Ok(match op {
         Op::Repeat { block, count, carry, stacked, prefetch, .. } => {
             let region = ctx.blocks.get(block.index()).ok_or_else(|| format!("repeat names block #{} which does not exist", block.0))?;
             let (nc, ns, np) = (*carry as usize, *stacked as usize, *prefetch as usize);
@@ -379,18 +458,8 @@ pub fn infer_types(op: &Op, inputs: &[&TensorType], declared: Option<&[TensorTyp
             }
             region.outputs.iter().map(|o| region.ty(o.value).clone()).collect()
         }
-    };
-    if let Some(decl) = declared {
-        if decl.len() != out.len() {
-            return Err(format!("`{}` produces {} result{}, {} declared", op.name(), out.len(), if out.len() == 1 { "" } else { "s" }, decl.len()));
-        }
-        for (i, (d, o)) in decl.iter().zip(&out).enumerate() {
-            if !d.same_as(o, dims) {
-                return Err(format!("result {i} of `{}` is {o}, declared {d}", op.name()));
-            }
-        }
-    }
-    Ok(out)
+        _ => unreachable!("invariant: `infer_types` routes only its ops to region_types"),
+    })
 }
 
 fn attention_checks(q: &TensorType, k: &TensorType, v: &TensorType, dims: &DimTable) -> Result<(), String> {
