@@ -609,7 +609,11 @@ impl BuildArgs {
 fn cmd_build(a: &BuildArgs) -> Result<Outcome, CliError> {
     let file = a.file.display().to_string();
     let text = std::fs::read_to_string(&a.file).map_err(|e| FrontendError::Io { file: file.clone(), message: e.to_string() })?;
-    let model = titan_ir::parse::parse_and_verify(&file, &text)?;
+    let (parsed, map) = titan_ir::parse_and_verify_with_map(&file, &text)?;
+    let mut model = parsed.clone();
+    model.canonicalize();
+    // Pass errors can point into the file when the build's graph kept the parsed ids.
+    let map = (model == parsed).then_some(map);
     crate::build::check_model_graph(&model, &format!("`{file}`"))?;
     let job = a.job_config.as_deref().map(JobConfig::load).transpose()?;
     if let Some(j) = &job {
@@ -624,7 +628,7 @@ fn cmd_build(a: &BuildArgs) -> Result<Outcome, CliError> {
     opts.loss_parallel = !request.disable_loss_parallel.unwrap_or(false);
     opts.prefetch_next_layer = !request.disable_prefetch_next_layer.unwrap_or(false);
     let summary = build_artifact(&model, &text, &opts, &a.output).map_err(|e| match e {
-        crate::build::BuildError::Pass(p) => locate_pass_error(p, &file, &text),
+        crate::build::BuildError::Pass(p) => locate_pass_error(p, &file, &text, map.as_ref()),
         other => other.into(),
     })?;
     let mut out = Outcome { stdout: summary.to_string(), stderr: String::new() };
@@ -675,14 +679,11 @@ fn cmd_passes() -> Outcome {
     Outcome { stdout, stderr: String::new() }
 }
 
-/// A pass error of a build or lowering of `text` (the file `file`), pointing at its source line
-/// when it is located on a node, argument or output the pass still knew by its source id.
-fn locate_pass_error(e: PassError, file: &str, text: &str) -> CliError {
-    let Ok((parsed, map)) = titan_ir::parse(text) else { return e.into() };
-    // The build ran on the canonicalized graph: its ids are the source's when that changed nothing.
-    let mut canonical = parsed.clone();
-    canonical.canonicalize();
-    match e.source_diagnostic(Some(&map)).filter(|_| canonical == parsed) {
+/// A pass error of a build of `text` (the file `file`), pointing at its source line when it is
+/// located on a part of the graph the pass still knew by its source id (`map`: the file's source
+/// map, when the built graph kept the parsed ids).
+fn locate_pass_error(e: PassError, file: &str, text: &str, map: Option<&titan_ir::SourceMap>) -> CliError {
+    match e.source_diagnostic(map) {
         Some(diag) => CliError::Source(SourceError { file: file.to_string(), source_text: text.to_string(), diagnostics: vec![diag] }),
         None => e.into(),
     }

@@ -114,18 +114,11 @@ impl PassLoc {
     }
 }
 
-/// Render `message` about `at` as a diagnostic of the parsed source (`file:line:col` and a
-/// caret) when `map` is the input's source map and the location still refers to it; else with
-/// the location in words.
-pub fn pass_diagnostic(message: &str, at: Option<&PassLoc>, map: Option<&SourceMap>) -> Diagnostic {
-    match at {
-        Some(a) if a.input_ids && map.is_some() => {
-            let e = VerifyError { loc: a.loc, message: message.to_string(), place: a.place.clone() };
-            to_diagnostics(&[e], map).pop().unwrap_or_else(|| Diagnostic::new(message, None))
-        }
-        Some(a) => Diagnostic::new(format!("{}: {message}", a.place), None),
-        None => Diagnostic::new(message, None),
-    }
+/// `message` about `at` as a diagnostic of the parsed source (`file:line:col` and a caret when
+/// rendered), `map` being the source map of the pipeline's input.
+pub fn pass_diagnostic(message: &str, at: &PassLoc, map: &SourceMap) -> Diagnostic {
+    let e = VerifyError { loc: at.loc, message: message.to_string(), place: at.place.clone() };
+    to_diagnostics(&[e], Some(map)).pop().unwrap_or_else(|| Diagnostic::new(message, None))
 }
 
 /// A pass that partitions or synchronizes over the mesh was given a graph without one.

@@ -75,9 +75,7 @@ impl PassError {
     /// input's source map (`file:line:col` and a caret when rendered).
     pub fn source_diagnostic(&self, map: Option<&titan_ir::SourceMap>) -> Option<titan_ir::diag::Diagnostic> {
         match self {
-            PassError::Pass { pass, message, at: Some(at), .. } if at.input_ids && map.is_some() => {
-                Some(error::pass_diagnostic(&format!("{pass}: {message}"), Some(at), map))
-            }
+            PassError::Pass { pass, message, at: Some(at), .. } if at.input_ids => map.map(|m| error::pass_diagnostic(&format!("{pass}: {message}"), at, m)),
             _ => None,
         }
     }

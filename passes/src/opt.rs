@@ -4,7 +4,6 @@
 
 use titan_ir::diag::SourceError;
 use titan_ir::print::print_graph;
-use titan_ir::verify::{to_diagnostics, verify};
 use titan_ir::{Mesh, MeshDim};
 
 use crate::pipeline::{PipelineOptions, PipelineReport, lookup_passes, run_pipeline};
@@ -73,14 +72,7 @@ pub fn parse_mesh_spec(spec: &str) -> Result<Mesh, OptError> {
 /// Parse and verify `src` (named `file` in messages), give it `req.mesh`, run `req.passes` and
 /// print the result. Errors point into `src` where they can.
 pub fn run_opt(file: &str, src: &str, req: &OptRequest) -> Result<OptOutput, OptError> {
-    let fail = |diagnostics| SourceError { file: file.to_string(), source_text: src.to_string(), diagnostics };
-    let (mut g, map) = titan_ir::parse(src).map_err(fail)?;
-    let errors = verify(&g);
-    if !errors.is_empty() {
-        let mut diags = to_diagnostics(&errors, Some(&map));
-        diags.sort_by_key(|d| d.span.map_or(usize::MAX, |s| s.start));
-        return Err(fail(diags).into());
-    }
+    let (mut g, map) = titan_ir::parse_and_verify_with_map(file, src)?;
     let names: Vec<&str> = req.passes.iter().map(String::as_str).collect();
     let passes = lookup_passes(&names).map_err(OptError::Pass)?;
     if let Some(mesh) = &req.mesh {
@@ -88,7 +80,7 @@ pub fn run_opt(file: &str, src: &str, req: &OptRequest) -> Result<OptOutput, Opt
     }
     let popts = PipelineOptions { verify_each: req.verify_each, ..PipelineOptions::default() };
     let report = run_pipeline(&mut g, &passes, &req.train, &popts).map_err(|e| match e.source_diagnostic(Some(&map)) {
-        Some(diag) => OptError::Source(fail(vec![diag])),
+        Some(diag) => OptError::Source(SourceError { file: file.to_string(), source_text: src.to_string(), diagnostics: vec![diag] }),
         None => OptError::Pass(e),
     })?;
     Ok(OptOutput { text: print_graph(&g), report })

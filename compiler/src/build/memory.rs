@@ -46,6 +46,7 @@
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 
+use titan_ir::artifact::liveness::{self, Lifetime};
 use titan_ir::artifact::{Arena, ArenaPlan, BufRef, Buffer, BufferClass, MemoryPlan, StateInfo, Step};
 use titan_ir::print::ValueNames;
 use titan_ir::{ArgKind, DType, Graph, KernelKind, NodeId, Op, Region, Value, ValueDef};
@@ -100,19 +101,6 @@ pub struct Storage {
     pub loops: HashMap<NodeId, LoopStorage>,
     /// Copies at the end of the step (updates and outputs that could not be placed in place).
     pub final_copies: Vec<CopyOp>,
-}
-
-/// The inclusive range of schedule positions during which a buffer's bytes are in use.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Lifetime {
-    pub start: u32,
-    pub end: u32,
-}
-
-impl Lifetime {
-    pub fn overlaps(&self, o: &Lifetime) -> bool {
-        self.start <= o.end && o.start <= self.end
-    }
 }
 
 pub(crate) fn internal(message: impl Into<String>) -> BuildError {
@@ -670,82 +658,12 @@ fn assign_loop(
     Ok(ls)
 }
 
-/// Buffer ids a reference touches, and whether it is a loop carry slot.
-fn ref_buffers(r: &BufRef, carries: &[[u32; 2]]) -> Vec<u32> {
-    match *r {
-        BufRef::Buffer { buffer, .. } => vec![buffer],
-        BufRef::Carry { carry, .. } => carries.get(carry as usize).map(|c| c.to_vec()).unwrap_or_default(),
-    }
-}
-
-fn step_refs(s: &Step) -> Vec<BufRef> {
-    match s {
-        Step::Launch { inputs, outputs, .. } => inputs.iter().chain(outputs).copied().collect(),
-        Step::Copy { src, dst, .. } => vec![*src, *dst],
-        Step::Memset { dst, .. } => vec![*dst],
-        Step::Collective { input, output, .. } => vec![*input, *output],
-        Step::Loop { .. } => vec![],
-    }
-}
-
-/// The lifetime of every buffer over the linearized `steps` (`None`: never touched).
+/// The lifetime of every buffer over the linearized `steps` (`None`: never touched): the rule
+/// of `titan_ir::artifact::liveness` (which the loader checks plans against), over the planner's
+/// own loop scopes.
 pub fn lifetimes(storage: &Storage, steps: &[Step]) -> Vec<Option<Lifetime>> {
-    let n = storage.buffers.len();
-    let mut lt: Vec<Option<Lifetime>> = vec![None; n];
-    let mut touch = |id: u32, at: u32| {
-        if let Some(slot) = lt.get_mut(id as usize) {
-            *slot = Some(match *slot {
-                None => Lifetime { start: at, end: at },
-                Some(l) => Lifetime { start: l.start.min(at), end: l.end.max(at) },
-            });
-        }
-    };
-    let mut pos = 0u32;
-    let mut loop_index = 0u32;
-    for s in steps {
-        match s {
-            Step::Loop { carries, body, prefetch, .. } => {
-                let start = pos;
-                pos += 1;
-                let mut whole: Vec<u32> = carries.iter().flatten().copied().collect();
-                // An iteration runs the prefetch steps (all but the last), then the body.
-                for bs in prefetch.iter().chain(body) {
-                    for r in step_refs(bs) {
-                        for id in ref_buffers(&r, carries) {
-                            if storage.scope.get(id as usize).copied().flatten() == Some(loop_index) {
-                                touch(id, pos);
-                            } else {
-                                whole.push(id);
-                            }
-                        }
-                    }
-                    pos += 1;
-                }
-                let end = pos.saturating_sub(1).max(start);
-                for id in whole {
-                    touch(id, start);
-                    touch(id, end);
-                }
-                loop_index += 1;
-            }
-            other => {
-                for r in step_refs(other) {
-                    for id in ref_buffers(&r, &[]) {
-                        touch(id, pos);
-                    }
-                }
-                pos += 1;
-            }
-        }
-    }
-    let last = pos.saturating_sub(1);
-    for (i, b) in storage.buffers.iter().enumerate() {
-        if b.output.is_some() {
-            let l = lt[i].get_or_insert(Lifetime { start: last, end: last });
-            l.end = last;
-        }
-    }
-    lt
+    let temporary_of = |id: u32| storage.scope.get(id as usize).copied().flatten().map(|l| l as usize);
+    liveness::lifetimes(storage.buffers.len(), steps, temporary_of, |i| storage.buffers[i].output.is_some())
 }
 
 /// Best-fit placement of buffers with lifetimes in one arena; returns the arena size.

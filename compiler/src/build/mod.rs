@@ -38,9 +38,10 @@ use titan_passes::fuse::FusionReport;
 use titan_passes::pipeline::{BUILD_PIPELINE, SPMD_BUILD_PIPELINE};
 use titan_passes::{PassError, PipelineOptions, PipelineReport, TrainOptions, compile_train_graph, fusion_report, lower_to_train};
 
-use self::memory::{Lifetime, Storage, bytes_of, shape_of};
+use self::memory::{Storage, bytes_of, shape_of};
 use self::schedule::Schedule;
 use crate::stats::model_stats;
+use titan_ir::artifact::liveness::Lifetime;
 
 /// Targets `titanc build --target` accepts.
 pub const TARGETS: [&str; 1] = ["sm_90a"];

@@ -31,7 +31,8 @@ impl Lifetime {
 /// `l` (not as one of its carries), `Some(None)` anywhere else too.
 type Scope = Option<Option<usize>>;
 
-fn step_refs(s: &Step) -> Vec<BufRef> {
+/// The buffer references of one step (a loop's own steps are not included).
+pub fn step_refs(s: &Step) -> Vec<BufRef> {
     match s {
         Step::Launch { inputs, outputs, .. } => inputs.iter().chain(outputs).copied().collect(),
         Step::Copy { src, dst, .. } => vec![*src, *dst],
@@ -41,7 +42,8 @@ fn step_refs(s: &Step) -> Vec<BufRef> {
     }
 }
 
-fn ref_buffers(r: &BufRef, carries: &[[u32; 2]]) -> Vec<u32> {
+/// The buffer ids a reference touches (a carry: both of its slots in `carries`).
+pub fn ref_buffers(r: &BufRef, carries: &[[u32; 2]]) -> Vec<u32> {
     match *r {
         BufRef::Buffer { buffer, .. } => vec![buffer],
         BufRef::Carry { carry, .. } => carries.get(carry as usize).map(|c| c.to_vec()).unwrap_or_default(),
@@ -108,11 +110,18 @@ fn scopes(m: &Manifest, steps: &[Step]) -> Vec<Scope> {
 /// (`None`: never touched). References to buffers that do not exist are ignored (the loader
 /// refuses them separately).
 pub fn buffer_lifetimes(m: &Manifest, rank: usize) -> Vec<Option<Lifetime>> {
-    let n = m.buffers.len();
+    let Some(schedule) = m.ranks.get(rank) else { return vec![None; m.buffers.len()] };
+    let scope = scopes(m, &schedule.steps);
+    let temporary_of = |id: u32| scope.get(id as usize).copied().flatten().flatten();
+    lifetimes(m.buffers.len(), &schedule.steps, temporary_of, |i| m.buffers[i].output.is_some())
+}
+
+/// The lifetime of each of `n` buffers over the linearized `steps`, given which top-level loop
+/// (by index) each buffer is a temporary of (`temporary_of`) and which buffers hold step
+/// outputs (`is_output`). The planner calls this with its own scopes; the loader with the ones
+/// [`buffer_lifetimes`] recovers from the schedule.
+pub fn lifetimes(n: usize, steps: &[Step], temporary_of: impl Fn(u32) -> Option<usize>, is_output: impl Fn(usize) -> bool) -> Vec<Option<Lifetime>> {
     let mut lt: Vec<Option<Lifetime>> = vec![None; n];
-    let Some(schedule) = m.ranks.get(rank) else { return lt };
-    let steps = &schedule.steps;
-    let scope = scopes(m, steps);
     let mut touch = |id: u32, at: u32| {
         if let Some(slot) = lt.get_mut(id as usize) {
             *slot = Some(match *slot {
@@ -129,6 +138,7 @@ pub fn buffer_lifetimes(m: &Manifest, rank: usize) -> Vec<Option<Lifetime>> {
                 let start = pos;
                 pos += 1;
                 let mut whole: Vec<u32> = carries.iter().flatten().copied().collect();
+                // An iteration runs the prefetch steps (all but the last), then the body.
                 for bs in prefetch.iter().chain(body) {
                     let mut refs = step_refs(bs);
                     if let Step::Loop { body, prefetch, .. } = bs {
@@ -136,7 +146,7 @@ pub fn buffer_lifetimes(m: &Manifest, rank: usize) -> Vec<Option<Lifetime>> {
                     }
                     for r in refs {
                         for id in ref_buffers(&r, carries) {
-                            if scope.get(id as usize).copied().flatten() == Some(Some(loop_index)) {
+                            if temporary_of(id) == Some(loop_index) {
                                 touch(id, pos);
                             } else {
                                 whole.push(id);
@@ -166,9 +176,9 @@ pub fn buffer_lifetimes(m: &Manifest, rank: usize) -> Vec<Option<Lifetime>> {
         }
     }
     let last = pos.saturating_sub(1);
-    for (i, b) in m.buffers.iter().enumerate() {
-        if b.output.is_some() {
-            let l = lt[i].get_or_insert(Lifetime { start: last, end: last });
+    for (i, slot) in lt.iter_mut().enumerate() {
+        if is_output(i) {
+            let l = slot.get_or_insert(Lifetime { start: last, end: last });
             l.end = last;
         }
     }

@@ -1050,16 +1050,24 @@ pub fn parse(src: &str) -> Result<(Graph, SourceMap), Vec<Diagnostic>> {
 
 /// Parse and verify `src` (named `file` in messages), then canonicalize the graph.
 pub fn parse_and_verify(file: &str, src: &str) -> Result<Graph, SourceError> {
+    let (mut g, _) = parse_and_verify_with_map(file, src)?;
+    g.canonicalize();
+    Ok(g)
+}
+
+/// Parse and verify `src` (named `file` in messages), keeping the graph as parsed (not
+/// canonicalized) so that its ids match the returned source map: for tools that locate later
+/// errors (a pass's) in the source.
+pub fn parse_and_verify_with_map(file: &str, src: &str) -> Result<(Graph, SourceMap), SourceError> {
     let fail = |diagnostics| SourceError { file: file.to_string(), source_text: src.to_string(), diagnostics };
-    let (mut g, map) = parse(src).map_err(fail)?;
+    let (g, map) = parse(src).map_err(fail)?;
     let errors = verify(&g);
     if !errors.is_empty() {
         let mut diags = to_diagnostics(&errors, Some(&map));
         diags.sort_by_key(|d| d.span.map_or(usize::MAX, |s| s.start));
         return Err(fail(diags));
     }
-    g.canonicalize();
-    Ok(g)
+    Ok((g, map))
 }
 
 /// Read, parse and verify a file.
