@@ -188,6 +188,13 @@ pub struct TrainFlags {
     /// Clip the global gradient norm to this value; 0 disables clipping [default: 1.0]
     #[arg(long, allow_hyphen_values = true)]
     pub max_norm: Option<f64>,
+    /// Float8 training recipe: rowwise, rowwise_with_gw_hp or tensorwise (torchao's recipes)
+    #[arg(long, value_name = "RECIPE")]
+    pub float8: Option<String>,
+    /// With --float8: keep linears whose name contains one of these (comma-separated, e.g.
+    /// `output`) in bf16; `auto` also keeps those the cost model finds faster in bf16
+    #[arg(long, value_name = "NAME,...", requires = "float8")]
+    pub float8_filter: Option<String>,
 }
 
 impl TrainFlags {
@@ -214,8 +221,14 @@ impl TrainFlags {
             eps: self.eps.or(j.eps),
             weight_decay: self.weight_decay.or(j.weight_decay),
             max_norm: self.max_norm.or(j.max_norm),
+            float8: self.float8.clone(),
+            float8_filter: self.float8_filter.clone(),
         };
-        merged.checked()
+        let mut o = merged.checked()?;
+        if o.float8.is_none() {
+            o.float8 = j.float8;
+        }
+        Ok(o)
     }
 }
 
@@ -515,6 +528,14 @@ impl TrainFlags {
                 return bad(format!("--weight-decay {w} must be 0 or more, e.g. 0.1"));
             }
             o.weight_decay = w;
+        }
+        if let Some(r) = &self.float8 {
+            let recipe = titan_ir::Float8Recipe::from_name(r).map_err(|e| CliError::Usage(format!("--float8: {e}")))?;
+            let opts = titan_passes::float8::Float8Options::new(recipe);
+            o.float8 = Some(match &self.float8_filter {
+                Some(list) => opts.with_filter_list(list),
+                None => opts,
+            });
         }
         if let Some(m) = self.max_norm {
             if !(m.is_finite() && m >= 0.0) {

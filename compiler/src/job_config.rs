@@ -25,7 +25,7 @@ use titan_ir::{ArgKind, DType, DecayKind, Graph};
 use titan_passes::TrainOptions;
 
 /// Sections and their keys, in the order the documentation lists them.
-pub const SECTIONS: [(&str, &[&str]); 10] = [
+pub const SECTIONS: [(&str, &[&str]); 11] = [
     ("job", &["description", "dump_folder"]),
     ("model", &["name", "flavor", "converters"]),
     ("optimizer", &["name", "lr", "eps", "beta1", "beta2", "weight_decay"]),
@@ -33,6 +33,7 @@ pub const SECTIONS: [(&str, &[&str]); 10] = [
     ("training", &["local_batch_size", "seq_len", "max_norm", "steps", "mixed_precision_param", "dataset", "seed"]),
     ("compile", &["enable", "components"]),
     ("float8", &["recipe_name", "enable_fsdp_float8_all_gather", "precompute_float8_dynamic_scale_for_fsdp", "filter_fqns"]),
+    ("quantize", &["linear"]),
     ("activation_checkpoint", &["mode", "selective_ac_option"]),
     ("experimental", &["enable_async_tensor_parallel"]),
     (
@@ -121,6 +122,9 @@ pub struct JobConfig {
     pub training: TrainingSection,
     /// `[parallelism]` degrees, unresolved (see `crate::parallel`).
     pub parallelism: crate::parallel::ParallelRequest,
+    /// Float8 training: `model.converters` names `float8` (or `quantize.linear.float8`), with
+    /// the recipe and filter of `[float8]` (or `[quantize.linear.float8]`).
+    pub float8: Option<titan_passes::float8::Float8Options>,
 }
 
 /// The training settings a job config sets, named like `titanc lower`'s flags; `None` where
@@ -138,6 +142,7 @@ pub struct JobTrainSettings {
     pub weight_decay: Option<f64>,
     /// `Some(0.0)` disables clipping.
     pub max_norm: Option<f64>,
+    pub float8: Option<titan_passes::float8::Float8Options>,
 }
 
 fn describe(v: &toml::Value) -> String {
@@ -307,8 +312,17 @@ impl JobConfig {
         let model = section("model");
         cfg.model_name = model.string("name")?;
         cfg.model_flavor = model.string("flavor")?;
-        if let Some(c) = model.strings("converters")?.and_then(|cs| cs.into_iter().next()) {
-            return Err(model.unsupported(format!("`model.converters = [\"{c}\"]` (float8 and other model converters)"), "remove the converter"));
+        let mut float8_converter = None;
+        for c in model.strings("converters")?.unwrap_or_default() {
+            match c.as_str() {
+                "float8" | "quantize.linear.float8" => float8_converter = Some(c),
+                other => {
+                    return Err(model.unsupported(
+                        format!("the model converter `model.converters = [\"{other}\"]`"),
+                        "titan converts linears to \"float8\" (or \"quantize.linear.float8\"); remove the others",
+                    ));
+                }
+            }
         }
 
         let opt = section("optimizer");
@@ -370,17 +384,62 @@ impl JobConfig {
             }
         }
 
-        let f8 = section("float8");
-        if let Some(r) = f8.string("recipe_name")? {
-            return Err(f8.unsupported(format!("float8 training (`float8.recipe_name = \"{r}\"`)"), "remove the key"));
+        // Float8: TorchTitan's `[float8]`, or `[quantize.linear.float8]` of its newer configs.
+        let nested = match root.get("quantize") {
+            None => None,
+            Some(toml::Value::Table(q)) => match q.get("linear") {
+                None => None,
+                Some(toml::Value::Table(l)) => {
+                    if let Some(k) = l.keys().find(|k| k.as_str() != "float8") {
+                        return Err(JobConfigError::UnknownKey { file: file.into(), key: format!("quantize.linear.{k}"), section: "quantize.linear".into(), known: "float8".into() });
+                    }
+                    match l.get("float8") {
+                        None => None,
+                        Some(toml::Value::Table(t)) => Some(t),
+                        Some(v) => return Err(JobConfigError::Type { file: file.into(), key: "quantize.linear.float8".into(), expected: "a section", found: describe(v) }),
+                    }
+                }
+                Some(v) => return Err(JobConfigError::Type { file: file.into(), key: "quantize.linear".into(), expected: "a section", found: describe(v) }),
+            },
+            Some(_) => None,
+        };
+        let f8_keys = ["recipe_name", "enable_fsdp_float8_all_gather", "precompute_float8_dynamic_scale_for_fsdp", "filter_fqns"];
+        if let Some(t) = nested
+            && let Some(k) = t.keys().find(|k| !f8_keys.contains(&k.as_str()))
+        {
+            return Err(JobConfigError::UnknownKey { file: file.into(), key: format!("quantize.linear.float8.{k}"), section: "quantize.linear.float8".into(), known: f8_keys.join(", ") });
         }
+        let f8 = match nested {
+            Some(t) => {
+                if root.get("float8").is_some() {
+                    return Err(JobConfigError::Invalid { file: file.into(), message: "both `[float8]` and `[quantize.linear.float8]` are set; keep one".into() });
+                }
+                Section { file, name: "quantize.linear.float8", table: Some(t) }
+            }
+            None => section("float8"),
+        };
         for k in ["enable_fsdp_float8_all_gather", "precompute_float8_dynamic_scale_for_fsdp"] {
             if f8.bool(k)? == Some(true) {
-                return Err(f8.unsupported(format!("float8 training (`float8.{k} = true`)"), "set it to false"));
+                return Err(f8.unsupported(format!("fp8 FSDP weight gathers (`{}.{k} = true`)", f8.name), "set it to false (weights are gathered in bf16 and quantized after the gather)"));
             }
         }
-        // Only meaningful with a float8 recipe, which is rejected above; check its type.
-        f8.strings("filter_fqns")?;
+        let recipe = match f8.string("recipe_name")? {
+            None => None,
+            Some(r) => Some(titan_ir::Float8Recipe::from_name(&r).map_err(|e| f8.invalid(format!("`{}.recipe_name`: {e}", f8.name)))?),
+        };
+        let filter = f8.strings("filter_fqns")?.unwrap_or_default();
+        cfg.float8 = match (float8_converter, recipe) {
+            // TorchTitan's default recipe is tensorwise scaling.
+            (Some(_), r) => Some(titan_passes::float8::Float8Options { recipe: r.unwrap_or(titan_ir::Float8Recipe::Tensorwise), filter, auto: false }),
+            (None, Some(r)) => {
+                return Err(model.invalid(format!(
+                    "`{}.recipe_name = \"{}\"` without a float8 converter: TorchTitan would train in bf16; add `converters = [\"float8\"]` to `[model]` or remove the recipe",
+                    f8.name,
+                    r.name()
+                )));
+            }
+            (None, None) => None,
+        };
 
         let ac = section("activation_checkpoint");
         match ac.string("mode")?.as_deref() {
@@ -465,6 +524,7 @@ impl JobConfig {
             eps: self.optimizer.eps,
             weight_decay: self.optimizer.weight_decay,
             max_norm: self.training.max_norm,
+            float8: self.float8.clone(),
         })
     }
 

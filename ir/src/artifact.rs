@@ -196,6 +196,34 @@ pub struct GemmDesc {
     pub compute: DType,
     /// `none` for now (bias/activation epilogues come with fusion into GEMMs).
     pub epilogue: String,
+    /// How A's rows are scaled (fp8 `scaled_matmul`: the body's argument 2); absent for
+    /// unscaled GEMMs.
+    #[serde(default, skip_serializing_if = "GemmScale::is_none")]
+    pub scale_a: GemmScale,
+    /// How C's columns are scaled (the body's argument 3).
+    #[serde(default, skip_serializing_if = "GemmScale::is_none")]
+    pub scale_b: GemmScale,
+    /// Hopper's reduced-precision fp8 accumulation (the forward GEMM of float8 training).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub fast_accum: bool,
+}
+
+/// The dequantization scale of one fp8 GEMM operand (f32, the reciprocal of the quantization
+/// scale): none, one for the tensor, or one per row of A / per column of B (cuBLASLt's outer
+/// vector scaling).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum GemmScale {
+    #[default]
+    None,
+    Tensor,
+    Vector,
+}
+
+impl GemmScale {
+    pub fn is_none(&self) -> bool {
+        matches!(self, GemmScale::None)
+    }
 }
 
 /// Grid and block dimensions and dynamic shared memory of a generated kernel.

@@ -67,6 +67,7 @@ pub fn infer_types(op: &Op, inputs: &[&TensorType], declared: Option<&[TensorTyp
     let out = match op {
         Op::Embedding
         | Op::Linear
+        | Op::LinearF8 { .. }
         | Op::RmsNorm { .. }
         | Op::Rope(_)
         | Op::Attention { .. }
@@ -80,6 +81,7 @@ pub fn infer_types(op: &Op, inputs: &[&TensorType], declared: Option<&[TensorTyp
         Op::Unary(_) | Op::Binary(_) | Op::Cast | Op::Reduce { .. } | Op::Reshape | Op::Transpose { .. } | Op::Broadcast { .. } | Op::Matmul { .. } => {
             primitive_types(op, inputs, declared, ctx)?
         }
+        Op::Fp8Scale { .. } | Op::ScaledMatmul { .. } => float8_types(op, inputs, declared, ctx)?,
         Op::Gather | Op::GatherShard | Op::ScatterAdd | Op::ScatterAddShard => table_types(op, inputs, declared, ctx)?,
         Op::Constant { .. } | Op::LrSchedule(_) | Op::AdamW(_) => optimizer_types(op, inputs, declared, ctx)?,
         Op::AllGather { .. } | Op::ReduceScatter { .. } | Op::TakeShard { .. } | Op::PlaceShard { .. } | Op::AllReduce { .. } => {
@@ -113,7 +115,7 @@ fn model_op_types(op: &Op, inputs: &[&TensorType], ctx: &InferCtx) -> Result<Vec
             s.push(table.shape[1].clone());
             vec![TensorType::new(table.dtype, s)]
         }
-        Op::Linear => {
+        Op::Linear | Op::LinearF8 { .. } => {
             let (x, w) = (inputs[0], inputs[1]);
             need_float(x, "linear input")?;
             need_rank(w, 2, "linear weight")?;
@@ -310,6 +312,53 @@ fn primitive_types(op: &Op, inputs: &[&TensorType], declared: Option<&[TensorTyp
             vec![TensorType::new(a.dtype, s)]
         }
         _ => unreachable!("invariant: `infer_types` routes only its ops to primitive_types"),
+    })
+}
+
+/// The result types of the float8 primitives: the scale of an amax and the scaled GEMM.
+fn float8_types(op: &Op, inputs: &[&TensorType], declared: Option<&[TensorType]>, ctx: &InferCtx) -> Result<Vec<TensorType>, String> {
+    let dims = ctx.dims;
+    Ok(match op {
+        Op::Fp8Scale { .. } => {
+            need_float(inputs[0], "fp8_scale amax")?;
+            vec![TensorType::new(DType::F32, inputs[0].shape.clone())]
+        }
+        Op::ScaledMatmul { transpose_a, transpose_b, .. } => {
+            let (a, b, sa, sb) = (inputs[0], inputs[1], inputs[2], inputs[3]);
+            for (t, what) in [(a, "lhs"), (b, "rhs")] {
+                if crate::fp8::fp8_max(t.dtype).is_none() {
+                    return Err(format!("scaled_matmul {what} must be f8e4m3 or f8e5m2, found {t}"));
+                }
+            }
+            if a.rank() < 2 || b.rank() != 2 {
+                return Err(format!("scaled_matmul takes a lhs of rank >= 2 and a 2-D rhs, found {a} and {b}"));
+            }
+            if *transpose_a && a.rank() != 2 {
+                return Err(format!("scaled_matmul with transpose_a takes a 2-D lhs, found {a}"));
+            }
+            let ra = a.rank();
+            let (m, ka) = if *transpose_a { (&a.shape[1], &a.shape[0]) } else { (&a.shape[ra - 2], &a.shape[ra - 1]) };
+            let (kb, n) = if *transpose_b { (&b.shape[1], &b.shape[0]) } else { (&b.shape[0], &b.shape[1]) };
+            need_dim(ka, kb, dims, "scaled_matmul: contraction dims differ")?;
+            let mut rows = a.shape[..ra - 2].to_vec();
+            rows.push(m.clone());
+            for (s, want, what) in [(sa, &rows, "row scale sa"), (sb, &vec![n.clone()], "column scale sb")] {
+                if s.dtype != DType::F32 || !(s.rank() == 0 || same_shape(&s.shape, want, dims)) {
+                    return Err(format!("scaled_matmul {what} must be f32[] or f32[{}], found {s}", want.iter().map(ToString::to_string).collect::<Vec<_>>().join(", ")));
+                }
+            }
+            let t = one_declared(op, declared)?;
+            if !matches!(t.dtype, DType::F32 | DType::BF16 | DType::F16) {
+                return Err(format!("scaled_matmul produces f32, bf16 or f16, declared {t}"));
+            }
+            let mut s = rows;
+            s.push(n.clone());
+            if !same_shape(&t.shape, &s, dims) {
+                return Err(format!("scaled_matmul of {a} and {b} is [{}], declared {t}", s.iter().map(ToString::to_string).collect::<Vec<_>>().join(", ")));
+            }
+            vec![t.clone()]
+        }
+        _ => unreachable!("invariant: `infer_types` routes only its ops to float8_types"),
     })
 }
 

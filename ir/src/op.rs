@@ -4,6 +4,7 @@
 //! [`Op::attrs`] and [`Op::from_parts`].
 
 use crate::attr::{AttrValue, Attrs};
+use crate::dtype::DType;
 use crate::graph::BlockId;
 use crate::placement::MeshDim;
 
@@ -65,6 +66,41 @@ pub enum RopeLayout {
     Half,
     /// Meta layout: element `2j` pairs with `2j + 1`.
     Interleaved,
+}
+
+/// A float8 training recipe (torchao's `Float8LinearRecipeName`): how the three GEMMs of a
+/// `linear_f8` quantize their operands. See `docs/ir.md` for the table.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Float8Recipe {
+    /// Every operand e4m3 with one scale per row or column (the GEMM's outer vectors), scales
+    /// rounded down to a power of two; the weight is re-quantized along the other axis for
+    /// `grad_input`.
+    Rowwise,
+    /// `rowwise`'s output GEMM; `grad_input` with a tensorwise e4m3 weight; `grad_weight` in
+    /// high precision.
+    RowwiseWithGwHp,
+    /// One scale per tensor: e4m3 forward operands, e5m2 gradients.
+    Tensorwise,
+}
+
+impl Float8Recipe {
+    pub const ALL: [Float8Recipe; 3] = [Float8Recipe::Rowwise, Float8Recipe::RowwiseWithGwHp, Float8Recipe::Tensorwise];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Float8Recipe::Rowwise => "rowwise",
+            Float8Recipe::RowwiseWithGwHp => "rowwise_with_gw_hp",
+            Float8Recipe::Tensorwise => "tensorwise",
+        }
+    }
+
+    /// The recipe named `s`, or an error listing the three.
+    pub fn from_name(s: &str) -> Result<Float8Recipe, String> {
+        Float8Recipe::ALL
+            .into_iter()
+            .find(|r| r.name() == s)
+            .ok_or_else(|| format!("unknown float8 recipe `{s}`; expected `rowwise`, `rowwise_with_gw_hp` or `tensorwise`"))
+    }
 }
 
 /// Llama 3.1 frequency scaling of RoPE (`rope_scaling.rope_type = "llama3"` in HF configs).
@@ -162,6 +198,13 @@ pub enum Op {
     Embedding,
     /// `(x [..., in], w [out, in]) -> [..., out]`, i.e. `x @ w^T`
     Linear,
+    /// `(x [..., in], w [out, in]) -> [..., out]`: `linear` with its GEMMs in float8 as `recipe`
+    /// says (operands quantized from `x` and `w`, a `scaled_matmul`); its VJP quantizes the
+    /// backward GEMMs' operands from the same high-precision `x` and `w` (straight-through).
+    /// `autodiff` expands the forward into the primitives below once it has differentiated it.
+    LinearF8 {
+        recipe: Float8Recipe,
+    },
     /// `(x [..., D], w [D]) -> [..., D]`, computed in f32
     RmsNorm {
         eps: f64,
@@ -224,6 +267,22 @@ pub enum Op {
     Matmul {
         transpose_a: bool,
         transpose_b: bool,
+    },
+    /// `(amax float[...]) -> f32[...]`: the float8 scale `fp8_max(dtype) / max(amax, 1e-12)`,
+    /// computed in f64 and rounded to f32, then (with `pow2`) rounded down to a power of two.
+    Fp8Scale {
+        dtype: DType,
+        pow2: bool,
+    },
+    /// `(a f8[..., m, k], b f8[k, n], sa f32[..., m] or f32[], sb f32[n] or f32[]) -> T[..., m, n]`
+    /// (`a` 2-D and stored `[k, m]` with `transpose_a`; `b` stored `[n, k]` with `transpose_b`):
+    /// the product accumulated in f32, times `sa` per row and `sb` per column (the reciprocal
+    /// quantization scales), rounded to the declared float type `T`. `fast_accum` lets the GPU
+    /// use Hopper's reduced-precision fp8 accumulation; the reference always accumulates in f32.
+    ScaledMatmul {
+        transpose_a: bool,
+        transpose_b: bool,
+        fast_accum: bool,
     },
     /// `(table [V, r...], idx int[i...]) -> [i..., r...]`: rows of `table`
     Gather,
@@ -414,6 +473,7 @@ impl Op {
         match self {
             Op::Embedding => "embedding",
             Op::Linear => "linear",
+            Op::LinearF8 { .. } => "linear_f8",
             Op::RmsNorm { .. } => "rmsnorm",
             Op::Rope(_) => "rope",
             Op::Attention { .. } => "attention",
@@ -432,6 +492,8 @@ impl Op {
             Op::Transpose { .. } => "transpose",
             Op::Broadcast { .. } => "broadcast",
             Op::Matmul { .. } => "matmul",
+            Op::Fp8Scale { .. } => "fp8_scale",
+            Op::ScaledMatmul { .. } => "scaled_matmul",
             Op::Gather => "gather",
             Op::ScatterAdd => "scatter_add",
             Op::GatherShard => "gather_shard",
@@ -452,7 +514,9 @@ impl Op {
     /// Number of inputs the op takes, `None` when it varies (`repeat`).
     pub fn arity(&self) -> Option<usize> {
         Some(match self {
-            Op::Embedding | Op::Linear | Op::RmsNorm { .. } | Op::CrossEntropy => 2,
+            Op::Embedding | Op::Linear | Op::LinearF8 { .. } | Op::RmsNorm { .. } | Op::CrossEntropy => 2,
+            Op::Fp8Scale { .. } => 1,
+            Op::ScaledMatmul { .. } => 4,
             Op::Rope(_) => 1,
             Op::Attention { .. } | Op::CrossEntropyStats | Op::CrossEntropyCombine => 3,
             Op::GatherShard | Op::ScatterAddShard => 3,
@@ -482,7 +546,7 @@ impl Op {
 
     /// Ops whose result type cannot be inferred from the inputs and is taken from the declaration.
     pub fn result_type_declared(&self) -> bool {
-        matches!(self, Op::Cast | Op::Reshape | Op::Broadcast { .. } | Op::ScatterAdd | Op::ScatterAddShard | Op::Constant { .. })
+        matches!(self, Op::Cast | Op::Reshape | Op::Broadcast { .. } | Op::ScatterAdd | Op::ScatterAddShard | Op::Constant { .. } | Op::ScaledMatmul { .. })
     }
 
     /// Collectives: communication between the ranks of one mesh dimension.
@@ -509,7 +573,7 @@ impl Op {
 
     /// Pointwise ops (elementwise over same-shaped operands, scalars broadcast).
     pub fn is_pointwise(&self) -> bool {
-        matches!(self, Op::Unary(_) | Op::Binary(_) | Op::Cast)
+        matches!(self, Op::Unary(_) | Op::Binary(_) | Op::Cast | Op::Fp8Scale { .. })
     }
 
     /// The attribute dictionary as printed. `block_name` maps a block id to its name.
@@ -552,6 +616,11 @@ impl Op {
             Op::Broadcast { dims } => vec![("dims", list(dims))],
             Op::Matmul { transpose_a, transpose_b } => {
                 vec![("transpose_a", b(*transpose_a)), ("transpose_b", b(*transpose_b))]
+            }
+            Op::LinearF8 { recipe } => vec![("recipe", word(recipe.name()))],
+            Op::Fp8Scale { dtype, pow2 } => vec![("dtype", word(dtype.name())), ("pow2", b(*pow2))],
+            Op::ScaledMatmul { transpose_a, transpose_b, fast_accum } => {
+                vec![("transpose_a", b(*transpose_a)), ("transpose_b", b(*transpose_b)), ("fast_accum", b(*fast_accum))]
             }
             Op::Constant { value } => vec![("value", f(*value))],
             Op::LrSchedule(s) => vec![
@@ -645,6 +714,20 @@ impl Op {
             "transpose" => Op::Transpose { perm: a.take_usize_list("perm")? },
             "broadcast" => Op::Broadcast { dims: a.take_usize_list("dims")? },
             "matmul" => Op::Matmul { transpose_a: a.take_bool("transpose_a")?, transpose_b: a.take_bool("transpose_b")? },
+            "linear_f8" => Op::LinearF8 { recipe: Float8Recipe::from_name(&a.take_ident("recipe")?)? },
+            "fp8_scale" => {
+                let name = a.take_ident("dtype")?;
+                let dtype: DType = name.parse()?;
+                if crate::fp8::fp8_max(dtype).is_none() {
+                    return Err(format!("`fp8_scale` needs an fp8 dtype (`f8e4m3` or `f8e5m2`), found `{dtype}`"));
+                }
+                Op::Fp8Scale { dtype, pow2: a.take_bool("pow2")? }
+            }
+            "scaled_matmul" => Op::ScaledMatmul {
+                transpose_a: a.take_bool("transpose_a")?,
+                transpose_b: a.take_bool("transpose_b")?,
+                fast_accum: a.take_bool("fast_accum")?,
+            },
             "constant" => Op::Constant { value: a.take_f64("value")? },
             "lr_schedule" => {
                 let lr = a.take_f64("lr")?;

@@ -9,6 +9,7 @@ pub mod check_collectives;
 pub mod cse;
 pub mod dce;
 pub mod error;
+pub mod float8;
 pub mod fuse;
 pub mod master_weights;
 pub mod model_hash;

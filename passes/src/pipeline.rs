@@ -19,6 +19,9 @@ use crate::{PassDiag, PassError, PassErrorKind};
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct PassStats {
     pub counters: Vec<(&'static str, u64)>,
+    /// Lines of a per-item report (the `float8` pass's decision for every linear), printed
+    /// under the pass by the build and by `titanc opt --stats`.
+    pub details: Vec<String>,
 }
 
 impl PassStats {
@@ -29,6 +32,12 @@ impl PassStats {
     /// Append a counter.
     pub fn with(mut self, name: &'static str, value: u64) -> PassStats {
         self.counters.push((name, value));
+        self
+    }
+
+    /// Attach report lines.
+    pub fn with_details(mut self, lines: Vec<String>) -> PassStats {
+        self.details = lines;
         self
     }
 
@@ -83,10 +92,11 @@ impl PassInfo {
     }
 }
 
-static PASSES: [PassInfo; 12] = [
+static PASSES: [PassInfo; 13] = [
     PassInfo::new("shard-tp", "tensor parallelism: column/row-parallel block weights, vocab-parallel embedding and output", run_shard_tp),
     PassInfo::new("shard-dp", "split the batch over data-parallel ranks; FSDP-shard parameters on dp_shard", run_shard_dp),
     PassInfo::new("master-weights", "make every parameter an fp32 master `state` read through a compute-dtype cast", run_master_weights),
+    PassInfo::new("float8", "float8 training (`--float8`): eligible linears become `linear_f8` of the recipe; the report says why others stay bf16", run_float8),
     PassInfo::new("autodiff", "differentiate `loss` (each block once); record each gradient output in the gradient map", run_autodiff),
     PassInfo::new("sync-grads", "all-reduce gradients of replicated parameters and the loss across the mesh", run_sync_grads),
     PassInfo::new("adamw", "consume the gradient map's outputs: global-norm clipping, lr schedule and AdamW updates", run_adamw),
@@ -99,22 +109,23 @@ static PASSES: [PassInfo; 12] = [
 ];
 
 /// The passes of `titanc lower --to train`.
-pub const TRAIN_PIPELINE: [&str; 5] = ["master-weights", "autodiff", "adamw", "cse", "dce"];
+pub const TRAIN_PIPELINE: [&str; 6] = ["master-weights", "float8", "autodiff", "adamw", "cse", "dce"];
 
 /// The training lowering of a model whose `meta` names a device mesh (`world_size > 1`): the
 /// SPMD partitioning passes around the single-rank lowering, then the collective safety check.
-pub const SPMD_TRAIN_PIPELINE: [&str; 11] =
-    ["shard-tp", "shard-dp", "master-weights", "autodiff", "sync-grads", "adamw", "cse", "dce", "prefetch-gathers", "prefetch-next-layer", "check-collectives"];
+pub const SPMD_TRAIN_PIPELINE: [&str; 12] =
+    ["shard-tp", "shard-dp", "master-weights", "float8", "autodiff", "sync-grads", "adamw", "cse", "dce", "prefetch-gathers", "prefetch-next-layer", "check-collectives"];
 
 /// The passes of `titanc build`: the training lowering, then fusion.
-pub const BUILD_PIPELINE: [&str; 6] = ["master-weights", "autodiff", "adamw", "cse", "dce", "fuse"];
+pub const BUILD_PIPELINE: [&str; 7] = ["master-weights", "float8", "autodiff", "adamw", "cse", "dce", "fuse"];
 
 /// The passes of `titanc build` for a model whose `meta` names a mesh: the SPMD training
 /// lowering, then fusion (collectives stay steps of their own).
-pub const SPMD_BUILD_PIPELINE: [&str; 12] = [
+pub const SPMD_BUILD_PIPELINE: [&str; 13] = [
     "shard-tp",
     "shard-dp",
     "master-weights",
+    "float8",
     "autodiff",
     "sync-grads",
     "adamw",
@@ -215,6 +226,9 @@ impl fmt::Display for PipelineReport {
             } else {
                 writeln!(f, "{:<width$}  {}", r.pass, r.stats)?;
             }
+            for line in &r.stats.details {
+                writeln!(f, "{:<width$}    {line}", "")?;
+            }
         }
         if self.timings {
             writeln!(f, "{:<width$}  {}", "total", ms(self.total_wall()))?;
@@ -293,6 +307,9 @@ fn run_autodiff(g: &mut Graph, _: &PassContext) -> Result<PassStats, PassDiag> {
         return Err(PassDiag::precondition("the graph already has a gradient map (meta `gradients`): `autodiff` has run on it"));
     }
     let (grads, s) = crate::autodiff::differentiate_main(g, "loss")?;
+    // The forward of every `linear_f8` has been differentiated as one op; now it becomes the
+    // quantization primitives and `scaled_matmul` that fusion and the kernels see.
+    let expanded = crate::float8::expand(g)?;
     let mut outputs = Vec::new();
     let mut map = Vec::new();
     for (i, grad) in grads.iter().enumerate() {
@@ -311,11 +328,22 @@ fn run_autodiff(g: &mut Graph, _: &PassContext) -> Result<PassStats, PassDiag> {
     let n = outputs.len() as u64;
     g.main.outputs.extend(outputs);
     crate::train::record_gradients(g, &map);
-    Ok(PassStats::new()
+    let stats = PassStats::new()
         .with("blocks_differentiated", s.blocks_differentiated as u64)
         .with("saved_per_layer", s.saved_per_layer as u64)
         .with("backward_nodes", s.backward_nodes as u64)
-        .with("gradients", n))
+        .with("gradients", n);
+    Ok(if expanded > 0 { stats.with("float8_expanded", expanded as u64) } else { stats })
+}
+
+fn run_float8(g: &mut Graph, ctx: &PassContext) -> Result<PassStats, PassDiag> {
+    let Some(opts) = &ctx.train.float8 else { return Ok(PassStats::new()) };
+    let decisions = crate::float8::float8(g, opts)?;
+    let converted = decisions.iter().filter(|d| d.kept.is_none()).count() as u64;
+    Ok(PassStats::new()
+        .with("float8", converted)
+        .with("kept", decisions.len() as u64 - converted)
+        .with_details(crate::float8::report_lines(opts.recipe, &decisions)))
 }
 
 fn run_adamw(g: &mut Graph, ctx: &PassContext) -> Result<PassStats, PassDiag> {

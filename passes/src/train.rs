@@ -20,6 +20,9 @@ pub struct TrainOptions {
     pub weight_decay: f64,
     /// Clip the global gradient norm to this value; `None` disables clipping.
     pub max_norm: Option<f64>,
+    /// Float8 training (`--float8`): the `float8` pass converts linears; `None` leaves them.
+    /// Not part of the model hash: a checkpoint trained in bf16 resumes under float8 and back.
+    pub float8: Option<crate::float8::Float8Options>,
 }
 
 impl Default for TrainOptions {
@@ -36,6 +39,7 @@ impl Default for TrainOptions {
             eps: 1e-8,
             weight_decay: 0.1,
             max_norm: Some(1.0),
+            float8: None,
         }
     }
 }

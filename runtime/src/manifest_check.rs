@@ -594,7 +594,7 @@ fn check_kernels(m: &Manifest, graph: &Graph, dir: &Path) -> Check {
         // body may hold anything the interpreter runs: without a generator it has no PTX.)
         let count = |f: fn(&Op) -> bool| ops.iter().filter(|o| f(o)).count();
         let fits = match k.kind {
-            KernelKind::Gemm => matches!(ops.as_slice(), [Op::Linear | Op::Matmul { .. }]),
+            KernelKind::Gemm => matches!(ops.as_slice(), [Op::Linear | Op::Matmul { .. } | Op::ScaledMatmul { .. }]),
             KernelKind::Attention => matches!(ops.as_slice(), [Op::Attention { .. }]),
             KernelKind::AttentionBwd => matches!(ops.as_slice(), [Op::AttentionBwd { .. }]),
             KernelKind::Gather => count(|o| matches!(o, Op::Embedding | Op::Gather | Op::GatherShard)) == 1,

@@ -14,7 +14,7 @@
 //! (`m` when `transpose_a`), `ldb = n` (`k` when `transpose_b`), `ldc = n`. Strides are in
 //! elements between consecutive batch matrices.
 
-use titan_ir::artifact::GemmDesc;
+use titan_ir::artifact::{GemmDesc, GemmScale};
 use titan_ir::{DType, Graph, Op, Region, Value, ValueDef};
 
 use super::BuildError;
@@ -46,7 +46,7 @@ pub fn gemm_desc(g: &Graph, body: &Region) -> Result<GemmDesc, BuildError> {
     for n in &body.order {
         let node = body.node(*n);
         match node.op {
-            Op::Linear | Op::Matmul { .. } => {
+            Op::Linear | Op::Matmul { .. } | Op::ScaledMatmul { .. } => {
                 if found.is_some() {
                     return Err(internal(format!("gemm kernel @{} has more than one linear/matmul", body.name)));
                 }
@@ -66,6 +66,21 @@ pub fn gemm_desc(g: &Graph, body: &Region) -> Result<GemmDesc, BuildError> {
         (Some(0), Some(1)) | (Some(0), Some(0)) => {}
         _ => return Err(internal(format!("gemm kernel @{}: A and B must be the body's first two arguments", body.name))),
     }
+    // A scaled GEMM's dequantization scales are arguments 2 (rows of A) and 3 (columns of B).
+    let scales = match node.op {
+        Op::ScaledMatmul { fast_accum, .. } => {
+            let mut modes = [GemmScale::None; 2];
+            for (i, mode) in modes.iter_mut().enumerate() {
+                let s = node.inputs[2 + i];
+                if arg_index(body, s) != Some(2 + i) {
+                    return Err(internal(format!("gemm kernel @{}: scale {} must be the body's argument {}", body.name, i, 2 + i)));
+                }
+                *mode = if body.ty(s).rank() == 0 { GemmScale::Tensor } else { GemmScale::Vector };
+            }
+            Some((modes, fast_accum))
+        }
+        _ => None,
+    };
     let sa = shape_of(g, body, a)?;
     let sb = shape_of(g, body, b)?;
     let (a_dtype, b_dtype, c_dtype): (DType, DType, DType) = (body.ty(a).dtype, body.ty(b).dtype, body.ty(c).dtype);
@@ -87,6 +102,9 @@ pub fn gemm_desc(g: &Graph, body: &Region) -> Result<GemmDesc, BuildError> {
         c_dtype,
         compute: DType::F32,
         epilogue: "none".into(),
+        scale_a: scales.map_or(GemmScale::None, |s| s.0[0]),
+        scale_b: scales.map_or(GemmScale::None, |s| s.0[1]),
+        fast_accum: scales.is_some_and(|s| s.1),
     };
     match node.op {
         Op::Linear => {
@@ -96,7 +114,7 @@ pub fn gemm_desc(g: &Graph, body: &Region) -> Result<GemmDesc, BuildError> {
             let m = prod(lead);
             Ok(desc(m, n, k, 1, false, true, n * k))
         }
-        Op::Matmul { transpose_a, transpose_b } => {
+        Op::Matmul { transpose_a, transpose_b } | Op::ScaledMatmul { transpose_a, transpose_b, .. } => {
             if sa.len() < 2 || sb.len() < 2 {
                 return Err(internal(format!("gemm kernel @{}: matmul operands must have rank 2 or more", body.name)));
             }

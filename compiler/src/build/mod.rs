@@ -91,6 +91,9 @@ impl BuildOptions {
             format!("pipeline = {}", pipeline.join(",")),
         ];
         lines.extend(self.train.canonical_lines().into_iter().map(|(k, v)| format!("train.{k} = {v}")));
+        if let Some(f8) = &self.train.float8 {
+            lines.extend(f8.canonical_lines());
+        }
         lines.extend([format!("target.arch = {}", self.target.arch), format!("target.ptx_isa = {}", self.target.ptx_isa)]);
         if spmd {
             let [r, d, t] = self.mesh.sizes;
@@ -237,6 +240,13 @@ impl fmt::Display for BuildSummary {
         writeln!(f, "build time:   {} ({phases})", secs(p.total()))?;
         for n in &self.notes {
             writeln!(f, "note: {n}")?;
+        }
+        // With `--timings` the pass table below shows the same lines.
+        for r in self.pipeline.passes.iter().filter(|r| !r.stats.details.is_empty() && !self.pipeline.timings) {
+            writeln!(f, "{}:", r.pass)?;
+            for line in &r.stats.details {
+                writeln!(f, "  {line}")?;
+            }
         }
         if self.pipeline.timings {
             writeln!(f)?;

@@ -5,6 +5,7 @@
 
 mod attention;
 mod collective;
+mod float8;
 mod linalg;
 mod model;
 mod ops;

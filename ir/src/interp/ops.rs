@@ -5,6 +5,7 @@
 use crate::dtype::DType;
 use crate::interp::Precision;
 use crate::interp::attention;
+use crate::interp::float8;
 use crate::interp::linalg;
 use crate::interp::model;
 use crate::interp::round::{is_narrow_float, round_to_dtype};
@@ -171,6 +172,9 @@ fn dispatch<T: Real>(op: &Op, x: &[&Tensor<T>], rts: &[ResultType], precision: P
         Op::ScatterAddShard => one(scatter_add(x[0], x[1], Some(row_shard(x[2], "scatter_add_shard")?), rt)?),
         Op::Linear => one(linalg::linear(x[0], x[1], rt)?),
         Op::Matmul { transpose_a, transpose_b } => one(linalg::matmul(x[0], x[1], *transpose_a, *transpose_b, rt)?),
+        Op::LinearF8 { recipe } => float8::linear_f8(x[0], x[1], *recipe, precision),
+        Op::Fp8Scale { dtype, pow2 } => one(float8::fp8_scale(x[0], *dtype, *pow2, rt)?),
+        Op::ScaledMatmul { transpose_a, transpose_b, .. } => one(float8::scaled_matmul(x, *transpose_a, *transpose_b, rt)?),
         Op::RmsNorm { eps } => one(model::rmsnorm(x[0], x[1], *eps, rt, precision)?),
         Op::RmsNormBwd { eps } => model::rmsnorm_bwd(x[0], x[1], x[2], *eps, rts, precision),
         Op::Rope(cfg) => one(model::rope(x[0], cfg, rt)?),

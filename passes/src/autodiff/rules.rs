@@ -22,7 +22,9 @@ pub fn vjp_needs(op: &Op, n_in: usize, n_out: usize) -> Needs {
         Op::ScatterAdd => needs(n_in, n_out, &[0], &[]),
         Op::GatherShard => needs(n_in, n_out, &[1, 2], &[]),
         Op::ScatterAddShard => needs(n_in, n_out, &[0, 2], &[]),
-        Op::Linear | Op::RmsNorm { .. } | Op::CrossEntropy | Op::Matmul { .. } | Op::CrossEntropyCombine => needs(n_in, n_out, &[0, 1], &[]),
+        Op::Linear | Op::LinearF8 { .. } | Op::RmsNorm { .. } | Op::CrossEntropy | Op::Matmul { .. } | Op::CrossEntropyCombine => {
+            needs(n_in, n_out, &[0, 1], &[])
+        }
         Op::CrossEntropyStats => needs(n_in, n_out, &[0, 1, 2], &[]),
         Op::Attention { .. } => needs(n_in, n_out, &[0, 1, 2], &[0, 1]),
         Op::Unary(u) => match u {
@@ -84,12 +86,19 @@ pub fn vjp(op: &Op, a: &VjpArgs, b: &mut Builder) -> Result<Vec<Option<Value>>, 
         | Op::GatherShard
         | Op::ScatterAddShard
         | Op::Linear
+        | Op::LinearF8 { .. }
         | Op::RmsNorm { .. }
         | Op::Rope(_)
         | Op::Attention { .. }
         | Op::CrossEntropy
         | Op::CrossEntropyStats
         | Op::CrossEntropyCombine => model_op_vjp(op, a, b),
+        // A scale is a function of the amax only: no gradient flows through it (the
+        // straight-through estimator of float8 training differentiates `linear_f8` whole).
+        Op::Fp8Scale { .. } => Ok(vec![None]),
+        Op::ScaledMatmul { .. } => Err(PassDiag::unsupported(
+            "differentiating `scaled_matmul` is not supported: differentiate `linear_f8`, whose VJP quantizes the backward GEMMs from the high-precision operands",
+        )),
         Op::Unary(_) | Op::Binary(_) | Op::Cast => pointwise_vjp(op, a, b),
         Op::Reshape | Op::Transpose { .. } | Op::Reduce { .. } | Op::Broadcast { .. } => layout_vjp(op, a, b),
         Op::Matmul { .. } => matmul_vjp(op, a, b),
@@ -147,6 +156,23 @@ fn model_op_vjp(op: &Op, a: &VjpArgs, b: &mut Builder) -> Result<Vec<Option<Valu
                 (x2, dy2)
             };
             let dw = b.push1(Op::Matmul { transpose_a: true, transpose_b: false }, &[dy2, x2])?;
+            vec![Some(dx), Some(dw)]
+        }
+        // Straight-through: the backward GEMMs quantize `dy` and the saved high-precision `x`
+        // and `w` as the recipe says (see `titan_ir::float8`).
+        Op::LinearF8 { recipe } => {
+            let Some(dy) = dy0 else { return Ok(none(2)) };
+            let (x, w) = (a.x(0), a.x(1));
+            let dx = titan_ir::float8::grad_input(b, dy, w, *recipe)?;
+            let (x2, dy2) = if a.x_ty[0].rank() == 2 {
+                (x, dy)
+            } else {
+                let x2 = b.push_typed(Op::Reshape, &[x], flatten_leading(&a.x_ty[0], dims)?)?;
+                let dy_ty = b.ty(dy).clone();
+                let dy2 = b.push_typed(Op::Reshape, &[dy], flatten_leading(&dy_ty, dims)?)?;
+                (x2, dy2)
+            };
+            let dw = titan_ir::float8::grad_weight(b, dy2, x2, *recipe)?;
             vec![Some(dx), Some(dw)]
         }
         Op::RmsNorm { eps } => {

@@ -81,7 +81,8 @@ pub fn classify(op: &Op, ins: &[&TensorType], outs: &[&TensorType], dims: &DimTa
         // Collectives (and the rank-local shard ops) are schedule steps of their own: they
         // never join a kernel, and the convexity check sees paths through them.
         Op::AllGather { .. } | Op::ReduceScatter { .. } | Op::AllReduce { .. } | Op::TakeShard { .. } | Op::PlaceShard { .. } => Class::Keep,
-        Op::Linear | Op::Matmul { .. } => Class::Single(KernelKind::Gemm),
+        Op::Linear | Op::Matmul { .. } | Op::ScaledMatmul { .. } => Class::Single(KernelKind::Gemm),
+        Op::LinearF8 { .. } => return Err("`linear_f8` reaches fusion unexpanded; `autodiff` expands it (or run the `float8` pass before `autodiff`)".into()),
         Op::Attention { .. } => Class::Single(KernelKind::Attention),
         Op::AttentionBwd { .. } => Class::Single(KernelKind::AttentionBwd),
         Op::Embedding | Op::Gather | Op::GatherShard => Class::Single(KernelKind::Gather),
@@ -94,7 +95,7 @@ pub fn classify(op: &Op, ins: &[&TensorType], outs: &[&TensorType], dims: &DimTa
                 Class::Fusible(Space::Alone)
             }
         }
-        Op::Unary(_) | Op::Binary(_) | Op::Cast | Op::Broadcast { .. } | Op::Transpose { .. } => {
+        Op::Unary(_) | Op::Binary(_) | Op::Cast | Op::Fp8Scale { .. } | Op::Broadcast { .. } | Op::Transpose { .. } => {
             if out0.is_some_and(|t| t.rank() == 0) {
                 Class::Fusible(Space::Scalar)
             } else {

@@ -136,7 +136,7 @@ pub fn check_kernel_graph(g: &Graph) -> Vec<String> {
             };
             let ops: Vec<&Op> = b.order.iter().filter_map(|n| b.nodes.get(n.index())).map(|n| &n.op).collect();
             let single = match kind {
-                KernelKind::Gemm => matches!(ops.as_slice(), [Op::Linear | Op::Matmul { .. }]),
+                KernelKind::Gemm => matches!(ops.as_slice(), [Op::Linear | Op::Matmul { .. } | Op::ScaledMatmul { .. }]),
                 KernelKind::Attention => matches!(ops.as_slice(), [Op::Attention { .. }]),
                 KernelKind::AttentionBwd => matches!(ops.as_slice(), [Op::AttentionBwd { .. }]),
                 KernelKind::Gather => matches!(ops.as_slice(), [Op::Embedding | Op::Gather | Op::GatherShard]),

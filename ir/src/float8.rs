@@ -1,0 +1,209 @@
+//! What a float8 recipe means, written once as the primitive ops it expands to: the forward of
+//! `linear_f8` ([`forward`]) and the two backward GEMMs its VJP emits ([`grad_input`],
+//! [`grad_weight`]). The interpreter evaluates `linear_f8` through [`forward`], `autodiff`
+//! expands it with [`forward`] and differentiates it with the other two, so the three agree by
+//! construction.
+//!
+//! Shapes: `x [..., M, K]` (tokens × in), `w [N, K]`, `dy [..., M, N]`; the GEMMs are
+//! `y = x·wᵀ`, `dx = dy·w`, `dw = dyᵀ·x` (the last over `x` and `dy` flattened to 2-D).
+//!
+//! | recipe | output (fast accumulation) | grad_input | grad_weight | power-of-2 scales |
+//! |---|---|---|---|---|
+//! | `rowwise` | x e4m3 per row, w e4m3 per output row | dy e4m3 per row, w e4m3 per input column | dy, x e4m3 per column | yes |
+//! | `rowwise_with_gw_hp` | as `rowwise` | dy e4m3 per row, w e4m3 tensorwise | high precision | yes |
+//! | `tensorwise` | x, w e4m3, one scale each | dy e5m2, w e4m3 | dy e5m2, x e4m3 | no |
+//!
+//! Quantizing `x` along `axis` (torchao's `hp_tensor_to_float8_dynamic`):
+//! `amax = reduce_max(abs(x))` over `axis` (all axes when tensorwise), `s = fp8_scale(amax)`,
+//! `q = cast<f8>(min(max(f32(x) · s, -fp8_max), fp8_max))`; the GEMM receives `recip(s)`.
+
+use crate::dtype::DType;
+use crate::graph::{Builder, Value};
+use crate::op::{BinaryOp, Float8Recipe, Op, ReduceKind, UnaryOp};
+use crate::shape::TensorType;
+
+/// Which elements share one scale.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Scaling {
+    /// One scale for the whole tensor.
+    Tensor,
+    /// One scale per slice along every axis but this one: the amax is taken over `axis`.
+    Over(usize),
+}
+
+/// How one GEMM operand is quantized: the fp8 dtype and the scaling.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct OperandScaling {
+    pub dtype: DType,
+    pub scaling: Scaling,
+}
+
+/// An fp8 operand and the reciprocal of its scale (what the GEMM multiplies by).
+#[derive(Clone, Copy, Debug)]
+pub struct Quantized {
+    pub q: Value,
+    pub inv_scale: Value,
+}
+
+/// Whether `recipe` rounds its scales down to a power of two (torchao's
+/// `round_scales_to_power_of_2`, on for the rowwise recipes).
+pub fn pow2_scales(recipe: Float8Recipe) -> bool {
+    !matches!(recipe, Float8Recipe::Tensorwise)
+}
+
+fn e4m3(scaling: Scaling) -> OperandScaling {
+    OperandScaling { dtype: DType::F8E4M3, scaling }
+}
+
+/// The operand scalings of the three GEMMs, for operands of rank `x_rank` (`x`, `dy`) and
+/// the 2-D `w`: `(output, grad_input, grad_weight)`, each `(lhs, rhs)`; `grad_weight` is `None`
+/// when the recipe keeps it in high precision. The axes of `grad_weight` refer to the 2-D
+/// flattened `dy` and `x`.
+#[allow(clippy::type_complexity)]
+pub fn scalings(
+    recipe: Float8Recipe,
+    x_rank: usize,
+) -> ((OperandScaling, OperandScaling), (OperandScaling, OperandScaling), Option<(OperandScaling, OperandScaling)>) {
+    let last = x_rank.saturating_sub(1);
+    match recipe {
+        Float8Recipe::Rowwise => (
+            (e4m3(Scaling::Over(last)), e4m3(Scaling::Over(1))),
+            (e4m3(Scaling::Over(last)), e4m3(Scaling::Over(0))),
+            Some((e4m3(Scaling::Over(0)), e4m3(Scaling::Over(0)))),
+        ),
+        Float8Recipe::RowwiseWithGwHp => {
+            ((e4m3(Scaling::Over(last)), e4m3(Scaling::Over(1))), (e4m3(Scaling::Over(last)), e4m3(Scaling::Tensor)), None)
+        }
+        Float8Recipe::Tensorwise => {
+            let e5m2 = OperandScaling { dtype: DType::F8E5M2, scaling: Scaling::Tensor };
+            ((e4m3(Scaling::Tensor), e4m3(Scaling::Tensor)), (e5m2, e4m3(Scaling::Tensor)), Some((e5m2, e4m3(Scaling::Tensor))))
+        }
+    }
+}
+
+/// Quantize `x` to `how.dtype` with `how.scaling` (see the module documentation).
+pub fn quantize(b: &mut Builder, x: Value, how: OperandScaling, pow2: bool) -> Result<Quantized, String> {
+    let ty = b.ty(x).clone();
+    let max = f64::from(crate::fp8::fp8_max(how.dtype).ok_or_else(|| format!("quantize: {} is not an fp8 dtype", how.dtype))?);
+    let rank = ty.rank();
+    let abs = b.push1(Op::Unary(UnaryOp::Abs), &[x])?;
+    let axes: Vec<usize> = match how.scaling {
+        Scaling::Tensor => (0..rank).collect(),
+        Scaling::Over(a) if a < rank => vec![a],
+        Scaling::Over(a) => return Err(format!("quantize: axis {a} is out of range for {ty}")),
+    };
+    let amax = b.push1(Op::Reduce { kind: ReduceKind::Max, axes: axes.clone() }, &[abs])?;
+    let scale = b.push1(Op::Fp8Scale { dtype: how.dtype, pow2 }, &[amax])?;
+    let f32_ty = TensorType::new(DType::F32, ty.shape.clone());
+    let xf = if ty.dtype == DType::F32 { x } else { b.push_typed(Op::Cast, &[x], f32_ty.clone())? };
+    let wide = match how.scaling {
+        Scaling::Tensor => scale,
+        Scaling::Over(a) => b.push_typed(Op::Broadcast { dims: (0..rank).filter(|&d| d != a).collect() }, &[scale], f32_ty.clone())?,
+    };
+    let scaled = b.push1(Op::Binary(BinaryOp::Mul), &[xf, wide])?;
+    let lo = b.push_typed(Op::Constant { value: -max }, &[], TensorType::scalar(DType::F32))?;
+    let hi = b.push_typed(Op::Constant { value: max }, &[], TensorType::scalar(DType::F32))?;
+    let clamped = b.push1(Op::Binary(BinaryOp::Max), &[scaled, lo])?;
+    let clamped = b.push1(Op::Binary(BinaryOp::Min), &[clamped, hi])?;
+    let q = b.push_typed(Op::Cast, &[clamped], TensorType::new(how.dtype, ty.shape.clone()))?;
+    let inv_scale = b.push1(Op::Unary(UnaryOp::Recip), &[scale])?;
+    Ok(Quantized { q, inv_scale })
+}
+
+/// `scaled_matmul` of two quantized operands, producing `out`'s dtype.
+fn scaled_gemm(b: &mut Builder, a: Quantized, bq: Quantized, ta: bool, tb: bool, fast_accum: bool, out: TensorType) -> Result<Value, String> {
+    b.push_typed(Op::ScaledMatmul { transpose_a: ta, transpose_b: tb, fast_accum }, &[a.q, bq.q, a.inv_scale, bq.inv_scale], out)
+}
+
+/// The forward of `linear_f8(x, w)` as primitives: `y [..., N]` in `x`'s dtype.
+pub fn forward(b: &mut Builder, x: Value, w: Value, recipe: Float8Recipe) -> Result<Value, String> {
+    let (xt, wt) = (b.ty(x).clone(), b.ty(w).clone());
+    let ((sx, sw), _, _) = scalings(recipe, xt.rank());
+    let pow2 = pow2_scales(recipe);
+    let qx = quantize(b, x, sx, pow2)?;
+    let qw = quantize(b, w, sw, pow2)?;
+    let mut shape = xt.shape.clone();
+    *shape.last_mut().ok_or("linear_f8 input must have rank >= 1")? = wt.shape[0].clone();
+    scaled_gemm(b, qx, qw, false, true, true, TensorType::new(xt.dtype, shape))
+}
+
+/// `grad_input = dy · w` of `linear_f8` under `recipe`: `dx [..., K]` in `dy`'s dtype.
+pub fn grad_input(b: &mut Builder, dy: Value, w: Value, recipe: Float8Recipe) -> Result<Value, String> {
+    let (dyt, wt) = (b.ty(dy).clone(), b.ty(w).clone());
+    let (_, (sdy, sw), _) = scalings(recipe, dyt.rank());
+    let pow2 = pow2_scales(recipe);
+    let qdy = quantize(b, dy, sdy, pow2)?;
+    let qw = quantize(b, w, sw, pow2)?;
+    let mut shape = dyt.shape.clone();
+    *shape.last_mut().ok_or("linear_f8 gradient must have rank >= 1")? = wt.shape[1].clone();
+    scaled_gemm(b, qdy, qw, false, false, false, TensorType::new(dyt.dtype, shape))
+}
+
+/// `grad_weight = dyᵀ · x` of `linear_f8` under `recipe`, from the 2-D `dy [M, N]` and
+/// `x [M, K]`: `dw [N, K]` in `x`'s dtype.
+pub fn grad_weight(b: &mut Builder, dy: Value, x: Value, recipe: Float8Recipe) -> Result<Value, String> {
+    let (dyt, xt) = (b.ty(dy).clone(), b.ty(x).clone());
+    if dyt.rank() != 2 || xt.rank() != 2 {
+        return Err(format!("linear_f8 grad_weight takes 2-D dy and x, found {dyt} and {xt}"));
+    }
+    match scalings(recipe, 2).2 {
+        None => b.push1(Op::Matmul { transpose_a: true, transpose_b: false }, &[dy, x]),
+        Some((sdy, sx)) => {
+            let pow2 = pow2_scales(recipe);
+            let qdy = quantize(b, dy, sdy, pow2)?;
+            let qx = quantize(b, x, sx, pow2)?;
+            let out = TensorType::new(xt.dtype, vec![dyt.shape[1].clone(), xt.shape[1].clone()]);
+            scaled_gemm(b, qdy, qx, true, false, false, out)
+        }
+    }
+}
+
+/// `fp8_scale`'s value for one amax: `fp8_max / max(amax, 1e-12)` in f64, rounded to f32, then
+/// (with `pow2`) down to a power of two. NaN stays NaN; an infinite amax gives 0.
+pub fn scale_of(amax: f64, fp8_max: f32, pow2: bool) -> f32 {
+    if amax.is_nan() {
+        return f32::NAN;
+    }
+    let s = (f64::from(fp8_max) / amax.max(1e-12)) as f32;
+    if !pow2 || s == 0.0 || !s.is_finite() {
+        return s;
+    }
+    if s.is_normal() {
+        // Clearing the mantissa of a positive normal float is exactly 2^floor(log2(s)).
+        f32::from_bits(s.to_bits() & 0xff80_0000)
+    } else {
+        // A subnormal: the largest power of two not above it.
+        let mut p = f32::from_bits(1);
+        while p * 2.0 <= s {
+            p *= 2.0;
+        }
+        p
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn scales_follow_torchao() {
+        // 448 / 3 = 149.33..: rounded down to 128 with pow2.
+        assert_eq!(scale_of(3.0, 448.0, false), (448.0f64 / 3.0) as f32);
+        assert_eq!(scale_of(3.0, 448.0, true), 128.0);
+        assert_eq!(scale_of(448.0, 448.0, true), 1.0);
+        assert_eq!(scale_of(449.0, 448.0, true), 0.5);
+        // A zero amax is clamped to 1e-12.
+        assert_eq!(scale_of(0.0, 448.0, false), (448.0f64 / 1e-12) as f32);
+        assert_eq!(scale_of(0.0, 448.0, true), 2f32.powi(48));
+        assert!(scale_of(f64::NAN, 448.0, true).is_nan());
+        assert_eq!(scale_of(f64::INFINITY, 57344.0, true), 0.0);
+        // pow2 rounding is 2^floor(log2(s)) for every normal scale.
+        for amax in [1e-30, 1e-6, 0.37, 1.0, 2.5, 1e3, 7e30, f64::from(f32::MAX)] {
+            let s = scale_of(amax, 448.0, false);
+            let p = scale_of(amax, 448.0, true);
+            assert_eq!(p, 2f64.powi(f64::from(s).log2().floor() as i32) as f32, "amax {amax}");
+        }
+        // 448 / 1e41 is subnormal in f32: the power of two below it is 2^-128.
+        assert_eq!(scale_of(1e41, 448.0, true), f32::from_bits(1 << 21));
+    }
+}
