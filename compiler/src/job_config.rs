@@ -391,12 +391,24 @@ impl JobConfig {
                 None => None,
                 Some(toml::Value::Table(l)) => {
                     if let Some(k) = l.keys().find(|k| k.as_str() != "float8") {
-                        return Err(JobConfigError::UnknownKey { file: file.into(), key: format!("quantize.linear.{k}"), section: "quantize.linear".into(), known: "float8".into() });
+                        return Err(JobConfigError::UnknownKey {
+                            file: file.into(),
+                            key: format!("quantize.linear.{k}"),
+                            section: "quantize.linear".into(),
+                            known: "float8".into(),
+                        });
                     }
                     match l.get("float8") {
                         None => None,
                         Some(toml::Value::Table(t)) => Some(t),
-                        Some(v) => return Err(JobConfigError::Type { file: file.into(), key: "quantize.linear.float8".into(), expected: "a section", found: describe(v) }),
+                        Some(v) => {
+                            return Err(JobConfigError::Type {
+                                file: file.into(),
+                                key: "quantize.linear.float8".into(),
+                                expected: "a section",
+                                found: describe(v),
+                            });
+                        }
                     }
                 }
                 Some(v) => return Err(JobConfigError::Type { file: file.into(), key: "quantize.linear".into(), expected: "a section", found: describe(v) }),
@@ -407,12 +419,20 @@ impl JobConfig {
         if let Some(t) = nested
             && let Some(k) = t.keys().find(|k| !f8_keys.contains(&k.as_str()))
         {
-            return Err(JobConfigError::UnknownKey { file: file.into(), key: format!("quantize.linear.float8.{k}"), section: "quantize.linear.float8".into(), known: f8_keys.join(", ") });
+            return Err(JobConfigError::UnknownKey {
+                file: file.into(),
+                key: format!("quantize.linear.float8.{k}"),
+                section: "quantize.linear.float8".into(),
+                known: f8_keys.join(", "),
+            });
         }
         let f8 = match nested {
             Some(t) => {
                 if root.get("float8").is_some() {
-                    return Err(JobConfigError::Invalid { file: file.into(), message: "both `[float8]` and `[quantize.linear.float8]` are set; keep one".into() });
+                    return Err(JobConfigError::Invalid {
+                        file: file.into(),
+                        message: "both `[float8]` and `[quantize.linear.float8]` are set; keep one".into(),
+                    });
                 }
                 Section { file, name: "quantize.linear.float8", table: Some(t) }
             }
@@ -420,7 +440,10 @@ impl JobConfig {
         };
         for k in ["enable_fsdp_float8_all_gather", "precompute_float8_dynamic_scale_for_fsdp"] {
             if f8.bool(k)? == Some(true) {
-                return Err(f8.unsupported(format!("fp8 FSDP weight gathers (`{}.{k} = true`)", f8.name), "set it to false (weights are gathered in bf16 and quantized after the gather)"));
+                return Err(f8.unsupported(
+                    format!("fp8 FSDP weight gathers (`{}.{k} = true`)", f8.name),
+                    "set it to false (weights are gathered in bf16 and quantized after the gather)",
+                ));
             }
         }
         let recipe = match f8.string("recipe_name")? {
@@ -726,9 +749,8 @@ expert_parallel_degree = 1
     #[test]
     fn unbuilt_features_are_rejected_not_ignored() {
         let cases = [
-            ("[float8]\nrecipe_name = \"rowwise\"\n", "float8 training (`float8.recipe_name = \"rowwise\"`) is not supported yet"),
             ("[float8]\nenable_fsdp_float8_all_gather = true\n", "`float8.enable_fsdp_float8_all_gather = true`) is not supported yet; set it to false"),
-            ("[model]\nconverters = [\"float8\"]\n", "`model.converters = [\"float8\"]`"),
+            ("[model]\nconverters = [\"mx\"]\n", "the model converter `model.converters = [\"mx\"]` is not supported yet"),
             (
                 "[activation_checkpoint]\nmode = \"selective\"\n",
                 "activation checkpointing (`activation_checkpoint.mode = \"selective\"`) is not supported yet; set it to \"none\"",
@@ -743,6 +765,29 @@ expert_parallel_degree = 1
         for (text, expected) in cases {
             assert_contains(&err(text), expected);
         }
+    }
+
+    #[test]
+    fn float8_follows_torchtitans_converters_and_sections() {
+        use titan_ir::Float8Recipe;
+        // No converter: TorchTitan's shipped configs carry `[float8]` settings and train in bf16.
+        assert_eq!(ok("[float8]\nenable_fsdp_float8_all_gather = false\nfilter_fqns = [\"output\"]\n").float8, None);
+        // The converter alone: TorchTitan's default recipe (tensorwise), empty filter.
+        let j = ok("[model]\nconverters = [\"float8\"]\n");
+        assert_eq!(j.float8, Some(titan_passes::float8::Float8Options::new(Float8Recipe::Tensorwise)));
+        let j = ok("[model]\nconverters = [\"float8\"]\n[float8]\nrecipe_name = \"rowwise\"\nfilter_fqns = [\"output\"]\n");
+        let f8 = j.float8.expect("float8 on");
+        assert_eq!((f8.recipe, f8.filter), (Float8Recipe::Rowwise, vec!["output".to_string()]));
+        // The newer spelling.
+        let j = ok("[model]\nconverters = [\"quantize.linear.float8\"]\n[quantize.linear.float8]\nrecipe_name = \"rowwise_with_gw_hp\"\n");
+        assert_eq!(j.float8.as_ref().map(|f| f.recipe), Some(Float8Recipe::RowwiseWithGwHp));
+        assert_eq!(j.train_settings(None).unwrap().float8.map(|f| f.recipe), Some(Float8Recipe::RowwiseWithGwHp));
+        // A recipe without the converter would silently train in bf16: refused.
+        assert_contains(&err("[float8]\nrecipe_name = \"rowwise\"\n"), "without a float8 converter");
+        assert_contains(&err("[model]\nconverters = [\"float8\"]\n[float8]\nrecipe_name = \"rows\"\n"), "unknown float8 recipe `rows`");
+        assert_contains(&err("[quantize.linear.float8]\nrecipe = \"rowwise\"\n"), "quantize.linear.float8.recipe");
+        assert_contains(&err("[quantize.linear.mx]\nx = 1\n"), "quantize.linear.mx");
+        assert_contains(&err("[model]\nconverters = [\"float8\"]\n[float8]\n[quantize.linear.float8]\n"), "keep one");
     }
 
     #[test]

@@ -71,9 +71,7 @@ pub fn scalings(
             (e4m3(Scaling::Over(last)), e4m3(Scaling::Over(0))),
             Some((e4m3(Scaling::Over(0)), e4m3(Scaling::Over(0)))),
         ),
-        Float8Recipe::RowwiseWithGwHp => {
-            ((e4m3(Scaling::Over(last)), e4m3(Scaling::Over(1))), (e4m3(Scaling::Over(last)), e4m3(Scaling::Tensor)), None)
-        }
+        Float8Recipe::RowwiseWithGwHp => ((e4m3(Scaling::Over(last)), e4m3(Scaling::Over(1))), (e4m3(Scaling::Over(last)), e4m3(Scaling::Tensor)), None),
         Float8Recipe::Tensorwise => {
             let e5m2 = OperandScaling { dtype: DType::F8E5M2, scaling: Scaling::Tensor };
             ((e4m3(Scaling::Tensor), e4m3(Scaling::Tensor)), (e5m2, e4m3(Scaling::Tensor)), Some((e5m2, e4m3(Scaling::Tensor))))

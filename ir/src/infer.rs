@@ -344,7 +344,10 @@ fn float8_types(op: &Op, inputs: &[&TensorType], declared: Option<&[TensorType]>
             rows.push(m.clone());
             for (s, want, what) in [(sa, &rows, "row scale sa"), (sb, &vec![n.clone()], "column scale sb")] {
                 if s.dtype != DType::F32 || !(s.rank() == 0 || same_shape(&s.shape, want, dims)) {
-                    return Err(format!("scaled_matmul {what} must be f32[] or f32[{}], found {s}", want.iter().map(ToString::to_string).collect::<Vec<_>>().join(", ")));
+                    return Err(format!(
+                        "scaled_matmul {what} must be f32[] or f32[{}], found {s}",
+                        want.iter().map(ToString::to_string).collect::<Vec<_>>().join(", ")
+                    ));
                 }
             }
             let t = one_declared(op, declared)?;

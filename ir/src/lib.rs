@@ -23,7 +23,9 @@ pub mod verify;
 pub use attr::{AttrValue, Attrs};
 pub use dtype::DType;
 pub use graph::{Arg, ArgKind, BlockId, Builder, Graph, Init, Node, NodeId, Output, ParamInfo, Region, Update, Value, ValueData, ValueDef};
-pub use op::{AdamWConfig, BinaryOp, CollectiveReduce, DecayKind, Float8Recipe, KernelKind, LrSchedule, Op, ReduceKind, RopeConfig, RopeLayout, RopeScaling, UnaryOp};
+pub use op::{
+    AdamWConfig, BinaryOp, CollectiveReduce, DecayKind, Float8Recipe, KernelKind, LrSchedule, Op, ReduceKind, RopeConfig, RopeLayout, RopeScaling, UnaryOp,
+};
 pub use parse::{RegionSpans, SourceMap, parse, parse_and_verify, parse_and_verify_with_map, parse_file};
 pub use placement::{Mesh, MeshDim, Placement};
 pub use shape::{Dim, DimTable, TensorType};

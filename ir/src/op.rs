@@ -723,11 +723,9 @@ impl Op {
                 }
                 Op::Fp8Scale { dtype, pow2: a.take_bool("pow2")? }
             }
-            "scaled_matmul" => Op::ScaledMatmul {
-                transpose_a: a.take_bool("transpose_a")?,
-                transpose_b: a.take_bool("transpose_b")?,
-                fast_accum: a.take_bool("fast_accum")?,
-            },
+            "scaled_matmul" => {
+                Op::ScaledMatmul { transpose_a: a.take_bool("transpose_a")?, transpose_b: a.take_bool("transpose_b")?, fast_accum: a.take_bool("fast_accum")? }
+            }
             "constant" => Op::Constant { value: a.take_f64("value")? },
             "lr_schedule" => {
                 let lr = a.take_f64("lr")?;

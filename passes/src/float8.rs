@@ -85,7 +85,7 @@ impl CostModel {
     /// reads it twice when the amax runs down its columns or over the whole tensor.
     pub fn linear_seconds(&self, recipe: Float8Recipe, m: u64, n: u64, k: u64, hp_bytes: u64) -> (f64, f64) {
         let gemm = 2.0 * (m as f64) * (n as f64) * (k as f64);
-        let hp = 3.0 * gemm / self.bf16_flops;
+        let hp = 3.0 * (gemm / self.bf16_flops + self.launch_s);
         let (fwd, gi, gw) = scalings(recipe, 2);
         let quant = |s: OperandScaling, elems: u64, row_axis: usize| -> f64 {
             let reads = if s.scaling == Scaling::Over(row_axis) { 1.0 } else { 2.0 };
@@ -93,7 +93,7 @@ impl CostModel {
             bytes / self.hbm_bytes_per_s + self.launch_s
         };
         let (mk, nk, mn) = (m * k, n * k, m * n);
-        let mut f8 = 2.0 * gemm / self.fp8_flops + quant(fwd.0, mk, 1) + quant(fwd.1, nk, 1) + quant(gi.0, mn, 1) + quant(gi.1, nk, 1);
+        let mut f8 = 3.0 * self.launch_s + 2.0 * gemm / self.fp8_flops + quant(fwd.0, mk, 1) + quant(fwd.1, nk, 1) + quant(gi.0, mn, 1) + quant(gi.1, nk, 1);
         f8 += match gw {
             Some((dy, x)) => gemm / self.fp8_flops + quant(dy, mn, 1) + quant(x, mk, 1),
             None => gemm / self.bf16_flops,

@@ -96,7 +96,11 @@ static PASSES: [PassInfo; 13] = [
     PassInfo::new("shard-tp", "tensor parallelism: column/row-parallel block weights, vocab-parallel embedding and output", run_shard_tp),
     PassInfo::new("shard-dp", "split the batch over data-parallel ranks; FSDP-shard parameters on dp_shard", run_shard_dp),
     PassInfo::new("master-weights", "make every parameter an fp32 master `state` read through a compute-dtype cast", run_master_weights),
-    PassInfo::new("float8", "float8 training (`--float8`): eligible linears become `linear_f8` of the recipe; the report says why others stay bf16", run_float8),
+    PassInfo::new(
+        "float8",
+        "float8 training (`--float8`): eligible linears become `linear_f8` of the recipe; the report says why others stay bf16",
+        run_float8,
+    ),
     PassInfo::new("autodiff", "differentiate `loss` (each block once); record each gradient output in the gradient map", run_autodiff),
     PassInfo::new("sync-grads", "all-reduce gradients of replicated parameters and the loss across the mesh", run_sync_grads),
     PassInfo::new("adamw", "consume the gradient map's outputs: global-norm clipping, lr schedule and AdamW updates", run_adamw),
@@ -113,8 +117,20 @@ pub const TRAIN_PIPELINE: [&str; 6] = ["master-weights", "float8", "autodiff", "
 
 /// The training lowering of a model whose `meta` names a device mesh (`world_size > 1`): the
 /// SPMD partitioning passes around the single-rank lowering, then the collective safety check.
-pub const SPMD_TRAIN_PIPELINE: [&str; 12] =
-    ["shard-tp", "shard-dp", "master-weights", "float8", "autodiff", "sync-grads", "adamw", "cse", "dce", "prefetch-gathers", "prefetch-next-layer", "check-collectives"];
+pub const SPMD_TRAIN_PIPELINE: [&str; 12] = [
+    "shard-tp",
+    "shard-dp",
+    "master-weights",
+    "float8",
+    "autodiff",
+    "sync-grads",
+    "adamw",
+    "cse",
+    "dce",
+    "prefetch-gathers",
+    "prefetch-next-layer",
+    "check-collectives",
+];
 
 /// The passes of `titanc build`: the training lowering, then fusion.
 pub const BUILD_PIPELINE: [&str; 7] = ["master-weights", "float8", "autodiff", "adamw", "cse", "dce", "fuse"];

@@ -494,7 +494,8 @@ struct Code {
 /// the CUDA backend refuses it at load naming the kernel. Invalid bodies and generator bugs fail
 /// the build.
 fn codegen(fused: &Graph, bodies: &[(BlockId, KernelKind, String)], notes: &mut Vec<String>) -> Result<Vec<Option<Code>>, BuildError> {
-    bodies
+    let mut unsupported = Vec::new();
+    let code = bodies
         .iter()
         .map(|(body, kind, name)| match titan_kernels::compile_kernel(fused, *body, *kind, name) {
             Ok(Some(c)) => Ok(Some(Code {
@@ -507,13 +508,20 @@ fn codegen(fused: &Graph, bodies: &[(BlockId, KernelKind, String)], notes: &mut 
             })),
             Ok(None) => Ok(None),
             Err(e @ KernelError::Unsupported { .. }) => {
-                notes.push(format!("no GPU code: {e}; the artifact runs on the CPU backend only"));
+                unsupported.push(e.to_string());
                 Ok(None)
             }
             Err(e @ KernelError::InvalidBody { .. }) => Err(BuildError::Codegen(e.to_string())),
             Err(e) => Err(BuildError::Codegen(format!("kernel `{name}`: {e}"))),
         })
-        .collect()
+        .collect();
+    // One note per kernel reads well for a few; a float8 build has dozens with two reasons.
+    match unsupported.as_slice() {
+        [] => {}
+        few if few.len() <= 3 => notes.extend(few.iter().map(|e| format!("no GPU code: {e}; the artifact runs on the CPU backend only"))),
+        many => notes.push(format!("no GPU code for {} kernels (the first: {}); the artifact runs on the CPU backend only", many.len(), many[0])),
+    }
+    code
 }
 
 /// Assemble every `(kernel index, PTX path, PTX, entry)` into a cubin with `ptxas`, on up to

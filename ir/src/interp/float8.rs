@@ -30,7 +30,11 @@ pub(crate) fn scaled_matmul<T: Real>(x: &[&Tensor<T>], ta: bool, tb: bool, rt: &
     let rows = data.len() / n.max(1);
     let (sa, sb) = (floats(sa, "scaled_matmul sa")?, floats(sb, "scaled_matmul sb")?);
     let per = |s: &[T], len: usize, what: &str| -> Result<(), String> {
-        if s.len() == 1 || s.len() == len { Ok(()) } else { Err(format!("scaled_matmul {what} has {} elements, expected 1 or {len} for {}", s.len(), shape_str(&acc.shape))) }
+        if s.len() == 1 || s.len() == len {
+            Ok(())
+        } else {
+            Err(format!("scaled_matmul {what} has {} elements, expected 1 or {len} for {}", s.len(), shape_str(&acc.shape)))
+        }
     };
     per(sa, rows, "sa")?;
     per(sb, n, "sb")?;
@@ -71,4 +75,80 @@ pub(crate) fn linear_f8<T: Real>(x: &Tensor<T>, w: &Tensor<T>, recipe: Float8Rec
     }
     debug_assert!(matches!(region.value(y).def, ValueDef::Result { .. }));
     Ok(vec![values[y.index()].take().ok_or("linear_f8: the expansion computed no result")?])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::op::Op;
+
+    /// Deterministic values spanning several binades, some negative, rounded to bf16.
+    fn bf16_values(n: usize, seed: u32) -> Vec<f32> {
+        let mut s = seed.wrapping_mul(2_654_435_761).wrapping_add(12345);
+        (0..n)
+            .map(|_| {
+                s = s.wrapping_mul(1_103_515_245).wrapping_add(12345);
+                let u = f64::from(s >> 8) / f64::from(1u32 << 24);
+                let v = (u - 0.5) * 2f64.powi((s % 7) as i32 - 3);
+                half::bf16::from_f64(v).to_f32()
+            })
+            .collect()
+    }
+
+    /// The quantized value of `x` with scale `s` by the encoder alone: `decode(encode(clamp(x * s)))`.
+    fn q(x: f32, s: f32, dtype: DType) -> f32 {
+        let m = crate::fp8::fp8_max(dtype).expect("fp8");
+        let bits = crate::fp8::encode(dtype, (x * s).clamp(-m, m)).expect("fp8");
+        crate::fp8::decode(dtype, bits).expect("fp8")
+    }
+
+    /// `linear_f8 {recipe = rowwise}` against a direct scalar implementation of torchao's
+    /// rowwise forward: per-row power-of-2 scales from the amax, saturating RNE quantization,
+    /// products summed in f64 (exact for fp8 products), the reciprocal scales applied, bf16 out.
+    #[test]
+    fn rowwise_forward_matches_a_scalar_reference() {
+        let (m, k, n) = (8usize, 32usize, 16usize);
+        let xs = bf16_values(m * k, 1);
+        let ws = bf16_values(n * k, 2);
+        let x = Tensor::from_vec(DType::BF16, vec![m, k], xs.clone()).unwrap();
+        let w = Tensor::from_vec(DType::BF16, vec![n, k], ws.clone()).unwrap();
+        let out = linear_f8(&x, &w, Float8Recipe::Rowwise, Precision::Emulate).unwrap().remove(0);
+        let y = out.floats().unwrap();
+        let row_scale = |v: &[f32]| crate::float8::scale_of(f64::from(v.iter().fold(0f32, |a, b| a.max(b.abs()))), 448.0, true);
+        for i in 0..m {
+            let sx = row_scale(&xs[i * k..(i + 1) * k]);
+            for j in 0..n {
+                let sw = row_scale(&ws[j * k..(j + 1) * k]);
+                let dot: f64 = (0..k).map(|kk| f64::from(q(xs[i * k + kk], sx, DType::F8E4M3)) * f64::from(q(ws[j * k + kk], sw, DType::F8E4M3))).sum();
+                let want = half::bf16::from_f32(dot as f32 * (1.0 / sx) * (1.0 / sw)).to_f32();
+                let got = y[i * n + j];
+                // The f32 sum may differ from the f64 one in its last bit, which can move the
+                // bf16 rounding by one ulp.
+                assert!((got - want).abs() <= want.abs() * 2f32.powi(-7) + 1e-30, "y[{i},{j}] = {got}, want {want}");
+            }
+        }
+    }
+
+    #[test]
+    fn scaled_matmul_applies_row_then_column_scales() {
+        let a = Tensor::from_vec(DType::F8E4M3, vec![2, 2], vec![1.0, 2.0, 3.0, 4.0]).unwrap();
+        let b = Tensor::from_vec(DType::F8E4M3, vec![2, 2], vec![1.0, 0.0, 0.0, 1.0]).unwrap();
+        let sa = Tensor::from_vec(DType::F32, vec![2], vec![0.5, 2.0]).unwrap();
+        let sb = Tensor::from_vec(DType::F32, vec![2], vec![1.0, 0.25]).unwrap();
+        let out = scaled_matmul(&[&a, &b, &sa, &sb], false, false, &(DType::F32, vec![2, 2])).unwrap();
+        assert_eq!(out.floats().unwrap(), &[0.5, 0.25, 6.0, 2.0]);
+        // Tensor scales, the transposed lhs.
+        let one = Tensor::from_vec(DType::F32, vec![], vec![3.0]).unwrap();
+        let out = scaled_matmul(&[&a, &b, &one, &one], true, false, &(DType::F32, vec![2, 2])).unwrap();
+        assert_eq!(out.floats().unwrap(), &[9.0, 27.0, 18.0, 36.0]);
+    }
+
+    #[test]
+    fn fp8_scale_op_saturates_and_rounds() {
+        let amax = Tensor::from_vec(DType::F32, vec![3], vec![0.0, 3.0, 1e9]).unwrap();
+        let ty = [crate::shape::TensorType::new(DType::F32, vec![crate::shape::Dim::Fixed(3)])];
+        let op = Op::Fp8Scale { dtype: DType::F8E5M2, pow2: true };
+        let out = eval_op(&op, &[&amax], &ty, &DimTable::new(), Precision::Emulate).unwrap().remove(0);
+        assert_eq!(out.floats().unwrap(), &[2f32.powi(55), 16384.0, 2f32.powi(-15)]);
+    }
 }

@@ -10,6 +10,7 @@ mod common;
 mod distributed;
 mod example_files;
 mod filetests;
+mod float8;
 mod fusion;
 mod initial_loss;
 mod launch;

@@ -100,7 +100,10 @@ impl GemmPlan {
         if !g.scale_a.is_none() || !g.scale_b.is_none() {
             return Err(CudaError::Call {
                 what,
-                message: format!("scaled fp8 GEMMs ({} x {}) are not supported by the CUDA backend yet; run float8 artifacts on the CPU backend", g.a_dtype, g.b_dtype),
+                message: format!(
+                    "scaled fp8 GEMMs ({} x {}) are not supported by the CUDA backend yet; run float8 artifacts on the CPU backend",
+                    g.a_dtype, g.b_dtype
+                ),
             });
         }
         if g.a_dtype != g.b_dtype {
