@@ -19,9 +19,8 @@ use crate::{PassDiag, PassError, PassErrorKind};
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct PassStats {
     pub counters: Vec<(&'static str, u64)>,
-    /// Lines of a per-item report (the `float8` pass's decision for every linear), printed
-    /// under the pass by the build and by `titanc opt --stats`.
-    pub details: Vec<String>,
+    /// Lines of a report beyond the counters (what was decided and why), printed after them.
+    pub notes: Vec<String>,
 }
 
 impl PassStats {
@@ -35,9 +34,9 @@ impl PassStats {
         self
     }
 
-    /// Attach report lines.
-    pub fn with_details(mut self, lines: Vec<String>) -> PassStats {
-        self.details = lines;
+    /// Append report lines.
+    pub fn with_notes(mut self, notes: impl IntoIterator<Item = String>) -> PassStats {
+        self.notes.extend(notes);
         self
     }
 
@@ -242,8 +241,8 @@ impl fmt::Display for PipelineReport {
             } else {
                 writeln!(f, "{:<width$}  {}", r.pass, r.stats)?;
             }
-            for line in &r.stats.details {
-                writeln!(f, "{:<width$}    {line}", "")?;
+            for note in &r.stats.notes {
+                writeln!(f, "{:<width$}  note: {note}", r.pass)?;
             }
         }
         if self.timings {
@@ -359,7 +358,7 @@ fn run_float8(g: &mut Graph, ctx: &PassContext) -> Result<PassStats, PassDiag> {
     Ok(PassStats::new()
         .with("float8", converted)
         .with("kept", decisions.len() as u64 - converted)
-        .with_details(crate::float8::report_lines(opts.recipe, &decisions)))
+        .with_notes(crate::float8::report_lines(opts.recipe, &decisions)))
 }
 
 fn run_adamw(g: &mut Graph, ctx: &PassContext) -> Result<PassStats, PassDiag> {

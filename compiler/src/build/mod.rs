@@ -242,9 +242,9 @@ impl fmt::Display for BuildSummary {
             writeln!(f, "note: {n}")?;
         }
         // With `--timings` the pass table below shows the same lines.
-        for r in self.pipeline.passes.iter().filter(|r| !r.stats.details.is_empty() && !self.pipeline.timings) {
+        for r in self.pipeline.passes.iter().filter(|r| !r.stats.notes.is_empty() && !self.pipeline.timings) {
             writeln!(f, "{}:", r.pass)?;
-            for line in &r.stats.details {
+            for line in &r.stats.notes {
                 writeln!(f, "  {line}")?;
             }
         }

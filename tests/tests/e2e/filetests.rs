@@ -96,18 +96,8 @@ fn run_case(label: &str, case: &Case) -> Result<String, String> {
     let header = format!("; case at line {}: opt {}\n", case.line, case.run.join(" "));
     let output = match (opt_on_text(args, label, &case.source), &case.error) {
         (Ok(out), None) => {
-            // A pass's line is `name  counters`; its report lines (the float8 decisions) are indented.
-            let stats: String = out
-                .stderr
-                .lines()
-                .filter_map(|l| {
-                    if l.starts_with(' ') {
-                        Some(format!("; report: {}\n", l.trim()))
-                    } else {
-                        l.split_once(' ').map(|(pass, counters)| format!("; stats: {pass}: {}\n", counters.trim()))
-                    }
-                })
-                .collect();
+            let stats: String =
+                out.stderr.lines().filter_map(|l| l.split_once(' ').map(|(pass, counters)| format!("; stats: {pass}: {}\n", counters.trim()))).collect();
             format!("{stats}{}", out.stdout)
         }
         (Ok(out), Some(want)) => return Err(format!("line {}: expected an error containing `{want}`, got:\n{}", case.line, out.stdout)),
