@@ -31,7 +31,17 @@ impl Space {
                     (Some(x), Some(y)) => x == y,
                     _ => true,
                 };
-                (a == b && rows_agree).then_some(Space::Elems { elems: a, row: ra.or(rb) })
+                if a == b && rows_agree {
+                    return Some(Space::Elems { elems: a, row: ra.or(rb) });
+                }
+                // Per-row values (one element per row, e.g. a row amax and the float8 scale
+                // computed from it) join the row group they belong to: the row kernel holds
+                // them in registers between its passes over the row.
+                match (ra, rb) {
+                    (Some(r), None) if b.checked_mul(r) == Some(a) => Some(Space::Elems { elems: a, row: ra }),
+                    (None, Some(r)) if a.checked_mul(r) == Some(b) => Some(Space::Elems { elems: b, row: rb }),
+                    _ => None,
+                }
             }
         }
     }

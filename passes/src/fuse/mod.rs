@@ -32,7 +32,11 @@
 //!    its non-scalar operands, so the shared tensor is read once (SwiGLU backward's two
 //!    multiplies of `dy`; `cross_entropy` and `cross_entropy_bwd` of the logits).
 //! 3. **Compatible spaces.** Two groups merge only if their element counts are equal and their
-//!    row lengths (where both have one) are equal. A scalar group fits any group.
+//!    row lengths (where both have one) are equal, or if one has a row length `r` and the
+//!    other (without rows) has `1/r` of its elements: per-row values such as a row amax and
+//!    the float8 scale computed from it, which the row kernel keeps between its passes over
+//!    the row (so RMSNorm, the amax, the scale and the quantized rows are one kernel). A
+//!    scalar group fits any group.
 //! 4. **Convexity.** The merged group must have no path that leaves it and comes back through
 //!    other nodes or kernels; otherwise the kernel graph would have a cycle (the block's final
 //!    residual add is not fused into the earlier `[add, rmsnorm]` because the MLP's GEMMs

@@ -147,11 +147,26 @@ fn a_cycle_through_another_kernel_is_not_merged() {
 fn incompatible_iteration_spaces_stay_apart() {
     let g = graph(1, |b, x| {
         let a = unary(b, UnaryOp::Exp, x[0])?;
-        // A row reduction joins (same elements, rows of 8); the [8] result does not.
-        let r = b.push1(Op::Reduce { kind: ReduceKind::Sum, axes: vec![1] }, &[a])?;
-        Ok(vec![unary(b, UnaryOp::Sqrt, r)?])
+        // 128 elements without rows next to the 64 of `exp`: two kernels.
+        let wide = b.push_typed(Op::Broadcast { dims: vec![1, 2] }, &[a], f32s(&[2, 8, 8]))?;
+        Ok(vec![unary(b, UnaryOp::Sqrt, wide)?])
     });
-    assert_eq!(kernels(&fused(&g).0), vec![(Fused, vec!["exp", "reduce_sum"]), (Fused, vec!["sqrt"])]);
+    assert_eq!(kernels(&fused(&g).0), vec![(Fused, vec!["exp"]), (Fused, vec!["broadcast", "sqrt"])]);
+}
+
+/// A row reduction's per-row result (one element per row) stays in the row kernel, and so does
+/// what is computed from it and broadcast back along the rows: a row amax, the float8 scale
+/// of each row and the quantized rows are one kernel.
+#[test]
+fn per_row_values_join_their_row_group() {
+    let g = graph(1, |b, x| {
+        let a = unary(b, UnaryOp::Exp, x[0])?;
+        let r = b.push1(Op::Reduce { kind: ReduceKind::Sum, axes: vec![1] }, &[a])?;
+        let s = unary(b, UnaryOp::Sqrt, r)?;
+        let back = b.push_typed(Op::Broadcast { dims: vec![0] }, &[s], f32s(&[8, 8]))?;
+        Ok(vec![b.push1(Op::Binary(titan_ir::BinaryOp::Mul), &[a, back])?])
+    });
+    assert_eq!(kernels(&fused(&g).0), vec![(Fused, vec!["exp", "reduce_sum", "sqrt", "broadcast", "mul"])]);
 }
 
 /// A full reduction's result is complete only after its kernel, so `x * sum(x^2)` takes two
