@@ -19,6 +19,8 @@ use crate::{PassDiag, PassError, PassErrorKind};
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct PassStats {
     pub counters: Vec<(&'static str, u64)>,
+    /// Lines of a report beyond the counters (what was decided and why), printed after them.
+    pub notes: Vec<String>,
 }
 
 impl PassStats {
@@ -29,6 +31,18 @@ impl PassStats {
     /// Append a counter.
     pub fn with(mut self, name: &'static str, value: u64) -> PassStats {
         self.counters.push((name, value));
+        self
+    }
+
+    /// Append report lines.
+    pub fn with_notes(mut self, notes: impl IntoIterator<Item = String>) -> PassStats {
+        self.notes.extend(notes);
+        self
+    }
+
+    /// Append a report line.
+    pub fn with_note(mut self, note: impl Into<String>) -> PassStats {
+        self.notes.push(note.into());
         self
     }
 
@@ -83,11 +97,12 @@ impl PassInfo {
     }
 }
 
-static PASSES: [PassInfo; 12] = [
+static PASSES: [PassInfo; 13] = [
     PassInfo::new("shard-tp", "tensor parallelism: column/row-parallel block weights, vocab-parallel embedding and output", run_shard_tp),
     PassInfo::new("shard-dp", "split the batch over data-parallel ranks; FSDP-shard parameters on dp_shard", run_shard_dp),
     PassInfo::new("master-weights", "make every parameter an fp32 master `state` read through a compute-dtype cast", run_master_weights),
     PassInfo::new("autodiff", "differentiate `loss` (each block once); record each gradient output in the gradient map", run_autodiff),
+    PassInfo::new("activation-checkpoint", "keep the saved activations the policy (meta `activation_checkpoint`) allows; recompute the rest in the backward", run_activation_checkpoint).renumbering(),
     PassInfo::new("sync-grads", "all-reduce gradients of replicated parameters and the loss across the mesh", run_sync_grads),
     PassInfo::new("adamw", "consume the gradient map's outputs: global-norm clipping, lr schedule and AdamW updates", run_adamw),
     PassInfo::new("cse", "merge identical nodes", run_cse),
@@ -99,23 +114,24 @@ static PASSES: [PassInfo; 12] = [
 ];
 
 /// The passes of `titanc lower --to train`.
-pub const TRAIN_PIPELINE: [&str; 5] = ["master-weights", "autodiff", "adamw", "cse", "dce"];
+pub const TRAIN_PIPELINE: [&str; 6] = ["master-weights", "autodiff", "activation-checkpoint", "adamw", "cse", "dce"];
 
 /// The training lowering of a model whose `meta` names a device mesh (`world_size > 1`): the
 /// SPMD partitioning passes around the single-rank lowering, then the collective safety check.
-pub const SPMD_TRAIN_PIPELINE: [&str; 11] =
-    ["shard-tp", "shard-dp", "master-weights", "autodiff", "sync-grads", "adamw", "cse", "dce", "prefetch-gathers", "prefetch-next-layer", "check-collectives"];
+pub const SPMD_TRAIN_PIPELINE: [&str; 12] =
+    ["shard-tp", "shard-dp", "master-weights", "autodiff", "activation-checkpoint", "sync-grads", "adamw", "cse", "dce", "prefetch-gathers", "prefetch-next-layer", "check-collectives"];
 
 /// The passes of `titanc build`: the training lowering, then fusion.
-pub const BUILD_PIPELINE: [&str; 6] = ["master-weights", "autodiff", "adamw", "cse", "dce", "fuse"];
+pub const BUILD_PIPELINE: [&str; 7] = ["master-weights", "autodiff", "activation-checkpoint", "adamw", "cse", "dce", "fuse"];
 
 /// The passes of `titanc build` for a model whose `meta` names a mesh: the SPMD training
 /// lowering, then fusion (collectives stay steps of their own).
-pub const SPMD_BUILD_PIPELINE: [&str; 12] = [
+pub const SPMD_BUILD_PIPELINE: [&str; 13] = [
     "shard-tp",
     "shard-dp",
     "master-weights",
     "autodiff",
+    "activation-checkpoint",
     "sync-grads",
     "adamw",
     "cse",
@@ -214,6 +230,9 @@ impl fmt::Display for PipelineReport {
                 writeln!(f, "{:<width$}  {}  {}", r.pass, ms(r.wall), r.stats)?;
             } else {
                 writeln!(f, "{:<width$}  {}", r.pass, r.stats)?;
+            }
+            for note in &r.stats.notes {
+                writeln!(f, "{:<width$}  note: {note}", r.pass)?;
             }
         }
         if self.timings {
@@ -316,6 +335,23 @@ fn run_autodiff(g: &mut Graph, _: &PassContext) -> Result<PassStats, PassDiag> {
         .with("saved_per_layer", s.saved_per_layer as u64)
         .with("backward_nodes", s.backward_nodes as u64)
         .with("gradients", n))
+}
+
+fn run_activation_checkpoint(g: &mut Graph, _: &PassContext) -> Result<PassStats, PassDiag> {
+    let s = crate::activation_checkpoint::activation_checkpoint(g)?;
+    if s.blocks == 0 {
+        return Ok(PassStats::new());
+    }
+    Ok(PassStats::new()
+        .with("blocks", s.blocks as u64)
+        .with("saved_before", s.saved_before as u64)
+        .with("saved_after", s.saved_after as u64)
+        .with("recomputed", s.recomputed as u64)
+        .with("recompute_nodes", s.recompute_nodes as u64)
+        .with("saved_bytes_per_layer_before", s.saved_bytes_before)
+        .with("saved_bytes_per_layer_after", s.saved_bytes_after)
+        .with("recompute_flops", s.recompute_flops)
+        .with_notes(s.report_lines()))
 }
 
 fn run_adamw(g: &mut Graph, ctx: &PassContext) -> Result<PassStats, PassDiag> {

@@ -36,6 +36,7 @@ use titan_ir::{AttrValue, BlockId, Graph, KernelKind};
 use titan_kernels::KernelError;
 use titan_passes::fuse::FusionReport;
 use titan_passes::pipeline::{BUILD_PIPELINE, SPMD_BUILD_PIPELINE};
+use titan_passes::activation_checkpoint::AcPolicy;
 use titan_passes::{PassError, PipelineOptions, PipelineReport, TrainOptions, compile_train_graph, fusion_report, lower_to_train};
 
 use self::memory::{Storage, bytes_of, shape_of};
@@ -63,6 +64,8 @@ pub struct BuildOptions {
     /// With dp_shard > 1, gather layer `l + 1`'s weights during layer `l` (`prefetch-next-layer`;
     /// `false`: `--disable-prefetch-next-layer`).
     pub prefetch_next_layer: bool,
+    /// Activation checkpointing (`--ac`, `[activation_checkpoint]`; the `activation-checkpoint` pass).
+    pub ac: AcPolicy,
 }
 
 impl Default for BuildOptions {
@@ -75,6 +78,7 @@ impl Default for BuildOptions {
             mesh: titan_ir::Mesh::new(1, 1, 1),
             loss_parallel: true,
             prefetch_next_layer: true,
+            ac: AcPolicy::None,
         }
     }
 }
@@ -91,6 +95,9 @@ impl BuildOptions {
             format!("pipeline = {}", pipeline.join(",")),
         ];
         lines.extend(self.train.canonical_lines().into_iter().map(|(k, v)| format!("train.{k} = {v}")));
+        if self.ac != AcPolicy::None {
+            lines.push(format!("activation_checkpoint = {}", self.ac));
+        }
         lines.extend([format!("target.arch = {}", self.target.arch), format!("target.ptx_isa = {}", self.target.ptx_isa)]);
         if spmd {
             let [r, d, t] = self.mesh.sizes;
@@ -226,6 +233,12 @@ impl fmt::Display for BuildSummary {
                     writeln!(f, "predicted peak memory: rank {rank}: {} ({peak} bytes) in the memory plan", human_bytes(*peak))?;
                     write_workspaces(f, &format!("rank {rank}"), *peak, &self.workspaces)?;
                 }
+            }
+        }
+        if let Some(ac) = self.pipeline.stats("activation-checkpoint").filter(|s| !s.notes.is_empty()) {
+            writeln!(f, "activation checkpointing:")?;
+            for line in &ac.notes {
+                writeln!(f, "  {line}")?;
             }
         }
         let p = &self.phases;
@@ -592,7 +605,7 @@ fn compile(model: &Graph, model_text: &str, opts: &BuildOptions, generate_code: 
     let t = Instant::now();
     verify_model(model)?;
     let spmd = opts.mesh.world_size() > 1;
-    let meshed = spmd.then(|| with_layout_meta(model, opts));
+    let meshed = (spmd || opts.ac != AcPolicy::None).then(|| with_layout_meta(model, opts));
     let model = meshed.as_ref().unwrap_or(model);
     let (fused, pipeline) = compile_train_graph(model, &opts.train, &opts.pipeline)?;
     phases.pipeline = t.elapsed();
@@ -688,11 +701,14 @@ fn verify_model(model: &Graph) -> Result<(), BuildError> {
     Ok(())
 }
 
-/// `model` with the layout `meta` of an SPMD build: the mesh, and the partitioning toggles the
-/// options turn off.
+/// `model` with the layout `meta` of the build: on a mesh the mesh and the partitioning toggles
+/// the options turn off; the activation-checkpointing policy.
 fn with_layout_meta(model: &Graph, opts: &BuildOptions) -> Graph {
     let mut m = model.clone();
-    opts.mesh.write_meta(&mut m);
+    if opts.mesh.world_size() > 1 {
+        opts.mesh.write_meta(&mut m);
+    }
+    opts.ac.write_meta(&mut m);
     if !opts.loss_parallel {
         titan_passes::shard_tp::disable_loss_parallel(&mut m);
     }
