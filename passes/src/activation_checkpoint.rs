@@ -719,3 +719,48 @@ fn place_late(region: &mut Region, late: &HashSet<NodeId>) {
     }
     region.order = out;
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn policies_print_as_the_meta_reads_them() {
+        for p in [
+            AcPolicy::None,
+            AcPolicy::Full,
+            AcPolicy::SelectiveOp,
+            AcPolicy::SelectiveEvery(2),
+            AcPolicy::Budget(Budget::Gib(40.5)),
+            AcPolicy::Budget(Budget::Fraction(0.25)),
+        ] {
+            assert_eq!(p.to_string().parse::<AcPolicy>(), Ok(p), "{p}");
+        }
+        assert_eq!(AcPolicy::selective("op"), Ok(AcPolicy::SelectiveOp));
+        assert!(AcPolicy::selective("0").is_err());
+        assert!(AcPolicy::budget_gib("-1").is_err());
+        assert!(AcPolicy::budget_fraction(1.5).is_err());
+        assert!("partial".parse::<AcPolicy>().is_err());
+        let mut g = Graph::new("g");
+        AcPolicy::Full.write_meta(&mut g);
+        assert_eq!(AcPolicy::from_graph(&g), Ok(AcPolicy::Full));
+        AcPolicy::None.write_meta(&mut g);
+        assert!(g.meta.get(AC_META).is_none());
+    }
+
+    #[test]
+    fn op_policy_saves_odd_gemms_attention_and_reduce_scatters() {
+        assert!(op_policy_saves(&Op::Linear, Some(1)));
+        assert!(!op_policy_saves(&Op::Linear, Some(2)));
+        assert!(op_policy_saves(&Op::Matmul { transpose_a: false, transpose_b: false }, Some(3)));
+        assert!(op_policy_saves(&Op::Attention { causal: true, scale: 1.0 }, None));
+        assert!(!op_policy_saves(&Op::RmsNorm { eps: 1e-5 }, None));
+    }
+
+    #[test]
+    fn gib_rounds_up() {
+        assert_eq!(gib(1 << 30), "1");
+        assert_eq!(gib(256), "0.000000239");
+        assert_eq!(gib(0), "0");
+    }
+}

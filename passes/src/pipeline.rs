@@ -462,7 +462,7 @@ mod tests {
         let report = run_pipeline(&mut g, &passes, &TrainOptions::default(), &opts(true, DumpAfter::All)).expect("pipeline");
         let ran: Vec<&str> = report.passes.iter().map(|r| r.pass).collect();
         assert_eq!(ran, TRAIN_PIPELINE);
-        assert_eq!(report.dumps.len(), 5);
+        assert_eq!(report.dumps.len(), 6);
         // Between autodiff and adamw the gradient is an output; adamw consumes it.
         assert!(report.dump("autodiff").expect("dump").contains("output d_w = "));
         assert!(!report.dump("adamw").expect("dump").contains("d_w"));
@@ -494,10 +494,10 @@ mod tests {
         let err = run_pipeline(&mut model(), &passes, &TrainOptions::default(), &opts(false, DumpAfter::Pass("fusion".into()))).expect_err("unknown");
         assert_eq!(
             err.to_string(),
-            "unknown pass `fusion`; valid passes: shard-tp, shard-dp, master-weights, autodiff, sync-grads, adamw, cse, dce, prefetch-gathers, prefetch-next-layer, check-collectives, fuse"
+            "unknown pass `fusion`; valid passes: shard-tp, shard-dp, master-weights, autodiff, activation-checkpoint, sync-grads, adamw, cse, dce, prefetch-gathers, prefetch-next-layer, check-collectives, fuse"
         );
         let err = run_pipeline(&mut model(), &passes, &TrainOptions::default(), &opts(false, DumpAfter::Pass("fuse".into()))).expect_err("not run");
-        assert!(err.to_string().contains("this pipeline does not run `fuse`; it runs master-weights, autodiff, adamw, cse, dce"), "{err}");
+        assert!(err.to_string().contains("this pipeline does not run `fuse`; it runs master-weights, autodiff, activation-checkpoint, adamw, cse, dce"), "{err}");
         assert!(matches!(lookup_passes(&["cse", "nope"]), Err(PassError::UnknownPass { name, .. }) if name == "nope"));
     }
 

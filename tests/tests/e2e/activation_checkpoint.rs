@@ -61,6 +61,9 @@ fn single_rank(model: &Graph) -> Run {
 fn mesh_run(model: &Graph, mesh: Mesh) -> Run {
     let mut m = model.clone();
     mesh.write_meta(&mut m);
+    if AcPolicy::from_graph(&m).expect("policy") != AcPolicy::None {
+        assert!(ac_counters(&m).1 > 0, "the policy recomputes on the mesh");
+    }
     let g = lower_to_train(&m, &train_options()).expect("spmd lowering");
     let errs = titan_ir::verify::verify(&g);
     assert!(errs.is_empty(), "{:?}", errs.iter().map(ToString::to_string).collect::<Vec<_>>());
@@ -124,7 +127,10 @@ fn checkpointed_artifacts_match_graph_mode_bit_for_bit() {
         let dir = scratch("ac", &policy.to_string().replace(['(', ')'], "-"));
         let text = titan_ir::print::print_graph(&model);
         let opts = BuildOptions { train: train_options(), ac: policy, ..BuildOptions::default() };
-        build_artifact(&model, &text, &opts, &dir).unwrap_or_else(|e| panic!("building {policy}: {e}"));
+        let summary = build_artifact(&model, &text, &opts, &dir).unwrap_or_else(|e| panic!("building {policy}: {e}"));
+        let recomputed = summary.pipeline.stats("activation-checkpoint").and_then(|s| s.get("recomputed"));
+        assert!(recomputed.is_some_and(|n| n > 0), "{policy}: the build recomputes ({recomputed:?})");
+        assert!(summary.to_string().contains("activation checkpointing:\n  @layer: saves %"), "{policy}: the summary reports the policy");
         let a = Artifact::load(&dir).expect("load artifact");
         let mut t = CpuArtifactTrainer::new(&a, 0).expect("artifact trainer");
         let mut batcher = Batcher::new(byte_tokens(BUNDLED_CORPUS.as_bytes()), t.batch_size(), t.seq_len(), 3).expect("batcher");
@@ -166,6 +172,56 @@ fn predicted_peak_falls_from_none_to_selective_to_full() {
         for policy in [AcPolicy::None, AcPolicy::SelectiveOp, AcPolicy::Full] {
             let (peak, flops) = predicted(model, Mesh::new(1, 1, 1), policy);
             println!("| {name} | {policy} | {:.2} GiB | {:.3} TFLOP |", gib(peak), flops as f64 / 1e12);
+            peaks.push(peak);
+        }
+        assert!(peaks[0] > peaks[1] && peaks[1] > peaks[2], "{name}: none > selective(op) > full, got {peaks:?}");
+    }
+}
+
+/// `titanc build --ac budget=<GiB>` prints the Pareto frontier; the job config's
+/// `[activation_checkpoint]` is honored and the flags override it.
+#[test]
+fn titanc_build_takes_ac_flags_and_the_job_config() {
+    let dir = scratch("ac", "cli");
+    let out = dir.join("out");
+    let model = "examples/llama3-debug.ir";
+    let root = concat!(env!("CARGO_MANIFEST_DIR"), "/..");
+    let model = format!("{root}/{model}");
+    let build = |extra: &[&str]| {
+        let mut args = vec!["titanc", "build", model.as_str(), "-o", out.to_str().expect("utf-8")];
+        args.extend(extra);
+        titan_compiler::cli::run_args(&args).map(|o| o.stdout).map_err(|e| e.to_string())
+    };
+    let text = build(&["--ac", "budget=0.001"]).expect("budget build");
+    assert!(text.contains("Pareto frontier"), "{text}");
+    let err = build(&["--ac", "budget=0"]).expect_err("infeasible");
+    assert!(err.contains("raise the budget to at least"), "{err}");
+    let err = build(&["--ac", "selective", "--ac-selective-option", "2"]).expect_err("every-N");
+    assert!(err.contains("not supported yet"), "{err}");
+    let err = build(&["--ac", "some"]).expect_err("unknown mode");
+    assert!(err.contains("choose none, full, selective or budget=<GiB>"), "{err}");
+    let job = dir.join("job.toml");
+    std::fs::write(&job, "[activation_checkpoint]\nmode = \"selective\"\nselective_ac_option = \"op\"\n").expect("write job");
+    let text = build(&["--job-config", job.to_str().expect("utf-8")]).expect("job config build");
+    assert!(text.contains("@layer: saves %25 %h %attn %11 %15 %lse"), "{text}");
+    let text = build(&["--job-config", job.to_str().expect("utf-8"), "--ac", "full"]).expect("flag over job config");
+    assert!(text.contains("@layer: saves %h;"), "{text}");
+}
+
+/// The table of `docs/performance.md`: predicted peak per rank and recompute FLOPs per step of
+/// each policy, for the 8B preset (32 layers, seq 8192) on one rank and 70B at tp 8 x dp_shard 4
+/// (run with `--nocapture`).
+#[test]
+fn policy_table_for_8b_and_70b_tp8_dp_shard4() {
+    let b8 = build_llama3(&LlamaConfig::preset(Preset::B8), "llama3_8b").expect("8b");
+    let b70 = build_llama3(&LlamaConfig { batch_size: 4, ..LlamaConfig::preset(Preset::B70) }, "llama3_70b").expect("70b");
+    let policies = [AcPolicy::None, AcPolicy::SelectiveOp, AcPolicy::Full, AcPolicy::Budget(Budget::Fraction(0.5))];
+    println!("| model | mesh | policy | predicted peak per rank | recompute per step |");
+    for (name, model, mesh) in [("8B", &b8, Mesh::new(1, 1, 1)), ("70B", &b70, Mesh::new(1, 4, 8))] {
+        let mut peaks = Vec::new();
+        for policy in policies {
+            let (peak, flops) = predicted(model, mesh, policy);
+            println!("| {name} | {:?} | {policy} | {:.2} GiB | {:.1} TFLOP |", mesh.sizes, gib(peak), flops as f64 / 1e12);
             peaks.push(peak);
         }
         assert!(peaks[0] > peaks[1] && peaks[1] > peaks[2], "{name}: none > selective(op) > full, got {peaks:?}");
