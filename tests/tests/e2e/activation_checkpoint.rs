@@ -109,7 +109,7 @@ fn every_policy_trains_the_debug_model_bit_identically() {
 
 #[test]
 fn every_policy_is_bit_identical_on_the_simulated_mesh() {
-    for mesh in [Mesh::new(1, 1, 2), Mesh::new(1, 2, 1)] {
+    for mesh in [Mesh::new(1, 1, 2), Mesh::new(1, 2, 1), Mesh::new(1, 2, 2)] {
         let want = mesh_run(&debug_f32(), mesh);
         for policy in policies().into_iter().skip(1) {
             assert_same(&format!("mesh {:?}, {policy}", mesh.sizes), &want, &mesh_run(&with_policy(debug_f32(), policy), mesh));
