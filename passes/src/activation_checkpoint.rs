@@ -45,6 +45,43 @@ use titan_ir::{ArgKind, AttrValue, Graph, NodeId, Op, Region, Value, ValueDef};
 
 use crate::PassDiag;
 
+/// The suffix of the names of recomputed values in the backward block (`%gate.recompute`), so
+/// dumps show them and [`recompute_placement`] finds them after fusion.
+pub const RECOMPUTE_SUFFIX: &str = ".recompute";
+
+/// Where each recomputed value of a kernel graph went: one line per region, `@layer_bwd: %gate
+/// in @layer_bwd.k4 (fused), ...`, from the value names [`activation_checkpoint`] gave them.
+pub fn recompute_placement(fused: &Graph) -> Vec<String> {
+    let mut lines = Vec::new();
+    let bodies: HashSet<titan_ir::BlockId> =
+        fused.blocks.iter().flat_map(|b| b.order.iter().map(move |&n| &b.node(n).op)).filter_map(|op| if let Op::Kernel { body, .. } = op { Some(*body) } else { None }).collect();
+    for (i, region) in fused.blocks.iter().enumerate() {
+        if bodies.contains(&titan_ir::BlockId(i as u32)) {
+            continue;
+        }
+        let mut parts = Vec::new();
+        for &n in &region.order {
+            let node = region.node(n);
+            let (values, place): (Vec<&titan_ir::ValueData>, String) = match &node.op {
+                Op::Kernel { body, kind } => {
+                    let b = fused.block(*body);
+                    (b.order.iter().flat_map(|&m| b.node(m).results.iter().map(|&v| b.value(v))).collect(), format!("@{} ({})", b.name, kind.name()))
+                }
+                op => (node.results.iter().map(|&v| region.value(v)).collect(), format!("a `{}` of @{}", op.name(), region.name)),
+            };
+            for d in values {
+                if let Some(name) = d.name.as_deref().and_then(|n| n.strip_suffix(RECOMPUTE_SUFFIX)) {
+                    parts.push(format!("%{name} in {place}"));
+                }
+            }
+        }
+        if !parts.is_empty() {
+            lines.push(format!("@{}: {}", region.name, parts.join(", ")));
+        }
+    }
+    lines
+}
+
 /// The `meta` key holding the policy (`activation_checkpoint = "selective(op)"`).
 pub const AC_META: &str = "activation_checkpoint";
 
@@ -625,10 +662,9 @@ fn checkpoint_pair(g: &mut Graph, pair: &Pair, n_carry: usize, n_stacked: usize,
         clones.insert(id);
         for (&r, &c) in node.results.iter().zip(&bwd.node(id).results.clone()) {
             map.insert(r, c);
-            if let Some(name) = &fwd.value(r).name
-                && !taken.contains(name)
-            {
-                bwd.values[c.index()].name = Some(name.clone());
+            let label = format!("{}{RECOMPUTE_SUFFIX}", fwd.value(r).name.clone().unwrap_or_else(|| r.0.to_string()));
+            if !taken.contains(&label) {
+                bwd.values[c.index()].name = Some(label);
             }
             bwd.values[c.index()].placement = fwd.value(r).placement.clone();
         }

@@ -187,6 +187,8 @@ pub struct BuildSummary {
     pub report: Option<MeshReport>,
     /// What a GPU rank needs besides the memory plan (`titan_ir::artifact::workspace`).
     pub workspaces: LibraryWorkspaces,
+    /// Where each recomputed activation went in the kernel graph (activation checkpointing).
+    pub recompute_placement: Vec<String>,
 }
 
 /// `1.50 GiB`.
@@ -239,6 +241,9 @@ impl fmt::Display for BuildSummary {
             writeln!(f, "activation checkpointing:")?;
             for line in &ac.notes {
                 writeln!(f, "  {line}")?;
+            }
+            for line in &self.recompute_placement {
+                writeln!(f, "  recomputed {line}")?;
             }
         }
         let p = &self.phases;
@@ -686,6 +691,7 @@ fn compile(model: &Graph, model_text: &str, opts: &BuildOptions, generate_code: 
         collectives_per_step: plan.schedule.collectives_per_step,
         report,
         workspaces: library_workspaces(&manifest),
+        recompute_placement: titan_passes::activation_checkpoint::recompute_placement(&fused),
     };
     let graph_text = titan_ir::print::print_graph(&fused);
     Ok((Artifact { manifest, graph_text, ptx, cubins }, summary))

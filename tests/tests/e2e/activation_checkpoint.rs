@@ -131,6 +131,8 @@ fn checkpointed_artifacts_match_graph_mode_bit_for_bit() {
         let recomputed = summary.pipeline.stats("activation-checkpoint").and_then(|s| s.get("recomputed"));
         assert!(recomputed.is_some_and(|n| n > 0), "{policy}: the build recomputes ({recomputed:?})");
         assert!(summary.to_string().contains("activation checkpointing:\n  @layer: saves %"), "{policy}: the summary reports the policy");
+        let text = summary.to_string();
+        assert!(text.contains("recomputed @layer_bwd: ") && text.contains("%gate in @layer_bwd.k"), "{policy}: the summary says where the recompute went:\n{text}");
         let a = Artifact::load(&dir).expect("load artifact");
         let mut t = CpuArtifactTrainer::new(&a, 0).expect("artifact trainer");
         let mut batcher = Batcher::new(byte_tokens(BUNDLED_CORPUS.as_bytes()), t.batch_size(), t.seq_len(), 3).expect("batcher");
