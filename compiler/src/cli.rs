@@ -8,6 +8,7 @@ use titan_ir::artifact::Target;
 use titan_ir::diag::SourceError;
 use titan_ir::print::print_graph;
 use titan_ir::{DType, DecayKind, Graph};
+use titan_passes::activation_checkpoint::AcPolicy;
 use titan_passes::{DumpAfter, PassError, PipelineOptions, TrainOptions, lower_to_train};
 
 use crate::FrontendError;
@@ -150,6 +151,8 @@ pub struct LowerArgs {
     /// Parallel degrees: with more than one rank the result is an SPMD graph for the simulated mesh
     #[command(flatten)]
     pub parallel: ParallelFlags,
+    #[command(flatten)]
+    pub ac: AcFlags,
     /// Write the IR to FILE instead of stdout
     #[arg(short, long, value_name = "FILE")]
     pub output: Option<PathBuf>,
@@ -262,6 +265,8 @@ pub struct BuildArgs {
     pub device_memory: Option<f64>,
     #[command(flatten)]
     pub parallel: ParallelFlags,
+    #[command(flatten)]
+    pub ac: AcFlags,
     /// Verify the graph after every pass; a pass that breaks it is named
     #[arg(long)]
     pub verify_each: bool,
@@ -286,9 +291,51 @@ pub struct OptArgs {
     pub stats: bool,
     #[command(flatten)]
     pub train: TrainFlags,
+    #[command(flatten)]
+    pub ac: AcFlags,
     /// Write the IR to FILE instead of stdout
     #[arg(short, long, value_name = "FILE")]
     pub output: Option<PathBuf>,
+}
+
+/// Activation checkpointing (they override `[activation_checkpoint]` of the job config).
+#[derive(Debug, Default, Clone, Args)]
+pub struct AcFlags {
+    /// Activation checkpointing: none, full, selective (with --ac-selective-option) or
+    /// budget=<GiB> (the per-rank memory the saved activations of all layers may take)
+    #[arg(long, value_name = "MODE")]
+    pub ac: Option<String>,
+    /// With --ac selective: `op` (TorchTitan's op policy) or N (every N-th layer) [default: op]
+    #[arg(long, value_name = "op|N")]
+    pub ac_selective_option: Option<String>,
+}
+
+impl AcFlags {
+    /// The policy the flags ask for; `None` when `--ac` is not given.
+    pub fn policy(&self) -> Result<Option<AcPolicy>, CliError> {
+        let usage = |m: String| CliError::Usage(m);
+        let Some(mode) = self.ac.as_deref() else {
+            return match &self.ac_selective_option {
+                Some(_) => Err(usage("--ac-selective-option needs `--ac selective`".into())),
+                None => Ok(None),
+            };
+        };
+        if self.ac_selective_option.is_some() && mode != "selective" {
+            return Err(usage(format!("--ac-selective-option only applies to `--ac selective`, not `--ac {mode}`")));
+        }
+        let policy = match mode {
+            "none" => AcPolicy::None,
+            "full" => AcPolicy::Full,
+            "selective" => {
+                AcPolicy::selective(self.ac_selective_option.as_deref().unwrap_or("op")).map_err(|e| usage(format!("--ac-selective-option: {e}")))?
+            }
+            other => match other.strip_prefix("budget=") {
+                Some(g) => AcPolicy::budget_gib(g).map_err(|e| usage(format!("--ac {other}: {e}")))?,
+                None => return Err(usage(format!("unknown --ac `{other}`; choose none, full, selective or budget=<GiB>"))),
+            },
+        };
+        Ok(Some(policy))
+    }
 }
 
 /// TorchTitan's parallel degrees (they override `[parallelism]` of the job config).
@@ -566,6 +613,9 @@ fn cmd_lower(a: &LowerArgs) -> Result<Outcome, CliError> {
             titan_passes::prefetch_next_layer::disable_prefetch_next_layer(&mut g);
         }
     }
+    if let Some(policy) = a.ac.policy()? {
+        policy.write_meta(&mut g);
+    }
     let lowered = lower_to_train(&g, &opts)?;
     let errors = titan_ir::verify::verify(&lowered);
     if !errors.is_empty() {
@@ -623,6 +673,7 @@ impl BuildArgs {
             mesh: titan_ir::Mesh::new(1, 1, 1),
             loss_parallel: true,
             prefetch_next_layer: true,
+            ac: AcPolicy::None,
         })
     }
 }
@@ -648,6 +699,7 @@ fn cmd_build(a: &BuildArgs) -> Result<Outcome, CliError> {
     opts.mesh = dims.spmd_mesh()?;
     opts.loss_parallel = !request.disable_loss_parallel.unwrap_or(false);
     opts.prefetch_next_layer = !request.disable_prefetch_next_layer.unwrap_or(false);
+    opts.ac = a.ac.policy()?.or(job.as_ref().and_then(|j| j.activation_checkpoint)).unwrap_or(AcPolicy::None);
     let summary = build_artifact(&model, &text, &opts, &a.output).map_err(|e| match e {
         crate::build::BuildError::Pass(p) => locate_pass_error(p, &file, &text, map.as_ref()),
         other => other.into(),
@@ -679,6 +731,7 @@ pub fn opt_on_text(a: &OptArgs, file: &str, text: &str) -> Result<Outcome, CliEr
         mesh: a.mesh.as_deref().map(parse_mesh_spec).transpose().map_err(usage)?,
         verify_each: a.verify_each,
         train: a.train.checked()?,
+        ac: a.ac.policy()?,
     };
     let result = run_opt(file, text, &req).map_err(|e| match e {
         OptError::Source(s) => CliError::Source(s),

@@ -4,7 +4,7 @@
 //! over. Every key is either applied, checked against the model, recorded as a note for
 //! `titan-run`, or rejected: unknown sections and keys are errors naming `section.key`, values
 //! of the wrong type name the key and the expected type, and features titan does not build yet
-//! (float8, activation checkpointing, async tensor parallelism, any parallel degree but 1, ...)
+//! (float8, async tensor parallelism, any parallel degree but 1, ...)
 //! fail with "... is not supported yet" instead of being ignored.
 //!
 //! Learning-rate schedule mapping (TorchTitan's `build_lr_schedulers`), with `S =
@@ -34,7 +34,7 @@ pub const SECTIONS: [(&str, &[&str]); 11] = [
     ("compile", &["enable", "components"]),
     ("float8", &["recipe_name", "enable_fsdp_float8_all_gather", "precompute_float8_dynamic_scale_for_fsdp", "filter_fqns"]),
     ("quantize", &["linear"]),
-    ("activation_checkpoint", &["mode", "selective_ac_option"]),
+    ("activation_checkpoint", &["mode", "selective_ac_option", "memory_budget"]),
     ("experimental", &["enable_async_tensor_parallel"]),
     (
         "parallelism",
@@ -125,6 +125,8 @@ pub struct JobConfig {
     /// Float8 training: `model.converters` names `float8` (or `quantize.linear.float8`), with
     /// the recipe and filter of `[float8]` (or `[quantize.linear.float8]`).
     pub float8: Option<titan_passes::float8::Float8Options>,
+    /// `[activation_checkpoint]`: `None` when the file does not set `mode`.
+    pub activation_checkpoint: Option<titan_passes::activation_checkpoint::AcPolicy>,
 }
 
 /// The training settings a job config sets, named like `titanc lower`'s flags; `None` where
@@ -465,17 +467,30 @@ impl JobConfig {
         };
 
         let ac = section("activation_checkpoint");
-        match ac.string("mode")?.as_deref() {
-            None | Some("none") => {}
-            Some(m @ ("selective" | "full")) => {
-                return Err(ac.unsupported(format!("activation checkpointing (`activation_checkpoint.mode = \"{m}\"`)"), "set it to \"none\""));
-            }
-            Some(other) => {
-                return Err(ac.invalid(format!("unknown `activation_checkpoint.mode = \"{other}\"`; choose \"none\", \"selective\" or \"full\"")));
-            }
+        let option = ac.string("selective_ac_option")?;
+        let budget = ac.float("memory_budget")?;
+        {
+            use titan_passes::activation_checkpoint::AcPolicy;
+            cfg.activation_checkpoint = match ac.string("mode")?.as_deref() {
+                None => None,
+                Some("none") => Some(AcPolicy::None),
+                Some("full") => Some(AcPolicy::Full),
+                Some("selective") => Some(
+                    AcPolicy::selective(option.as_deref().unwrap_or("op"))
+                        .map_err(|e| ac.invalid(format!("`activation_checkpoint.selective_ac_option`: {e}")))?,
+                ),
+                Some("memory_budget") => {
+                    let b = budget
+                        .ok_or_else(|| ac.invalid("`activation_checkpoint.mode = \"memory_budget\"` needs `memory_budget` (a fraction in [0, 1])".into()))?;
+                    Some(AcPolicy::budget_fraction(b).map_err(|e| ac.invalid(format!("activation_checkpoint: {e}")))?)
+                }
+                Some(other) => {
+                    return Err(ac.invalid(format!(
+                        "unknown `activation_checkpoint.mode = \"{other}\"`; choose \"none\", \"selective\", \"full\" or \"memory_budget\""
+                    )));
+                }
+            };
         }
-        // Only read with mode = "selective", which is rejected above; check its type.
-        ac.string("selective_ac_option")?;
 
         let exp = section("experimental");
         if exp.bool("enable_async_tensor_parallel")? == Some(true) {
@@ -741,7 +756,19 @@ expert_parallel_degree = 1
         assert_contains(&err("[training]\nsteps = 0\n"), "`training.steps` must be at least 1, found 0");
         assert_contains(&err("[training]\nmixed_precision_param = \"float16\"\n"), "must be \"bfloat16\" or \"float32\"");
         assert_contains(&err("[lr_scheduler]\ndecay_type = \"step\"\n"), "choose \"linear\" or \"cosine\"");
-        assert_contains(&err("[activation_checkpoint]\nmode = \"some\"\n"), "choose \"none\", \"selective\" or \"full\"");
+        assert_contains(&err("[activation_checkpoint]\nmode = \"some\"\n"), "choose \"none\", \"selective\", \"full\" or \"memory_budget\"");
+        assert_contains(&err("[activation_checkpoint]\nmode = \"selective\"\nselective_ac_option = \"every\"\n"), "neither `op` nor a positive number");
+        assert_contains(&err("[activation_checkpoint]\nmode = \"memory_budget\"\n"), "needs `memory_budget`");
+        {
+            use titan_passes::activation_checkpoint::{AcPolicy, Budget};
+            let ac = |text: &str| ok(&format!("[activation_checkpoint]\n{text}")).activation_checkpoint;
+            assert_eq!(ac("mode = \"selective\"\nselective_ac_option = \"op\"\n"), Some(AcPolicy::SelectiveOp));
+            assert_eq!(ac("mode = \"selective\"\nselective_ac_option = \"2\"\n"), Some(AcPolicy::SelectiveEvery(2)));
+            assert_eq!(ac("mode = \"full\"\n"), Some(AcPolicy::Full));
+            assert_eq!(ac("mode = \"memory_budget\"\nmemory_budget = 0.5\n"), Some(AcPolicy::Budget(Budget::Fraction(0.5))));
+            assert_eq!(ac("selective_ac_option = \"op\"\n"), None);
+        }
+        assert_contains(&err("[activation_checkpoint]\nmode = \"memory_budget\"\nmemory_budget = 1.5\n"), "must be a fraction in [0, 1]");
         assert_contains(&err("[compile]\ncomponents = [\"model\", \"optimizer\"]\n"), "unknown `compile.components` entry \"optimizer\"");
         assert_contains(&err("[parallelism]\ntensor_parallel_degree = 2.5\n"), "`parallelism.tensor_parallel_degree` must be an integer");
     }
@@ -751,11 +778,6 @@ expert_parallel_degree = 1
         let cases = [
             ("[float8]\nenable_fsdp_float8_all_gather = true\n", "`float8.enable_fsdp_float8_all_gather = true`) is not supported yet; set it to false"),
             ("[model]\nconverters = [\"mx\"]\n", "the model converter `model.converters = [\"mx\"]` is not supported yet"),
-            (
-                "[activation_checkpoint]\nmode = \"selective\"\n",
-                "activation checkpointing (`activation_checkpoint.mode = \"selective\"`) is not supported yet; set it to \"none\"",
-            ),
-            ("[activation_checkpoint]\nmode = \"full\"\n", "is not supported yet"),
             ("[experimental]\nenable_async_tensor_parallel = true\n", "async tensor parallelism"),
             ("[compile]\nenable = false\n", "`compile.enable = false` (running without fusion) is not supported yet"),
             ("[compile]\ncomponents = [\"model\"]\n", "leaving \"loss\" out of `compile.components` is not supported yet"),

@@ -44,8 +44,10 @@ pub fn is_stamped_meta(key: &str) -> bool {
 
 /// `meta` keys that describe how a run is laid out, not what it trains: the mesh
 /// (`Mesh::write_meta`) and the partitioning toggles (`--disable-loss-parallel`,
-/// `--disable-prefetch-next-layer`). They are left out of the model hash.
-pub const LAYOUT_META: [&str; 6] = ["world_size", "mesh_dp_replicate", "mesh_dp_shard", "mesh_tp", "loss_parallel", "prefetch_next_layer"];
+/// `--disable-prefetch-next-layer`) and the activation-checkpointing policy (`--ac`: it changes
+/// what is recomputed, not what is computed). They are left out of the model hash.
+pub const LAYOUT_META: [&str; 7] =
+    ["world_size", "mesh_dp_replicate", "mesh_dp_shard", "mesh_tp", "loss_parallel", "prefetch_next_layer", "activation_checkpoint"];
 
 /// Whether `key` is a layout key ([`LAYOUT_META`]) or a record the lowering adds (the model
 /// hash itself, `step = "train"`): keys a model graph's identity does not depend on.

@@ -3,6 +3,7 @@
 //! manager ([`pipeline`]) that runs them by name. Each pass is a plain function over the graph
 //! returning statistics.
 
+pub mod activation_checkpoint;
 pub mod adamw;
 pub mod autodiff;
 pub mod check_collectives;

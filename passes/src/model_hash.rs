@@ -75,6 +75,7 @@ mod tests {
         titan_ir::Mesh::new(2, 2, 2).write_meta(&mut meshed);
         crate::shard_tp::disable_loss_parallel(&mut meshed);
         crate::prefetch_next_layer::disable_prefetch_next_layer(&mut meshed);
+        crate::activation_checkpoint::AcPolicy::SelectiveOp.write_meta(&mut meshed);
         meshed.name = "renamed".into();
         assert_eq!(model_hash(&meshed, &opts), h);
         assert_eq!(

@@ -19,6 +19,9 @@ pub struct OptRequest {
     /// Verify the input and the graph after every pass, naming the pass that broke it.
     pub verify_each: bool,
     pub train: TrainOptions,
+    /// Written into the graph's `meta` before the passes run (`--ac`; see
+    /// [`crate::activation_checkpoint`]).
+    pub ac: Option<crate::activation_checkpoint::AcPolicy>,
 }
 
 /// The graph after the passes, as text, and what each pass reported.
@@ -77,6 +80,9 @@ pub fn run_opt(file: &str, src: &str, req: &OptRequest) -> Result<OptOutput, Opt
     let passes = lookup_passes(&names).map_err(OptError::Pass)?;
     if let Some(mesh) = &req.mesh {
         mesh.write_meta(&mut g);
+    }
+    if let Some(policy) = req.ac {
+        policy.write_meta(&mut g);
     }
     let popts = PipelineOptions { verify_each: req.verify_each, ..PipelineOptions::default() };
     let report = run_pipeline(&mut g, &passes, &req.train, &popts).map_err(|e| match e.source_diagnostic(Some(&map)) {

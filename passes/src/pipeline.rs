@@ -40,6 +40,12 @@ impl PassStats {
         self
     }
 
+    /// Append a report line.
+    pub fn with_note(mut self, note: impl Into<String>) -> PassStats {
+        self.notes.push(note.into());
+        self
+    }
+
     /// The value of counter `name`.
     pub fn get(&self, name: &str) -> Option<u64> {
         self.counters.iter().find(|(k, _)| *k == name).map(|&(_, v)| v)
@@ -91,7 +97,7 @@ impl PassInfo {
     }
 }
 
-static PASSES: [PassInfo; 13] = [
+static PASSES: [PassInfo; 14] = [
     PassInfo::new("shard-tp", "tensor parallelism: column/row-parallel block weights, vocab-parallel embedding and output", run_shard_tp),
     PassInfo::new("shard-dp", "split the batch over data-parallel ranks; FSDP-shard parameters on dp_shard", run_shard_dp),
     PassInfo::new("master-weights", "make every parameter an fp32 master `state` read through a compute-dtype cast", run_master_weights),
@@ -101,6 +107,12 @@ static PASSES: [PassInfo; 13] = [
         run_float8,
     ),
     PassInfo::new("autodiff", "differentiate `loss` (each block once); record each gradient output in the gradient map", run_autodiff),
+    PassInfo::new(
+        "activation-checkpoint",
+        "keep the saved activations the policy (meta `activation_checkpoint`) allows; recompute the rest in the backward",
+        run_activation_checkpoint,
+    )
+    .renumbering(),
     PassInfo::new("sync-grads", "all-reduce gradients of replicated parameters and the loss across the mesh", run_sync_grads),
     PassInfo::new("adamw", "consume the gradient map's outputs: global-norm clipping, lr schedule and AdamW updates", run_adamw),
     PassInfo::new("cse", "merge identical nodes", run_cse),
@@ -112,16 +124,17 @@ static PASSES: [PassInfo; 13] = [
 ];
 
 /// The passes of `titanc lower --to train`.
-pub const TRAIN_PIPELINE: [&str; 6] = ["master-weights", "float8", "autodiff", "adamw", "cse", "dce"];
+pub const TRAIN_PIPELINE: [&str; 7] = ["master-weights", "float8", "autodiff", "activation-checkpoint", "adamw", "cse", "dce"];
 
 /// The training lowering of a model whose `meta` names a device mesh (`world_size > 1`): the
 /// SPMD partitioning passes around the single-rank lowering, then the collective safety check.
-pub const SPMD_TRAIN_PIPELINE: [&str; 12] = [
+pub const SPMD_TRAIN_PIPELINE: [&str; 13] = [
     "shard-tp",
     "shard-dp",
     "master-weights",
     "float8",
     "autodiff",
+    "activation-checkpoint",
     "sync-grads",
     "adamw",
     "cse",
@@ -132,16 +145,17 @@ pub const SPMD_TRAIN_PIPELINE: [&str; 12] = [
 ];
 
 /// The passes of `titanc build`: the training lowering, then fusion.
-pub const BUILD_PIPELINE: [&str; 7] = ["master-weights", "float8", "autodiff", "adamw", "cse", "dce", "fuse"];
+pub const BUILD_PIPELINE: [&str; 8] = ["master-weights", "float8", "autodiff", "activation-checkpoint", "adamw", "cse", "dce", "fuse"];
 
 /// The passes of `titanc build` for a model whose `meta` names a mesh: the SPMD training
 /// lowering, then fusion (collectives stay steps of their own).
-pub const SPMD_BUILD_PIPELINE: [&str; 13] = [
+pub const SPMD_BUILD_PIPELINE: [&str; 14] = [
     "shard-tp",
     "shard-dp",
     "master-weights",
     "float8",
     "autodiff",
+    "activation-checkpoint",
     "sync-grads",
     "adamw",
     "cse",
@@ -361,6 +375,23 @@ fn run_float8(g: &mut Graph, ctx: &PassContext) -> Result<PassStats, PassDiag> {
         .with_notes(crate::float8::report_lines(opts.recipe, &decisions)))
 }
 
+fn run_activation_checkpoint(g: &mut Graph, _: &PassContext) -> Result<PassStats, PassDiag> {
+    let s = crate::activation_checkpoint::activation_checkpoint(g)?;
+    if s.blocks == 0 {
+        return Ok(PassStats::new());
+    }
+    Ok(PassStats::new()
+        .with("blocks", s.blocks as u64)
+        .with("saved_before", s.saved_before as u64)
+        .with("saved_after", s.saved_after as u64)
+        .with("recomputed", s.recomputed as u64)
+        .with("recompute_nodes", s.recompute_nodes as u64)
+        .with("saved_bytes_per_layer_before", s.saved_bytes_before)
+        .with("saved_bytes_per_layer_after", s.saved_bytes_after)
+        .with("recompute_flops", s.recompute_flops)
+        .with_notes(s.report_lines()))
+}
+
 fn run_adamw(g: &mut Graph, ctx: &PassContext) -> Result<PassStats, PassDiag> {
     let map = crate::train::gradient_map(g)?
         .ok_or_else(|| PassDiag::precondition("the graph has no gradient map (meta `gradients`); run `autodiff` before `adamw`"))?;
@@ -501,10 +532,13 @@ mod tests {
         let err = run_pipeline(&mut model(), &passes, &TrainOptions::default(), &opts(false, DumpAfter::Pass("fusion".into()))).expect_err("unknown");
         assert_eq!(
             err.to_string(),
-            "unknown pass `fusion`; valid passes: shard-tp, shard-dp, master-weights, float8, autodiff, sync-grads, adamw, cse, dce, prefetch-gathers, prefetch-next-layer, check-collectives, fuse"
+            "unknown pass `fusion`; valid passes: shard-tp, shard-dp, master-weights, float8, autodiff, activation-checkpoint, sync-grads, adamw, cse, dce, prefetch-gathers, prefetch-next-layer, check-collectives, fuse"
         );
         let err = run_pipeline(&mut model(), &passes, &TrainOptions::default(), &opts(false, DumpAfter::Pass("fuse".into()))).expect_err("not run");
-        assert!(err.to_string().contains("this pipeline does not run `fuse`; it runs master-weights, float8, autodiff, adamw, cse, dce"), "{err}");
+        assert!(
+            err.to_string().contains("this pipeline does not run `fuse`; it runs master-weights, float8, autodiff, activation-checkpoint, adamw, cse, dce"),
+            "{err}"
+        );
         assert!(matches!(lookup_passes(&["cse", "nope"]), Err(PassError::UnknownPass { name, .. }) if name == "nope"));
     }
 

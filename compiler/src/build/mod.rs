@@ -34,6 +34,7 @@ use titan_ir::artifact::{
 use titan_ir::attr::fmt_float;
 use titan_ir::{AttrValue, BlockId, Graph, KernelKind};
 use titan_kernels::KernelError;
+use titan_passes::activation_checkpoint::AcPolicy;
 use titan_passes::fuse::FusionReport;
 use titan_passes::pipeline::{BUILD_PIPELINE, SPMD_BUILD_PIPELINE};
 use titan_passes::{PassError, PipelineOptions, PipelineReport, TrainOptions, compile_train_graph, fusion_report, lower_to_train};
@@ -63,6 +64,8 @@ pub struct BuildOptions {
     /// With dp_shard > 1, gather layer `l + 1`'s weights during layer `l` (`prefetch-next-layer`;
     /// `false`: `--disable-prefetch-next-layer`).
     pub prefetch_next_layer: bool,
+    /// Activation checkpointing (`--ac`, `[activation_checkpoint]`; the `activation-checkpoint` pass).
+    pub ac: AcPolicy,
 }
 
 impl Default for BuildOptions {
@@ -75,6 +78,7 @@ impl Default for BuildOptions {
             mesh: titan_ir::Mesh::new(1, 1, 1),
             loss_parallel: true,
             prefetch_next_layer: true,
+            ac: AcPolicy::None,
         }
     }
 }
@@ -93,6 +97,9 @@ impl BuildOptions {
         lines.extend(self.train.canonical_lines().into_iter().map(|(k, v)| format!("train.{k} = {v}")));
         if let Some(f8) = &self.train.float8 {
             lines.extend(f8.canonical_lines());
+        }
+        if self.ac != AcPolicy::None {
+            lines.push(format!("activation_checkpoint = {}", self.ac));
         }
         lines.extend([format!("target.arch = {}", self.target.arch), format!("target.ptx_isa = {}", self.target.ptx_isa)]);
         if spmd {
@@ -183,6 +190,8 @@ pub struct BuildSummary {
     pub report: Option<MeshReport>,
     /// What a GPU rank needs besides the memory plan (`titan_ir::artifact::workspace`).
     pub workspaces: LibraryWorkspaces,
+    /// Where each recomputed activation went in the kernel graph (activation checkpointing).
+    pub recompute_placement: Vec<String>,
 }
 
 /// `1.50 GiB`.
@@ -231,6 +240,15 @@ impl fmt::Display for BuildSummary {
                 }
             }
         }
+        if let Some(ac) = self.pipeline.stats("activation-checkpoint").filter(|s| !s.notes.is_empty()) {
+            writeln!(f, "activation checkpointing:")?;
+            for line in &ac.notes {
+                writeln!(f, "  {line}")?;
+            }
+            for line in &self.recompute_placement {
+                writeln!(f, "  recomputed {line}")?;
+            }
+        }
         let p = &self.phases;
         let ptxas = if p.ptxas > Duration::ZERO { format!(", ptxas {}", secs(p.ptxas)) } else { String::new() };
         let mut phases = format!("pipeline {}, plan {}, codegen {}{ptxas}, write {}", secs(p.pipeline), secs(p.plan), secs(p.codegen), secs(p.write));
@@ -242,7 +260,8 @@ impl fmt::Display for BuildSummary {
             writeln!(f, "note: {n}")?;
         }
         // With `--timings` the pass table below shows the same lines.
-        for r in self.pipeline.passes.iter().filter(|r| !r.stats.notes.is_empty() && !self.pipeline.timings) {
+        // (activation checkpointing has its own section above, with the recompute placement.)
+        for r in self.pipeline.passes.iter().filter(|r| !r.stats.notes.is_empty() && !self.pipeline.timings && r.pass != "activation-checkpoint") {
             writeln!(f, "{}:", r.pass)?;
             for line in &r.stats.notes {
                 writeln!(f, "  {line}")?;
@@ -610,7 +629,7 @@ fn compile(model: &Graph, model_text: &str, opts: &BuildOptions, generate_code: 
     let t = Instant::now();
     verify_model(model)?;
     let spmd = opts.mesh.world_size() > 1;
-    let meshed = spmd.then(|| with_layout_meta(model, opts));
+    let meshed = (spmd || opts.ac != AcPolicy::None).then(|| with_layout_meta(model, opts));
     let model = meshed.as_ref().unwrap_or(model);
     let (fused, pipeline) = compile_train_graph(model, &opts.train, &opts.pipeline)?;
     phases.pipeline = t.elapsed();
@@ -691,6 +710,7 @@ fn compile(model: &Graph, model_text: &str, opts: &BuildOptions, generate_code: 
         collectives_per_step: plan.schedule.collectives_per_step,
         report,
         workspaces: library_workspaces(&manifest),
+        recompute_placement: titan_passes::activation_checkpoint::recompute_placement(&fused),
     };
     let graph_text = titan_ir::print::print_graph(&fused);
     Ok((Artifact { manifest, graph_text, ptx, cubins }, summary))
@@ -706,11 +726,14 @@ fn verify_model(model: &Graph) -> Result<(), BuildError> {
     Ok(())
 }
 
-/// `model` with the layout `meta` of an SPMD build: the mesh, and the partitioning toggles the
-/// options turn off.
+/// `model` with the layout `meta` of the build: on a mesh the mesh and the partitioning toggles
+/// the options turn off; the activation-checkpointing policy.
 fn with_layout_meta(model: &Graph, opts: &BuildOptions) -> Graph {
     let mut m = model.clone();
-    opts.mesh.write_meta(&mut m);
+    if opts.mesh.world_size() > 1 {
+        opts.mesh.write_meta(&mut m);
+    }
+    opts.ac.write_meta(&mut m);
     if !opts.loss_parallel {
         titan_passes::shard_tp::disable_loss_parallel(&mut m);
     }

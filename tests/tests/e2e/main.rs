@@ -2,6 +2,7 @@
 //! compiler links LLVM statically, so they are modules of this crate rather than files of
 //! their own.
 
+mod activation_checkpoint;
 mod artifact_cpu;
 mod artifact_mesh;
 mod block_gradcheck;
