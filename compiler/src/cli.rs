@@ -267,6 +267,10 @@ pub struct BuildArgs {
     pub parallel: ParallelFlags,
     #[command(flatten)]
     pub ac: AcFlags,
+    /// With `--ac budget=<GiB>` or `memory_budget`: draw the Pareto frontier (saved activations
+    /// vs modeled recompute time) into this SVG file
+    #[arg(long, value_name = "FILE.svg")]
+    pub ac_pareto: Option<PathBuf>,
     /// Verify the graph after every pass; a pass that breaks it is named
     #[arg(long)]
     pub verify_each: bool,
@@ -700,6 +704,9 @@ fn cmd_build(a: &BuildArgs) -> Result<Outcome, CliError> {
     opts.loss_parallel = !request.disable_loss_parallel.unwrap_or(false);
     opts.prefetch_next_layer = !request.disable_prefetch_next_layer.unwrap_or(false);
     opts.ac = a.ac.policy()?.or(job.as_ref().and_then(|j| j.activation_checkpoint)).unwrap_or(AcPolicy::None);
+    if a.ac_pareto.is_some() && !matches!(opts.ac, AcPolicy::Budget(_)) {
+        return Err(CliError::Usage(format!("--ac-pareto draws the frontier of a memory budget (`--ac budget=<GiB>`), not of `{}`", opts.ac)));
+    }
     let summary = build_artifact(&model, &text, &opts, &a.output).map_err(|e| match e {
         crate::build::BuildError::Pass(p) => locate_pass_error(p, &file, &text, map.as_ref()),
         other => other.into(),
@@ -708,6 +715,14 @@ fn cmd_build(a: &BuildArgs) -> Result<Outcome, CliError> {
     out.stderr.extend(crate::build::device_memory::memory_warning(&summary, &a.target, a.device_memory).map(|w| format!("warning: {w}\n")));
     for (pass, ir) in &summary.pipeline.dumps {
         out.stderr.push_str(&format!("// ---- IR after `{pass}` ----\n{ir}"));
+    }
+    if let Some(path) = &a.ac_pareto {
+        let stats = summary.pipeline.stats("activation-checkpoint");
+        let frontier = stats.and_then(|s| s.series("pareto")).ok_or_else(|| CliError::Usage("--ac-pareto: the model has no repeated block to checkpoint".into()))?;
+        let chosen = stats.and_then(|s| s.series("chosen")).and_then(|c| c.first().copied());
+        let svg = titan_passes::activation_checkpoint::pareto_svg(frontier, chosen);
+        std::fs::write(path, svg).map_err(|e| CliError::Write { file: path.display().to_string(), message: e.to_string() })?;
+        out.stdout.push_str(&format!("wrote the Pareto frontier to {}\n", path.display()));
     }
     for note in job.iter().flat_map(JobConfig::notes) {
         out.stdout.push_str(&format!("note: {note}\n"));

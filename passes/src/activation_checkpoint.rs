@@ -782,6 +782,43 @@ fn place_late(region: &mut Region, late: &HashSet<NodeId>) {
     region.order = out;
 }
 
+/// The Pareto frontier of `budget` mode as an SVG line chart (`titanc build --ac-pareto
+/// FILE.svg`): saved activations per rank (GiB, x) against modeled recompute time per step (ms,
+/// y), one dot per frontier point, the chosen point ringed. `points` are `(bytes, seconds)` by
+/// increasing memory.
+pub fn pareto_svg(points: &[(f64, f64)], chosen: Option<(f64, f64)>) -> String {
+    let (w, h, m) = (640.0, 400.0, 60.0);
+    let gibs: Vec<(f64, f64)> = points.iter().map(|&(b, s)| (b / (1u64 << 30) as f64, s * 1e3)).collect();
+    let x_max = gibs.iter().map(|p| p.0).fold(0.0, f64::max).max(1e-12);
+    let y_max = gibs.iter().map(|p| p.1).fold(0.0, f64::max).max(1e-12);
+    let px = |x: f64| m + x / x_max * (w - 2.0 * m);
+    let py = |y: f64| h - m - y / y_max * (h - 2.0 * m);
+    let mut svg = format!(
+        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{w}\" height=\"{h}\" viewBox=\"0 0 {w} {h}\" font-family=\"sans-serif\" font-size=\"12\">\n\
+         <rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n\
+         <line x1=\"{m}\" y1=\"{b}\" x2=\"{r}\" y2=\"{b}\" stroke=\"black\"/>\n\
+         <line x1=\"{m}\" y1=\"{m}\" x2=\"{m}\" y2=\"{b}\" stroke=\"black\"/>\n\
+         <text x=\"{cx}\" y=\"{xl}\" text-anchor=\"middle\">saved activations per rank (GiB; max {x_max:.3})</text>\n\
+         <text x=\"15\" y=\"{cy}\" text-anchor=\"middle\" transform=\"rotate(-90 15 {cy})\">modeled recompute per step (ms; max {y_max:.3})</text>\n",
+        b = h - m,
+        r = w - m,
+        cx = w / 2.0,
+        xl = h - 20.0,
+        cy = h / 2.0,
+    );
+    let path: Vec<String> = gibs.iter().map(|&(x, y)| format!("{:.1},{:.1}", px(x), py(y))).collect();
+    svg.push_str(&format!("<polyline fill=\"none\" stroke=\"steelblue\" stroke-width=\"2\" points=\"{}\"/>\n", path.join(" ")));
+    for &(x, y) in &gibs {
+        svg.push_str(&format!("<circle cx=\"{:.1}\" cy=\"{:.1}\" r=\"3\" fill=\"steelblue\"><title>{x:.3} GiB, {y:.3} ms</title></circle>\n", px(x), py(y)));
+    }
+    if let Some((b, s)) = chosen {
+        let (x, y) = (b / (1u64 << 30) as f64, s * 1e3);
+        svg.push_str(&format!("<circle cx=\"{:.1}\" cy=\"{:.1}\" r=\"7\" fill=\"none\" stroke=\"crimson\" stroke-width=\"2\"><title>chosen: {x:.3} GiB, {y:.3} ms</title></circle>\n", px(x), py(y)));
+    }
+    svg.push_str("</svg>\n");
+    svg
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -817,6 +854,14 @@ mod tests {
         assert!(op_policy_saves(&Op::Matmul { transpose_a: false, transpose_b: false }, Some(3)));
         assert!(op_policy_saves(&Op::Attention { causal: true, scale: 1.0 }, None));
         assert!(!op_policy_saves(&Op::RmsNorm { eps: 1e-5 }, None));
+    }
+
+    #[test]
+    fn the_pareto_chart_has_a_dot_per_point_and_rings_the_choice() {
+        let svg = pareto_svg(&[(1e9, 0.1), (2e9, 0.05), (4e9, 0.0)], Some((2e9, 0.05)));
+        assert!(svg.starts_with("<svg ") && svg.ends_with("</svg>\n"));
+        assert_eq!(svg.matches("<circle").count(), 4);
+        assert!(svg.contains("chosen: 1.863 GiB, 50.000 ms"), "{svg}");
     }
 
     #[test]

@@ -16,11 +16,14 @@ use crate::train::{TrainOptions, grad_output_name};
 use crate::{PassDiag, PassError, PassErrorKind};
 
 /// Counters a pass reports, in the order it reports them (`params 12, casts 12`).
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq)]
 pub struct PassStats {
     pub counters: Vec<(&'static str, u64)>,
     /// Lines of a report beyond the counters (what was decided and why), printed after them.
     pub notes: Vec<String>,
+    /// Data series for plots, by name (`activation-checkpoint`: `pareto`, the frontier as
+    /// `(saved bytes, recompute seconds)`, and `chosen`, the point it picked).
+    pub series: Vec<(&'static str, Vec<(f64, f64)>)>,
 }
 
 impl PassStats {
@@ -32,6 +35,11 @@ impl PassStats {
     pub fn with(mut self, name: &'static str, value: u64) -> PassStats {
         self.counters.push((name, value));
         self
+    }
+
+    /// The data series `name`.
+    pub fn series(&self, name: &str) -> Option<&[(f64, f64)]> {
+        self.series.iter().find(|(k, _)| *k == name).map(|(_, v)| v.as_slice())
     }
 
     /// Append report lines.
@@ -380,7 +388,7 @@ fn run_activation_checkpoint(g: &mut Graph, _: &PassContext) -> Result<PassStats
     if s.blocks == 0 {
         return Ok(PassStats::new());
     }
-    Ok(PassStats::new()
+    let mut stats = PassStats::new()
         .with("blocks", s.blocks as u64)
         .with("saved_before", s.saved_before as u64)
         .with("saved_after", s.saved_after as u64)
@@ -389,7 +397,12 @@ fn run_activation_checkpoint(g: &mut Graph, _: &PassContext) -> Result<PassStats
         .with("saved_bytes_per_layer_before", s.saved_bytes_before)
         .with("saved_bytes_per_layer_after", s.saved_bytes_after)
         .with("recompute_flops", s.recompute_flops)
-        .with_notes(s.report_lines()))
+        .with_notes(s.report_lines());
+    if !s.pareto.is_empty() {
+        stats.series.push(("pareto", s.pareto.iter().map(|&(b, t)| (b as f64, t)).collect()));
+        stats.series.push(("chosen", vec![(s.total_saved_bytes_after as f64, s.recompute_seconds)]));
+    }
+    Ok(stats)
 }
 
 fn run_adamw(g: &mut Graph, ctx: &PassContext) -> Result<PassStats, PassDiag> {

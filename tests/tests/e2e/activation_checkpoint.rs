@@ -197,8 +197,13 @@ fn titanc_build_takes_ac_flags_and_the_job_config() {
         args.extend(extra);
         titan_compiler::cli::run_args(&args).map(|o| o.stdout).map_err(|e| e.to_string())
     };
-    let text = build(&["--ac", "budget=0.001"]).expect("budget build");
+    let svg = dir.join("pareto.svg");
+    let text = build(&["--ac", "budget=0.001", "--ac-pareto", svg.to_str().expect("utf-8")]).expect("budget build");
     assert!(text.contains("Pareto frontier"), "{text}");
+    let drawn = std::fs::read_to_string(&svg).expect("the svg");
+    assert!(drawn.starts_with("<svg ") && drawn.contains("chosen: "), "{drawn}");
+    let err = build(&["--ac", "full", "--ac-pareto", svg.to_str().expect("utf-8")]).expect_err("pareto without a budget");
+    assert!(err.contains("--ac-pareto draws the frontier of a memory budget"), "{err}");
     let err = build(&["--ac", "budget=0"]).expect_err("infeasible");
     assert!(err.contains("raise the budget to at least"), "{err}");
     let err = build(&["--ac", "selective", "--ac-selective-option", "2"]).expect_err("every-N");
