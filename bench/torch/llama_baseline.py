@@ -69,12 +69,51 @@ def print_groups(title, rows):
     print(f"{title}: {total:.1f} ms of GPU time per step: {parts}")
 
 
-def run_torch(a, compile_blocks, bf16_params, profile=False):
+_AC_COUNTS = {}
+
+
+def _ac_policy(ctx, func, *args, **kwargs):
+    """TorchTitan's selective op policy: save every odd `mm` of a block (per forward and per
+    recompute) and the attention outputs; recompute the rest."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    if func == torch.ops.aten.mm.default:
+        key = "recompute" if ctx.is_recompute else "forward"
+        _AC_COUNTS[key] = _AC_COUNTS.get(key, 0) + 1
+        keep = _AC_COUNTS[key] % 2 == 1
+    else:
+        keep = any(func == getattr(torch.ops.aten, n).default for n in (
+            "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention")
+            if hasattr(torch.ops.aten, n))
+    return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _ac_context_fn():
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    _AC_COUNTS.clear()
+    return create_selective_checkpoint_contexts(_ac_policy)
+
+
+def checkpointed(block, mode):
+    """A block under activation checkpointing as TorchTitan applies it (before torch.compile):
+    `full` recomputes the whole block; `selective` uses the op policy above."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    if mode == "full":
+        return checkpoint_wrapper(block, preserve_rng_state=False)
+    return checkpoint_wrapper(block, context_fn=_ac_context_fn, preserve_rng_state=False)
+
+
+def run_torch(a, compile_blocks, bf16_params, profile=False, ac="none"):
     torch.manual_seed(0)
     dev = torch.device("cuda")
     model = Llama(ref_config(a)).to(dev)
     if bf16_params:
         model = model.to(torch.bfloat16)
+    if ac != "none":
+        for i, blk in enumerate(model.layers):
+            model.layers[i] = checkpointed(blk, ac)
     if compile_blocks:
         for i, blk in enumerate(model.layers):
             model.layers[i] = torch.compile(blk)
@@ -175,7 +214,8 @@ def run_titan(a):
     timed = rows[a.warmup:]
     tps = sum(r["tokens_per_s"] for r in timed) / len(timed)
     peak = max((r.get("measured_peak_bytes") or 0) for r in rows) or rows[-1].get("predicted_peak_bytes", 0)
-    return dict(tps=tps, mfu=tps * flops_per_token(a) / PEAK_FLOPS, peak=peak, warmup_s=wall, loss=rows[-1]["loss"])
+    predicted = max((r.get("predicted_peak_bytes") or 0) for r in rows)
+    return dict(tps=tps, mfu=tps * flops_per_token(a) / PEAK_FLOPS, peak=peak, predicted=predicted, warmup_s=wall, loss=rows[-1]["loss"])
 
 
 def main():
@@ -187,7 +227,11 @@ def main():
     ap.add_argument("--titan-run")
     ap.add_argument("--artifact")
     ap.add_argument("--only", default="all", help="all | torch | titan")
+    ap.add_argument("--ac-artifacts", help="activation checkpointing side by side: MODE=DIR,... (none, selective, full) "
+                    "titan artifacts, each against torch.compile per block with TorchTitan's policy of that mode")
     a = ap.parse_args()
+    if a.ac_artifacts:
+        return ac_side_by_side(a)
     print(f"# {torch.cuda.get_device_name()} torch {torch.__version__}; flops/token {flops_per_token(a):.4g}")
     results = {}
     if a.only in ("all", "titan") and a.titan_run and a.artifact:
@@ -219,6 +263,25 @@ def main():
         for name, ms, count in ks[:10]:
             print(f"  {ms:>10.3f} {100 * ms / total:>5.1f}% {count:>8}  {name[:110]}")
         print_groups("torch.compile", [(name, ms) for name, ms, _ in ks])
+
+
+def ac_side_by_side(a):
+    """titan-run with each activation-checkpointing artifact and torch.compile per block with the
+    same mode (fp32 params + bf16 autocast, TorchTitan's single-GPU policy): tok/s, peak memory."""
+    print(f"# {torch.cuda.get_device_name()} torch {torch.__version__}; activation checkpointing side by side")
+    rows = []
+    for item in a.ac_artifacts.split(","):
+        mode, path = item.split("=", 1)
+        a.artifact = path
+        rows.append((f"titan-run --ac {mode}", run_titan(a)))
+        rows.append((f"torch.compile per block, AC {mode}", run_torch(a, True, False, ac=mode)))
+    print(f"{'variant':<44} {'tok/s':>10} {'MFU':>7} {'peak GiB':>9} {'predicted':>9} {'loss':>8}")
+    for k, r in rows:
+        if r is None:
+            print(f"{k:<44} failed")
+            continue
+        pred = f"{r['predicted'] / 2**30:>9.2f}" if r.get("predicted") else f"{'-':>9}"
+        print(f"{k:<44} {r['tps']:>10.0f} {100 * r['mfu']:>6.1f}% {r['peak'] / 2**30:>9.2f} {pred} {r['loss']:>8.4f}")
 
 
 if __name__ == "__main__":

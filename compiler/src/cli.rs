@@ -718,7 +718,8 @@ fn cmd_build(a: &BuildArgs) -> Result<Outcome, CliError> {
     }
     if let Some(path) = &a.ac_pareto {
         let stats = summary.pipeline.stats("activation-checkpoint");
-        let frontier = stats.and_then(|s| s.series("pareto")).ok_or_else(|| CliError::Usage("--ac-pareto: the model has no repeated block to checkpoint".into()))?;
+        let frontier =
+            stats.and_then(|s| s.series("pareto")).ok_or_else(|| CliError::Usage("--ac-pareto: the model has no repeated block to checkpoint".into()))?;
         let chosen = stats.and_then(|s| s.series("chosen")).and_then(|c| c.first().copied());
         let svg = titan_passes::activation_checkpoint::pareto_svg(frontier, chosen);
         std::fs::write(path, svg).map_err(|e| CliError::Write { file: path.display().to_string(), message: e.to_string() })?;

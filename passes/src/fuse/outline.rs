@@ -37,6 +37,11 @@ fn push_node(region: &mut Region, op: Op, inputs: Vec<Value>, results: &[&ValueD
 }
 
 /// Build the kernel region of `src`. Body blocks get ids from `first_block` on.
+/// Whether any result of node `m` is read outside its group or escapes the region.
+fn users_outside_any(src: &Region, m: titan_ir::NodeId, users_outside: &HashSet<Value>, escapes: &[Value]) -> bool {
+    src.nodes[m.index()].results.iter().any(|r| users_outside.contains(r) || escapes.contains(r))
+}
+
 pub fn outline(src: &Region, grouping: &Grouping, first_block: u32) -> Result<Outlined, String> {
     let mut region =
         Region { name: src.name.clone(), args: Vec::new(), values: Vec::new(), nodes: Vec::new(), order: Vec::new(), outputs: Vec::new(), updates: Vec::new() };
@@ -115,9 +120,14 @@ pub fn outline(src: &Region, grouping: &Grouping, first_block: u32) -> Result<Ou
                     }
                 }
                 let mut produced: Vec<Value> = Vec::new();
+                // An attention kernel writes both its results (the generated kernels' ABI), even
+                // when only one is read: activation checkpointing may leave the forward's
+                // logsumexp unread (it is recomputed in the backward).
+                let whole = matches!(group.kind, KernelKind::Attention | KernelKind::AttentionBwd)
+                    && group.members.iter().any(|m| users_outside_any(src, *m, &users_outside, &escapes));
                 for &m in &group.members {
                     for &r in &src.nodes[m.index()].results {
-                        if users_outside.contains(&r) || escapes.contains(&r) {
+                        if whole || users_outside.contains(&r) || escapes.contains(&r) {
                             produced.push(r);
                             body.outputs.push(Output { name: None, value: bmap[&r] });
                         }
