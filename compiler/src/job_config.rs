@@ -25,7 +25,7 @@ use titan_ir::{ArgKind, DType, DecayKind, Graph};
 use titan_passes::TrainOptions;
 
 /// Sections and their keys, in the order the documentation lists them.
-pub const SECTIONS: [(&str, &[&str]); 10] = [
+pub const SECTIONS: [(&str, &[&str]); 11] = [
     ("job", &["description", "dump_folder"]),
     ("model", &["name", "flavor", "converters"]),
     ("optimizer", &["name", "lr", "eps", "beta1", "beta2", "weight_decay"]),
@@ -35,6 +35,7 @@ pub const SECTIONS: [(&str, &[&str]); 10] = [
     ("float8", &["recipe_name", "enable_fsdp_float8_all_gather", "precompute_float8_dynamic_scale_for_fsdp", "filter_fqns"]),
     ("activation_checkpoint", &["mode", "selective_ac_option"]),
     ("experimental", &["enable_async_tensor_parallel"]),
+    ("validation", &["enable", "freq", "steps", "dataset", "dataset_path"]),
     (
         "parallelism",
         &[
@@ -395,6 +396,16 @@ impl JobConfig {
         // Only read with mode = "selective", which is rejected above; check its type.
         ac.string("selective_ac_option")?;
 
+        let val = section("validation");
+        if val.bool("enable")? == Some(true) {
+            return Err(val.unsupported("a validation loss (`validation.enable = true`)".into(), "set it to false"));
+        }
+        // Only read with enable = true, which is rejected above; check their types.
+        val.count("freq", 1)?;
+        val.int("steps")?;
+        val.string("dataset")?;
+        val.string("dataset_path")?;
+
         let exp = section("experimental");
         if exp.bool("enable_async_tensor_parallel")? == Some(true) {
             return Err(exp.unsupported("async tensor parallelism (`experimental.enable_async_tensor_parallel = true`)".into(), "set it to false"));
@@ -675,6 +686,7 @@ expert_parallel_degree = 1
             ),
             ("[activation_checkpoint]\nmode = \"full\"\n", "is not supported yet"),
             ("[experimental]\nenable_async_tensor_parallel = true\n", "async tensor parallelism"),
+            ("[validation]\nenable = true\nfreq = 10\n", "a validation loss (`validation.enable = true`) is not supported yet; set it to false"),
             ("[compile]\nenable = false\n", "`compile.enable = false` (running without fusion) is not supported yet"),
             ("[compile]\ncomponents = [\"model\"]\n", "leaving \"loss\" out of `compile.components` is not supported yet"),
             ("[optimizer]\nname = \"Adam\"\n", "`optimizer.name = \"Adam\"` is not supported yet; use \"AdamW\""),
