@@ -12,6 +12,10 @@ use tokenizers::{AddedToken, Tokenizer, TokenizerBuilder, TokenizerImpl};
 
 use crate::{DataError, TextTokenizer};
 
+/// The pre-tokenizer split pattern of Llama 3's `tokenizer.json` (tiktoken's `cl100k`-style
+/// pattern), for tests that check titan handles it.
+pub const LLAMA3_SPLIT_PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
 /// Llama 3's document separators.
 pub const SPECIAL_TOKENS: [&str; 2] = ["<|begin_of_text|>", "<|end_of_text|>"];
 

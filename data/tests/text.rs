@@ -292,3 +292,33 @@ fn another_text_field_is_read_with_text_field() {
     let mut s = TextStream::new(corpus, tokenizer(), &StreamPosition::default(), false).expect("stream");
     assert_eq!(s.next_chunk().expect("chunk").expect("chunk").tokens, tokenizer().encode_document("hello there").expect("encode"));
 }
+
+/// Llama 3's pre-tokenizer (its split pattern, then byte-level without a regex), on the trained
+/// BPE: the pattern runs on fancy-regex (no onig), and `.txt` pieces still encode to the whole
+/// file's tokens under it.
+#[test]
+fn llama3_split_pattern_loads_and_keeps_pieces_exact() {
+    let json = testing::train_bpe_json(&[CORPUS], VOCAB).expect("train");
+    let mut v: serde_json::Value = serde_json::from_str(&json).expect("json");
+    v["pre_tokenizer"] = serde_json::json!({
+        "type": "Sequence",
+        "pretokenizers": [
+            {"type": "Split", "pattern": {"Regex": testing::LLAMA3_SPLIT_PATTERN}, "behavior": "Isolated", "invert": false},
+            {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": false}
+        ]
+    });
+    let d = Dir::new("llama3");
+    let p = d.write("tokenizer.json", v.to_string());
+    let t = TextTokenizer::from_file(&p).expect("loads with fancy-regex");
+    let text = "Tomas's lamp: 1234 steps!\n\n  indented\tline\r\nend.\n";
+    assert_eq!(t.decode(&t.encode_document(text).expect("encode"), true).expect("decode"), text);
+    let whole = t.encode_document(CORPUS).expect("encode");
+    let txt = d.write("corpus.txt", CORPUS);
+    let corpus = Corpus::open(&txt, "text").expect("corpus");
+    let mut s = TextStream::with_piece_bytes(corpus, Arc::new(t), &StreamPosition::default(), false, 64).expect("stream");
+    let mut got = Vec::new();
+    while let Some(c) = s.next_chunk().expect("chunk") {
+        got.extend(c.tokens);
+    }
+    assert_eq!(got, whole);
+}
