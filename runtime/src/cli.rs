@@ -374,6 +374,12 @@ fn data_source(cli: &Cli) -> Result<DataSource> {
             }
             DataSource::Packed(PackedSpec::Shards { path: p.clone() })
         }
+        Some(p) if p.extension().is_some_and(|e| e == "jsonl") => {
+            bail!(
+                "`{}` is JSON Lines: pass --tokenizer tokenizer.json to tokenize its `text` field (byte-level training would read the JSON syntax as text)",
+                p.display()
+            )
+        }
         Some(p) => DataSource::Sampled(load_tokens(p, format)?),
         None => DataSource::Sampled(byte_tokens(crate::BUNDLED_CORPUS.as_bytes())),
     })

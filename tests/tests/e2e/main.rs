@@ -19,4 +19,5 @@ mod nonfinite;
 mod ptx_presets;
 mod readme;
 mod train_debug;
+mod text_data;
 mod train_graph;
