@@ -146,7 +146,7 @@ impl ShardStream {
         let files = crate::corpus::resolve_paths(spec, &["bin"], "llm.c token shards")?;
         if start.file > 0 || start.offset > 0 || start.epoch > 0 {
             match files.get(start.file) {
-                Some(p) if p.display().to_string() == start.path => {}
+                Some(p) if crate::stream::same_file(p, &start.path) => {}
                 _ => {
                     return Err(DataError::Position(format!(
                         "the data position is in shard {} `{}`, which is not this data's shard {}; resume with the shards the checkpoint was written with",

@@ -37,6 +37,12 @@ impl std::fmt::Display for StreamPosition {
     }
 }
 
+/// Whether `path` is the file a position recorded as `recorded` (spelled the same, or the same
+/// file reached by another relative path).
+pub(crate) fn same_file(path: &std::path::Path, recorded: &str) -> bool {
+    path.display().to_string() == recorded || matches!((std::fs::canonicalize(path), std::fs::canonicalize(recorded)), (Ok(a), Ok(b)) if a == b)
+}
+
 /// Tokens in stream order and the position of the first.
 #[derive(Clone, Debug)]
 pub struct Chunk {
@@ -90,7 +96,7 @@ impl TextStream {
     ) -> Result<TextStream, DataError> {
         if start.file > 0 || start.offset > 0 || start.epoch > 0 {
             match corpus.files.get(start.file) {
-                Some((p, _)) if p.display().to_string() == start.path => {}
+                Some((p, _)) if same_file(p, &start.path) => {}
                 found => {
                     return Err(DataError::Position(format!(
                         "the data position is in file {} `{}`, but this data's file {} is {}; resume with the data the checkpoint was written with",

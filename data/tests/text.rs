@@ -167,6 +167,13 @@ fn packing_resumes_at_a_recorded_position() {
             assert_eq!(&resumed.next_window().expect("window").expect("wraps").tokens, want, "resumed at window {k}: window {j}");
         }
     }
+    // The same file reached by another path resumes; another file is refused.
+    let dotted = StreamPosition {
+        path: format!("{}/./{}", d.0.display(), Path::new(&positions[33].path).file_name().and_then(|n| n.to_str()).expect("name")),
+        ..positions[33].clone()
+    };
+    let mut resumed = text_packer(&d.0, &dotted, window, 500);
+    assert_eq!(resumed.next_window().expect("window").expect("wraps").tokens, windows[33]);
     let moved = StreamPosition { path: "elsewhere.txt".into(), ..positions[33].clone() };
     let e = TextStream::new(Corpus::open(&d.0, "text").expect("corpus"), tokenizer(), &moved, true).err().expect("refused").to_string();
     assert!(e.contains("the data position is in file") && e.contains("elsewhere.txt"), "{e}");
