@@ -18,6 +18,6 @@ mod mesh_checkpoint;
 mod nonfinite;
 mod ptx_presets;
 mod readme;
-mod train_debug;
 mod text_data;
+mod train_debug;
 mod train_graph;

@@ -33,11 +33,7 @@ fn setup(name: &str, vocab: u64, steps: u64) -> Scratch {
     std::fs::create_dir_all(dir.join("text")).expect("scratch");
     let json = titan_data::testing::train_bpe_json(&[BUNDLED_CORPUS], VOCAB as usize).expect("train the tokenizer");
     std::fs::write(dir.join("tokenizer.json"), json).expect("write the tokenizer");
-    let docs: String = BUNDLED_CORPUS
-        .split("\n\n")
-        .filter(|p| !p.trim().is_empty())
-        .map(|p| format!("{}\n", serde_json::json!({ "text": p })))
-        .collect();
+    let docs: String = BUNDLED_CORPUS.split("\n\n").filter(|p| !p.trim().is_empty()).map(|p| format!("{}\n", serde_json::json!({ "text": p }))).collect();
     std::fs::write(dir.join("text").join("corpus.jsonl"), docs).expect("write the corpus");
     let model = build_llama3(&LlamaConfig { vocab_size: vocab, ..LlamaConfig::preset(Preset::Debug) }, "llama3_debug").expect("debug model");
     let train = TrainOptions {
@@ -126,7 +122,8 @@ fn a_resumed_run_continues_with_the_same_tokens() {
 fn tokenized_shards_train_as_the_text_they_came_from() {
     let dir = setup("shards", VOCAB, 10);
     let (art, tok, text, shards) = (s(&dir.join("artifact")), s(&dir.join("tokenizer.json")), s(&dir.join("text")), s(&dir.join("shards")));
-    let out = titan_compiler::cli::run_args(["titanc", "data", "tokenize", &text, "--tokenizer", &tok, "-o", &shards, "--shard-tokens", "2000"]).expect("tokenize");
+    let out =
+        titan_compiler::cli::run_args(["titanc", "data", "tokenize", &text, "--tokenizer", &tok, "-o", &shards, "--shard-tokens", "2000"]).expect("tokenize");
     assert!(out.stdout.contains(" documents, ") && out.stdout.contains("tokens per document") && out.stdout.contains("tokens/s"), "{}", out.stdout);
     assert!(std::fs::metadata(dir.join("shards/train_000001.bin")).is_ok(), "several shards: {}", out.stdout);
     let (a, b) = (dir.join("a.jsonl"), dir.join("b.jsonl"));
