@@ -49,6 +49,9 @@ pub enum Command {
     Opt(OptArgs),
     /// List the passes `titanc opt --passes` and `--dump-after` take, with their summaries
     Passes,
+    /// Training data: `titanc data tokenize PATH --tokenizer tokenizer.json -o DIR` writes llm.c shards
+    #[command(subcommand)]
+    Data(crate::data_cmd::DataCommand),
 }
 
 #[derive(Debug, Args)]
@@ -437,6 +440,9 @@ pub enum CliError {
     JobConfig(#[from] JobConfigError),
     #[error(transparent)]
     Parallel(#[from] crate::parallel::ParallelError),
+    /// Text, a tokenizer or shards that `titanc data` cannot use.
+    #[error(transparent)]
+    Data(#[from] titan_data::DataError),
     /// A pass produced a graph that does not verify: a compiler bug, not a user error.
     #[error("internal error: {what} does not verify (please report it):\n{errors}")]
     Internal { what: String, errors: String },
@@ -470,6 +476,7 @@ pub fn execute(cli: &Cli) -> Result<Outcome, CliError> {
         Command::Build(a) => cmd_build(a),
         Command::Opt(a) => cmd_opt(a),
         Command::Passes => Ok(cmd_passes()),
+        Command::Data(c) => crate::data_cmd::cmd_data(c),
     }
 }
 

@@ -36,6 +36,7 @@ pub const SECTIONS: [(&str, &[&str]); 11] = [
     ("quantize", &["linear"]),
     ("activation_checkpoint", &["mode", "selective_ac_option", "memory_budget"]),
     ("experimental", &["enable_async_tensor_parallel"]),
+    ("validation", &["enable", "freq", "steps", "dataset", "dataset_path"]),
     (
         "parallelism",
         &[
@@ -492,6 +493,16 @@ impl JobConfig {
             };
         }
 
+        let val = section("validation");
+        if val.bool("enable")? == Some(true) {
+            return Err(val.unsupported("a validation loss (`validation.enable = true`)".into(), "set it to false"));
+        }
+        // Only read with enable = true, which is rejected above; check their types.
+        val.count("freq", 1)?;
+        val.int("steps")?;
+        val.string("dataset")?;
+        val.string("dataset_path")?;
+
         let exp = section("experimental");
         if exp.bool("enable_async_tensor_parallel")? == Some(true) {
             return Err(exp.unsupported("async tensor parallelism (`experimental.enable_async_tensor_parallel = true`)".into(), "set it to false"));
@@ -779,6 +790,7 @@ expert_parallel_degree = 1
             ("[float8]\nenable_fsdp_float8_all_gather = true\n", "`float8.enable_fsdp_float8_all_gather = true`) is not supported yet; set it to false"),
             ("[model]\nconverters = [\"mx\"]\n", "the model converter `model.converters = [\"mx\"]` is not supported yet"),
             ("[experimental]\nenable_async_tensor_parallel = true\n", "async tensor parallelism"),
+            ("[validation]\nenable = true\nfreq = 10\n", "a validation loss (`validation.enable = true`) is not supported yet; set it to false"),
             ("[compile]\nenable = false\n", "`compile.enable = false` (running without fusion) is not supported yet"),
             ("[compile]\ncomponents = [\"model\"]\n", "leaving \"loss\" out of `compile.components` is not supported yet"),
             ("[optimizer]\nname = \"Adam\"\n", "`optimizer.name = \"Adam\"` is not supported yet; use \"AdamW\""),

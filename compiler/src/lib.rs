@@ -1,10 +1,11 @@
 //! titan's frontend and compiler driver: Llama-3 model configurations (presets and Hugging Face
 //! `config.json`), the model-graph builder, model statistics, TorchTitan-style job configs, the
 //! artifact build (`titanc build`: memory plan, schedule, kernel codegen) and the `titanc`
-//! command line.
+//! command line (`titanc data tokenize` in `data_cmd.rs`, over `titan-data`).
 
 pub mod build;
 pub mod cli;
+pub mod data_cmd;
 pub mod error;
 pub mod hf;
 pub mod job_config;

@@ -105,6 +105,10 @@ pub struct TrainerState {
     pub seed: u64,
     /// The index of the next batch to draw (batches are drawn by `(seed, index)`).
     pub data_position: u64,
+    /// A run over packed data (`--tokenizer`, llm.c shards): where its next batch starts in the
+    /// stream (file, byte offset, document, token, pass; `docs/checkpoints.md`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub data_stream: Option<titan_data::stream::StreamPosition>,
     /// The artifact's `content_hash` (graph mode: `graph-fnv1a:` and a hash of the graph text).
     pub content_hash: String,
     /// The model hash of the run that wrote it (absent in older checkpoints and for runs of
@@ -519,6 +523,7 @@ mod tests {
         let st: TrainerState = serde_json::from_str(old).expect("old state");
         assert_eq!(st.mesh, CheckpointMesh::default());
         assert_eq!(st.mesh.to_string(), "one device");
+        assert_eq!(st.data_stream, None, "an old state was not over a stream");
         let st = TrainerState { mesh: Mesh::new(2, 2, 1).into(), ..st };
         let back: TrainerState = serde_json::from_str(&serde_json::to_string_pretty(&st).expect("json")).expect("read");
         assert_eq!(back, st);
@@ -543,6 +548,7 @@ mod tests {
             step: 2,
             seed: 0,
             data_position: 2,
+            data_stream: None,
             content_hash: i.content_hash.clone(),
             data: String::new(),
             mesh,

@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use crate::checkpoint::{self, RunIdentity, TrainerState};
-use crate::data::{check_vocab, load_tokens};
+use crate::data::{Batches, DataSource, PackedBatches, PackedSpec, check_vocab, load_tokens};
 use crate::dist::{DistEnv, ProcessGroup, ProcessMeshTrainer, RendezvousOptions};
 use crate::log::{H200_MEMORY_BYTES, MetricsRecord, MetricsWriter, Progress, format_memory_check, format_startup, memory_summary};
 use crate::nonfinite::{NonFiniteGuard, StepOutcome};
@@ -27,10 +27,20 @@ struct Cli {
     /// Total number of training steps (a resumed run continues up to it).
     #[arg(long, default_value_t = 100, value_parser = titan_ir::flags::positive::<u64>, allow_negative_numbers = true)]
     steps: u64,
-    /// Data file: text tokenized byte by byte, or pre-tokenized tokens (see --data-format); the
-    /// bundled corpus when omitted.
+    /// Data: a file of text tokenized byte by byte or of pre-tokenized tokens (see
+    /// --data-format), batches sampled by seed; with --tokenizer, `.txt`/`.jsonl` text (a file, a
+    /// directory or a glob); a directory or glob of llm.c `.bin` shards (`titanc data
+    /// tokenize`). Tokenized text and shards are streamed and packed in order. The bundled
+    /// corpus when omitted.
     #[arg(long)]
     data: Option<PathBuf>,
+    /// A Hugging Face tokenizer.json to tokenize --data with; each document is put between the
+    /// tokenizer's BOS and EOS.
+    #[arg(long, value_name = "FILE", requires = "data")]
+    tokenizer: Option<PathBuf>,
+    /// With --tokenizer: the field of each `.jsonl` line that holds its text.
+    #[arg(long, value_name = "NAME", default_value = "text", requires = "tokenizer")]
+    text_field: String,
     /// How --data encodes its tokens: `auto` (llm.c when the file starts with its magic, else
     /// text), `text` (bytes), `u16` / `u32` (raw little-endian arrays, nanoGPT), `llmc`.
     #[arg(long, default_value = "auto")]
@@ -191,20 +201,26 @@ fn launch_local(n: usize, cli: &Cli) -> Result<()> {
 }
 
 /// Fingerprint of the run every rank must share: this build, the graph, the data and the seed.
-fn run_identity(graph_identity: &str, tokens: &[u32], seed: u64) -> String {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for t in tokens {
-        for b in t.to_le_bytes() {
-            h ^= u64::from(b);
-            h = h.wrapping_mul(0x100_0000_01b3);
+fn run_identity(graph_identity: &str, data: &DataSource, seed: u64) -> String {
+    let data = match data {
+        DataSource::Sampled(tokens) => {
+            let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+            for t in tokens {
+                for b in t.to_le_bytes() {
+                    h ^= u64::from(b);
+                    h = h.wrapping_mul(0x100_0000_01b3);
+                }
+            }
+            format!("data-fnv1a:{h:016x} ({} tokens)", tokens.len())
         }
-    }
-    format!("titan-run {} {graph_identity} data-fnv1a:{h:016x} ({} tokens) seed {seed}", env!("CARGO_PKG_VERSION"), tokens.len())
+        DataSource::Packed(spec) => format!("data {}", spec.fingerprint()),
+    };
+    format!("titan-run {} {graph_identity} {data} seed {seed}", env!("CARGO_PKG_VERSION"))
 }
 
 /// This process is one rank of a multi-process run (torchrun, Slurm, `--nproc-per-node`): join
 /// the rendezvous and run its rank of the SPMD graph (or artifact) with the TCP process group.
-fn run_rank(cli: &Cli, env: &DistEnv, tokens: Vec<u32>, data_name: &str) -> Result<()> {
+fn run_rank(cli: &Cli, env: &DistEnv, data: DataSource, data_name: &str) -> Result<()> {
     let (rank, world) = (env.rank, env.world_size);
     if cli.backend != "cpu" && is_graph_file(&cli.path) {
         bail!(
@@ -213,7 +229,7 @@ fn run_rank(cli: &Cli, env: &DistEnv, tokens: Vec<u32>, data_name: &str) -> Resu
         );
     }
     if !is_graph_file(&cli.path) {
-        return run_artifact_rank(cli, env, tokens, data_name);
+        return run_artifact_rank(cli, env, data, data_name);
     }
     if cli.profile {
         bail!("--profile times the kernels of an artifact; build one with `titanc build --tp/--dp-shard ...` and pass its directory");
@@ -236,7 +252,7 @@ fn run_rank(cli: &Cli, env: &DistEnv, tokens: Vec<u32>, data_name: &str) -> Resu
     }
     let (addr, port) = env.master.clone().ok_or_else(|| anyhow::anyhow!("a multi-process run needs MASTER_ADDR and MASTER_PORT"))?;
     let seed = cli.seed.unwrap_or(0);
-    let identity = run_identity(&checkpoint::graph_identity(&graph_text), &tokens, seed);
+    let identity = run_identity(&checkpoint::graph_identity(&graph_text), &data, seed);
     let opts = RendezvousOptions { join_timeout: std::time::Duration::from_secs(cli.rendezvous_timeout), ..RendezvousOptions::default() };
     let group = std::sync::Arc::new(ProcessGroup::rendezvous(rank, world, (&addr, port), &identity, Vec::new(), opts)?);
     let made = ProcessMeshTrainer::new(&graph, seed, std::sync::Arc::clone(&group));
@@ -250,7 +266,7 @@ fn run_rank(cli: &Cli, env: &DistEnv, tokens: Vec<u32>, data_name: &str) -> Resu
             cli.steps
         )
     };
-    run_in_group(&group, made, announce, cli, tokens, data_name, &RunIdentity::of_graph(&graph_text, &graph))
+    run_in_group(&group, made, announce, cli, data, data_name, &RunIdentity::of_graph(&graph_text, &graph))
 }
 
 /// Run this rank (`made`) through the training: a failure is first told to the other ranks
@@ -261,7 +277,7 @@ fn run_in_group(
     made: std::result::Result<ProcessMeshTrainer<'_>, crate::RuntimeError>,
     announce: impl FnOnce(&ProcessMeshTrainer<'_>),
     cli: &Cli,
-    tokens: Vec<u32>,
+    data: DataSource,
     data_name: &str,
     identity: &RunIdentity,
 ) -> Result<()> {
@@ -285,7 +301,7 @@ fn run_in_group(
             eprintln!("titan-run: --profile: every rank times its kernels; rank 0 reports in full, the others in one line");
         }
     }
-    if let Err(e) = train(&mut trainer, cli, tokens, data_name, identity, logger) {
+    if let Err(e) = train(&mut trainer, cli, data, data_name, identity, logger) {
         group.abort(&format!("{e:#}"));
         return Err(e);
     }
@@ -298,7 +314,7 @@ fn run_in_group(
 
 /// This process is one rank of a multi-process run of an SPMD artifact: the artifact's one
 /// schedule on the cpu backend, its collective steps over the TCP process group.
-fn run_artifact_rank(cli: &Cli, env: &DistEnv, tokens: Vec<u32>, data_name: &str) -> Result<()> {
+fn run_artifact_rank(cli: &Cli, env: &DistEnv, data: DataSource, data_name: &str) -> Result<()> {
     let (rank, world) = (env.rank, env.world_size);
     let artifact = Artifact::load(&cli.path)?;
     let m = &artifact.manifest;
@@ -313,7 +329,7 @@ fn run_artifact_rank(cli: &Cli, env: &DistEnv, tokens: Vec<u32>, data_name: &str
     }
     let (addr, port) = env.master.clone().ok_or_else(|| anyhow::anyhow!("a multi-process run needs MASTER_ADDR and MASTER_PORT"))?;
     let seed = cli.seed.unwrap_or(0);
-    let identity = run_identity(&format!("artifact {}", m.content_hash), &tokens, seed);
+    let identity = run_identity(&format!("artifact {}", m.content_hash), &data, seed);
     let opts = RendezvousOptions { join_timeout: std::time::Duration::from_secs(cli.rendezvous_timeout), ..RendezvousOptions::default() };
     let step_timeout = opts.collective_timeout;
     let cuda = cli.backend == "cuda";
@@ -338,7 +354,35 @@ fn run_artifact_rank(cli: &Cli, env: &DistEnv, tokens: Vec<u32>, data_name: &str
             cli.steps
         )
     };
-    run_in_group(&group, made, announce, cli, tokens, data_name, &RunIdentity::of_artifact(&artifact))
+    run_in_group(&group, made, announce, cli, data, data_name, &RunIdentity::of_artifact(&artifact))
+}
+
+/// What `--data`, `--data-format`, `--tokenizer` and `--text-field` name.
+fn data_source(cli: &Cli) -> Result<DataSource> {
+    let format = DataFormat::parse(&cli.data_format)?;
+    if let Some(tokenizer) = &cli.tokenizer {
+        if format != DataFormat::Auto {
+            bail!("--data-format {} says how a token file is encoded; text read with --tokenizer takes none, drop it", format.name());
+        }
+        let data = cli.data.as_deref().expect("invariant: clap requires --data with --tokenizer");
+        return Ok(DataSource::Packed(PackedSpec::text(data, tokenizer, &cli.text_field)?));
+    }
+    Ok(match &cli.data {
+        Some(p) if p.is_dir() || p.to_string_lossy().contains(['*', '?', '[']) => {
+            if !matches!(format, DataFormat::Auto | DataFormat::Llmc) {
+                bail!("a directory or glob of --data is read as llm.c token shards; --data-format {} applies to one file only", format.name());
+            }
+            DataSource::Packed(PackedSpec::Shards { path: p.clone() })
+        }
+        Some(p) if p.extension().is_some_and(|e| e == "jsonl") => {
+            bail!(
+                "`{}` is JSON Lines: pass --tokenizer tokenizer.json to tokenize its `text` field (byte-level training would read the JSON syntax as text)",
+                p.display()
+            )
+        }
+        Some(p) => DataSource::Sampled(load_tokens(p, format)?),
+        None => DataSource::Sampled(byte_tokens(crate::BUNDLED_CORPUS.as_bytes())),
+    })
 }
 
 fn run(cli: Cli) -> Result<()> {
@@ -350,14 +394,10 @@ fn run(cli: Cli) -> Result<()> {
         return launch_local(n, &cli);
     }
     let env = DistEnv::from_process_env()?;
-    let format = DataFormat::parse(&cli.data_format)?;
-    let tokens = match &cli.data {
-        Some(p) => load_tokens(p, format)?,
-        None => byte_tokens(crate::BUNDLED_CORPUS.as_bytes()),
-    };
+    let data = data_source(&cli)?;
     let data_name = cli.data.as_ref().map_or("bundled corpus".to_string(), |p| p.display().to_string());
     if env.is_distributed() {
-        return run_rank(&cli, &env, tokens, &data_name);
+        return run_rank(&cli, &env, data, &data_name);
     }
     let seed = cli.seed.unwrap_or(0);
     if is_graph_file(&cli.path) {
@@ -382,7 +422,7 @@ fn run(cli: Cli) -> Result<()> {
                 Trainer::seq_len(&trainer),
                 cli.steps
             );
-            return train(&mut trainer, &cli, tokens, &data_name, &RunIdentity::of_graph(&graph_text, &graph), true);
+            return train(&mut trainer, &cli, data, &data_name, &RunIdentity::of_graph(&graph_text, &graph), true);
         }
         let mut trainer = CpuTrainer::new(&graph, seed)?;
         eprintln!(
@@ -392,7 +432,7 @@ fn run(cli: Cli) -> Result<()> {
             trainer.seq_len(),
             cli.steps
         );
-        return train(&mut trainer, &cli, tokens, &data_name, &RunIdentity::of_graph(&graph_text, &graph), true);
+        return train(&mut trainer, &cli, data, &data_name, &RunIdentity::of_graph(&graph_text, &graph), true);
     }
     if cli.path.is_file() {
         bail!("`{}` is neither an artifact directory nor a `.ir` training graph; pass the directory `titanc build -o DIR` wrote", cli.path.display());
@@ -430,10 +470,10 @@ fn run(cli: Cli) -> Result<()> {
             cli.steps
         );
         eprintln!("titan-run: per rank: {}", memory_summary(&artifact));
-        return train(&mut trainer, &cli, tokens, &data_name, &RunIdentity::of_artifact(&artifact), true);
+        return train(&mut trainer, &cli, data, &data_name, &RunIdentity::of_artifact(&artifact), true);
     }
     if cli.backend == "cuda" {
-        return run_cuda(&cli, &artifact, tokens, &data_name, started, load_s);
+        return run_cuda(&cli, &artifact, data, &data_name, started, load_s);
     }
     let mut trainer = CpuArtifactTrainer::new(&artifact, seed)?;
     if cli.profile {
@@ -451,7 +491,7 @@ fn run(cli: Cli) -> Result<()> {
         cli.steps
     );
     eprintln!("titan-run: {}", memory_summary(&artifact));
-    train(&mut trainer, &cli, tokens, &data_name, &RunIdentity::of_artifact(&artifact), true)?;
+    train(&mut trainer, &cli, data, &data_name, &RunIdentity::of_artifact(&artifact), true)?;
     if cli.profile {
         print_profile(&trainer, true);
     }
@@ -471,10 +511,14 @@ fn print_profile(trainer: &dyn Trainer, full: bool) {
 /// Run steps up to `--steps`, resuming or loading weights first, logging every step and
 /// writing checkpoints. `identity` is the build's (checked on resume, written into checkpoints). Only the
 /// `logger` prints steps and writes metrics and batch dumps (rank 0 of a multi-process run).
-fn train(trainer: &mut dyn Trainer, cli: &Cli, tokens: Vec<u32>, data_name: &str, identity: &RunIdentity, logger: bool) -> Result<()> {
-    check_vocab(&tokens, trainer.vocab_size())?;
+fn train(trainer: &mut dyn Trainer, cli: &Cli, data: DataSource, data_name: &str, identity: &RunIdentity, logger: bool) -> Result<()> {
+    match &data {
+        DataSource::Sampled(tokens) => check_vocab(tokens, trainer.vocab_size())?,
+        DataSource::Packed(spec) => spec.check_vocab(trainer.vocab_size())?,
+    }
     let mut seed = cli.seed.unwrap_or(0);
     let mut data_position = 0;
+    let mut data_stream = None;
     if let Some(path) = &cli.resume {
         let (dir, state) = checkpoint::resume(path, trainer, identity, cli.allow_different_build)?;
         if let Some(s) = cli.seed
@@ -487,6 +531,17 @@ fn train(trainer: &mut dyn Trainer, cli: &Cli, tokens: Vec<u32>, data_name: &str
         }
         seed = state.seed;
         data_position = state.data_position;
+        data_stream = state.data_stream.clone();
+        match (&data, &data_stream) {
+            (DataSource::Packed(_), None) => bail!(
+                "the checkpoint was written by a run whose batches were sampled by seed (byte-level text or one token file), not packed from a stream; resume with the data it was written with ({})",
+                state.data
+            ),
+            (DataSource::Sampled(_), Some(p)) => {
+                bail!("the checkpoint was written by a run over packed data, next at {p}; resume with the same --data and --tokenizer ({})", state.data)
+            }
+            _ => {}
+        }
         if logger {
             // Checked by `resume` already: this only says what was resumed across.
             if let Ok(Some(note)) = checkpoint::check_identity(&state, identity, checkpoint::run_mesh(trainer), cli.allow_different_build) {
@@ -501,8 +556,22 @@ fn train(trainer: &mut dyn Trainer, cli: &Cli, tokens: Vec<u32>, data_name: &str
             eprintln!("titan-run: parameters loaded from {}; optimizer state starts at zero", path.display());
         }
     }
-    let mut batcher = Batcher::new(tokens, trainer.batch_size(), trainer.seq_len(), seed).map_err(anyhow::Error::msg)?;
-    batcher.seek(data_position);
+    let mut batches = match data {
+        DataSource::Sampled(tokens) => {
+            let mut batcher = Batcher::new(tokens, trainer.batch_size(), trainer.seq_len(), seed).map_err(anyhow::Error::msg)?;
+            batcher.seek(data_position);
+            Batches::Sampled(batcher)
+        }
+        DataSource::Packed(spec) => {
+            let start = data_stream.unwrap_or_default();
+            let packed = PackedBatches::open(&spec, trainer.batch_size(), trainer.seq_len(), trainer.vocab_size(), &start)?;
+            if logger {
+                eprintln!("titan-run: data: {}", packed.describe());
+            }
+            Batches::Packed(Box::new(packed))
+        }
+    };
+    let mut batch_index = data_position;
     let ctx = log_context(trainer, &cli.backend);
     let mut metrics = match &cli.metrics {
         Some(p) if logger => Some(MetricsWriter::create(p, cli.resume.is_some())?),
@@ -515,7 +584,8 @@ fn train(trainer: &mut dyn Trainer, cli: &Cli, tokens: Vec<u32>, data_name: &str
     let started = std::time::Instant::now();
     let mut guard = NonFiniteGuard::new(cli.skip_nonfinite_steps.then_some(cli.max_consecutive_skips));
     for s in first..=cli.steps {
-        let batch = batcher.next_batch();
+        let batch = batches.next_batch()?;
+        batch_index += 1;
         if let Some(d) = dump.as_mut() {
             d.write(&batch)?;
         }
@@ -546,7 +616,11 @@ fn train(trainer: &mut dyn Trainer, cli: &Cli, tokens: Vec<u32>, data_name: &str
                 format_version: checkpoint::CHECKPOINT_FORMAT_VERSION,
                 step: s,
                 seed,
-                data_position: batcher.position(),
+                data_position: batch_index,
+                data_stream: match &mut batches {
+                    Batches::Sampled(_) => None,
+                    Batches::Packed(p) => Some(p.position()?),
+                },
                 content_hash: identity.content_hash.clone(),
                 model_hash: identity.model_hash.clone(),
                 model_config: identity.model_config.clone(),
@@ -561,6 +635,19 @@ fn train(trainer: &mut dyn Trainer, cli: &Cli, tokens: Vec<u32>, data_name: &str
         }
     }
     progress.finish();
+    if let Batches::Packed(p) = &mut batches
+        && logger
+    {
+        let (bytes, tokens) = p.counts();
+        let elapsed = started.elapsed().as_secs_f64().max(1e-9);
+        eprintln!(
+            "titan-run: data: {} batches; {:.2} MB of text read, {tokens} tokens made ({:.0} tokens/s of the run); next at {}",
+            batch_index - data_position,
+            bytes as f64 / 1e6,
+            tokens as f64 / elapsed,
+            p.position()?
+        );
+    }
     if logger && guard.skipped() > 0 {
         eprintln!("titan-run: {} of {steps} steps skipped (non-finite loss or gradient norm)", guard.skipped());
     }
@@ -569,7 +656,7 @@ fn train(trainer: &mut dyn Trainer, cli: &Cli, tokens: Vec<u32>, data_name: &str
 
 /// `--backend cuda`: the schedule on one GPU.
 /// `started` is when titan-run started, `load_s` the seconds reading the artifact took.
-fn run_cuda(cli: &Cli, artifact: &Artifact, tokens: Vec<u32>, data_name: &str, started: std::time::Instant, load_s: f64) -> Result<()> {
+fn run_cuda(cli: &Cli, artifact: &Artifact, data: DataSource, data_name: &str, started: std::time::Instant, load_s: f64) -> Result<()> {
     let mut trainer = crate::backend::cuda::CudaArtifactTrainer::new(artifact, cli.seed.unwrap_or(0))?;
     if cli.profile {
         trainer.enable_profile()?;
@@ -592,7 +679,7 @@ fn run_cuda(cli: &Cli, artifact: &Artifact, tokens: Vec<u32>, data_name: &str, s
     startup.load_s += load_s;
     eprintln!("titan-run: {}", format_startup(started.elapsed().as_secs_f64(), &startup));
     trainer.set_log_capture(true);
-    train(&mut trainer, cli, tokens, data_name, &RunIdentity::of_artifact(artifact), true)?;
+    train(&mut trainer, cli, data, data_name, &RunIdentity::of_artifact(artifact), true)?;
     eprintln!("titan-run: {}", format_memory_check(crate::memory_fit::predicted_device_bytes(m), trainer.measured_peak_bytes()));
     if cli.profile {
         print_profile(&trainer, true);
@@ -652,6 +739,18 @@ mod tests {
     fn zero_steps_are_refused() {
         let e = refused(&["DIR", "--steps", "0", "--checkpoint-dir", "CKPT"]);
         assert!(e.contains("invalid value '0' for '--steps <STEPS>': the value must be at least 1"), "{e}");
+    }
+
+    /// `--tokenizer` reads `--data`; `--text-field` only means something with `--tokenizer`.
+    #[test]
+    fn tokenizer_flags_need_their_partners() {
+        let e = refused(&["DIR", "--tokenizer", "tokenizer.json"]);
+        assert!(e.contains("--data <DATA>"), "{e}");
+        let e = refused(&["DIR", "--data", "corpus.jsonl", "--text-field", "body"]);
+        assert!(e.contains("--tokenizer <FILE>"), "{e}");
+        let cli = Cli::try_parse_from(["titan-run", "DIR", "--data", "d.jsonl", "--tokenizer", "t.json"]).expect("parses");
+        assert_eq!(cli.text_field, "text");
+        Cli::try_parse_from(["titan-run", "DIR"]).expect("the default --text-field needs no --tokenizer");
     }
 
     #[test]

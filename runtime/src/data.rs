@@ -8,19 +8,23 @@
 //!
 //! Batch `k` (0-based) is drawn from a generator seeded by `(seed, k)` alone, so a run resumed at
 //! step `k` sees exactly the batches an uninterrupted run sees from step `k` on.
+//!
+//! Text through a tokenizer and directories of llm.c shards are not sampled but streamed and
+//! packed in order (`packed.rs`, TorchTitan's way); [`DataSource`] says which a run uses.
 
 use std::path::Path;
 
 use rand::{RngExt, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
+pub mod packed;
+
+pub use packed::{PackedBatches, PackedSpec};
+
 /// The small corpus bundled with titan, used when no data file is given.
 pub const BUNDLED_CORPUS: &str = include_str!("../../examples/data/tiny_corpus.txt");
 
-/// The first `int32` of an llm.c token file.
-pub const LLMC_MAGIC: i32 = 20240520;
-/// Bytes of an llm.c header: 256 `int32`.
-pub const LLMC_HEADER_BYTES: usize = 256 * 4;
+pub use titan_data::llmc::{LLMC_HEADER_BYTES, LLMC_MAGIC};
 
 /// Byte-level tokenizer: every byte is its own token (vocab 256).
 pub fn byte_tokens(text: &[u8]) -> Vec<u32> {
@@ -237,6 +241,30 @@ impl Batcher {
         let b = self.batch_at(self.position);
         self.position += 1;
         b
+    }
+}
+
+/// Where a run's batches come from.
+pub enum DataSource {
+    /// Tokens held in memory, batches sampled by seed ([`Batcher`]): byte-level text or one
+    /// token file.
+    Sampled(Vec<u32>),
+    /// A stream packed in order ([`PackedBatches`]).
+    Packed(PackedSpec),
+}
+
+/// A run's batches, by the source's rule.
+pub enum Batches {
+    Sampled(Batcher),
+    Packed(Box<PackedBatches>),
+}
+
+impl Batches {
+    pub fn next_batch(&mut self) -> Result<Batch, DataError> {
+        match self {
+            Batches::Sampled(b) => Ok(b.next_batch()),
+            Batches::Packed(p) => p.next_batch(),
+        }
     }
 }
 

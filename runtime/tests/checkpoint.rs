@@ -31,6 +31,7 @@ fn state(step: u64, seed: u64, hash: &str) -> TrainerState {
         step,
         seed,
         data_position: step,
+        data_stream: None,
         content_hash: hash.into(),
         data: "bundled corpus".into(),
         mesh: Default::default(),

@@ -53,6 +53,7 @@ fn debug_model_resumes_bit_identically_from_a_checkpoint() {
         step: 10,
         seed,
         data_position: data.position(),
+        data_stream: None,
         content_hash: hash.clone(),
         data: "bundled corpus".into(),
         mesh: Default::default(),

@@ -20,5 +20,6 @@ mod mesh_checkpoint;
 mod nonfinite;
 mod ptx_presets;
 mod readme;
+mod text_data;
 mod train_debug;
 mod train_graph;

@@ -99,6 +99,7 @@ fn save(dir: &Path, t: &dyn Trainer, step: u64, data: &Batcher, id: impl Into<Ru
         step,
         seed: SEED,
         data_position: data.position(),
+        data_stream: None,
         content_hash: id.content_hash,
         data: "bundled corpus".into(),
         mesh: checkpoint::run_mesh(t),

@@ -38,6 +38,7 @@ fn broken_weights(dir: &Scratch) -> (String, String) {
         step: 0,
         seed: 0,
         data_position: 0,
+        data_stream: None,
         content_hash: String::new(),
         data: "bundled corpus".into(),
         mesh: Default::default(),
