@@ -227,12 +227,10 @@ fn decide(g: &Graph, region: Option<BlockId>, node: NodeId, opts: &Float8Options
         Some(format!("its input is {}", xt.dtype))
     } else if k % 16 != 0 || nn % 16 != 0 {
         Some(format!("K = {k} and N = {nn} must be multiples of 16 for the fp8 GEMMs"))
-    } else if m % 16 != 0 {
+    } else if !m.is_multiple_of(16) {
         Some(format!("the token count M = {m} must be a multiple of 16 (grad_weight contracts over it)"))
-    } else if let Some(f) = opts.filter.iter().find(|f| d.fqn.contains(f.as_str())) {
-        Some(format!("filtered (`{f}`)"))
     } else {
-        None
+        opts.filter.iter().find(|f| d.fqn.contains(f.as_str())).map(|f| format!("filtered (`{f}`)"))
     };
     d.kept = keep;
     if d.kept.is_none() && opts.auto {
