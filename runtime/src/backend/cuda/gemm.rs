@@ -259,6 +259,14 @@ impl GemmPlan {
                 Ok(algos)
             })();
             let _ = lt::destroy_matmul_pref(pref);
+            // A refused fp8 GEMM says which scale modes and accumulation cuBLASLt does accept
+            // for this shape, so one run on the device tells what to change.
+            let r = match r {
+                Err(CudaError::Call { what, message }) if scaled => {
+                    Err(CudaError::Call { what, message: format!("{message}; {}", fp8_probe(blas, la, lb, lc, g)) })
+                }
+                other => other,
+            };
             plan.candidates = r?;
             plan.algo = plan.candidates[0];
         }
@@ -311,6 +319,51 @@ impl GemmPlan {
             )
         }
     }
+}
+
+/// Which of {scalar, outer-vector} scales x {fast accumulation on, off} the heuristic finds an
+/// algorithm for, on `g`'s layouts with a bare TN descriptor (no alignment preferences).
+fn fp8_probe(blas: &Blas, la: sys::cublasLtMatrixLayout_t, lb: sys::cublasLtMatrixLayout_t, lc: sys::cublasLtMatrixLayout_t, g: &GemmDesc) -> String {
+    use sys::cublasLtMatmulDescAttributes_t as D;
+    let mut out = Vec::new();
+    for (mode_name, mode) in [("scalar", GemmScale::Tensor), ("outer-vector", GemmScale::Vector)] {
+        for fast in [true, false] {
+            // SAFETY: a descriptor and preference created, used and destroyed here; attribute
+            // buffers match their documented types.
+            let found = unsafe {
+                let Ok(desc) = lt::create_matmul_desc(sys::cublasComputeType_t::CUBLAS_COMPUTE_32F, sys::cudaDataType::CUDA_R_32F) else {
+                    return "cuBLASLt could not create a probe descriptor".into();
+                };
+                let set = |attr, v: i32| lt::set_matmul_desc_attribute(desc, attr, &v as *const i32 as *const c_void, 4);
+                let fast_v = i8::from(fast);
+                let ok = set(D::CUBLASLT_MATMUL_DESC_TRANSA, i32::from(g.transpose_b)).is_ok()
+                    && set(D::CUBLASLT_MATMUL_DESC_TRANSB, i32::from(g.transpose_a)).is_ok()
+                    && set(D::CUBLASLT_MATMUL_DESC_A_SCALE_MODE, scale_mode(mode)).is_ok()
+                    && set(D::CUBLASLT_MATMUL_DESC_B_SCALE_MODE, scale_mode(mode)).is_ok()
+                    && lt::set_matmul_desc_attribute(desc, D::CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fast_v as *const i8 as *const c_void, 1).is_ok();
+                let mut found = -1i32;
+                if ok && let Ok(pref) = lt::create_matmul_pref() {
+                    let ws: u64 = WORKSPACE_BYTES;
+                    let _ = lt::set_matmul_pref_attribute(
+                        pref,
+                        sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                        &ws as *const u64 as *const c_void,
+                        8,
+                    );
+                    let mut res: sys::cublasLtMatmulHeuristicResult_t = std::mem::zeroed();
+                    let mut n = 0i32;
+                    let st = sys::cublasLtMatmulAlgoGetHeuristic(blas.handle, desc, la, lb, lc, lc, pref, 1, &mut res, &mut n).result();
+                    found = if st.is_ok() { n } else { -1 };
+                    let _ = lt::destroy_matmul_pref(pref);
+                }
+                let _ = lt::destroy_matmul_desc(desc);
+                found
+            };
+            let verdict = if found > 0 { "ok" } else { "refused" };
+            out.push(format!("{mode_name} scales, fast accumulation {}: {verdict}", if fast { "on" } else { "off" }));
+        }
+    }
+    format!("probe: {}", out.join(", "))
 }
 
 fn unsafe_zeroed_algo() -> sys::cublasLtMatmulAlgo_t {
