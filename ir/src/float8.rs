@@ -16,6 +16,14 @@
 //! Quantizing `x` along `axis` (torchao's `hp_tensor_to_float8_dynamic`):
 //! `amax = reduce_max(abs(x))` over `axis` (all axes when tensorwise), `s = fp8_scale(amax)`,
 //! `q = cast<f8>(min(max(f32(x) · s, -fp8_max), fp8_max))`; the GEMM receives `recip(s)`.
+//!
+//! Every `scaled_matmul` this module emits is "TN": `a [M, K]` and `b [N, K]` (contracted over
+//! their last axis, `transpose_a = false, transpose_b = true`), the only layout Hopper's fp8
+//! tensor-core GEMMs (cuBLASLt) accept. The backward GEMMs contract `w` over its first axis and
+//! `dy`, `x` over the tokens, so their quantized operands are transposed after the cast
+//! ([`transposed`]): the scales are those of the untransposed operand (per input column of
+//! `w` = per row of `wᵀ`), and fusion puts the `transpose` in the quantizing kernel, which
+//! stores the fp8 values in the transposed layout; no separate transpose kernel runs.
 
 use crate::dtype::DType;
 use crate::graph::{Builder, Value};
@@ -108,6 +116,12 @@ pub fn quantize(b: &mut Builder, x: Value, how: OperandScaling, pow2: bool) -> R
     Ok(Quantized { q, inv_scale })
 }
 
+/// `q`'s fp8 values transposed (2-D): the K-major copy a TN GEMM reads.
+fn transposed(b: &mut Builder, q: Quantized) -> Result<Quantized, String> {
+    let t = b.push1(Op::Transpose { perm: vec![1, 0] }, &[q.q])?;
+    Ok(Quantized { q: t, inv_scale: q.inv_scale })
+}
+
 /// `scaled_matmul` of two quantized operands, producing `out`'s dtype.
 fn scaled_gemm(b: &mut Builder, a: Quantized, bq: Quantized, ta: bool, tb: bool, fast_accum: bool, out: TensorType) -> Result<Value, String> {
     b.push_typed(Op::ScaledMatmul { transpose_a: ta, transpose_b: tb, fast_accum }, &[a.q, bq.q, a.inv_scale, bq.inv_scale], out)
@@ -132,9 +146,11 @@ pub fn grad_input(b: &mut Builder, dy: Value, w: Value, recipe: Float8Recipe) ->
     let pow2 = pow2_scales(recipe);
     let qdy = quantize(b, dy, sdy, pow2)?;
     let qw = quantize(b, w, sw, pow2)?;
+    // `dy [.., N] · w [N, K]` as the TN `dy · (wᵀ [K, N])ᵀ`.
+    let qwt = transposed(b, qw)?;
     let mut shape = dyt.shape.clone();
     *shape.last_mut().ok_or("linear_f8 gradient must have rank >= 1")? = wt.shape[1].clone();
-    scaled_gemm(b, qdy, qw, false, false, false, TensorType::new(dyt.dtype, shape))
+    scaled_gemm(b, qdy, qwt, false, true, false, TensorType::new(dyt.dtype, shape))
 }
 
 /// `grad_weight = dyᵀ · x` of `linear_f8` under `recipe`, from the 2-D `dy [M, N]` and
@@ -150,8 +166,10 @@ pub fn grad_weight(b: &mut Builder, dy: Value, x: Value, recipe: Float8Recipe) -
             let pow2 = pow2_scales(recipe);
             let qdy = quantize(b, dy, sdy, pow2)?;
             let qx = quantize(b, x, sx, pow2)?;
+            // `dyᵀ [N, M] · x [M, K]` as the TN `(dyᵀ [N, M]) · (xᵀ [K, M])ᵀ`.
+            let (qdyt, qxt) = (transposed(b, qdy)?, transposed(b, qx)?);
             let out = TensorType::new(xt.dtype, vec![dyt.shape[1].clone(), xt.shape[1].clone()]);
-            scaled_gemm(b, qdy, qx, true, false, false, out)
+            scaled_gemm(b, qdyt, qxt, false, true, false, out)
         }
     }
 }

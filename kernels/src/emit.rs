@@ -9,6 +9,8 @@ use std::fmt::Write as _;
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub(crate) enum Elem {
     I1,
+    /// PTX's `.b16` registers (packed fp8 pairs); not a tensor dtype.
+    I16,
     I32,
     I64,
     Index,
@@ -16,12 +18,16 @@ pub(crate) enum Elem {
     F16,
     F32,
     F64,
+    /// fp8 storage (`f8e4m3`, `f8e5m2`): one byte, an `i8` in MLIR; arithmetic widens it to f32.
+    F8E4M3,
+    F8E5M2,
 }
 
 impl Elem {
     pub(crate) fn name(self) -> &'static str {
         match self {
             Elem::I1 => "i1",
+            Elem::I16 => "i16",
             Elem::I32 => "i32",
             Elem::I64 => "i64",
             Elem::Index => "index",
@@ -29,6 +35,7 @@ impl Elem {
             Elem::F16 => "f16",
             Elem::F32 => "f32",
             Elem::F64 => "f64",
+            Elem::F8E4M3 | Elem::F8E5M2 => "i8",
         }
     }
 
@@ -39,8 +46,8 @@ impl Elem {
     /// Bytes in device memory.
     pub(crate) fn bytes(self) -> u32 {
         match self {
-            Elem::I1 => 1,
-            Elem::BF16 | Elem::F16 => 2,
+            Elem::I1 | Elem::F8E4M3 | Elem::F8E5M2 => 1,
+            Elem::BF16 | Elem::F16 | Elem::I16 => 2,
             Elem::I32 | Elem::F32 => 4,
             Elem::I64 | Elem::Index | Elem::F64 => 8,
         }
@@ -244,6 +251,8 @@ impl Func {
         let v = self.fresh(ty);
         let text = match ty {
             Ty::V(..) => format!("      {v} = arith.constant dense<{literal}> : {}\n", ty.mlir()),
+            // `true`/`false` are i1 literals; MLIR rejects a type after them.
+            Ty::S(Elem::I1) => format!("      {v} = arith.constant {literal}\n"),
             _ => format!("      {v} = arith.constant {literal} : {}\n", ty.mlir()),
         };
         self.consts.push_str(&text);
@@ -338,6 +347,9 @@ impl Func {
     }
     pub(crate) fn andi(&mut self, a: Val, b: Val) -> Val {
         self.bin("andi", a, b)
+    }
+    pub(crate) fn ori(&mut self, a: Val, b: Val) -> Val {
+        self.bin("ori", a, b)
     }
     pub(crate) fn shli(&mut self, a: Val, b: Val) -> Val {
         self.bin("shli", a, b)
@@ -440,6 +452,21 @@ impl Func {
         let a: Vec<String> = args.iter().map(|v| v.to_string()).collect();
         let t: Vec<String> = args.iter().map(|v| v.ty.mlir()).collect();
         self.op(ret, &format!("llvm.call_intrinsic \"{name}\"({}) : ({}) -> {}", a.join(", "), t.join(", "), ret.mlir()))
+    }
+
+    /// Inline PTX (`llvm.inline_asm`, no side effects): `$0` is the result, `$1..` the
+    /// arguments; `constraints` as LLVM writes them (`=h,f,f`).
+    pub(crate) fn inline_asm(&mut self, asm: &str, constraints: &str, args: &[Val], ret: Ty) -> Val {
+        let a: Vec<String> = args.iter().map(|v| v.to_string()).collect();
+        let t: Vec<String> = args.iter().map(|v| v.ty.mlir()).collect();
+        self.op(ret, &format!("llvm.inline_asm \"{asm}\", \"{constraints}\" {} : ({}) -> {}", a.join(", "), t.join(", "), ret.mlir()))
+    }
+
+    /// Count leading zeros of an i32 (32 for 0).
+    pub(crate) fn ctlz(&mut self, a: Val) -> Val {
+        let f = self.ci(0, Ty::lanes_of(Elem::I1, 1));
+        let n = format!("llvm.ctlz.{}", a.ty.intr_suffix());
+        self.intr(&n, &[a, f], a.ty)
     }
 
     pub(crate) fn fma(&mut self, a: Val, b: Val, c: Val) -> Val {

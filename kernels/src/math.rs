@@ -5,7 +5,7 @@
 //! are used where the reference interpreter computes in f64: RoPE angles, the learning-rate
 //! schedule and AdamW's bias corrections).
 
-use crate::emit::{Elem, FCmp, Func, ICmp, Val};
+use crate::emit::{Elem, FCmp, Func, ICmp, Ty, Val};
 
 /// `exp(x)` in f32: `x = k ln2 + r` (Cody-Waite), a degree-7 Taylor polynomial for `exp(r)`
 /// with `|r| <= ln2/2`, and `2^k` applied as two exact power-of-two factors.
@@ -302,6 +302,127 @@ pub(crate) fn round_to(f: &mut Func, x: Val, e: Elem) -> Val {
             let n = f.truncf(x, e);
             f.extf(n, Elem::F32)
         }
+        Elem::F8E4M3 | Elem::F8E5M2 => {
+            let pairs = f8_pairs(f, x, e);
+            let mut out = Vec::with_capacity(pairs.len() * 2);
+            for p in pairs {
+                let (lo, hi) = f8_pair_to_f32(f, p, e);
+                out.push(lo);
+                out.push(hi);
+            }
+            out.truncate(x.ty.lanes() as usize);
+            f.vector_of(&out)
+        }
         _ => x,
     }
+}
+
+/// The PTX name of an fp8 storage type.
+fn f8_ptx(e: Elem) -> &'static str {
+    match e {
+        Elem::F8E5M2 => "e5m2",
+        _ => "e4m3",
+    }
+}
+
+/// The f32 lanes of `x` converted to fp8 `e` in pairs (`cvt.rn.satfinite.e4m3x2.f32`: round to
+/// nearest even, ±inf and finite overflow saturate to ±max, NaN stays NaN), one `.b16` per pair
+/// with lane `2k` in the low byte; an odd last lane is paired with 0.
+fn f8_pairs(f: &mut Func, x: Val, e: Elem) -> Vec<Val> {
+    let xs: Vec<Val> = (0..x.ty.lanes()).map(|l| f.extract(x, l)).collect();
+    let asm = format!("cvt.rn.satfinite.{}x2.f32 $0, $1, $2;", f8_ptx(e));
+    let zero = f.f32c(0.0);
+    xs.chunks(2)
+        .map(|p| {
+            let hi = p.get(1).copied().unwrap_or(zero);
+            f.inline_asm(&asm, "=h,f,f", &[hi, p[0]], Ty::S(Elem::I16))
+        })
+        .collect()
+}
+
+/// Two fp8 values packed in a `.b16` (low byte first) as f32 (`cvt.rn.f16x2.e4m3x2`, exact).
+fn f8_pair_to_f32(f: &mut Func, pair: Val, e: Elem) -> (Val, Val) {
+    let asm = format!("cvt.rn.f16x2.{}x2 $0, $1;", f8_ptx(e));
+    let h2 = f.inline_asm(&asm, "=r,h", &[pair], Ty::S(Elem::I32));
+    let lo = f.trunci(h2, Elem::I16);
+    let lo = f.bitcast(lo, Elem::F16);
+    let sixteen = f.i32c(16);
+    let hi = f.shrui(h2, sixteen);
+    let hi = f.trunci(hi, Elem::I16);
+    let hi = f.bitcast(hi, Elem::F16);
+    (f.extf(lo, Elem::F32), f.extf(hi, Elem::F32))
+}
+
+/// f32 lanes to fp8 `e` bytes (lanes of `e`, an `i8` in MLIR) for a store.
+pub(crate) fn f32_to_f8(f: &mut Func, x: Val, e: Elem) -> Val {
+    let eight = f.ci(8, Ty::S(Elem::I16));
+    let mut bytes = Vec::new();
+    for p in f8_pairs(f, x, e) {
+        bytes.push(f.trunci(p, e));
+        let hi = f.shrui(p, eight);
+        bytes.push(f.trunci(hi, e));
+    }
+    bytes.truncate(x.ty.lanes() as usize);
+    f.vector_of(&bytes)
+}
+
+/// Loaded fp8 bytes (lanes of an fp8 elem) as f32 lanes.
+pub(crate) fn f8_to_f32(f: &mut Func, raw: Val) -> Val {
+    let e = raw.ty.elem();
+    let bs: Vec<Val> = (0..raw.ty.lanes()).map(|l| f.extract(raw, l)).collect();
+    let eight = f.ci(8, Ty::S(Elem::I16));
+    let mut out = Vec::with_capacity(bs.len() + 1);
+    for p in bs.chunks(2) {
+        let lo = f.extui(p[0], Elem::I16);
+        let pair = match p.get(1) {
+            Some(&h) => {
+                let h = f.extui(h, Elem::I16);
+                let h = f.shli(h, eight);
+                f.ori(lo, h)
+            }
+            None => lo,
+        };
+        let (a, b) = f8_pair_to_f32(f, pair, e);
+        out.push(a);
+        out.push(b);
+    }
+    out.truncate(bs.len());
+    f.vector_of(&out)
+}
+
+/// `fp8_scale` of f32 `amax` lanes, exactly `titan_ir::float8::scale_of`: `fp8_max / max(amax,
+/// 1e-12)` in f64 (NaN propagates; the clamp constant is the f64 `1e-12`), rounded to f32 to
+/// nearest even, then with `pow2` rounded down to a power of two: a normal scale keeps its
+/// exponent bits (the mantissa cleared), a subnormal its highest set bit; 0, inf and NaN stay.
+pub(crate) fn fp8_scale(f: &mut Func, amax: Val, fp8_max: f32, pow2: bool) -> Val {
+    let t64 = amax.ty.with_elem(Elem::F64);
+    let a = f.extf(amax, Elem::F64);
+    let tiny = f.cf(1e-12, t64);
+    let a = f.maximumf(a, tiny);
+    let m = f.cf(f64::from(fp8_max), t64);
+    let s = f.divf(m, a);
+    let s = f.truncf(s, Elem::F32);
+    if !pow2 {
+        return s;
+    }
+    let ti = s.ty.with_elem(Elem::I32);
+    let bits = f.bitcast(s, Elem::I32);
+    let exp_mask = f.ci(0x7f80_0000, ti);
+    let exp = f.andi(bits, exp_mask);
+    let zero = f.ci(0, ti);
+    let special = f.cmpi(ICmp::Eq, exp, exp_mask);
+    let subnormal = f.cmpi(ICmp::Eq, exp, zero);
+    let keep = f.ci(0xff80_0000u32 as i32 as i64, ti);
+    let normal = f.andi(bits, keep);
+    // The highest set bit of a subnormal (or 0 for 0): 1 << (31 - clz), with clz = 32 for 0.
+    let lz = f.ctlz(bits);
+    let c31 = f.ci(31, ti);
+    let sh = f.subi(c31, lz);
+    let one = f.ci(1, ti);
+    let top = f.shli(one, sh);
+    let is_zero = f.cmpi(ICmp::Eq, bits, zero);
+    let top = f.select(is_zero, zero, top);
+    let r = f.select(subnormal, top, normal);
+    let r = f.select(special, bits, r);
+    f.bitcast(r, Elem::F32)
 }

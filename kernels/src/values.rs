@@ -49,7 +49,8 @@ pub(crate) fn storage(d: DType) -> GenResult<Elem> {
         DType::F16 => Ok(Elem::F16),
         DType::I32 => Ok(Elem::I32),
         DType::I64 => Ok(Elem::I64),
-        DType::F8E4M3 | DType::F8E5M2 => unsupported(format!("{d} tensors are not supported by generated kernels yet; keep f8 values out of fused groups")),
+        DType::F8E4M3 => Ok(Elem::F8E4M3),
+        DType::F8E5M2 => Ok(Elem::F8E5M2),
     }
 }
 
@@ -317,7 +318,7 @@ impl<'b, 'g> Eval<'b, 'g> {
                     math::round_to(f, c, out_st)
                 }
             }
-            Op::Unary(_) | Op::Binary(_) | Op::Cast => {
+            Op::Unary(_) | Op::Binary(_) | Op::Cast | Op::Fp8Scale { .. } => {
                 let ops: Vec<Val> = node.inputs.iter().map(|&i| self.uniform(f, i)).collect::<GenResult<_>>()?;
                 let types: Vec<DType> = node.inputs.iter().map(|&i| self.b.dtype(i)).collect();
                 pointwise(f, &node.op, &ops, &types, dt)?
@@ -384,7 +385,7 @@ impl<'b, 'g> Eval<'b, 'g> {
                 let u = self.uniform(f, v)?;
                 f.splat(u, lanes)
             }
-            Op::Unary(_) | Op::Binary(_) | Op::Cast => {
+            Op::Unary(_) | Op::Binary(_) | Op::Cast | Op::Fp8Scale { .. } => {
                 let evs: Vec<Ev> = node.inputs.iter().map(|&i| self.get(f, i, Some(pos))).collect::<GenResult<_>>()?;
                 let types: Vec<DType> = node.inputs.iter().map(|&i| self.b.dtype(i)).collect();
                 let all_uniform: Option<Vec<Val>> = evs
@@ -688,10 +689,11 @@ pub(crate) fn vec_align(st: Elem, lanes: u32, numel: u64) -> u32 {
     (lanes * st.bytes()).min(16).min(base).max(1)
 }
 
-/// Widen a loaded value to its compute type (bf16/f16 -> f32; f32 and ints unchanged).
+/// Widen a loaded value to its compute type (bf16/f16/fp8 -> f32; f32 and ints unchanged).
 pub(crate) fn widen(f: &mut Func, raw: Val) -> Val {
     match raw.ty.elem() {
         Elem::BF16 | Elem::F16 => f.extf(raw, Elem::F32),
+        Elem::F8E4M3 | Elem::F8E5M2 => math::f8_to_f32(f, raw),
         _ => raw,
     }
 }
@@ -700,6 +702,7 @@ pub(crate) fn widen(f: &mut Func, raw: Val) -> Val {
 pub(crate) fn narrow(f: &mut Func, x: Val, st: Elem) -> Val {
     match st {
         Elem::BF16 | Elem::F16 => f.truncf(x, st),
+        Elem::F8E4M3 | Elem::F8E5M2 => math::f32_to_f8(f, x, st),
         Elem::I32 | Elem::I64 if x.ty.elem() != st => {
             if x.ty.elem().bytes() > st.bytes() {
                 f.trunci(x, st)
@@ -789,6 +792,12 @@ pub(crate) fn pointwise(f: &mut Func, op: &Op, x: &[Val], in_types: &[DType], ou
                     f.mulf(ds, t)
                 }
             }
+        }
+        Op::Fp8Scale { dtype, pow2 } => {
+            let Some(max) = titan_ir::fp8::fp8_max(*dtype) else {
+                return invalid(format!("fp8_scale to {dtype}, which is not an fp8 dtype"));
+            };
+            math::fp8_scale(f, x[0], max, *pow2)
         }
         Op::Cast => {
             let a = x[0];

@@ -107,14 +107,75 @@ fn missing_and_malformed_bodies_are_errors() {
 #[test]
 fn unsupported_bodies_are_reported() {
     let mut g = graph();
-    let id = body(&mut g, "tr", &[bf16(&[8, 64])], |b, a| vec![push(b, Op::Transpose { perm: vec![1, 0] }, &[a[0]])]);
-    let err = compile_kernel(&g, id, KernelKind::Fused, "tr").expect_err("transpose is not fusable");
-    assert!(err.to_string().contains("`transpose` cannot be part of a fused kernel"), "{err}");
+    // A transpose is stored, never read, inside a kernel.
+    let id = body(&mut g, "tr", &[bf16(&[8, 64])], |b, a| {
+        let t = push(b, Op::Transpose { perm: vec![1, 0] }, &[a[0]]);
+        vec![push(b, Op::Unary(UnaryOp::Neg), &[t])]
+    });
+    let err = compile_kernel(&g, id, KernelKind::Fused, "tr").expect_err("a transposed value read in its kernel");
+    assert!(err.to_string().contains("is read inside its kernel"), "{err}");
+    let id = body(&mut g, "att", &[bf16(&[8, 64, 4, 16]), bf16(&[8, 64, 4, 16]), bf16(&[8, 64, 4, 16])], |b, a| {
+        b.push(Op::Attention { causal: true, scale: 0.25 }, &[a[0], a[1], a[2]]).expect("attention")
+    });
+    let err = compile_kernel(&g, id, KernelKind::Fused, "att").expect_err("attention is not fusable");
+    assert!(err.to_string().contains("`attention` cannot be part of a fused kernel"), "{err}");
 }
 
 /// All the hand-built bodies, one per pattern the generators support.
+/// `quantize`'s scaling and cast of float8 training (`titan_ir::float8::quantize`) as fusion
+/// outlines it: `x [rows, cols] * broadcast(scale)` clamped to ±max, cast to `dtype`, stored
+/// transposed when `transposed` (the K-major operand of a TN GEMM). `per_row`: the scale is per
+/// row (else per column).
+fn quantize_body(g: &mut Graph, name: &str, shape: &[u64], per_row: bool, dtype: DType, transposed: bool) -> BlockId {
+    let rank = shape.len();
+    let scale_shape: Vec<u64> = if per_row { shape[..rank - 1].to_vec() } else { vec![shape[rank - 1]] };
+    let dims: Vec<usize> = if per_row { (0..rank - 1).collect() } else { vec![rank - 1] };
+    let max = f64::from(titan_ir::fp8::fp8_max(dtype).expect("an fp8 dtype"));
+    body(g, name, &[f32t(&scale_shape), f32t(shape)], |b, a| {
+        let wide = b.push_typed(Op::Broadcast { dims }, &[a[0]], f32t(shape)).expect("broadcast");
+        let x = push(b, Op::Binary(BinaryOp::Mul), &[a[1], wide]);
+        let lo = b.push_typed(Op::Constant { value: -max }, &[], TensorType::scalar(DType::F32)).expect("constant");
+        let hi = b.push_typed(Op::Constant { value: max }, &[], TensorType::scalar(DType::F32)).expect("constant");
+        let x = push(b, Op::Binary(BinaryOp::Max), &[x, lo]);
+        let x = push(b, Op::Binary(BinaryOp::Min), &[x, hi]);
+        let q = b.push_typed(Op::Cast, &[x], TensorType::fixed(dtype, shape)).expect("cast");
+        if transposed { vec![push(b, Op::Transpose { perm: vec![1, 0] }, &[q])] } else { vec![q] }
+    })
+}
+
+/// The float8 kernels: scales (`fp8_scale` and its reciprocal), quantization (rowwise, per
+/// column and stored transposed, e5m2), and the amax reductions (per column, whole tensor),
+/// with the float input range each is tested on.
+fn fp8_cases(g: &mut Graph) -> Vec<(&'static str, BlockId, (f64, f64))> {
+    let scale = |g: &mut Graph, name: &str, t: TensorType, dtype: DType, pow2: bool| {
+        body(g, name, &[t], |b, a| {
+            let s = push(b, Op::Fp8Scale { dtype, pow2 }, &[a[0]]);
+            vec![s, push(b, Op::Unary(UnaryOp::Recip), &[s])]
+        })
+    };
+    let amax = |g: &mut Graph, name: &str, shape: &[u64], axes: Vec<usize>| {
+        body(g, name, &[bf16(shape)], |b, a| {
+            let x = push(b, Op::Unary(UnaryOp::Abs), &[a[0]]);
+            vec![push(b, Op::Reduce { kind: ReduceKind::Max, axes }, &[x])]
+        })
+    };
+    vec![
+        ("fp8_scale_pow2", scale(g, "fp8_scale_pow2", bf16(&[8, 64]), DType::F8E4M3, true), (0.0, 8.0)),
+        // amax below the 1e-12 clamp (and the clamp's f64 constant) and no power-of-2 rounding.
+        ("fp8_scale_tiny_e5m2", scale(g, "fp8_scale_tiny", f32t(&[300]), DType::F8E5M2, false), (0.0, 2e-12)),
+        ("fp8_quantize_rows", quantize_body(g, "fp8_q_rows", &[8, 64, 64], true, DType::F8E4M3, false), (-30.0, 30.0)),
+        ("fp8_quantize_cols_transposed", quantize_body(g, "fp8_q_cols_t", &[64, 192], false, DType::F8E4M3, true), (-30.0, 30.0)),
+        ("fp8_quantize_rows_e5m2_transposed", quantize_body(g, "fp8_q_e5m2_t", &[96, 40], true, DType::F8E5M2, true), (-3000.0, 3000.0)),
+        ("fp8_amax_cols", amax(g, "fp8_amax_cols", &[512, 64], vec![0]), (-4.0, 4.0)),
+        ("fp8_amax_tensor", amax(g, "fp8_amax_tensor", &[8, 64, 64], vec![0, 1, 2]), (-4.0, 4.0)),
+    ]
+}
+
 fn cases(g: &mut Graph) -> Vec<(&'static str, BlockId, KernelKind)> {
     let mut v = Vec::new();
+    for (name, id, _) in fp8_cases(g) {
+        v.push((name, id, KernelKind::Fused));
+    }
     v.push(("rmsnorm_fwd", rmsnorm_body(g), KernelKind::Fused));
     v.push(("swiglu_fwd", swiglu_body(g), KernelKind::Fused));
     v.push((
@@ -553,7 +614,8 @@ fn dtype_name(d: DType) -> &'static str {
         DType::F16 => "f16",
         DType::I32 => "i32",
         DType::I64 => "i64",
-        _ => "unsupported",
+        DType::F8E4M3 => "f8e4m3",
+        DType::F8E5M2 => "f8e5m2",
     }
 }
 
@@ -565,6 +627,7 @@ fn tensor_bytes(t: &titan_ir::interp::Tensor<f32>) -> Vec<u8> {
                 match t.dtype {
                     DType::BF16 => out.extend_from_slice(&((x.to_bits() >> 16) as u16).to_le_bytes()),
                     DType::F16 => out.extend_from_slice(&half_bits(x).to_le_bytes()),
+                    DType::F8E4M3 | DType::F8E5M2 => out.push(titan_ir::fp8::encode(t.dtype, x).expect("an fp8 dtype")),
                     _ => out.extend_from_slice(&x.to_le_bytes()),
                 }
             }
@@ -942,6 +1005,10 @@ fn gpu_reference_dump() {
     let combine =
         body(&mut g, "ce_combine", &[f32t(&[64, 8]), f32t(&[64, 8]), f32t(&[64, 8])], |b, a| vec![push(b, Op::CrossEntropyCombine, &[a[0], a[1], a[2]])]);
     cases.push(("ce_combine", combine, KernelKind::Fused, (-4.0, 4.0), 1, 0.99, 1e-5));
+    // float8: scales, quantized values and amaxes are exact.
+    for (name, id, range) in fp8_cases(&mut g) {
+        cases.push((name, id, KernelKind::Fused, range, 1, 1.0, 0.0));
+    }
     let mut rng = Rng(0x5EED);
     let mut manifest = Vec::new();
     for (name, id, kind, range, int_hi, min_within1, max_rel) in cases {

@@ -30,7 +30,23 @@ def check(rc, what):
         raise RuntimeError(f"{what} failed: {rc} {name.value}")
 
 
-SIZES = {"f32": 4, "bf16": 2, "f16": 2, "i32": 4, "i64": 8}
+SIZES = {"f32": 4, "bf16": 2, "f16": 2, "i32": 4, "i64": 8, "f8e4m3": 1, "f8e5m2": 1}
+
+
+def f8(b, dtype):
+    """One fp8 byte as a float (e4m3: bias 7, no infinities, S.1111.111 is NaN; e5m2: IEEE-like)."""
+    e_bits, bias = (4, 7) if dtype == "f8e4m3" else (5, 15)
+    m_bits = 7 - e_bits
+    sign = -1.0 if b & 0x80 else 1.0
+    e = (b >> m_bits) & ((1 << e_bits) - 1)
+    m = b & ((1 << m_bits) - 1)
+    if dtype == "f8e4m3" and e == 15 and m == 7:
+        return math.nan
+    if dtype == "f8e5m2" and e == 31:
+        return math.nan if m else sign * math.inf
+    if e == 0:
+        return sign * m * 2.0 ** (1 - bias - m_bits)
+    return sign * (1 + m / 2.0**m_bits) * 2.0 ** (e - bias)
 
 
 def decode(raw, dtype):
@@ -44,6 +60,8 @@ def decode(raw, dtype):
         return list(struct.unpack(f"<{len(raw)//4}i", raw))
     if dtype == "i64":
         return list(struct.unpack(f"<{len(raw)//8}q", raw))
+    if dtype in ("f8e4m3", "f8e5m2"):
+        return [f8(b, dtype) for b in raw]
     raise ValueError(dtype)
 
 

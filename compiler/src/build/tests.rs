@@ -556,6 +556,27 @@ fn unsupported_gpu_patterns_leave_kernels_without_ptx_and_say_so() {
     assert!(shown.contains("the artifact runs on the CPU backend only"), "{shown}");
 }
 
+/// A `--float8 rowwise` debug build has GPU code for every kernel (quantization, scales and
+/// amaxes are generated kernels, the transposed fp8 operands stored by the quantizing kernels),
+/// and every scaled GEMM is TN with a vector scale per operand, as Hopper's fp8 GEMMs need.
+#[test]
+fn float8_rowwise_debug_build_has_gpu_code_and_tn_gemms() {
+    let m = build_llama3(&LlamaConfig::preset(Preset::Debug), "debug_f8").expect("model");
+    let text = titan_ir::print::print_graph(&m);
+    let train = TrainOptions { float8: Some(titan_passes::float8::Float8Options::new(titan_ir::Float8Recipe::Rowwise)), ..TrainOptions::default() };
+    let opts = BuildOptions { train, ..BuildOptions::default() };
+    let (artifact, summary) = compile_artifact(&m, &text, &opts).unwrap_or_else(|e| panic!("{e}"));
+    let without: Vec<&str> = artifact.manifest.kernels.iter().filter(|k| k.ptx.is_none() && k.kind != KernelKind::Gemm).map(|k| k.name.as_str()).collect();
+    assert!(without.is_empty(), "kernels without GPU code: {without:?}\n{summary}");
+    let scaled: Vec<_> = artifact.manifest.kernels.iter().filter_map(|k| k.gemm.as_ref()).filter(|g| !g.scale_a.is_none()).collect();
+    assert_eq!(scaled.len(), 24, "3 GEMMs for each of the 8 linears");
+    for g in scaled {
+        assert!(!g.transpose_a && g.transpose_b, "not TN: {g:?}");
+        assert_eq!((g.scale_a, g.scale_b), (titan_ir::artifact::GemmScale::Vector, titan_ir::artifact::GemmScale::Vector), "{g:?}");
+        assert_eq!((g.a_dtype, g.b_dtype), (titan_ir::DType::F8E4M3, titan_ir::DType::F8E4M3), "{g:?}");
+    }
+}
+
 /// With `ptxas`, every PTX kernel of the debug model also ships an sm_90a cubin (an ELF image),
 /// listed in the manifest, written next to the PTX, and read back from the manifest.
 #[test]

@@ -144,7 +144,8 @@ fn domain(b: &Body) -> GenResult<(RowShape, Option<RopeInfo>)> {
     };
     for node in b.nodes() {
         match &node.op {
-            Op::Unary(_) | Op::Binary(_) | Op::Cast | Op::Constant { .. } | Op::Broadcast { .. } | Op::Reshape => {}
+            Op::Unary(_) | Op::Binary(_) | Op::Cast | Op::Fp8Scale { .. } | Op::Constant { .. } | Op::Broadcast { .. } | Op::Reshape => {}
+            Op::Transpose { .. } => {}
             Op::RmsNorm { .. }
             | Op::RmsNormBwd { .. }
             | Op::CrossEntropy
@@ -328,7 +329,8 @@ impl<'a, 'g> Analyzer<'a, 'g> {
         let key = self.b.node_key(node);
         match &node.op {
             Op::Constant { .. } => self.constant(node),
-            Op::Unary(_) | Op::Binary(_) | Op::Cast | Op::Reshape => self.pointwise(node),
+            Op::Unary(_) | Op::Binary(_) | Op::Cast | Op::Fp8Scale { .. } | Op::Reshape => self.pointwise(node),
+            Op::Transpose { .. } => self.transpose(node),
             Op::Broadcast { dims } => self.broadcast(node, dims),
             Op::Reduce { kind, axes } => self.reduce(node, key, *kind, axes),
             Op::RmsNorm { .. } => self.rmsnorm(node, key),
@@ -375,6 +377,27 @@ impl<'a, 'g> Analyzer<'a, 'g> {
         };
         self.lay[r.index()] = Some(l);
         self.level[r.index()] = self.lv(&node.inputs);
+        Ok(())
+    }
+
+    /// A transpose: a flat kernel stores its operand (a per-element value) at the transposed
+    /// positions of an output; nothing in the kernel may read it (the quantizing kernels of
+    /// float8's TN GEMMs write the fp8 operand transposed this way).
+    fn transpose(&mut self, node: &Node) -> GenResult<()> {
+        let (x, r) = (node.inputs[0], node.results[0]);
+        if !self.flat {
+            return unsupported("`transpose` in a kernel with row reductions; keep it in a pointwise group");
+        }
+        if self.b.nodes().any(|n| n.inputs.contains(&r)) || !self.b.r.outputs.iter().any(|o| o.value == r) {
+            return unsupported(format!("transposed value {r} is read inside its kernel; only a transpose that is stored as an output is supported"));
+        }
+        let xl = self.known(x)?;
+        if xl != Lay::Elem {
+            return unsupported(format!("transpose of the {xl:?} value {x}; only per-element values can be stored transposed"));
+        }
+        self.lay[x.index()] = Some(Lay::Elem);
+        self.lay[r.index()] = Some(Lay::Elem);
+        self.level[r.index()] = self.level[x.index()];
         Ok(())
     }
 

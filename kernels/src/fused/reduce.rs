@@ -2,12 +2,12 @@
 //! into them and combining them across the block, the kernel parameters, stores of outputs, and
 //! the scalars evaluated at the top of a kernel.
 
-use titan_ir::Value;
+use titan_ir::{Op, Value};
 
 use super::analyze::RedOp;
 use crate::emit::{Elem, FCmp, Func, ICmp, Ty, Val};
 use crate::values::{Body, Eval, Lay, Pos, narrow, storage, vec_align};
-use crate::{GenResult, math};
+use crate::{GenResult, invalid, math};
 
 /// Lanes per work item: the widest of 8, 4, 2, 1 dividing every size in `sizes`.
 pub(super) fn lanes_dividing(sizes: &[u64]) -> u32 {
@@ -187,6 +187,11 @@ pub(super) fn params(f: &Func, b: &Body, ws: bool) -> (Vec<Val>, Params) {
 
 /// Store output `oi` (value `v`) at `pos` (its linear index), guarded by `valid`.
 pub(super) fn store_output(f: &mut Func, ev: &mut Eval, p: &Params, oi: usize, v: Value, pos: &Pos, valid: Option<Val>) -> GenResult<()> {
+    if let Some((node, _)) = ev.b.def(v)
+        && let Op::Transpose { perm } = &node.op
+    {
+        return store_transposed(f, ev, p, oi, node.inputs[0], perm, pos, valid);
+    }
     let at = pos.lin;
     let x = ev.lanes(f, v, pos)?;
     let st = storage(ev.b.dtype(v))?;
@@ -201,6 +206,54 @@ pub(super) fn store_output(f: &mut Func, ev: &mut Eval, p: &Params, oi: usize, v
             let y = narrow(f, x, st);
             f.store_at(y, ptr, at, align);
         }
+    }
+    Ok(())
+}
+
+/// Store output `oi`, `transpose(x)` with `perm`, at one work item of `x`'s domain: each lane
+/// goes to its transposed position, one element at a time (scattered stores).
+#[allow(clippy::too_many_arguments)]
+fn store_transposed(f: &mut Func, ev: &mut Eval, p: &Params, oi: usize, x: Value, perm: &[usize], pos: &Pos, valid: Option<Val>) -> GenResult<()> {
+    let shape = ev.b.shape[x.index()].clone();
+    if perm.len() != shape.len() {
+        return invalid(format!("transpose perm {perm:?} does not match the rank of {x}"));
+    }
+    let xv = ev.lanes(f, x, pos)?;
+    let st = storage(ev.b.dtype(x))?;
+    let y = narrow(f, xv, st);
+    // Output strides, and for each input axis the output stride it moves along.
+    let out_shape: Vec<u64> = perm.iter().map(|&a| shape[a]).collect();
+    let mut out_strides = vec![1u64; out_shape.len()];
+    for i in (0..out_shape.len().saturating_sub(1)).rev() {
+        out_strides[i] = out_strides[i + 1] * out_shape[i + 1];
+    }
+    let mut stride_of_in = vec![0u64; shape.len()];
+    for (j, &a) in perm.iter().enumerate() {
+        stride_of_in[a] = out_strides[j];
+    }
+    let ptr = p.outs[oi];
+    let store = |f: &mut Func| {
+        for l in 0..pos.lanes {
+            let o = f.i64c(i64::from(l));
+            let mut rest = f.addi(pos.lin, o);
+            let mut dst = f.i64c(0);
+            for a in (0..shape.len()).rev() {
+                let sz = f.i64c(shape[a] as i64);
+                let coord = if a == 0 { rest } else { f.remui(rest, sz) };
+                let s = f.i64c(stride_of_in[a] as i64);
+                let t = f.muli(coord, s);
+                dst = f.addi(dst, t);
+                if a > 0 {
+                    rest = f.divui(rest, sz);
+                }
+            }
+            let e = f.extract(y, l);
+            f.store_at(e, ptr, dst, st.bytes());
+        }
+    };
+    match valid {
+        Some(ok) => f.if_then(ok, store),
+        None => store(f),
     }
     Ok(())
 }

@@ -31,7 +31,7 @@ impl LoadedCode {
     /// warm-up. Choices are cached per device and cuBLASLt version
     /// ([`gemm_cache_file`]), so later runs reuse them and stay bitwise reproducible.
     /// `TITAN_GEMM_AUTOTUNE=0` keeps the heuristic's first choice. Returns a summary line.
-    pub(super) fn autotune_gemms(&mut self, gpu: &Gpu, first: &[Option<[u64; 3]>]) -> Result<Option<String>, RuntimeError> {
+    pub(super) fn autotune_gemms(&mut self, gpu: &Gpu, first: &[Option<GemmPtrs>]) -> Result<Option<String>, RuntimeError> {
         if std::env::var("TITAN_GEMM_AUTOTUNE").is_ok_and(|v| v == "0") || self.plans.is_empty() {
             return Ok(None);
         }
@@ -39,7 +39,7 @@ impl LoadedCode {
         let mut cache: std::collections::BTreeMap<String, usize> =
             cache_file.as_ref().and_then(|f| std::fs::read_to_string(f).ok()).and_then(|t| serde_json::from_str(&t).ok()).unwrap_or_default();
         // The operands of each plan's first launch.
-        let mut operands: Vec<Option<[u64; 3]>> = vec![None; self.plans.len()];
+        let mut operands: Vec<Option<GemmPtrs>> = vec![None; self.plans.len()];
         for (pos, k) in self.kernels.iter().enumerate() {
             if let (Loaded::Gemm { plan }, Some(p)) = (k, first.get(pos).copied().flatten()) {
                 operands[*plan].get_or_insert(p);
@@ -49,7 +49,7 @@ impl LoadedCode {
         let (mut timed, mut cached, mut changed) = (0, 0, 0);
         for (i, plan) in self.plans.iter_mut().enumerate() {
             let n = plan.candidates();
-            let Some([a, b, c]) = operands[i] else { continue };
+            let Some((abc, scales)) = operands[i] else { continue };
             if n < 2 {
                 continue;
             }
@@ -62,11 +62,11 @@ impl LoadedCode {
             for cand in 0..n {
                 plan.choose(cand);
                 // A candidate that fails to run is skipped.
-                if plan.run(&self.blas, a, b, c, self.blas_workspace.ptr, gpu.stream).is_err() {
+                if plan.run(&self.blas, abc, scales, self.blas_workspace.ptr, gpu.stream).is_err() {
                     continue;
                 }
                 gpu.record(&start)?;
-                let ok = (0..3).all(|_| plan.run(&self.blas, a, b, c, self.blas_workspace.ptr, gpu.stream).is_ok());
+                let ok = (0..3).all(|_| plan.run(&self.blas, abc, scales, self.blas_workspace.ptr, gpu.stream).is_ok());
                 gpu.record(&stop)?;
                 let ms = start.elapsed_ms(&stop)?;
                 if ok && best.is_none_or(|(t, _)| ms < t) {
@@ -96,6 +96,9 @@ impl LoadedCode {
         )))
     }
 }
+
+/// A GEMM launch's device pointers: A, B, C and the scales of A and B (0 when unscaled).
+pub(super) type GemmPtrs = ([u64; 3], [u64; 2]);
 
 /// Check that a GEMM's operands hold what its description addresses (so cuBLASLt never reads or
 /// writes outside a buffer), given the byte sizes the schedule binds.
@@ -133,7 +136,7 @@ pub(super) fn gemm_operands(
     steps: &[Step],
     frame: Option<Frame<'_>>,
     align: &mut [[u64; 3]],
-    first: &mut [Option<[u64; 3]>],
+    first: &mut [Option<GemmPtrs>],
 ) -> Result<(), RuntimeError> {
     for step in steps {
         match step {
@@ -152,7 +155,12 @@ pub(super) fn gemm_operands(
                     ptrs[j] = p;
                 }
                 check_gemm_extent(k, g, bound)?;
-                first[pos].get_or_insert(ptrs);
+                // A scaled GEMM's dequantization scales (inputs 2 and 3).
+                let mut scales = [0u64; 2];
+                for (j, r) in inputs.iter().skip(2).take(2).enumerate() {
+                    scales[j] = arenas.view(r, frame)?.0;
+                }
+                first[pos].get_or_insert((ptrs, scales));
             }
             Step::Loop { count, reverse, carries, body, prefetch } => {
                 for run in titan_ir::artifact::loop_runs(*count, *reverse, !prefetch.is_empty()) {

@@ -8,13 +8,22 @@
 //! The algorithm is picked by the heuristic once per plan (one plan per GEMM kernel, shared
 //! between kernels of the same shape) for the pointer alignment the schedule guarantees, with
 //! one library workspace shared by every GEMM on the stream.
+//!
+//! Scaled fp8 GEMMs (`scaled_matmul`, float8 training): e4m3/e5m2 inputs, f32 compute, bf16
+//! output, each operand's dequantization scale a device pointer set on the descriptor before
+//! every call (tensor: one f32, `SCALAR_32F`; vector: one f32 per row of A / column of B,
+//! `OUTER_VEC_32F`, cuBLAS >= 12.9), Hopper's fast accumulation only when the GEMM asks for it.
+//! Hopper's fp8 GEMMs take only the "TN" layout: row-major `A [m, k]` and `B [n, k]`
+//! (`transpose_b`), i.e. cuBLASLt's `A` transposed and `B` not; the float8 expansion emits
+//! every `scaled_matmul` in that form (the quantizing kernels store transposed operands), and
+//! anything else is refused here.
 
 use std::ffi::c_void;
 
 use cudarc::cublaslt::result as lt;
 use cudarc::cublaslt::sys;
 use titan_ir::DType;
-use titan_ir::artifact::GemmDesc;
+use titan_ir::artifact::{GemmDesc, GemmScale};
 
 use super::driver::CudaError;
 
@@ -65,6 +74,8 @@ fn data_type(d: DType, what: &str, operand: &str) -> Result<sys::cudaDataType, C
         DType::BF16 => Ok(sys::cudaDataType::CUDA_R_16BF),
         DType::F16 => Ok(sys::cudaDataType::CUDA_R_16F),
         DType::F32 => Ok(sys::cudaDataType::CUDA_R_32F),
+        DType::F8E4M3 => Ok(sys::cudaDataType::CUDA_R_8F_E4M3),
+        DType::F8E5M2 => Ok(sys::cudaDataType::CUDA_R_8F_E5M2),
         other => Err(CudaError::Call { what: what.into(), message: format!("operand {operand} is {other}; cuBLASLt GEMMs on {other} are not supported yet") }),
     }
 }
@@ -84,6 +95,15 @@ pub struct GemmPlan {
     pub key: String,
     /// FLOPs of one call (`2 m n k batch`).
     pub flops: f64,
+    /// A scaled fp8 GEMM: the scale pointers are set before each call.
+    scaled: bool,
+}
+
+fn scale_mode(s: GemmScale) -> i32 {
+    match s {
+        GemmScale::Vector => sys::cublasLtMatmulMatrixScale_t::CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F as i32,
+        _ => sys::cublasLtMatmulMatrixScale_t::CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F as i32,
+    }
 }
 
 impl GemmPlan {
@@ -97,16 +117,34 @@ impl GemmPlan {
                 message: format!("compute {} with epilogue `{}` is not supported yet (f32 compute, no epilogue)", g.compute, g.epilogue),
             });
         }
-        if !g.scale_a.is_none() || !g.scale_b.is_none() {
-            return Err(CudaError::Call {
-                what,
-                message: format!(
-                    "scaled fp8 GEMMs ({} x {}) are not supported by the CUDA backend yet; run float8 artifacts on the CPU backend",
-                    g.a_dtype, g.b_dtype
-                ),
-            });
-        }
-        if g.a_dtype != g.b_dtype {
+        let fp8 = |d: DType| matches!(d, DType::F8E4M3 | DType::F8E5M2);
+        let scaled = !g.scale_a.is_none() || !g.scale_b.is_none();
+        if scaled || fp8(g.a_dtype) || fp8(g.b_dtype) {
+            if g.scale_a.is_none() || g.scale_b.is_none() || !fp8(g.a_dtype) || !fp8(g.b_dtype) {
+                return Err(CudaError::Call {
+                    what,
+                    message: format!(
+                        "an fp8 GEMM needs fp8 inputs with a scale each, found {} x {} with scales {:?} x {:?}; rebuild the artifact",
+                        g.a_dtype, g.b_dtype, g.scale_a, g.scale_b
+                    ),
+                });
+            }
+            if g.transpose_a || !g.transpose_b {
+                return Err(CudaError::Call {
+                    what,
+                    message: format!(
+                        "fp8 GEMMs must be TN (A [m, k], B [n, k]: transpose_a = false, transpose_b = true) on Hopper, found transpose_a {} transpose_b {}; rebuild the artifact with this titanc",
+                        g.transpose_a, g.transpose_b
+                    ),
+                });
+            }
+            if g.a_dtype == DType::F8E5M2 && g.b_dtype == DType::F8E5M2 {
+                return Err(CudaError::Call { what, message: "cuBLASLt has no e5m2 x e5m2 GEMM; quantize one operand to e4m3".into() });
+            }
+            if g.batch > 1 {
+                return Err(CudaError::Call { what, message: format!("batched fp8 GEMMs (batch {}) are not supported yet", g.batch) });
+            }
+        } else if g.a_dtype != g.b_dtype {
             return Err(CudaError::Call { what, message: format!("mixed inputs {} x {} are not supported yet", g.a_dtype, g.b_dtype) });
         }
         let (ta, tb, tc) = (data_type(g.a_dtype, &what, "A")?, data_type(g.b_dtype, &what, "B")?, data_type(g.c_dtype, &what, "C")?);
@@ -137,6 +175,7 @@ impl GemmPlan {
             candidates: Vec::new(),
             key,
             flops: 2.0 * (g.m * g.n * g.k * g.batch.max(1)) as f64,
+            scaled,
         };
         let batch = i32::try_from(g.batch.max(1)).map_err(|_| CudaError::Call { what: what.clone(), message: format!("batch {} is too large", g.batch) })?;
         // SAFETY: every descriptor was just created; attribute buffers match their documented types.
@@ -145,6 +184,15 @@ impl GemmPlan {
             let set_op = |attr, v: i32| lt::set_matmul_desc_attribute(desc, attr, &v as *const i32 as *const c_void, 4);
             set_op(sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSA, op(g.transpose_b)).map_err(err("setting TRANSA"))?;
             set_op(sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSB, op(g.transpose_a)).map_err(err("setting TRANSB"))?;
+            if scaled {
+                use sys::cublasLtMatmulDescAttributes_t as D;
+                // cuBLASLt's A is the stored B (scaled per column of C), its B the stored A.
+                set_op(D::CUBLASLT_MATMUL_DESC_A_SCALE_MODE, scale_mode(g.scale_b)).map_err(err("setting the A scale mode"))?;
+                set_op(D::CUBLASLT_MATMUL_DESC_B_SCALE_MODE, scale_mode(g.scale_a)).map_err(err("setting the B scale mode"))?;
+                let fast = i8::from(g.fast_accum);
+                lt::set_matmul_desc_attribute(desc, D::CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fast as *const i8 as *const c_void, 1)
+                    .map_err(err("setting fast accumulation"))?;
+            }
             for (l, stride) in [(la, g.stride_b), (lb, g.stride_a), (lc, g.stride_c)] {
                 lt::set_matrix_layout_attribute(
                     l,
@@ -211,6 +259,14 @@ impl GemmPlan {
                 Ok(algos)
             })();
             let _ = lt::destroy_matmul_pref(pref);
+            // A refused fp8 GEMM says which scale modes and accumulation cuBLASLt does accept
+            // for this shape, so one run on the device tells what to change.
+            let r = match r {
+                Err(CudaError::Call { what, message }) if scaled => {
+                    Err(CudaError::Call { what, message: format!("{message}; {}", fp8_probe(blas, la, lb, lc, g)) })
+                }
+                other => other,
+            };
             plan.candidates = r?;
             plan.algo = plan.candidates[0];
         }
@@ -229,12 +285,20 @@ impl GemmPlan {
         }
     }
 
-    /// Enqueue `C = A @ B` on `stream` (device pointers).
-    pub fn run(&self, blas: &Blas, a: u64, b: u64, c: u64, workspace: u64, stream: cudarc::driver::sys::CUstream) -> Result<(), lt::CublasError> {
+    /// Enqueue `C = A @ B` on `stream` (device pointers); `scales` are the dequantization
+    /// scales of A and B for a scaled fp8 GEMM (ignored otherwise).
+    pub fn run(&self, blas: &Blas, [a, b, c]: [u64; 3], scales: [u64; 2], workspace: u64, stream: cudarc::driver::sys::CUstream) -> Result<(), lt::CublasError> {
         let (alpha, beta) = (1.0f32, 0.0f32);
         // SAFETY: the descriptors are alive, the pointers hold the shapes the plan was made for
-        // (checked against the kernel's body types when the artifact was loaded).
+        // (checked against the kernel's body types when the artifact was loaded); a scale
+        // pointer attribute is a `void*` (8 bytes) read when the call is enqueued.
         unsafe {
+            if self.scaled {
+                use sys::cublasLtMatmulDescAttributes_t as D;
+                for (attr, p) in [(D::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, scales[1]), (D::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, scales[0])] {
+                    lt::set_matmul_desc_attribute(self.desc, attr, &p as *const u64 as *const c_void, 8)?;
+                }
+            }
             lt::matmul(
                 blas.handle,
                 self.desc,
@@ -255,6 +319,51 @@ impl GemmPlan {
             )
         }
     }
+}
+
+/// Which of {scalar, outer-vector} scales x {fast accumulation on, off} the heuristic finds an
+/// algorithm for, on `g`'s layouts with a bare TN descriptor (no alignment preferences).
+fn fp8_probe(blas: &Blas, la: sys::cublasLtMatrixLayout_t, lb: sys::cublasLtMatrixLayout_t, lc: sys::cublasLtMatrixLayout_t, g: &GemmDesc) -> String {
+    use sys::cublasLtMatmulDescAttributes_t as D;
+    let mut out = Vec::new();
+    for (mode_name, mode) in [("scalar", GemmScale::Tensor), ("outer-vector", GemmScale::Vector)] {
+        for fast in [true, false] {
+            // SAFETY: a descriptor and preference created, used and destroyed here; attribute
+            // buffers match their documented types.
+            let found = unsafe {
+                let Ok(desc) = lt::create_matmul_desc(sys::cublasComputeType_t::CUBLAS_COMPUTE_32F, sys::cudaDataType::CUDA_R_32F) else {
+                    return "cuBLASLt could not create a probe descriptor".into();
+                };
+                let set = |attr, v: i32| lt::set_matmul_desc_attribute(desc, attr, &v as *const i32 as *const c_void, 4);
+                let fast_v = i8::from(fast);
+                let ok = set(D::CUBLASLT_MATMUL_DESC_TRANSA, i32::from(g.transpose_b)).is_ok()
+                    && set(D::CUBLASLT_MATMUL_DESC_TRANSB, i32::from(g.transpose_a)).is_ok()
+                    && set(D::CUBLASLT_MATMUL_DESC_A_SCALE_MODE, scale_mode(mode)).is_ok()
+                    && set(D::CUBLASLT_MATMUL_DESC_B_SCALE_MODE, scale_mode(mode)).is_ok()
+                    && lt::set_matmul_desc_attribute(desc, D::CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fast_v as *const i8 as *const c_void, 1).is_ok();
+                let mut found = -1i32;
+                if ok && let Ok(pref) = lt::create_matmul_pref() {
+                    let ws: u64 = WORKSPACE_BYTES;
+                    let _ = lt::set_matmul_pref_attribute(
+                        pref,
+                        sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                        &ws as *const u64 as *const c_void,
+                        8,
+                    );
+                    let mut res: sys::cublasLtMatmulHeuristicResult_t = std::mem::zeroed();
+                    let mut n = 0i32;
+                    let st = sys::cublasLtMatmulAlgoGetHeuristic(blas.handle, desc, la, lb, lc, lc, pref, 1, &mut res, &mut n).result();
+                    found = if st.is_ok() { n } else { -1 };
+                    let _ = lt::destroy_matmul_pref(pref);
+                }
+                let _ = lt::destroy_matmul_desc(desc);
+                found
+            };
+            let verdict = if found > 0 { "ok" } else { "refused" };
+            out.push(format!("{mode_name} scales, fast accumulation {}: {verdict}", if fast { "on" } else { "off" }));
+        }
+    }
+    format!("probe: {}", out.join(", "))
 }
 
 fn unsafe_zeroed_algo() -> sys::cublasLtMatmulAlgo_t {
