@@ -25,7 +25,7 @@ use titan_ir::{ArgKind, DType, DecayKind, Graph};
 use titan_passes::TrainOptions;
 
 /// Sections and their keys, in the order the documentation lists them.
-pub const SECTIONS: [(&str, &[&str]); 11] = [
+pub const SECTIONS: [(&str, &[&str]); 12] = [
     ("job", &["description", "dump_folder"]),
     ("model", &["name", "flavor", "converters"]),
     ("optimizer", &["name", "lr", "eps", "beta1", "beta2", "weight_decay"]),
