@@ -77,6 +77,18 @@ fn unbroadcast(b: &mut Builder, g: Value, operand: &TensorType) -> Result<Value,
     if operand.rank() == 0 && rank > 0 { b.push1(Op::Reduce { kind: ReduceKind::Sum, axes: (0..rank).collect() }, &[g]) } else { Ok(g) }
 }
 
+/// `x [..., in]` and `dy [..., out]` of a linear as 2-D `[tokens, features]` (views), for the
+/// weight gradient `dyᵀ · x`.
+fn tokens_by_features(b: &mut Builder, x: Value, x_ty: &TensorType, dy: Value, dims: &titan_ir::DimTable) -> Result<(Value, Value), String> {
+    if x_ty.rank() == 2 {
+        return Ok((x, dy));
+    }
+    let x2 = b.push_typed(Op::Reshape, &[x], flatten_leading(x_ty, dims)?)?;
+    let dy_ty = b.ty(dy).clone();
+    let dy2 = b.push_typed(Op::Reshape, &[dy], flatten_leading(&dy_ty, dims)?)?;
+    Ok((x2, dy2))
+}
+
 /// Emit the VJP of one node. Returns one cotangent per input (`None`: no gradient flows).
 pub fn vjp(op: &Op, a: &VjpArgs, b: &mut Builder) -> Result<Vec<Option<Value>>, PassDiag> {
     match op {
@@ -147,14 +159,7 @@ fn model_op_vjp(op: &Op, a: &VjpArgs, b: &mut Builder) -> Result<Vec<Option<Valu
             let Some(dy) = dy0 else { return Ok(none(2)) };
             let (x, w) = (a.x(0), a.x(1));
             let dx = b.push1(Op::Matmul { transpose_a: false, transpose_b: false }, &[dy, w])?;
-            let (x2, dy2) = if a.x_ty[0].rank() == 2 {
-                (x, dy)
-            } else {
-                let x2 = b.push_typed(Op::Reshape, &[x], flatten_leading(&a.x_ty[0], dims)?)?;
-                let dy_ty = b.ty(dy).clone();
-                let dy2 = b.push_typed(Op::Reshape, &[dy], flatten_leading(&dy_ty, dims)?)?;
-                (x2, dy2)
-            };
+            let (x2, dy2) = tokens_by_features(b, x, &a.x_ty[0], dy, dims)?;
             let dw = b.push1(Op::Matmul { transpose_a: true, transpose_b: false }, &[dy2, x2])?;
             vec![Some(dx), Some(dw)]
         }
@@ -164,14 +169,7 @@ fn model_op_vjp(op: &Op, a: &VjpArgs, b: &mut Builder) -> Result<Vec<Option<Valu
             let Some(dy) = dy0 else { return Ok(none(2)) };
             let (x, w) = (a.x(0), a.x(1));
             let dx = titan_ir::float8::grad_input(b, dy, w, *recipe)?;
-            let (x2, dy2) = if a.x_ty[0].rank() == 2 {
-                (x, dy)
-            } else {
-                let x2 = b.push_typed(Op::Reshape, &[x], flatten_leading(&a.x_ty[0], dims)?)?;
-                let dy_ty = b.ty(dy).clone();
-                let dy2 = b.push_typed(Op::Reshape, &[dy], flatten_leading(&dy_ty, dims)?)?;
-                (x2, dy2)
-            };
+            let (x2, dy2) = tokens_by_features(b, x, &a.x_ty[0], dy, dims)?;
             let dw = titan_ir::float8::grad_weight(b, dy2, x2, *recipe)?;
             vec![Some(dx), Some(dw)]
         }

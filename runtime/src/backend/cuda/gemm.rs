@@ -287,7 +287,14 @@ impl GemmPlan {
 
     /// Enqueue `C = A @ B` on `stream` (device pointers); `scales` are the dequantization
     /// scales of A and B for a scaled fp8 GEMM (ignored otherwise).
-    pub fn run(&self, blas: &Blas, [a, b, c]: [u64; 3], scales: [u64; 2], workspace: u64, stream: cudarc::driver::sys::CUstream) -> Result<(), lt::CublasError> {
+    pub fn run(
+        &self,
+        blas: &Blas,
+        [a, b, c]: [u64; 3],
+        scales: [u64; 2],
+        workspace: u64,
+        stream: cudarc::driver::sys::CUstream,
+    ) -> Result<(), lt::CublasError> {
         let (alpha, beta) = (1.0f32, 0.0f32);
         // SAFETY: the descriptors are alive, the pointers hold the shapes the plan was made for
         // (checked against the kernel's body types when the artifact was loaded); a scale
