@@ -61,9 +61,10 @@ impl Float8Options {
 
 /// First-order costs of one linear's three GEMMs and of the quantization around them, in
 /// seconds: GEMMs at a sustained rate, quantization kernels by the bytes they move at HBM
-/// bandwidth plus a fixed launch cost. Rates are H100/H200 figures measured on this project's
-/// GEMMs (bf16 ~700 TFLOP/s on 8B shapes; fp8 assumed at 1.85× that, cuBLAS's sustained ratio
-/// on large shapes) and the 3.8 TB/s the AdamW kernel sustains.
+/// bandwidth plus a fixed launch cost. Rates are this project's H200 measurements
+/// (`docs/performance.md`): bf16 GEMMs 680-800 TFLOP/s on 8B shapes, fp8 (per-tensor scales)
+/// 1,300-1,500, and the 3.8 TB/s the AdamW kernel sustains; the defaults (700 and 1,300) sit at
+/// the low end of those ranges.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct CostModel {
     pub bf16_flops: f64,

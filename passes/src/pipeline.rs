@@ -152,27 +152,25 @@ pub const SPMD_TRAIN_PIPELINE: [&str; 13] = [
     "check-collectives",
 ];
 
+/// `train` followed by `fuse` (checked at compile time to be one longer).
+const fn then_fuse<const N: usize, const M: usize>(train: [&'static str; N]) -> [&'static str; M] {
+    assert!(M == N + 1, "a build pipeline is its training pipeline plus `fuse`");
+    let mut out = [""; M];
+    let mut i = 0;
+    while i < N {
+        out[i] = train[i];
+        i += 1;
+    }
+    out[N] = "fuse";
+    out
+}
+
 /// The passes of `titanc build`: the training lowering, then fusion.
-pub const BUILD_PIPELINE: [&str; 8] = ["master-weights", "float8", "autodiff", "activation-checkpoint", "adamw", "cse", "dce", "fuse"];
+pub const BUILD_PIPELINE: [&str; 8] = then_fuse(TRAIN_PIPELINE);
 
 /// The passes of `titanc build` for a model whose `meta` names a mesh: the SPMD training
 /// lowering, then fusion (collectives stay steps of their own).
-pub const SPMD_BUILD_PIPELINE: [&str; 14] = [
-    "shard-tp",
-    "shard-dp",
-    "master-weights",
-    "float8",
-    "autodiff",
-    "activation-checkpoint",
-    "sync-grads",
-    "adamw",
-    "cse",
-    "dce",
-    "prefetch-gathers",
-    "prefetch-next-layer",
-    "check-collectives",
-    "fuse",
-];
+pub const SPMD_BUILD_PIPELINE: [&str; 14] = then_fuse(SPMD_TRAIN_PIPELINE);
 
 /// The build pipeline for `model`: [`SPMD_BUILD_PIPELINE`] when its `meta` names a mesh of more
 /// than one rank, else [`BUILD_PIPELINE`].

@@ -45,16 +45,22 @@ fn bits(states: impl IntoIterator<Item = (String, Tensor<f32>)>) -> Vec<(String,
     v
 }
 
+/// `STEPS` steps on the bundled corpus (seed 3): the losses' and gradient norms' bits.
+fn metric_bits(t: &mut dyn Trainer, batch: usize, seq: usize) -> (Vec<u64>, Vec<u64>) {
+    let mut batcher = Batcher::new(byte_tokens(BUNDLED_CORPUS.as_bytes()), batch, seq, 3).expect("batcher");
+    (0..STEPS)
+        .map(|_| {
+            let m = t.step(&batcher.next_batch()).expect("step");
+            (m.loss.to_bits(), m.grad_norm.to_bits())
+        })
+        .unzip()
+}
+
 fn single_rank(model: &Graph) -> Run {
     let g = lower_to_train(model, &train_options()).expect("lowering");
     let mut t = CpuTrainer::new(&g, 0).expect("trainer");
-    let mut batcher = Batcher::new(byte_tokens(BUNDLED_CORPUS.as_bytes()), t.batch_size(), t.seq_len(), 3).expect("batcher");
-    let (mut losses, mut grad_norms) = (Vec::new(), Vec::new());
-    for _ in 0..STEPS {
-        let m = t.step(&batcher.next_batch()).expect("step");
-        losses.push(m.loss.to_bits());
-        grad_norms.push(m.grad_norm.to_bits());
-    }
+    let (batch, seq) = (t.batch_size(), t.seq_len());
+    let (losses, grad_norms) = metric_bits(&mut t, batch, seq);
     Run { losses, grad_norms, states: bits(t.states().map(|(p, t)| (p.name.clone(), t.clone()))) }
 }
 
@@ -68,13 +74,8 @@ fn mesh_run(model: &Graph, mesh: Mesh) -> Run {
     let errs = titan_ir::verify::verify(&g);
     assert!(errs.is_empty(), "{:?}", errs.iter().map(ToString::to_string).collect::<Vec<_>>());
     let mut t = MeshTrainer::new(&g, 0).expect("mesh trainer");
-    let mut batcher = Batcher::new(byte_tokens(BUNDLED_CORPUS.as_bytes()), t.global_batch(), 64, 3).expect("batcher");
-    let (mut losses, mut grad_norms) = (Vec::new(), Vec::new());
-    for _ in 0..STEPS {
-        let m = t.step(&batcher.next_batch()).expect("step");
-        losses.push(m.loss.to_bits());
-        grad_norms.push(m.grad_norm.to_bits());
-    }
+    let (batch, seq) = (t.global_batch(), 64);
+    let (losses, grad_norms) = metric_bits(&mut t, batch, seq);
     Run { losses, grad_norms, states: bits(t.gathered_states().expect("gather")) }
 }
 
@@ -138,13 +139,8 @@ fn checkpointed_artifacts_match_graph_mode_bit_for_bit() {
         );
         let a = Artifact::load(&dir).expect("load artifact");
         let mut t = CpuArtifactTrainer::new(&a, 0).expect("artifact trainer");
-        let mut batcher = Batcher::new(byte_tokens(BUNDLED_CORPUS.as_bytes()), t.batch_size(), t.seq_len(), 3).expect("batcher");
-        let (mut losses, mut grad_norms) = (Vec::new(), Vec::new());
-        for _ in 0..STEPS {
-            let m = t.step(&batcher.next_batch()).expect("step");
-            losses.push(m.loss.to_bits());
-            grad_norms.push(m.grad_norm.to_bits());
-        }
+        let (batch, seq) = (t.batch_size(), t.seq_len());
+        let (losses, grad_norms) = metric_bits(&mut t, batch, seq);
         let got = Run { losses, grad_norms, states: bits(t.states().expect("states")) };
         assert_same(&format!("bf16 artifact, {policy}"), &want, &got);
     }
