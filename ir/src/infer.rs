@@ -87,6 +87,7 @@ pub fn infer_types(op: &Op, inputs: &[&TensorType], declared: Option<&[TensorTyp
         Op::AllGather { .. } | Op::ReduceScatter { .. } | Op::TakeShard { .. } | Op::PlaceShard { .. } | Op::AllReduce { .. } => {
             collective_types(op, inputs, ctx)?
         }
+        Op::Slice { .. } | Op::Concat { .. } => slice_types(op, inputs, ctx)?,
         Op::Repeat { .. } | Op::Kernel { .. } => region_types(op, inputs, ctx)?,
     };
     if let Some(decl) = declared {
@@ -100,6 +101,45 @@ pub fn infer_types(op: &Op, inputs: &[&TensorType], declared: Option<&[TensorTyp
         }
     }
     Ok(out)
+}
+
+/// `slice` and `concat`: the result has a fixed size along `axis`.
+fn slice_types(op: &Op, inputs: &[&TensorType], ctx: &InferCtx) -> Result<Vec<TensorType>, String> {
+    let dims = ctx.dims;
+    let size_along = |x: &TensorType, axis: usize| -> Result<u64, String> {
+        if axis >= x.rank() {
+            return Err(format!("`{}`: axis {axis} is out of range for {x}", op.name()));
+        }
+        resolve_dim(&x.shape[axis], dims).ok_or_else(|| format!("`{}`: dim {} of {x} is not bound in `dims`", op.name(), x.shape[axis]))
+    };
+    Ok(match op {
+        Op::Slice { axis, start, len } => {
+            let x = inputs[0];
+            let n = size_along(x, *axis as usize)?;
+            if *len == 0 || start.checked_add(*len).is_none_or(|end| end > n) {
+                return Err(format!("`slice`: [{start}, {start} + {len}) is not a non-empty range inside dim {axis} of {x} (size {n})"));
+            }
+            let mut shape = x.shape.clone();
+            shape[*axis as usize] = Dim::Fixed(*len);
+            vec![TensorType::new(x.dtype, shape)]
+        }
+        Op::Concat { axis } => {
+            let Some(first) = inputs.first() else { return Err("`concat` needs at least one operand".into()) };
+            let a = *axis as usize;
+            let mut total = 0u64;
+            for x in inputs {
+                total = total.checked_add(size_along(x, a)?).ok_or("`concat`: the result is too large")?;
+                let others_equal = x.rank() == first.rank() && (0..x.rank()).all(|d| d == a || same_dim(&x.shape[d], &first.shape[d], dims));
+                if x.dtype != first.dtype || !others_equal {
+                    return Err(format!("`concat` along axis {axis}: {x} does not match {first} (one dtype, equal dims off the axis)"));
+                }
+            }
+            let mut shape = first.shape.clone();
+            shape[a] = Dim::Fixed(total);
+            vec![TensorType::new(first.dtype, shape)]
+        }
+        _ => unreachable!("invariant: only slice and concat"),
+    })
 }
 
 /// The result types of the model-level ops and their backward ops (embedding, linear, norms, RoPE, attention, losses).

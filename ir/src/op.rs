@@ -259,6 +259,17 @@ pub enum Op {
     Transpose {
         perm: Vec<usize>,
     },
+    /// `(x) -> x` with dim `axis` cut to `[start, start + len)`.
+    Slice {
+        axis: u32,
+        start: u64,
+        len: u64,
+    },
+    /// `(x_0, ..., x_{n-1}) -> ` their concatenation along `axis` (n >= 1, one dtype, the other
+    /// dims equal).
+    Concat {
+        axis: u32,
+    },
     /// Input dim `i` becomes output dim `dims[i]` (size equal or 1); output shape declared.
     Broadcast {
         dims: Vec<usize>,
@@ -490,6 +501,8 @@ impl Op {
             Op::Reduce { kind, .. } => kind.op_name(),
             Op::Reshape => "reshape",
             Op::Transpose { .. } => "transpose",
+            Op::Slice { .. } => "slice",
+            Op::Concat { .. } => "concat",
             Op::Broadcast { .. } => "broadcast",
             Op::Matmul { .. } => "matmul",
             Op::Fp8Scale { .. } => "fp8_scale",
@@ -523,14 +536,14 @@ impl Op {
             Op::CrossEntropyStatsBwd => 6,
             Op::RmsNormBwd { .. } | Op::CrossEntropyBwd => 3,
             Op::AttentionBwd { .. } => 6,
-            Op::Unary(_) | Op::Cast | Op::Reduce { .. } | Op::Reshape | Op::Transpose { .. } => 1,
+            Op::Unary(_) | Op::Cast | Op::Reduce { .. } | Op::Reshape | Op::Transpose { .. } | Op::Slice { .. } => 1,
             Op::AllGather { .. } | Op::ReduceScatter { .. } | Op::AllReduce { .. } => 1,
             Op::TakeShard { .. } | Op::PlaceShard { .. } => 1,
             Op::Broadcast { .. } | Op::LrSchedule(_) => 1,
             Op::Binary(_) | Op::Matmul { .. } | Op::Gather | Op::ScatterAdd => 2,
             Op::Constant { .. } => 0,
             Op::AdamW(_) => 6,
-            Op::Repeat { .. } | Op::Kernel { .. } => return None,
+            Op::Repeat { .. } | Op::Kernel { .. } | Op::Concat { .. } => return None,
         })
     }
 
@@ -613,6 +626,8 @@ impl Op {
             }
             Op::Reduce { axes, .. } => vec![("axes", list(axes))],
             Op::Transpose { perm } => vec![("perm", list(perm))],
+            Op::Slice { axis, start, len } => vec![("axis", i(u64::from(*axis))), ("start", i(*start)), ("len", i(*len))],
+            Op::Concat { axis } => vec![("axis", i(u64::from(*axis)))],
             Op::Broadcast { dims } => vec![("dims", list(dims))],
             Op::Matmul { transpose_a, transpose_b } => {
                 vec![("transpose_a", b(*transpose_a)), ("transpose_b", b(*transpose_b))]
@@ -712,6 +727,11 @@ impl Op {
                 Op::Reduce { kind, axes: a.take_usize_list("axes")? }
             }
             "transpose" => Op::Transpose { perm: a.take_usize_list("perm")? },
+            "slice" | "concat" => {
+                let axis = a.take_u64("axis")?;
+                let axis = u32::try_from(axis).map_err(|_| "attribute `axis` is too large".to_string())?;
+                if name == "concat" { Op::Concat { axis } } else { Op::Slice { axis, start: a.take_u64("start")?, len: a.take_u64("len")? } }
+            }
             "broadcast" => Op::Broadcast { dims: a.take_usize_list("dims")? },
             "matmul" => Op::Matmul { transpose_a: a.take_bool("transpose_a")?, transpose_b: a.take_bool("transpose_b")? },
             "linear_f8" => Op::LinearF8 { recipe: Float8Recipe::from_name(&a.take_ident("recipe")?)? },

@@ -786,6 +786,45 @@ fn transpose_permutes_dims() {
 }
 
 #[test]
+fn slice_cuts_one_axis_and_concat_joins_along_it() {
+    // [2, 3, 2]: slice axis 1 at [1, 3).
+    let x: Vec<f64> = (0..12).map(f64::from).collect();
+    let xt = tf(DType::F32, &[2, 3, 2], &x);
+    let out = run_op(Op::Slice { axis: 1, start: 1, len: 2 }, &[&xt], None);
+    assert_eq!(out[0].shape, vec![2, 2, 2]);
+    assert_eq!(vals(&out[0]), vec![2.0, 3.0, 4.0, 5.0, 8.0, 9.0, 10.0, 11.0]);
+    // Concatenating the pieces of a split gives the tensor back.
+    let a = run_op(Op::Slice { axis: 1, start: 0, len: 1 }, &[&xt], None);
+    let both = run_op(Op::Concat { axis: 1 }, &[&a[0], &out[0]], None);
+    assert_eq!(both[0].shape, vec![2, 3, 2]);
+    assert_eq!(vals(&both[0]), x);
+    // Leading axis, integers.
+    let it = ti(DType::I64, &[3, 2], &[0, 1, 2, 3, 4, 5]);
+    let out = run_op(Op::Slice { axis: 0, start: 2, len: 1 }, &[&it], None);
+    assert_eq!(out[0].ints(), Some(&[4, 5][..]));
+    let out = run_op(Op::Concat { axis: 0 }, &[&it, &it], None);
+    assert_eq!(out[0].ints(), Some(&[0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 5][..]));
+}
+
+#[test]
+fn bad_slices_and_concats_are_type_errors() {
+    let mut g = titan_ir::Graph::new("g");
+    let x = g.main.add_arg(TensorType::fixed(DType::F32, &[4, 3]), titan_ir::ArgKind::Input, Some("x"));
+    let y = g.main.add_arg(TensorType::fixed(DType::F32, &[2, 2]), titan_ir::ArgKind::Input, Some("y"));
+    let mut b = g.main_builder();
+    let err = b.push(Op::Slice { axis: 0, start: 3, len: 2 }, &[x]).expect_err("past the end");
+    assert!(err.contains("is not a non-empty range inside dim 0"), "{err}");
+    let err = b.push(Op::Slice { axis: 2, start: 0, len: 1 }, &[x]).expect_err("no such axis");
+    assert!(err.contains("axis 2 is out of range"), "{err}");
+    let err = b.push(Op::Concat { axis: 0 }, &[x, y]).expect_err("other dims differ");
+    assert!(err.contains("does not match"), "{err}");
+    let err = b.push(Op::Concat { axis: 0 }, &[]).expect_err("nothing to join");
+    assert!(err.contains("at least one operand"), "{err}");
+    let ok = b.push(Op::Concat { axis: 1 }, &[x, x]).expect("[4, 6]");
+    assert_eq!(b.ty(ok[0]), &TensorType::fixed(DType::F32, &[4, 6]));
+}
+
+#[test]
 fn broadcast_maps_and_stretches_dims() {
     // [3] -> [2, 3] along dim 1.
     let xt = tf(DType::F32, &[3], &[1.0, 2.0, 3.0]);

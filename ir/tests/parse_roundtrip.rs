@@ -102,6 +102,8 @@ pub const EVERY_OP: &str = r#"graph @every_op {
     %77 = cross_entropy_stats_bwd(%logits, %targets, %73, %74, %75, %76) : f32[batch, seq, 16]
     %78 = all_gather(%75) {mesh_dim = tp, dim = 2, size = 2} : f32[batch, seq, 2]
     %79 = cross_entropy_combine(%78, %78, %78) : f32[]
+    %sliced = slice(%43) {axis = 0, start = 2, len = 4} : f32[4, batch, seq]
+    %joined = concat(%sliced, %43) {axis = 0} : f32[20, batch, seq]
     output loss = %loss
     output lse = %lse
     output stats = %42
@@ -513,6 +515,8 @@ fn every_op_round_trips() {
         "cast",
         "reshape",
         "transpose",
+        "slice",
+        "concat",
         "broadcast",
         "matmul",
         "gather",

@@ -284,6 +284,11 @@ fn shape_ops() {
     check("cast", vec![input(&[3, 4], Dist::Signed)], 1, &typed(Op::Cast, f32t(&[3, 4])));
     check("reshape", vec![input(&[3, 4], Dist::Signed)], 1, &typed(Op::Reshape, f32t(&[2, 6])));
     check("transpose", vec![input(&[2, 3, 4], Dist::Signed)], 1, &one(Op::Transpose { perm: vec![2, 0, 1] }));
+    // slice's VJP places dy between zeros (a concat), concat's slices dy.
+    check("slice-middle", vec![input(&[2, 5, 3], Dist::Signed)], 1, &one(Op::Slice { axis: 1, start: 1, len: 2 }));
+    check("slice-leading", vec![input(&[4, 3], Dist::Signed)], 1, &one(Op::Slice { axis: 0, start: 0, len: 3 }));
+    check("concat", vec![input(&[2, 3], Dist::Signed), input(&[1, 3], Dist::Signed), input(&[2, 3], Dist::Signed)], 1, &one(Op::Concat { axis: 0 }));
+    check("concat-inner", vec![input(&[2, 3], Dist::Signed), input(&[2, 1], Dist::Signed)], 1, &one(Op::Concat { axis: 1 }));
     check("broadcast-new-dims", vec![input(&[3], Dist::Signed)], 1, &typed(Op::Broadcast { dims: vec![1] }, f32t(&[2, 3, 4])));
     check("broadcast-stretch", vec![input(&[1, 4], Dist::Signed)], 1, &typed(Op::Broadcast { dims: vec![0, 1] }, f32t(&[3, 4])));
     for kind in [ReduceKind::Sum, ReduceKind::Mean] {

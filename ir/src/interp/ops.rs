@@ -191,6 +191,8 @@ fn dispatch<T: Real>(op: &Op, x: &[&Tensor<T>], rts: &[ResultType], precision: P
         Op::Reduce { kind, axes } => one(reduce(*kind, axes, x[0], rt)?),
         Op::Reshape => one(reshape(x[0], rt)?),
         Op::Transpose { perm } => one(transpose(x[0], perm)?),
+        Op::Slice { axis, start, len } => one(slice(x[0], *axis as usize, *start, *len)?),
+        Op::Concat { axis } => one(concat(x, *axis as usize)?),
         Op::Broadcast { dims } => one(broadcast(x[0], dims, rt)?),
         Op::Constant { value } => one(constant(*value, rt)?),
         Op::LrSchedule(s) => one(model::lr_schedule(x[0], s, rt)?),
@@ -362,6 +364,73 @@ fn transpose<T: Real>(x: &Tensor<T>, perm: &[usize]) -> Result<Tensor<T>, String
     let strides: Vec<usize> = perm.iter().map(|&p| in_strides[p]).collect();
     let data = map_data(&x.data, |v| strided_copy(v, &shape, &strides), |v| strided_copy(v, &shape, &strides));
     Ok(Tensor { dtype: x.dtype, shape, data })
+}
+
+/// `(outer, size along axis, inner)` of a row-major shape.
+fn split_at_axis(shape: &[usize], axis: usize) -> (usize, usize, usize) {
+    (shape[..axis].iter().product(), shape[axis], shape[axis + 1..].iter().product())
+}
+
+fn slice<T: Real>(x: &Tensor<T>, axis: usize, start: u64, len: u64) -> Result<Tensor<T>, String> {
+    let bad = || format!("slice [{start}, {start} + {len}) of axis {axis} is out of range for {}", x.type_string());
+    if axis >= x.rank() {
+        return Err(bad());
+    }
+    let (start, len) = (usize::try_from(start).map_err(|_| bad())?, usize::try_from(len).map_err(|_| bad())?);
+    let (outer, n, inner) = split_at_axis(&x.shape, axis);
+    if len == 0 || start.checked_add(len).is_none_or(|end| end > n) {
+        return Err(bad());
+    }
+    fn cut<E: Copy>(v: &[E], outer: usize, n: usize, inner: usize, start: usize, len: usize) -> Vec<E> {
+        (0..outer).flat_map(|o| v[(o * n + start) * inner..(o * n + start + len) * inner].iter().copied()).collect()
+    }
+    let mut shape = x.shape.clone();
+    shape[axis] = len;
+    let data = match &x.data {
+        Data::Float(v) => Data::Float(cut(v, outer, n, inner, start, len)),
+        Data::Int(v) => Data::Int(cut(v, outer, n, inner, start, len)),
+    };
+    Ok(Tensor { dtype: x.dtype, shape, data })
+}
+
+fn concat<T: Real>(parts: &[&Tensor<T>], axis: usize) -> Result<Tensor<T>, String> {
+    let first = parts.first().ok_or("`concat` needs at least one operand")?;
+    let off_axis = |t: &Tensor<T>| (axis < t.rank()).then(|| (t.shape[..axis].to_vec(), t.shape[axis + 1..].to_vec()));
+    let key = off_axis(first).ok_or_else(|| format!("concat: axis {axis} is out of range for {}", first.type_string()))?;
+    for p in parts {
+        if p.dtype != first.dtype || off_axis(p).as_ref() != Some(&key) {
+            return Err(format!("concat along axis {axis}: {} does not match {}", p.type_string(), first.type_string()));
+        }
+    }
+    let (outer, _, inner) = split_at_axis(&first.shape, axis);
+    let total: usize = parts.iter().map(|p| p.shape[axis]).sum();
+    let mut shape = first.shape.clone();
+    shape[axis] = total;
+    let data = match &first.data {
+        Data::Float(_) => {
+            let mut out = Vec::with_capacity(outer * total * inner);
+            for o in 0..outer {
+                for p in parts {
+                    let v = p.floats().ok_or("concat: operands of one dtype")?;
+                    let w = p.shape[axis] * inner;
+                    out.extend_from_slice(&v[o * w..(o + 1) * w]);
+                }
+            }
+            Data::Float(out)
+        }
+        Data::Int(_) => {
+            let mut out = Vec::with_capacity(outer * total * inner);
+            for o in 0..outer {
+                for p in parts {
+                    let Data::Int(v) = &p.data else { return Err("concat: operands of one dtype".into()) };
+                    let w = p.shape[axis] * inner;
+                    out.extend_from_slice(&v[o * w..(o + 1) * w]);
+                }
+            }
+            Data::Int(out)
+        }
+    };
+    Ok(Tensor { dtype: first.dtype, shape, data })
 }
 
 fn broadcast<T: Real>(x: &Tensor<T>, map: &[usize], rt: &ResultType) -> Result<Tensor<T>, String> {

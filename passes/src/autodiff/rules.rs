@@ -112,7 +112,7 @@ pub fn vjp(op: &Op, a: &VjpArgs, b: &mut Builder) -> Result<Vec<Option<Value>>, 
             "differentiating `scaled_matmul` is not supported: differentiate `linear_f8`, whose VJP quantizes the backward GEMMs from the high-precision operands",
         )),
         Op::Unary(_) | Op::Binary(_) | Op::Cast => pointwise_vjp(op, a, b),
-        Op::Reshape | Op::Transpose { .. } | Op::Reduce { .. } | Op::Broadcast { .. } => layout_vjp(op, a, b),
+        Op::Reshape | Op::Transpose { .. } | Op::Reduce { .. } | Op::Broadcast { .. } | Op::Slice { .. } | Op::Concat { .. } => layout_vjp(op, a, b),
         Op::Matmul { .. } => matmul_vjp(op, a, b),
         Op::AllGather { .. } | Op::ReduceScatter { .. } | Op::AllReduce { .. } | Op::TakeShard { .. } | Op::PlaceShard { .. } => collective_vjp(op, a, b),
         Op::Constant { .. } => Ok(vec![]),
@@ -354,6 +354,39 @@ fn layout_vjp(op: &Op, a: &VjpArgs, b: &mut Builder) -> Result<Vec<Option<Value>
         Op::Reshape => {
             let Some(dy) = dy0 else { return Ok(none(1)) };
             vec![Some(b.push_typed(Op::Reshape, &[dy], a.x_ty[0].clone())?)]
+        }
+        // The VJP of a slice places `dy` between zeros; the VJP of a concat slices `dy`.
+        Op::Slice { axis, start, len } => {
+            let Some(dy) = dy0 else { return Ok(none(1)) };
+            let x_ty = &a.x_ty[0];
+            let ax = *axis as usize;
+            let n = titan_ir::shape::resolve_dim(&x_ty.shape[ax], dims).ok_or_else(|| format!("unbound dimension `{}`", x_ty.shape[ax]))?;
+            let mut parts = Vec::new();
+            for (from, size) in [(0, *start), (*start, *len), (start + len, n - start - len)] {
+                if size == 0 {
+                    continue;
+                }
+                if from == *start {
+                    parts.push(dy);
+                } else {
+                    let mut zeros_ty = x_ty.clone();
+                    zeros_ty.shape[ax] = titan_ir::Dim::Fixed(size);
+                    parts.push(b.push_typed(Op::Constant { value: 0.0 }, &[], zeros_ty)?);
+                }
+            }
+            vec![Some(if parts.len() == 1 { dy } else { b.push1(Op::Concat { axis: *axis }, &parts)? })]
+        }
+        Op::Concat { axis } => {
+            let Some(dy) = dy0 else { return Ok(none(a.x_ty.len())) };
+            let ax = *axis as usize;
+            let mut start = 0;
+            let mut out = Vec::with_capacity(a.x_ty.len());
+            for t in a.x_ty {
+                let len = titan_ir::shape::resolve_dim(&t.shape[ax], dims).ok_or_else(|| format!("unbound dimension `{}`", t.shape[ax]))?;
+                out.push(Some(b.push1(Op::Slice { axis: *axis, start, len }, &[dy])?));
+                start += len;
+            }
+            out
         }
         Op::Transpose { perm } => {
             let Some(dy) = dy0 else { return Ok(none(1)) };
