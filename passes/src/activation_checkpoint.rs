@@ -34,14 +34,16 @@
 //!   budget, found exactly by enumerating the block's candidate values ([`solve_budget`]); the
 //!   cost of a recomputed node comes from [`node_cost`] (a roofline: FLOPs at the GEMM rate or
 //!   bytes at HBM bandwidth, whichever is slower).
-//! - `selective(N)` (every N-th layer fully recomputed) is refused as not supported yet: see
-//!   `docs/notes.md`.
+//! - `selective(N)`: TorchTitan's layer policy: every N-th layer (1-based) fully recomputed,
+//!   the others save everything. The pair is first split into a `repeat` over groups of N
+//!   inlined layers and a `repeat` over the `L % N` remaining ones ([`split_every`]); the group
+//!   pair is then checkpointed keeping every value of the group's first N-1 layers.
 
 use std::collections::{HashMap, HashSet};
 use std::fmt;
 use std::str::FromStr;
 
-use titan_ir::{ArgKind, AttrValue, Graph, NodeId, Op, Region, Value, ValueDef};
+use titan_ir::{ArgKind, AttrValue, Dim, Graph, NodeId, Op, Output, Placement, Region, TensorType, Value, ValueDef};
 
 use crate::PassDiag;
 
@@ -504,11 +506,6 @@ pub fn activation_checkpoint(g: &mut Graph) -> Result<AcStats, PassDiag> {
     if policy == AcPolicy::None {
         return Ok(stats);
     }
-    if let AcPolicy::SelectiveEvery(n) = policy {
-        return Err(PassDiag::unsupported(format!(
-            "full recompute of one layer in every {n} (`selective_ac_option = \"{n}\"`) is not supported yet; use `op`, `full` or a memory budget"
-        )));
-    }
     let pairs = find_pairs(&g.main)?;
     let mut done = HashSet::new();
     for pair in pairs {
@@ -519,7 +516,20 @@ pub fn activation_checkpoint(g: &mut Graph) -> Result<AcStats, PassDiag> {
                 g.block(fblock).name
             )));
         }
-        checkpoint_pair(g, &pair, n_carry, n_stacked, policy, &mut stats)?;
+        if let AcPolicy::SelectiveEvery(n) = policy {
+            let Some((group_fwd, last, rest_bytes)) = split_every(g, &pair, n)? else { continue };
+            // The remaining layers save everything, under every policy.
+            stats.total_saved_bytes_before += rest_bytes;
+            stats.total_saved_bytes_after += rest_bytes;
+            let group = find_pairs(&g.main)?
+                .into_iter()
+                .find(|p| p.fwd == group_fwd)
+                .ok_or_else(|| PassDiag::invalid(format!("@{}: the group `repeat` of {n} layers has no backward", g.block(fblock).name)))?;
+            let (_, c, s) = repeat_parts(&g.main.node(group_fwd).op).expect("invariant: split_every returns a repeat");
+            checkpoint_pair(g, &group, c, s, policy, Some(&last), &mut stats)?;
+        } else {
+            checkpoint_pair(g, &pair, n_carry, n_stacked, policy, None, &mut stats)?;
+        }
         stats.blocks += 1;
     }
     if stats.blocks > 0 {
@@ -528,7 +538,17 @@ pub fn activation_checkpoint(g: &mut Graph) -> Result<AcStats, PassDiag> {
     Ok(stats)
 }
 
-fn checkpoint_pair(g: &mut Graph, pair: &Pair, n_carry: usize, n_stacked: usize, policy: AcPolicy, stats: &mut AcStats) -> Result<(), PassDiag> {
+/// Checkpoint one pair under `policy`; for `selective(N)` the pair is a group pair of
+/// [`split_every`] and `last` the nodes of each group's last layer (recomputed, the others kept).
+fn checkpoint_pair(
+    g: &mut Graph,
+    pair: &Pair,
+    n_carry: usize,
+    n_stacked: usize,
+    policy: AcPolicy,
+    last: Option<&HashSet<NodeId>>,
+    stats: &mut AcStats,
+) -> Result<(), PassDiag> {
     let fnode = g.main.node(pair.fwd).clone();
     let bnode = g.main.node(pair.bwd).clone();
     let Op::Repeat { block: fblock, count, .. } = fnode.op else { unreachable!("invariant: checked by find_pairs") };
@@ -580,7 +600,14 @@ fn checkpoint_pair(g: &mut Graph, pair: &Pair, n_carry: usize, n_stacked: usize,
             }
             p
         }
-        AcPolicy::None | AcPolicy::SelectiveEvery(_) => unreachable!("invariant: handled by the caller"),
+        AcPolicy::SelectiveEvery(_) => {
+            let last = last.expect("invariant: selective(N) checkpoints a group pair");
+            plan(&fwd, n_carry, &saved, &|v| match fwd.value(v).def {
+                ValueDef::Result { node, .. } => !last.contains(&node),
+                ValueDef::Arg(_) => true,
+            })
+        }
+        AcPolicy::None => unreachable!("invariant: handled by the caller"),
     };
 
     // Statistics.
@@ -817,6 +844,357 @@ pub fn pareto_svg(points: &[(f64, f64)], chosen: Option<(f64, f64)>) -> String {
     }
     svg.push_str("</svg>\n");
     svg
+}
+
+/// `selective(N)`: the forward/backward `repeat` pair split into groups of `n` layers (the
+/// design is in `docs/notes.md`). TorchTitan wraps the blocks whose 1-based position is a
+/// multiple of `n` (`ptd_checkpoint_wrapper._count % ac_freq == 0`), so in each group of `n`
+/// consecutive layers the last one is fully recomputed and the others save everything; the
+/// `L % n` layers after the last whole group are never wrapped and keep the plain blocks.
+///
+/// In `main`, each stacked operand `[L, ...]` becomes the view `[L/n, n, ...]` of its first
+/// `n (L/n)` layers (a leading-axis `slice`, then a `reshape`) plus a `slice` of the rest. A
+/// forward group block runs the `n` layers inlined, reading layer `j`'s slice of each stacked
+/// argument; it returns every layer's saved values as separate stacked outputs, so the saved
+/// activations are never concatenated. Its backward runs the `n` backward blocks in reverse and
+/// returns each weight gradient as the `concat` of its `n` layer gradients; `main` reshapes
+/// that back to `[n (L/n), ...]` and concatenates the remainder's. Returns the group pair's
+/// forward `repeat`, the nodes of each group's last layer (the fully recomputed one) and the
+/// bytes the remaining layers save, or `None` when `L < n` (no layer is checkpointed).
+fn split_every(g: &mut Graph, pair: &Pair, n: u32) -> Result<Option<(NodeId, HashSet<NodeId>, u64)>, PassDiag> {
+    let fnode = g.main.node(pair.fwd).clone();
+    let bnode = g.main.node(pair.bwd).clone();
+    let Op::Repeat { block: fblock, count, carry: f_carry, stacked: f_stacked, .. } = fnode.op else { unreachable!("invariant: a pair starts at a repeat") };
+    let Op::Repeat { block: bblock, carry: b_carry, stacked: b_stacked, reverse: b_reverse, .. } = bnode.op else {
+        unreachable!("invariant: a pair ends at a repeat")
+    };
+    let (f_carry, f_stacked, b_carry, b_stacked) = (f_carry as usize, f_stacked as usize, b_carry as usize, b_stacked as usize);
+    let (groups, rest) = (count / n, count % n);
+    if groups == 0 {
+        return Ok(None);
+    }
+    let fwd = g.block(fblock).clone();
+    let bwd = g.block(bblock).clone();
+    let saved_set: HashSet<usize> = pair.saved_results.iter().copied().collect();
+    if (f_carry..fnode.results.len()).any(|i| !saved_set.contains(&i)) {
+        return Err(PassDiag::unsupported(format!(
+            "@{}: a forward `repeat` with stacked results other than saved activations cannot be split into groups of {n} layers (not supported yet)",
+            fwd.name
+        )));
+    }
+    let grouped = u64::from(groups * n);
+    let (n64, g64, r64) = (u64::from(n), u64::from(groups), u64::from(rest));
+
+    // `main`: the group view and the remainder slice of every stacked operand.
+    let mut fwd_seq: Vec<NodeId> = Vec::new();
+    let mut bwd_seq: Vec<NodeId> = Vec::new();
+    let mut views: HashMap<Value, (Value, Option<Value>)> = HashMap::new();
+    let fpos = g.main.order.iter().position(|&x| x == pair.fwd).expect("invariant: the pair is live");
+    let before_fwd: HashSet<NodeId> = g.main.order[..fpos].iter().copied().collect();
+    /// The group view and remainder slice of stacked operand `x`, made once, placed before the
+    /// forward pair when `x` exists by then.
+    fn view(
+        main: &mut Region,
+        x: Value,
+        views: &mut HashMap<Value, (Value, Option<Value>)>,
+        seq: &mut Vec<NodeId>,
+        (grouped, g64, n64, r64): (u64, u64, u64, u64),
+    ) -> (Value, Option<Value>) {
+        if let Some(&v) = views.get(&x) {
+            return v;
+        }
+        let t = main.ty(x).clone();
+        let p = main.value(x).placement.clone();
+        let inner = TensorType::new(t.dtype, t.shape[1..].to_vec());
+        let mut push = |main: &mut Region, op: Op, ins: Vec<Value>, lead: &[u64], place: Vec<Placement>| -> Value {
+            let id = main.add_node(op, ins, vec![with_lead(lead, &inner)]);
+            seq.push(id);
+            let r = main.node(id).results[0];
+            main.values[r.index()].placement = place;
+            r
+        };
+        let head = if r64 == 0 { x } else { push(main, Op::Slice { axis: 0, start: 0, len: grouped }, vec![x], &[grouped], p.clone()) };
+        let groups_view = push(main, Op::Reshape, vec![head], &[g64, n64], shifted(&p, 1));
+        let tail = (r64 > 0).then(|| push(main, Op::Slice { axis: 0, start: grouped, len: r64 }, vec![x], &[r64], p.clone()));
+        views.insert(x, (groups_view, tail));
+        (groups_view, tail)
+    }
+    let sizes = (grouped, g64, n64, r64);
+    let early = |main: &Region, x: Value| match main.value(x).def {
+        ValueDef::Arg(_) => true,
+        ValueDef::Result { node, .. } => before_fwd.contains(&node),
+    };
+
+    // The forward group block: `n` layers inlined.
+    let mut gf = Region::new(&format!("{}_x{n}", fwd.name));
+    let mut fmap: HashMap<Value, Value> = HashMap::new();
+    let mut carry: Vec<Value> = Vec::new();
+    let mut f_stacked_args = Vec::new();
+    for (k, a) in fwd.args.iter().enumerate() {
+        let t = fwd.ty(a.value);
+        let name = fwd.value(a.value).name.as_deref();
+        let is_stacked = (f_carry..f_carry + f_stacked).contains(&k);
+        let v = gf.add_arg(if is_stacked { with_lead(&[n64], t) } else { t.clone() }, a.kind.clone(), name);
+        gf.values[v.index()].placement = if is_stacked { shifted(&fwd.value(a.value).placement, 1) } else { fwd.value(a.value).placement.clone() };
+        if k < f_carry {
+            carry.push(v);
+        } else if is_stacked {
+            f_stacked_args.push(v);
+        } else {
+            fmap.insert(a.value, v);
+        }
+    }
+    let mut last = HashSet::new();
+    let mut per_layer_out: Vec<Vec<Value>> = Vec::new(); // [layer][output index past the carry]
+    let layer_slice = |r: &mut Region, whole: Value, j: u64, t: &TensorType, place: &[Placement], name: Option<String>, made: &mut Vec<NodeId>| -> Value {
+        let s = r.add_node(Op::Slice { axis: 0, start: j, len: 1 }, vec![whole], vec![with_lead(&[1], t)]);
+        let sv = r.node(s).results[0];
+        r.values[sv.index()].placement = shifted(place, 1);
+        let v = r.add_node(Op::Reshape, vec![sv], vec![t.clone()]);
+        let vv = r.node(v).results[0];
+        r.values[vv.index()].placement = place.to_vec();
+        r.values[vv.index()].name = name;
+        made.extend([s, v]);
+        vv
+    };
+    let suffixed = |name: &Option<String>, j: u32| name.as_ref().map(|s| format!("{s}.{j}"));
+    for j in 0..n {
+        let mut made = Vec::new();
+        for (k, a) in fwd.args.iter().map(|a| a.value).enumerate().take(f_carry) {
+            fmap.insert(a, carry[k]);
+        }
+        for (s, a) in fwd.args.iter().map(|a| a.value).skip(f_carry).take(f_stacked).enumerate() {
+            let v = layer_slice(&mut gf, f_stacked_args[s], u64::from(j), fwd.ty(a), &fwd.value(a).placement, suffixed(&fwd.value(a).name, j), &mut made);
+            fmap.insert(a, v);
+        }
+        for &m in &fwd.order {
+            let node = fwd.node(m);
+            let ins = node.inputs.iter().map(|x| fmap[x]).collect();
+            let id = gf.add_node(node.op.clone(), ins, node.results.iter().map(|&r| fwd.ty(r).clone()).collect());
+            made.push(id);
+            for (&r, &c) in node.results.iter().zip(&gf.node(id).results.clone()) {
+                gf.values[c.index()].name = suffixed(&fwd.value(r).name, j);
+                gf.values[c.index()].placement = fwd.value(r).placement.clone();
+                fmap.insert(r, c);
+            }
+        }
+        carry = fwd.outputs[..f_carry].iter().map(|o| fmap[&o.value]).collect();
+        per_layer_out.push(fwd.outputs[f_carry..].iter().map(|o| fmap[&o.value]).collect());
+        if j + 1 == n {
+            last.extend(made);
+        }
+    }
+    let n_out = fwd.outputs.len() - f_carry;
+    gf.outputs = carry.iter().map(|&v| Output { name: None, value: v }).collect();
+    for o in 0..n_out {
+        for layer in &per_layer_out {
+            gf.outputs.push(Output { name: None, value: layer[o] });
+        }
+    }
+    let gf_id = g.add_block(gf);
+
+    // The forward `repeat`s: groups, then the remainder.
+    let f_ops: Vec<Value> = fnode.inputs.clone();
+    let mut g_ins: Vec<Value> = f_ops[..f_carry].to_vec();
+    let mut r_ins: Vec<Value> = f_ops[..f_carry].to_vec();
+    for &x in &f_ops[f_carry..f_carry + f_stacked] {
+        let (gv, tail) = view(&mut g.main, x, &mut views, &mut fwd_seq, sizes);
+        g_ins.push(gv);
+        if let Some(t) = tail {
+            r_ins.push(t);
+        }
+    }
+    g_ins.extend_from_slice(&f_ops[f_carry + f_stacked..]);
+    r_ins.extend_from_slice(&f_ops[f_carry + f_stacked..]);
+    let carry_tys: Vec<TensorType> = fnode.results[..f_carry].iter().map(|&r| g.main.ty(r).clone()).collect();
+    let out_tys: Vec<TensorType> = fwd.outputs[f_carry..].iter().map(|o| fwd.ty(o.value).clone()).collect();
+    let mut tys = carry_tys.clone();
+    for t in &out_tys {
+        tys.extend(std::iter::repeat_n(with_lead(&[g64], t), n as usize));
+    }
+    let grp_f =
+        g.main.add_node(Op::Repeat { block: gf_id, count: groups, carry: f_carry as u32, stacked: f_stacked as u32, reverse: false, prefetch: 0 }, g_ins, tys);
+    fwd_seq.push(grp_f);
+    let grp_f_res = g.main.node(grp_f).results.clone();
+    let mut final_carry: Vec<Value> = grp_f_res[..f_carry].to_vec();
+    let mut rem_f_res: Vec<Value> = Vec::new();
+    if rest > 0 {
+        r_ins[..f_carry].copy_from_slice(&final_carry);
+        let op = Op::Repeat { block: fblock, count: rest, carry: f_carry as u32, stacked: f_stacked as u32, reverse: false, prefetch: 0 };
+        rem_f_res = add_repeat(&mut g.main, &mut fwd_seq, op, r_ins, &carry_tys, &out_tys, &[r64]);
+        final_carry = rem_f_res[..f_carry].to_vec();
+    }
+    // Group result of forward output `o` (past the carry), layer `j` of the group.
+    let grp_out = |o: usize, j: usize| grp_f_res[f_carry + o * n as usize + j];
+
+    // The backward group block: the `n` backward blocks in reverse.
+    let mut gb = Region::new(&format!("{}_x{n}", bwd.name));
+    let mut carry: Vec<Value> = Vec::new();
+    // Per stacked operand of the backward: saved (one argument per layer) or a view.
+    enum StackedArg {
+        Saved(Vec<Value>),
+        Whole(Value),
+    }
+    let mut stacked_args: Vec<StackedArg> = Vec::new();
+    let mut bmap: HashMap<Value, Value> = HashMap::new();
+    let mut gb_ins: Vec<Value> = Vec::new();
+    let mut rb_ins: Vec<Value> = Vec::new();
+    let fwd_result_index = |x: Value| fnode.results.iter().position(|&r| r == x);
+    for (k, a) in bwd.args.iter().enumerate() {
+        let (t, d) = (bwd.ty(a.value).clone(), bwd.value(a.value));
+        let x = bnode.inputs[k];
+        if (b_carry..b_carry + b_stacked).contains(&k) {
+            match fwd_result_index(x).filter(|&i| i >= f_carry) {
+                Some(i) => {
+                    let o = i - f_carry;
+                    let mut args = Vec::new();
+                    for j in 0..n {
+                        let v = gb.add_arg(t.clone(), a.kind.clone(), suffixed(&d.name, j).as_deref());
+                        gb.values[v.index()].placement = d.placement.clone();
+                        args.push(v);
+                        gb_ins.push(grp_out(o, j as usize));
+                    }
+                    stacked_args.push(StackedArg::Saved(args));
+                    rb_ins.push(if rest > 0 { rem_f_res[i] } else { x });
+                }
+                None => {
+                    let v = gb.add_arg(with_lead(&[n64], &t), a.kind.clone(), d.name.as_deref());
+                    gb.values[v.index()].placement = shifted(&d.placement, 1);
+                    stacked_args.push(StackedArg::Whole(v));
+                    let seq = if early(&g.main, x) { &mut fwd_seq } else { &mut bwd_seq };
+                    let (gv, tail) = view(&mut g.main, x, &mut views, seq, sizes);
+                    gb_ins.push(gv);
+                    if let Some(t) = tail {
+                        rb_ins.push(t);
+                    }
+                }
+            }
+        } else {
+            let v = gb.add_arg(t, a.kind.clone(), d.name.as_deref());
+            gb.values[v.index()].placement = d.placement.clone();
+            if k < b_carry {
+                carry.push(v);
+            } else {
+                bmap.insert(a.value, v);
+            }
+            gb_ins.push(x);
+            rb_ins.push(x);
+        }
+    }
+    let mut per_layer_grad: Vec<Vec<Value>> = vec![Vec::new(); n as usize];
+    for j in (0..n).rev() {
+        let mut made = Vec::new();
+        for (k, a) in bwd.args.iter().map(|a| a.value).enumerate().take(b_carry) {
+            bmap.insert(a, carry[k]);
+        }
+        for (s, a) in bwd.args.iter().map(|a| a.value).skip(b_carry).take(b_stacked).enumerate() {
+            let v = match &stacked_args[s] {
+                StackedArg::Saved(args) => args[j as usize],
+                StackedArg::Whole(w) => layer_slice(&mut gb, *w, u64::from(j), bwd.ty(a), &bwd.value(a).placement, suffixed(&bwd.value(a).name, j), &mut made),
+            };
+            bmap.insert(a, v);
+        }
+        for &m in &bwd.order {
+            let node = bwd.node(m);
+            let ins = node.inputs.iter().map(|x| bmap[x]).collect();
+            let id = gb.add_node(node.op.clone(), ins, node.results.iter().map(|&r| bwd.ty(r).clone()).collect());
+            for (&r, &c) in node.results.iter().zip(&gb.node(id).results.clone()) {
+                gb.values[c.index()].name = suffixed(&bwd.value(r).name, j);
+                gb.values[c.index()].placement = bwd.value(r).placement.clone();
+                bmap.insert(r, c);
+            }
+        }
+        carry = bwd.outputs[..b_carry].iter().map(|o| bmap[&o.value]).collect();
+        per_layer_grad[j as usize] = bwd.outputs[b_carry..].iter().map(|o| bmap[&o.value]).collect();
+    }
+    gb.outputs = carry.iter().map(|&v| Output { name: None, value: v }).collect();
+    let grad_tys: Vec<TensorType> = bwd.outputs[b_carry..].iter().map(|o| bwd.ty(o.value).clone()).collect();
+    for (o, t) in grad_tys.iter().enumerate() {
+        let place = bwd.value(bwd.outputs[b_carry + o].value).placement.clone();
+        let parts: Vec<Value> = per_layer_grad
+            .iter()
+            .map(|layer| {
+                let id = gb.add_node(Op::Reshape, vec![layer[o]], vec![with_lead(&[1], t)]);
+                let r = gb.node(id).results[0];
+                gb.values[r.index()].placement = shifted(&place, 1);
+                r
+            })
+            .collect();
+        let id = gb.add_node(Op::Concat { axis: 0 }, parts, vec![with_lead(&[n64], t)]);
+        let r = gb.node(id).results[0];
+        gb.values[r.index()].placement = shifted(&place, 1);
+        gb.outputs.push(Output { name: None, value: r });
+    }
+    let n_bstacked = gb_ins.len() - b_carry - (bnode.inputs.len() - b_carry - b_stacked);
+    let gb_id = g.add_block(gb);
+
+    // The backward `repeat`s: the remainder (the last layers) first, then the groups.
+    let b_carry_tys: Vec<TensorType> = bnode.results[..b_carry].iter().map(|&r| g.main.ty(r).clone()).collect();
+    let mut rem_b_res: Vec<Value> = Vec::new();
+    if rest > 0 {
+        let op = Op::Repeat { block: bblock, count: rest, carry: b_carry as u32, stacked: b_stacked as u32, reverse: b_reverse, prefetch: 0 };
+        rem_b_res = add_repeat(&mut g.main, &mut bwd_seq, op, rb_ins, &b_carry_tys, &grad_tys, &[r64]);
+        gb_ins[..b_carry].copy_from_slice(&rem_b_res[..b_carry]);
+    }
+    let op = Op::Repeat { block: gb_id, count: groups, carry: b_carry as u32, stacked: n_bstacked as u32, reverse: b_reverse, prefetch: 0 };
+    let grp_b_res = add_repeat(&mut g.main, &mut bwd_seq, op, gb_ins, &b_carry_tys, &grad_tys, &[g64, n64]);
+    for (&old, &new) in bnode.results[..b_carry].iter().zip(&grp_b_res[..b_carry]) {
+        crate::util::replace_uses(&mut g.main, old, new, None);
+    }
+    for (o, t) in grad_tys.iter().enumerate() {
+        let old = bnode.results[b_carry + o];
+        let place = g.main.value(old).placement.clone();
+        let mut add = |main: &mut Region, op: Op, ins: Vec<Value>, ty: TensorType| -> Value {
+            let id = main.add_node(op, ins, vec![ty]);
+            bwd_seq.push(id);
+            let r = main.node(id).results[0];
+            main.values[r.index()].placement = place.clone();
+            r
+        };
+        let flat = add(&mut g.main, Op::Reshape, vec![grp_b_res[b_carry + o]], with_lead(&[grouped], t));
+        let old_ty = g.main.ty(old).clone();
+        let whole = if rest > 0 { add(&mut g.main, Op::Concat { axis: 0 }, vec![flat, rem_b_res[b_carry + o]], old_ty) } else { flat };
+        crate::util::replace_uses(&mut g.main, old, whole, None);
+    }
+    for (&old, &new) in fnode.results[..f_carry].iter().zip(&final_carry) {
+        crate::util::replace_uses(&mut g.main, old, new, None);
+    }
+    let fwd_seq_set: HashSet<NodeId> = fwd_seq.iter().chain(&bwd_seq).copied().collect();
+    let mut order = Vec::with_capacity(g.main.order.len() + fwd_seq_set.len());
+    for &m in &g.main.order {
+        if m == pair.fwd {
+            order.extend(fwd_seq.iter().copied());
+        } else if m == pair.bwd {
+            order.extend(bwd_seq.iter().copied());
+        } else if !fwd_seq_set.contains(&m) {
+            order.push(m);
+        }
+    }
+    g.main.order = order;
+    let per_layer: u64 = pair.saved_results.iter().map(|&i| bytes(&fwd, fwd.outputs[i].value, &g.dims)).sum();
+    Ok(Some((grp_f, last, per_layer * r64)))
+}
+
+/// Append `op` (a `repeat`) to `main` and to `seq`: its results are the carried types, then each
+/// stacked output type with the leading dimensions `lead`.
+fn add_repeat(main: &mut Region, seq: &mut Vec<NodeId>, op: Op, ins: Vec<Value>, carry: &[TensorType], outs: &[TensorType], lead: &[u64]) -> Vec<Value> {
+    let mut tys = carry.to_vec();
+    tys.extend(outs.iter().map(|t| with_lead(lead, t)));
+    let id = main.add_node(op, ins, tys);
+    seq.push(id);
+    main.node(id).results.clone()
+}
+
+/// `t` with leading dimensions `lead`.
+fn with_lead(lead: &[u64], t: &TensorType) -> TensorType {
+    let mut shape: Vec<Dim> = lead.iter().map(|&d| Dim::Fixed(d)).collect();
+    shape.extend(t.shape.iter().cloned());
+    TensorType::new(t.dtype, shape)
+}
+
+/// Placements of a value whose dimensions moved by `by` (a leading dimension added or removed).
+fn shifted(p: &[Placement], by: i64) -> Vec<Placement> {
+    p.iter().map(|&x| if let Placement::Shard(d) = x { Placement::Shard((i64::from(d) + by).max(0) as u32) } else { x }).collect()
 }
 
 #[cfg(test)]
