@@ -135,6 +135,10 @@ fn every_second_layer_with_a_remainder_is_bit_identical() {
     assert_same("3 layers, selective(2)", &single_rank(&three()), &single_rank(&model));
     let mesh = Mesh::new(1, 2, 2);
     assert_same("3 layers, selective(2), mesh [1, 2, 2]", &mesh_run(&three(), mesh), &mesh_run(&model, mesh));
+    // bf16 (every op result rounded to bf16 by the interpreter): the recompute rounds each value
+    // exactly as the forward did, so no value rounds differently.
+    let three_bf16 = || build_llama3(&LlamaConfig { dtype: DType::BF16, n_layers: 3, ..LlamaConfig::preset(Preset::Debug) }, "llama3_debug").expect("bf16");
+    assert_same("3 layers bf16, selective(2)", &single_rank(&three_bf16()), &single_rank(&with_policy(three_bf16(), AcPolicy::SelectiveEvery(2))));
 }
 
 /// Saved activations over all layers per rank (the pass's `saved_bytes_total_after`) and
