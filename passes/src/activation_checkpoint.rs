@@ -108,7 +108,7 @@ pub enum AcPolicy {
     Full,
     /// TorchTitan's op policy (`selective_ac_option = "op"`).
     SelectiveOp,
-    /// Full recompute of every N-th layer (`selective_ac_option = "<N>"`); not built yet.
+    /// Full recompute of every N-th layer (`selective_ac_option = "<N>"`), graph mode only for now.
     SelectiveEvery(u32),
     Budget(Budget),
 }

@@ -273,7 +273,7 @@ fn titanc_build_takes_ac_flags_and_the_job_config() {
     // Every N-th layer runs in graph mode; the kernel graph has no `slice`/`concat` yet.
     let err = build(&["--ac", "selective", "--ac-selective-option", "2"]).expect_err("every-N");
     assert!(err.contains("`slice` in a kernel graph is not supported yet"), "{err}");
-    let lowered = titan_compiler::cli::run_args(&["titanc", "lower", model.as_str(), "--to", "train", "--ac", "selective", "--ac-selective-option", "2"])
+    let lowered = titan_compiler::cli::run_args(["titanc", "lower", model.as_str(), "--to", "train", "--ac", "selective", "--ac-selective-option", "2"])
         .map(|o| o.stdout)
         .expect("every-N lowers in graph mode");
     assert!(lowered.contains("block = @layer_x2, count = 1") && lowered.contains("activation_checkpoint = \"selective(2)\""), "{lowered}");
