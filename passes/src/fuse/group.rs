@@ -90,7 +90,14 @@ pub fn classify(op: &Op, ins: &[&TensorType], outs: &[&TensorType], dims: &DimTa
         Op::Reshape | Op::Repeat { .. } | Op::Kernel { .. } => Class::Keep,
         // Collectives (and the rank-local shard ops) are schedule steps of their own: they
         // never join a kernel, and the convexity check sees paths through them.
-        Op::AllGather { .. } | Op::ReduceScatter { .. } | Op::AllReduce { .. } | Op::TakeShard { .. } | Op::PlaceShard { .. } => Class::Keep,
+        Op::AllGather { .. }
+        | Op::ReduceScatter { .. }
+        | Op::AllReduce { .. }
+        | Op::TakeShard { .. }
+        | Op::PlaceShard { .. }
+        | Op::RingShift { .. }
+        | Op::RingSlice { .. }
+        | Op::RingConcat { .. } => Class::Keep,
         Op::Linear | Op::Matmul { .. } | Op::ScaledMatmul { .. } => Class::Single(KernelKind::Gemm),
         Op::LinearF8 { .. } => return Err("`linear_f8` reaches fusion unexpanded; `autodiff` expands it (or run the `float8` pass before `autodiff`)".into()),
         Op::Attention { .. } => Class::Single(KernelKind::Attention),
