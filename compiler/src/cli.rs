@@ -296,6 +296,9 @@ pub struct OptArgs {
     /// Print each pass's statistics to stderr
     #[arg(long)]
     pub stats: bool,
+    /// Ask the `async-tp` pass to split collective-GEMM pairs (`auto` or `all`, as for `titanc build`)
+    #[arg(long, value_name = "auto|all", num_args = 0..=1, default_missing_value = "auto")]
+    pub async_tp: Option<String>,
     #[command(flatten)]
     pub train: TrainFlags,
     #[command(flatten)]
@@ -378,6 +381,17 @@ pub struct ParallelFlags {
     /// gathered weights of memory, loses the cross-layer overlap)
     #[arg(long)]
     pub disable_prefetch_next_layer: bool,
+    /// With tp > 1: async tensor parallelism (the `async-tp` pass): split the sequence-parallel
+    /// all-gather->GEMM and GEMM->reduce-scatter pairs into ring micro-steps that overlap
+    /// transfers with chunk GEMMs. `auto` (the default) splits the pairs whose chunks are large
+    /// enough to pay; `all` every eligible pair. The build prints the decision for every pair
+    #[arg(long, value_name = "auto|all", num_args = 0..=1, default_missing_value = "auto")]
+    pub async_tp: Option<String>,
+}
+
+/// The mode of `--async-tp[=auto|all]`.
+fn async_tp_mode(flag: Option<&str>) -> Result<Option<titan_passes::async_tp::AsyncTpMode>, CliError> {
+    flag.map(|m| titan_passes::async_tp::AsyncTpMode::from_name(m).map_err(|e| CliError::Usage(format!("--async-tp: {e}")))).transpose()
 }
 
 impl ParallelFlags {
@@ -624,6 +638,11 @@ fn cmd_lower(a: &LowerArgs) -> Result<Outcome, CliError> {
             titan_passes::prefetch_next_layer::disable_prefetch_next_layer(&mut g);
         }
     }
+    if let Some(mode) = async_tp_mode(a.parallel.async_tp.as_deref())? {
+        let opts = BuildOptions { mesh: dims.spmd_mesh()?, async_tp: Some(mode), ..BuildOptions::default() };
+        crate::build::check_async_tp(&opts)?;
+        titan_passes::async_tp::enable_async_tp(&mut g, mode);
+    }
     if let Some(policy) = a.ac.policy()? {
         policy.write_meta(&mut g);
     }
@@ -685,6 +704,7 @@ impl BuildArgs {
             loss_parallel: true,
             prefetch_next_layer: true,
             ac: AcPolicy::None,
+            async_tp: None,
         })
     }
 }
@@ -710,6 +730,7 @@ fn cmd_build(a: &BuildArgs) -> Result<Outcome, CliError> {
     opts.mesh = dims.spmd_mesh()?;
     opts.loss_parallel = !request.disable_loss_parallel.unwrap_or(false);
     opts.prefetch_next_layer = !request.disable_prefetch_next_layer.unwrap_or(false);
+    opts.async_tp = async_tp_mode(a.parallel.async_tp.as_deref())?;
     opts.ac = a.ac.policy()?.or(job.as_ref().and_then(|j| j.activation_checkpoint)).unwrap_or(AcPolicy::None);
     if a.ac_pareto.is_some() && !matches!(opts.ac, AcPolicy::Budget(_)) {
         return Err(CliError::Usage(format!("--ac-pareto draws the frontier of a memory budget (`--ac budget=<GiB>`), not of `{}`", opts.ac)));
@@ -755,6 +776,7 @@ pub fn opt_on_text(a: &OptArgs, file: &str, text: &str) -> Result<Outcome, CliEr
         verify_each: a.verify_each,
         train: a.train.checked()?,
         ac: a.ac.policy()?,
+        async_tp: async_tp_mode(a.async_tp.as_deref())?,
     };
     let result = run_opt(file, text, &req).map_err(|e| match e {
         OptError::Source(s) => CliError::Source(s),

@@ -353,6 +353,13 @@ pub enum Step {
         out_shape: Vec<u64>,
         input: BufRef,
         output: BufRef,
+        /// `ring_concat`: its operands after the first (`input`), in ring order.
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        more_inputs: Vec<BufRef>,
+        /// `ring_shift` and `ring_slice`: the rotation (rank `r` reads rank or slice
+        /// `(r + shift) mod group`).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        shift: Option<u32>,
         /// Bytes this rank sends per call with ring algorithms (and receives as many):
         /// [`CollectiveOp::ring_send_bytes`].
         send_bytes: u64,
@@ -374,12 +381,22 @@ pub enum CollectiveOp {
     TakeShard,
     /// Rank-local: `input` at this rank's slot of `dim`, zeros elsewhere (no communication).
     PlaceShard,
+    /// Point to point: send `input` to the rank `shift` places back along the mesh dim,
+    /// receive the `input` of the rank `shift` places ahead (`async-tp`'s micro-steps).
+    RingShift,
+    /// Rank-local: slice `(r + shift) mod group` of `dim` (no communication).
+    RingSlice,
+    /// Rank-local: `input`, then `more_inputs` (ring order) placed at slices `r, r + 1, ...`
+    /// (mod `group`) of `dim` (no communication).
+    RingConcat,
 }
 
 /// What a collective step does, without its operands: [`CollectiveOp::of_op`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct CollectiveSpec {
     pub op: CollectiveOp,
+    /// `ring_shift` and `ring_slice`.
+    pub shift: Option<u32>,
     pub mesh_dim: GraphMeshDim,
     /// Ranks along `mesh_dim`.
     pub group: u32,
@@ -405,19 +422,29 @@ impl CollectiveOp {
             CollectiveOp::AllReduce => "all_reduce",
             CollectiveOp::TakeShard => "take_shard",
             CollectiveOp::PlaceShard => "place_shard",
+            CollectiveOp::RingShift => "ring_shift",
+            CollectiveOp::RingSlice => "ring_slice",
+            CollectiveOp::RingConcat => "ring_concat",
         }
+    }
+
+    /// Rank-local steps: no communication.
+    pub fn is_rank_local(self) -> bool {
+        matches!(self, CollectiveOp::TakeShard | CollectiveOp::PlaceShard | CollectiveOp::RingSlice | CollectiveOp::RingConcat)
     }
 
     /// Bytes each of `group` ranks sends per call (and receives as many) with the standard
     /// ring algorithms: `all_gather` `(n-1)/n` of its (full) output, `reduce_scatter` `(n-1)/n`
-    /// of its (full) input, `all_reduce` `2(n-1)/n` of its input; rank-local ops send nothing.
+    /// of its (full) input, `all_reduce` `2(n-1)/n` of its input, `ring_shift` its input;
+    /// rank-local ops send nothing.
     pub fn ring_send_bytes(self, group: u32, in_bytes: u64, out_bytes: u64) -> u64 {
         let n = u64::from(group.max(1));
         match self {
             CollectiveOp::AllGather => out_bytes / n * (n - 1),
             CollectiveOp::ReduceScatter => in_bytes / n * (n - 1),
             CollectiveOp::AllReduce => 2 * (in_bytes / n * (n - 1)),
-            CollectiveOp::TakeShard | CollectiveOp::PlaceShard => 0,
+            CollectiveOp::RingShift => in_bytes,
+            CollectiveOp::TakeShard | CollectiveOp::PlaceShard | CollectiveOp::RingSlice | CollectiveOp::RingConcat => 0,
         }
     }
 
@@ -427,19 +454,24 @@ impl CollectiveOp {
             CollectiveReduce::Sum => ReduceOp::Sum,
             CollectiveReduce::Max => ReduceOp::Max,
         };
-        let spec = |op, mesh_dim, group, dim, reduce| CollectiveSpec { op, mesh_dim, group, dim, reduce };
+        let spec = |op, mesh_dim, group, dim, reduce| CollectiveSpec { op, shift: None, mesh_dim, group, dim, reduce };
         Some(match op {
             Op::AllGather { mesh_dim, dim, size } => spec(CollectiveOp::AllGather, *mesh_dim, *size, Some(*dim), None),
             Op::ReduceScatter { mesh_dim, dim, size, reduce } => spec(CollectiveOp::ReduceScatter, *mesh_dim, *size, Some(*dim), Some(red(reduce))),
             Op::AllReduce { mesh_dim, reduce } => spec(CollectiveOp::AllReduce, *mesh_dim, mesh.size(*mesh_dim), None, Some(red(reduce))),
             Op::TakeShard { mesh_dim, dim, size } => spec(CollectiveOp::TakeShard, *mesh_dim, *size, Some(*dim), None),
             Op::PlaceShard { mesh_dim, dim, size } => spec(CollectiveOp::PlaceShard, *mesh_dim, *size, Some(*dim), None),
+            Op::RingShift { mesh_dim, size, shift } => CollectiveSpec { shift: Some(*shift), ..spec(CollectiveOp::RingShift, *mesh_dim, *size, None, None) },
+            Op::RingSlice { mesh_dim, dim, size, shift } => {
+                CollectiveSpec { shift: Some(*shift), ..spec(CollectiveOp::RingSlice, *mesh_dim, *size, Some(*dim), None) }
+            }
+            Op::RingConcat { mesh_dim, dim, size } => spec(CollectiveOp::RingConcat, *mesh_dim, *size, Some(*dim), None),
             _ => return None,
         })
     }
 
     /// The IR op a collective step runs (its semantics are the interpreter's).
-    pub fn to_op(self, mesh_dim: &str, group: u32, dim: Option<u32>, reduce: Option<ReduceOp>) -> Result<Op, String> {
+    pub fn to_op(self, mesh_dim: &str, group: u32, dim: Option<u32>, reduce: Option<ReduceOp>, shift: Option<u32>) -> Result<Op, String> {
         let m = GraphMeshDim::from_name(mesh_dim).ok_or_else(|| format!("unknown mesh dim `{mesh_dim}` (dp_replicate, dp_shard or tp)"))?;
         let dim = || dim.ok_or_else(|| format!("a `{}` step needs `dim`", self.name()));
         let reduce = || match reduce {
@@ -453,6 +485,15 @@ impl CollectiveOp {
             CollectiveOp::AllReduce => Op::AllReduce { mesh_dim: m, reduce: reduce()? },
             CollectiveOp::TakeShard => Op::TakeShard { mesh_dim: m, dim: dim()?, size: group },
             CollectiveOp::PlaceShard => Op::PlaceShard { mesh_dim: m, dim: dim()?, size: group },
+            CollectiveOp::RingShift | CollectiveOp::RingSlice => {
+                let shift = shift.filter(|&s| s < group).ok_or_else(|| format!("a `{}` step needs `shift` below its group of {group}", self.name()))?;
+                if self == CollectiveOp::RingShift {
+                    Op::RingShift { mesh_dim: m, size: group, shift }
+                } else {
+                    Op::RingSlice { mesh_dim: m, dim: dim()?, size: group, shift }
+                }
+            }
+            CollectiveOp::RingConcat => Op::RingConcat { mesh_dim: m, dim: dim()?, size: group },
         })
     }
 }
@@ -510,11 +551,14 @@ pub struct CommVolume {
     pub all_gather_bytes: u64,
     pub reduce_scatter_bytes: u64,
     pub all_reduce_bytes: u64,
+    /// `async-tp`'s point-to-point `ring_shift` micro-steps (each sends its whole operand).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub ring_shift_bytes: u64,
 }
 
 impl CommVolume {
     pub fn total_bytes(&self) -> u64 {
-        self.all_gather_bytes + self.reduce_scatter_bytes + self.all_reduce_bytes
+        self.all_gather_bytes + self.reduce_scatter_bytes + self.all_reduce_bytes + self.ring_shift_bytes
     }
 }
 

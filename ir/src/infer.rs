@@ -84,9 +84,14 @@ pub fn infer_types(op: &Op, inputs: &[&TensorType], declared: Option<&[TensorTyp
         Op::Fp8Scale { .. } | Op::ScaledMatmul { .. } => float8_types(op, inputs, declared, ctx)?,
         Op::Gather | Op::GatherShard | Op::ScatterAdd | Op::ScatterAddShard => table_types(op, inputs, declared, ctx)?,
         Op::Constant { .. } | Op::LrSchedule(_) | Op::AdamW(_) => optimizer_types(op, inputs, declared, ctx)?,
-        Op::AllGather { .. } | Op::ReduceScatter { .. } | Op::TakeShard { .. } | Op::PlaceShard { .. } | Op::AllReduce { .. } => {
-            collective_types(op, inputs, ctx)?
-        }
+        Op::AllGather { .. }
+        | Op::ReduceScatter { .. }
+        | Op::TakeShard { .. }
+        | Op::PlaceShard { .. }
+        | Op::AllReduce { .. }
+        | Op::RingShift { .. }
+        | Op::RingSlice { .. }
+        | Op::RingConcat { .. } => collective_types(op, inputs, ctx)?,
         Op::Slice { .. } | Op::Concat { .. } => slice_types(op, inputs, ctx)?,
         Op::Repeat { .. } | Op::Kernel { .. } => region_types(op, inputs, ctx)?,
     };
@@ -452,8 +457,21 @@ fn optimizer_types(op: &Op, inputs: &[&TensorType], declared: Option<&[TensorTyp
 fn collective_types(op: &Op, inputs: &[&TensorType], ctx: &InferCtx) -> Result<Vec<TensorType>, String> {
     let dims = ctx.dims;
     Ok(match op {
-        Op::AllGather { dim, size, .. } | Op::ReduceScatter { dim, size, .. } | Op::TakeShard { dim, size, .. } | Op::PlaceShard { dim, size, .. } => {
+        Op::AllGather { dim, size, .. }
+        | Op::ReduceScatter { dim, size, .. }
+        | Op::TakeShard { dim, size, .. }
+        | Op::PlaceShard { dim, size, .. }
+        | Op::RingSlice { dim, size, .. }
+        | Op::RingConcat { dim, size, .. } => {
             let x = inputs[0];
+            if let Some(i) = inputs.iter().position(|t| !t.same_as(x, dims)) {
+                return Err(format!("{}: operand {i} is {}, operand 0 {x}; every chunk must have the same type", op.name(), inputs[i]));
+            }
+            if let Op::RingSlice { size, shift, .. } = op
+                && shift >= size
+            {
+                return Err(format!("ring_slice: needs shift < size, found shift = {shift}, size = {size}"));
+            }
             need_float(x, &format!("{} operand", op.name()))?;
             let d = *dim as usize;
             if d >= x.rank() {
@@ -465,7 +483,7 @@ fn collective_types(op: &Op, inputs: &[&TensorType], ctx: &InferCtx) -> Result<V
             let n = resolve_dim(&x.shape[d], dims).ok_or_else(|| format!("{}: dim {} is not bound in `dims`", op.name(), x.shape[d]))?;
             let size = u64::from(*size);
             let mut s = x.shape.clone();
-            s[d] = if matches!(op, Op::AllGather { .. } | Op::PlaceShard { .. }) {
+            s[d] = if matches!(op, Op::AllGather { .. } | Op::PlaceShard { .. } | Op::RingConcat { .. }) {
                 Dim::Fixed(n.checked_mul(size).ok_or_else(|| format!("{}: dim {d} overflows", op.name()))?)
             } else {
                 if !n.is_multiple_of(size) {
@@ -474,6 +492,13 @@ fn collective_types(op: &Op, inputs: &[&TensorType], ctx: &InferCtx) -> Result<V
                 Dim::Fixed(n / size)
             };
             vec![TensorType::new(x.dtype, s)]
+        }
+        Op::RingShift { size, shift, .. } => {
+            need_float(inputs[0], "ring_shift operand")?;
+            if *size == 0 || shift >= size {
+                return Err(format!("ring_shift: needs 0 <= shift < size, found shift = {shift}, size = {size}"));
+            }
+            vec![inputs[0].clone()]
         }
         Op::AllReduce { .. } => {
             need_float(inputs[0], "all_reduce operand")?;

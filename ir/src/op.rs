@@ -356,6 +356,32 @@ pub enum Op {
         dim: u32,
         size: u32,
     },
+    /// `(x) -> x`: a point-to-point ring shift among the `size` ranks along `mesh_dim`: rank
+    /// `r` receives the operand of rank `(r + shift) mod size` and sends its own to rank
+    /// `(r - shift) mod size`. One micro-step of `async-tp`'s decomposed all-gather and
+    /// reduce-scatter (PyTorch's micro-pipelined TP).
+    RingShift {
+        mesh_dim: MeshDim,
+        size: u32,
+        shift: u32,
+    },
+    /// `(x) -> x` with dim `dim` divided by `size`: rank `r` along `mesh_dim` keeps slice
+    /// `(r + shift) mod size` of its operand. Rank-local: `take_shard` rotated by `shift`
+    /// (`shift = 0` is `take_shard`).
+    RingSlice {
+        mesh_dim: MeshDim,
+        dim: u32,
+        size: u32,
+        shift: u32,
+    },
+    /// `(x_0, ..., x_{size-1}) -> x` with dim `dim` multiplied by `size`: on rank `r` along
+    /// `mesh_dim`, slice `(r + s) mod size` of the result is `x_s`. Rank-local: assembles the
+    /// chunks a rank computed in ring order (its own first) in rank order.
+    RingConcat {
+        mesh_dim: MeshDim,
+        dim: u32,
+        size: u32,
+    },
 
     // ---- structure ----
     /// Run `block` `count` times. Inputs: `carry` carried values, then `stacked` per-layer
@@ -521,6 +547,9 @@ impl Op {
             Op::AllReduce { .. } => "all_reduce",
             Op::TakeShard { .. } => "take_shard",
             Op::PlaceShard { .. } => "place_shard",
+            Op::RingShift { .. } => "ring_shift",
+            Op::RingSlice { .. } => "ring_slice",
+            Op::RingConcat { .. } => "ring_concat",
         }
     }
 
@@ -538,7 +567,8 @@ impl Op {
             Op::AttentionBwd { .. } => 6,
             Op::Unary(_) | Op::Cast | Op::Reduce { .. } | Op::Reshape | Op::Transpose { .. } | Op::Slice { .. } => 1,
             Op::AllGather { .. } | Op::ReduceScatter { .. } | Op::AllReduce { .. } => 1,
-            Op::TakeShard { .. } | Op::PlaceShard { .. } => 1,
+            Op::TakeShard { .. } | Op::PlaceShard { .. } | Op::RingShift { .. } | Op::RingSlice { .. } => 1,
+            Op::RingConcat { size, .. } => *size as usize,
             Op::Broadcast { .. } | Op::LrSchedule(_) => 1,
             Op::Binary(_) | Op::Matmul { .. } | Op::Gather | Op::ScatterAdd => 2,
             Op::Constant { .. } => 0,
@@ -564,13 +594,35 @@ impl Op {
 
     /// Collectives: communication between the ranks of one mesh dimension.
     pub fn is_collective(&self) -> bool {
-        matches!(self, Op::AllGather { .. } | Op::ReduceScatter { .. } | Op::AllReduce { .. })
+        matches!(self, Op::AllGather { .. } | Op::ReduceScatter { .. } | Op::AllReduce { .. } | Op::RingShift { .. })
+    }
+
+    /// Rank-local ops whose result depends on the rank's coordinate along a mesh dim but
+    /// which communicate nothing: `take_shard`, `place_shard`, `ring_slice`, `ring_concat`.
+    pub fn is_rank_local(&self) -> bool {
+        matches!(self, Op::TakeShard { .. } | Op::PlaceShard { .. } | Op::RingSlice { .. } | Op::RingConcat { .. })
+    }
+
+    /// The group size a collective or rank-local op names (`all_reduce` names none).
+    pub fn group_size(&self) -> Option<u32> {
+        match self {
+            Op::AllGather { size, .. }
+            | Op::ReduceScatter { size, .. }
+            | Op::TakeShard { size, .. }
+            | Op::PlaceShard { size, .. }
+            | Op::RingShift { size, .. }
+            | Op::RingSlice { size, .. }
+            | Op::RingConcat { size, .. } => Some(*size),
+            _ => None,
+        }
     }
 
     /// The mesh dimension a collective communicates over.
     pub fn collective_mesh_dim(&self) -> Option<MeshDim> {
         match self {
-            Op::AllGather { mesh_dim, .. } | Op::ReduceScatter { mesh_dim, .. } | Op::AllReduce { mesh_dim, .. } => Some(*mesh_dim),
+            Op::AllGather { mesh_dim, .. } | Op::ReduceScatter { mesh_dim, .. } | Op::AllReduce { mesh_dim, .. } | Op::RingShift { mesh_dim, .. } => {
+                Some(*mesh_dim)
+            }
             _ => None,
         }
     }
@@ -579,7 +631,9 @@ impl Op {
     /// `take_shard`/`place_shard`, whose result depends on the rank's coordinate.
     pub fn mesh_dim(&self) -> Option<MeshDim> {
         match self {
-            Op::TakeShard { mesh_dim, .. } | Op::PlaceShard { mesh_dim, .. } => Some(*mesh_dim),
+            Op::TakeShard { mesh_dim, .. } | Op::PlaceShard { mesh_dim, .. } | Op::RingSlice { mesh_dim, .. } | Op::RingConcat { mesh_dim, .. } => {
+                Some(*mesh_dim)
+            }
             _ => self.collective_mesh_dim(),
         }
     }
@@ -667,6 +721,15 @@ impl Op {
                 vec![("mesh_dim", word(mesh_dim.name())), ("dim", i(u64::from(*dim))), ("size", i(u64::from(*size))), ("reduce", word(reduce.name()))]
             }
             Op::AllReduce { mesh_dim, reduce } => vec![("mesh_dim", word(mesh_dim.name())), ("reduce", word(reduce.name()))],
+            Op::RingShift { mesh_dim, size, shift } => {
+                vec![("mesh_dim", word(mesh_dim.name())), ("size", i(u64::from(*size))), ("shift", i(u64::from(*shift)))]
+            }
+            Op::RingSlice { mesh_dim, dim, size, shift } => {
+                vec![("mesh_dim", word(mesh_dim.name())), ("dim", i(u64::from(*dim))), ("size", i(u64::from(*size))), ("shift", i(u64::from(*shift)))]
+            }
+            Op::RingConcat { mesh_dim, dim, size } => {
+                vec![("mesh_dim", word(mesh_dim.name())), ("dim", i(u64::from(*dim))), ("size", i(u64::from(*size)))]
+            }
         };
         Attrs::new(e.into_iter().map(|(k, v)| (k.to_string(), v)).collect())
     }
@@ -799,7 +862,7 @@ impl Op {
                 })?;
                 Op::Kernel { body, kind }
             }
-            "all_gather" | "reduce_scatter" | "all_reduce" | "take_shard" | "place_shard" => {
+            "all_gather" | "reduce_scatter" | "all_reduce" | "take_shard" | "place_shard" | "ring_shift" | "ring_slice" | "ring_concat" => {
                 let mesh_name = a.take_ident("mesh_dim")?;
                 let mesh_dim =
                     MeshDim::from_name(&mesh_name).ok_or_else(|| format!("unknown mesh dim `{mesh_name}`; expected `dp_replicate`, `dp_shard` or `tp`"))?;
@@ -818,6 +881,19 @@ impl Op {
                     "all_gather" => Op::AllGather { mesh_dim, dim: small(&mut a, "dim")?, size: small(&mut a, "size")? },
                     "take_shard" => Op::TakeShard { mesh_dim, dim: small(&mut a, "dim")?, size: small(&mut a, "size")? },
                     "place_shard" => Op::PlaceShard { mesh_dim, dim: small(&mut a, "dim")?, size: small(&mut a, "size")? },
+                    "ring_concat" => Op::RingConcat { mesh_dim, dim: small(&mut a, "dim")?, size: small(&mut a, "size")? },
+                    "ring_shift" | "ring_slice" => {
+                        let dim = if name == "ring_slice" { Some(small(&mut a, "dim")?) } else { None };
+                        let size = small(&mut a, "size")?;
+                        let shift = small(&mut a, "shift")?;
+                        if size == 0 || shift >= size {
+                            return Err(format!("`{name}` needs 0 <= shift < size, found shift = {shift}, size = {size}"));
+                        }
+                        match dim {
+                            Some(dim) => Op::RingSlice { mesh_dim, dim, size, shift },
+                            None => Op::RingShift { mesh_dim, size, shift },
+                        }
+                    }
                     "reduce_scatter" => {
                         let dim = small(&mut a, "dim")?;
                         let size = small(&mut a, "size")?;

@@ -6,7 +6,10 @@
 //! and `kernel` (a fused body); this pass checks, collecting every problem:
 //!
 //! - a graph with collectives names a mesh in its `meta`, and each collective's `mesh_dim`
-//!   and `size` match it (also checked for the rank-local `take_shard`/`place_shard`);
+//!   and `size` match it (also checked for the rank-local `take_shard`/`place_shard`/
+//!   `ring_slice`/`ring_concat`); a `ring_shift` is a collective like the others: every rank
+//!   of its communicator issues it at the same point, which is what a point-to-point ring
+//!   step needs (each rank's send meets its neighbour's receive);
 //! - no collective is inside a `kernel` body (fusing collectives is not supported yet);
 //! - every collective's operand has a static shape (all ranks send the same number of
 //!   elements);
@@ -119,10 +122,7 @@ fn walk(g: &Graph, region: &Region, at: RegionRef, mesh: Option<&Mesh>, calls: &
                     errors.push(PassDiag::precondition(format!("{what} {NO_MESH}")).at(here(nid)));
                     continue;
                 };
-                let size = match op {
-                    Op::AllGather { size, .. } | Op::ReduceScatter { size, .. } => Some(*size),
-                    _ => None,
-                };
+                let size = op.group_size();
                 if let Some(s) = size
                     && s != mesh.size(m)
                 {
@@ -141,7 +141,10 @@ fn walk(g: &Graph, region: &Region, at: RegionRef, mesh: Option<&Mesh>, calls: &
                 }
             }
             // Rank-local slicing: no communication, but its `size` must match the mesh too.
-            Op::TakeShard { mesh_dim, size, .. } | Op::PlaceShard { mesh_dim, size, .. } => {
+            Op::TakeShard { mesh_dim, size, .. }
+            | Op::PlaceShard { mesh_dim, size, .. }
+            | Op::RingSlice { mesh_dim, size, .. }
+            | Op::RingConcat { mesh_dim, size, .. } => {
                 let what = describe(&node.op, g, region, nid);
                 match mesh {
                     None => errors.push(PassDiag::precondition(format!("{what} {NO_MESH}")).at(here(nid))),

@@ -5,6 +5,7 @@
 
 pub mod activation_checkpoint;
 pub mod adamw;
+pub mod async_tp;
 pub mod autodiff;
 pub mod check_collectives;
 pub mod cse;

@@ -22,6 +22,9 @@ pub struct OptRequest {
     /// Written into the graph's `meta` before the passes run (`--ac`; see
     /// [`crate::activation_checkpoint`]).
     pub ac: Option<crate::activation_checkpoint::AcPolicy>,
+    /// Written into the graph's `meta` before the passes run (`--async-tp`; see
+    /// [`crate::async_tp`]).
+    pub async_tp: Option<crate::async_tp::AsyncTpMode>,
 }
 
 /// The graph after the passes, as text, and what each pass reported.
@@ -83,6 +86,9 @@ pub fn run_opt(file: &str, src: &str, req: &OptRequest) -> Result<OptOutput, Opt
     }
     if let Some(policy) = req.ac {
         policy.write_meta(&mut g);
+    }
+    if let Some(mode) = req.async_tp {
+        crate::async_tp::enable_async_tp(&mut g, mode);
     }
     let popts = PipelineOptions { verify_each: req.verify_each, ..PipelineOptions::default() };
     let report = run_pipeline(&mut g, &passes, &req.train, &popts).map_err(|e| match e.source_diagnostic(Some(&map)) {

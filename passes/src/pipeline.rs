@@ -105,7 +105,7 @@ impl PassInfo {
     }
 }
 
-static PASSES: [PassInfo; 14] = [
+static PASSES: [PassInfo; 15] = [
     PassInfo::new("shard-tp", "tensor parallelism: column/row-parallel block weights, vocab-parallel embedding and output", run_shard_tp),
     PassInfo::new("shard-dp", "split the batch over data-parallel ranks; FSDP-shard parameters on dp_shard", run_shard_dp),
     PassInfo::new("master-weights", "make every parameter an fp32 master `state` read through a compute-dtype cast", run_master_weights),
@@ -125,6 +125,11 @@ static PASSES: [PassInfo; 14] = [
     PassInfo::new("adamw", "consume the gradient map's outputs: global-norm clipping, lr schedule and AdamW updates", run_adamw),
     PassInfo::new("cse", "merge identical nodes", run_cse),
     PassInfo::new("dce", "drop nodes that reach no output or update, and renumber", run_dce).renumbering(),
+    PassInfo::new(
+        "async-tp",
+        "async TP (`--async-tp`): split tp all-gather->GEMM and GEMM->reduce-scatter pairs into ring micro-steps; the report says why a pair stays synchronous",
+        run_async_tp,
+    ),
     PassInfo::new("prefetch-gathers", "issue each block's parameter all-gathers at its top (FSDP prefetch)", run_prefetch_gathers),
     PassInfo::new("prefetch-next-layer", "gather the next layer's parameter shards during each layer (FSDP cross-layer prefetch)", run_prefetch_next_layer),
     PassInfo::new("check-collectives", "prove every rank issues the same collectives in order on each communicator", run_check_collectives),
@@ -136,7 +141,7 @@ pub const TRAIN_PIPELINE: [&str; 7] = ["master-weights", "float8", "autodiff", "
 
 /// The training lowering of a model whose `meta` names a device mesh (`world_size > 1`): the
 /// SPMD partitioning passes around the single-rank lowering, then the collective safety check.
-pub const SPMD_TRAIN_PIPELINE: [&str; 13] = [
+pub const SPMD_TRAIN_PIPELINE: [&str; 14] = [
     "shard-tp",
     "shard-dp",
     "master-weights",
@@ -147,6 +152,7 @@ pub const SPMD_TRAIN_PIPELINE: [&str; 13] = [
     "adamw",
     "cse",
     "dce",
+    "async-tp",
     "prefetch-gathers",
     "prefetch-next-layer",
     "check-collectives",
@@ -170,7 +176,7 @@ pub const BUILD_PIPELINE: [&str; 8] = then_fuse(TRAIN_PIPELINE);
 
 /// The passes of `titanc build` for a model whose `meta` names a mesh: the SPMD training
 /// lowering, then fusion (collectives stay steps of their own).
-pub const SPMD_BUILD_PIPELINE: [&str; 14] = then_fuse(SPMD_TRAIN_PIPELINE);
+pub const SPMD_BUILD_PIPELINE: [&str; 15] = then_fuse(SPMD_TRAIN_PIPELINE);
 
 /// The build pipeline for `model`: [`SPMD_BUILD_PIPELINE`] when its `meta` names a mesh of more
 /// than one rank, else [`BUILD_PIPELINE`].
@@ -443,6 +449,17 @@ fn run_sync_grads(g: &mut Graph, _: &PassContext) -> Result<PassStats, PassDiag>
     Ok(PassStats::new().with("grad_all_reduces", s.grad_all_reduces as u64))
 }
 
+fn run_async_tp(g: &mut Graph, _: &PassContext) -> Result<PassStats, PassDiag> {
+    let s = crate::async_tp::async_tp(g)?;
+    Ok(PassStats::new()
+        .with("gathers_split", s.gathers_split as u64)
+        .with("scatters_split", s.scatters_split as u64)
+        .with("kept", s.kept as u64)
+        .with("ring_shifts", s.ring_shifts as u64)
+        .with("chunk_gemms", s.chunk_gemms as u64)
+        .with_notes(s.decisions))
+}
+
 fn run_prefetch_gathers(g: &mut Graph, _: &PassContext) -> Result<PassStats, PassDiag> {
     Ok(PassStats::new().with("hoisted", crate::prefetch_gathers::prefetch_gathers(g).hoisted as u64))
 }
@@ -545,7 +562,7 @@ mod tests {
         let err = run_pipeline(&mut model(), &passes, &TrainOptions::default(), &opts(false, DumpAfter::Pass("fusion".into()))).expect_err("unknown");
         assert_eq!(
             err.to_string(),
-            "unknown pass `fusion`; valid passes: shard-tp, shard-dp, master-weights, float8, autodiff, activation-checkpoint, sync-grads, adamw, cse, dce, prefetch-gathers, prefetch-next-layer, check-collectives, fuse"
+            "unknown pass `fusion`; valid passes: shard-tp, shard-dp, master-weights, float8, autodiff, activation-checkpoint, sync-grads, adamw, cse, dce, async-tp, prefetch-gathers, prefetch-next-layer, check-collectives, fuse"
         );
         let err = run_pipeline(&mut model(), &passes, &TrainOptions::default(), &opts(false, DumpAfter::Pass("fuse".into()))).expect_err("not run");
         assert!(

@@ -444,7 +444,7 @@ impl Artifact {
                         return Err(invalid(format!("{at}: zeroes {bytes} bytes, its destination holds {}", v.bytes)));
                     }
                 }
-                Step::Collective { collective, mesh_dim, group, dim, reduce, dtype, in_shape, out_shape, input, output, .. } => {
+                Step::Collective { collective, mesh_dim, group, dim, reduce, dtype, in_shape, out_shape, input, output, more_inputs, shift, .. } => {
                     let at = format!("{} ({} over {mesh_dim})", loc(rank, path), collective.name());
                     let m = &self.manifest.mesh;
                     let size = m.dims.iter().find(|d| d.name == *mesh_dim).map_or(1, |d| d.size);
@@ -454,8 +454,13 @@ impl Artifact {
                             m.world_size
                         )));
                     }
-                    collective.to_op(mesh_dim, *group, *dim, *reduce).map_err(|e| invalid(format!("{at}: {e}")))?;
-                    for (what, r, shape) in [("input", input, in_shape), ("output", output, out_shape)] {
+                    collective.to_op(mesh_dim, *group, *dim, *reduce, *shift).map_err(|e| invalid(format!("{at}: {e}")))?;
+                    let parts = if *collective == titan_ir::artifact::CollectiveOp::RingConcat { *group as usize } else { 1 };
+                    if more_inputs.len() + 1 != parts {
+                        return Err(invalid(format!("{at}: {} operands, the step needs {parts}", more_inputs.len() + 1)));
+                    }
+                    let ins = std::iter::once(input).chain(more_inputs).map(|r| ("input", r, in_shape));
+                    for (what, r, shape) in ins.chain([("output", output, out_shape)]) {
                         let v = self.check_ref(&format!("{at}, {what}"), r, scopes)?;
                         let want = tensor_bytes(*dtype, shape).ok_or_else(|| invalid(format!("{at}: the {what} shape {shape:?} overflows")))?;
                         if v.dtype != *dtype || v.bytes != want {

@@ -714,7 +714,7 @@ fn check_steps(m: &Manifest, steps: &[Step], at: &str, n_layers: Option<u64>, de
                     return Err(fail(format!("{at}.bytes"), "is 0"));
                 }
             }
-            Step::Collective { collective, mesh_dim, group, dtype, in_shape, out_shape, input, output, send_bytes, .. } => {
+            Step::Collective { collective, mesh_dim, group, dtype, in_shape, out_shape, input, output, more_inputs, send_bytes, .. } => {
                 let size = m.mesh.dims.iter().find(|d| d.name == *mesh_dim).map_or(1, |d| d.size);
                 if size != *group || m.mesh.world_size < 2 {
                     return Err(fail(
@@ -725,7 +725,7 @@ fn check_steps(m: &Manifest, steps: &[Step], at: &str, n_layers: Option<u64>, de
                         ),
                     ));
                 }
-                if input == output {
+                if input == output || more_inputs.contains(output) {
                     return Err(fail(format!("{at}.output"), "is its input; a collective's input and output never share bytes"));
                 }
                 let bytes = |shape: &[u64]| tensor_bytes(*dtype, shape).unwrap_or(u64::MAX);

@@ -66,6 +66,8 @@ pub struct BuildOptions {
     pub prefetch_next_layer: bool,
     /// Activation checkpointing (`--ac`, `[activation_checkpoint]`; the `activation-checkpoint` pass).
     pub ac: AcPolicy,
+    /// Async tensor parallelism (`--async-tp`; the `async-tp` pass): needs tp > 1.
+    pub async_tp: Option<titan_passes::async_tp::AsyncTpMode>,
 }
 
 impl Default for BuildOptions {
@@ -79,6 +81,7 @@ impl Default for BuildOptions {
             loss_parallel: true,
             prefetch_next_layer: true,
             ac: AcPolicy::None,
+            async_tp: None,
         }
     }
 }
@@ -110,6 +113,9 @@ impl BuildOptions {
             }
             if !self.prefetch_next_layer {
                 lines.push("prefetch_next_layer = false".into());
+            }
+            if let Some(mode) = self.async_tp {
+                lines.push(format!("async_tp = {}", mode.name()));
             }
         }
         lines.iter().map(|l| format!("{l}\n")).collect()
@@ -326,13 +332,14 @@ fn write_mesh_report(f: &mut fmt::Formatter<'_>, mesh: &Mesh, collectives: u64, 
     for c in &r.comm {
         writeln!(
             f,
-            "  {:<12} ({:>2} ranks): {:>5} calls, all_gather {:>11}, reduce_scatter {:>11}, all_reduce {:>11}, total {:>11}",
+            "  {:<12} ({:>2} ranks): {:>5} calls, all_gather {:>11}, reduce_scatter {:>11}, all_reduce {:>11}, {}total {:>11}",
             c.mesh_dim,
             c.group,
             c.calls,
             human_bytes(c.all_gather_bytes),
             human_bytes(c.reduce_scatter_bytes),
             human_bytes(c.all_reduce_bytes),
+            if c.ring_shift_bytes > 0 { format!("ring_shift {:>11}, ", human_bytes(c.ring_shift_bytes)) } else { String::new() },
             human_bytes(c.total_bytes())
         )?;
     }
@@ -363,7 +370,7 @@ pub fn mesh_report(plan: &Plan, mesh: &titan_ir::Mesh) -> MeshReport {
                     walk(body, times * u64::from(*count), carries, gathered, comm);
                 }
                 Step::Collective { collective, mesh_dim, group, output, send_bytes, .. } => {
-                    if matches!(collective, CollectiveOp::TakeShard | CollectiveOp::PlaceShard) {
+                    if collective.is_rank_local() {
                         continue;
                     }
                     let Some(m) = titan_ir::MeshDim::from_name(mesh_dim) else { continue };
@@ -384,12 +391,14 @@ pub fn mesh_report(plan: &Plan, mesh: &titan_ir::Mesh) -> MeshReport {
                         all_gather_bytes: 0,
                         reduce_scatter_bytes: 0,
                         all_reduce_bytes: 0,
+                        ring_shift_bytes: 0,
                     });
                     c.calls += times;
                     let bytes = send_bytes * times;
                     match collective {
                         CollectiveOp::AllGather => c.all_gather_bytes += bytes,
                         CollectiveOp::ReduceScatter => c.reduce_scatter_bytes += bytes,
+                        CollectiveOp::RingShift => c.ring_shift_bytes += bytes,
                         _ => c.all_reduce_bytes += bytes,
                     }
                 }
@@ -412,6 +421,7 @@ pub fn mesh_report(plan: &Plan, mesh: &titan_ir::Mesh) -> MeshReport {
                 all_gather_bytes: 0,
                 reduce_scatter_bytes: 0,
                 all_reduce_bytes: 0,
+                ring_shift_bytes: 0,
             })
         })
         .collect();
@@ -628,6 +638,7 @@ fn compile(model: &Graph, model_text: &str, opts: &BuildOptions, generate_code: 
 
     let t = Instant::now();
     verify_model(model)?;
+    check_async_tp(opts)?;
     let spmd = opts.mesh.world_size() > 1;
     let meshed = (spmd || opts.ac != AcPolicy::None).then(|| with_layout_meta(model, opts));
     let model = meshed.as_ref().unwrap_or(model);
@@ -716,6 +727,18 @@ fn compile(model: &Graph, model_text: &str, opts: &BuildOptions, generate_code: 
     Ok((Artifact { manifest, graph_text, ptx, cubins }, summary))
 }
 
+/// Refuse `--async-tp` where it cannot apply: it splits the sequence-parallel collectives of
+/// tensor parallelism, so it needs tp > 1 (the `async-tp` pass checks the rest).
+pub fn check_async_tp(opts: &BuildOptions) -> Result<(), BuildError> {
+    let tp = opts.mesh.size(titan_ir::MeshDim::Tp);
+    if opts.async_tp.is_some() && tp < 2 {
+        return Err(BuildError::Invalid(format!(
+            "async tensor parallelism (`--async-tp`) needs tp > 1 with sequence parallelism, and this build has tp = {tp}: add `--tp N` (N > 1) or drop `--async-tp`"
+        )));
+    }
+    Ok(())
+}
+
 /// Refuse a model graph that does not verify, listing every error.
 fn verify_model(model: &Graph) -> Result<(), BuildError> {
     let errors = titan_ir::verify::verify(model);
@@ -739,6 +762,9 @@ fn with_layout_meta(model: &Graph, opts: &BuildOptions) -> Graph {
     }
     if !opts.prefetch_next_layer {
         titan_passes::prefetch_next_layer::disable_prefetch_next_layer(&mut m);
+    }
+    if let Some(mode) = opts.async_tp {
+        titan_passes::async_tp::enable_async_tp(&mut m, mode);
     }
     m
 }

@@ -86,7 +86,7 @@ fn launch(
 /// The step of a collective (or `take_shard`/`place_shard`) node: the op, its mesh dim and
 /// group, the operand and result shapes, the buffers and the ring send volume.
 fn collective(g: &Graph, mesh: &Mesh, region: &Region, node: &Node, refs: &[Option<BufRef>]) -> Result<Step, BuildError> {
-    let CollectiveSpec { op, mesh_dim, group, dim, reduce } =
+    let CollectiveSpec { op, shift, mesh_dim, group, dim, reduce } =
         CollectiveOp::of_op(&node.op, mesh).ok_or_else(|| internal(format!("`{}` in @{} is not a collective", node.op.name(), region.name)))?;
     let (Some(&x), Some(&y)) = (node.inputs.first(), node.results.first()) else {
         return Err(internal(format!("`{}` in @{} without operand or result", node.op.name(), region.name)));
@@ -106,6 +106,8 @@ fn collective(g: &Graph, mesh: &Mesh, region: &Region, node: &Node, refs: &[Opti
         out_shape,
         input: lookup(x)?,
         output: lookup(y)?,
+        more_inputs: node.inputs[1..].iter().map(|&v| lookup(v)).collect::<Result<_, _>>()?,
+        shift,
         send_bytes,
         stream: STREAM,
     })

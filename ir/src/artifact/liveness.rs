@@ -37,7 +37,7 @@ pub fn step_refs(s: &Step) -> Vec<BufRef> {
         Step::Launch { inputs, outputs, .. } => inputs.iter().chain(outputs).copied().collect(),
         Step::Copy { src, dst, .. } => vec![*src, *dst],
         Step::Memset { dst, .. } => vec![*dst],
-        Step::Collective { input, output, .. } => vec![*input, *output],
+        Step::Collective { input, more_inputs, output, .. } => std::iter::once(input).chain(more_inputs).chain([output]).copied().collect(),
         Step::Loop { .. } => Vec::new(),
     }
 }

@@ -64,7 +64,7 @@ pub fn library_workspaces(m: &Manifest) -> LibraryWorkspaces {
                 }
                 Step::Collective { collective, mesh_dim, dim, dtype, in_shape, out_shape, .. } => {
                     *staging = (*staging).max(collective_staging_bytes(*collective, *dim, dtype.size_bytes() as u64, in_shape, out_shape));
-                    if !matches!(collective, CollectiveOp::TakeShard | CollectiveOp::PlaceShard) && !dims.contains(mesh_dim) {
+                    if !collective.is_rank_local() && !dims.contains(mesh_dim) {
                         dims.push(mesh_dim.clone());
                     }
                 }

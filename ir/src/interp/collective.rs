@@ -22,6 +22,23 @@ pub trait Communicator: Send + Sync {
     /// Contribute `data` to the group of ranks that differ from this one only along `mesh_dim`,
     /// and return every member's contribution ordered by its coordinate along `mesh_dim`.
     fn exchange(&self, mesh_dim: MeshDim, data: Vec<f64>) -> Result<Vec<Vec<f64>>, String>;
+
+    /// The point-to-point transfer of `ring_shift`: send `data` to the rank `shift` places
+    /// back along `mesh_dim` and return what the rank `shift` places ahead sent. Every rank of
+    /// the group calls it with the same `shift`. The default runs it as one [`exchange`]
+    /// (every rank keeps only its source's part): the CPU meshes' transport has no cheaper
+    /// pairwise path (the TCP process group routes every exchange through rank 0's hub).
+    ///
+    /// [`exchange`]: Communicator::exchange
+    fn shift(&self, mesh_dim: MeshDim, data: Vec<f64>, shift: usize) -> Result<Vec<f64>, String> {
+        let n = self.sizes()[mesh_dim.index()];
+        let from = (self.coords()[mesh_dim.index()] + shift) % n.max(1);
+        let mut parts = self.exchange(mesh_dim, data)?;
+        if parts.len() != n {
+            return Err(format!("ring_shift over {mesh_dim}: {} of {n} ranks answered", parts.len()));
+        }
+        Ok(std::mem::take(&mut parts[from]))
+    }
 }
 
 /// Split `shape` around `dim`: (product of the dims before, dim size, product after).
@@ -50,6 +67,21 @@ pub fn eval_collective<T: Real>(op: &Op, x: &Tensor<T>, comm: &dyn Communicator,
             check_size(*size)?;
             return place_shard(x, *dim as usize, group, comm.coords()[mesh_dim.index()]);
         }
+        Op::RingSlice { dim, size, shift, .. } => {
+            check_size(*size)?;
+            let coord = (comm.coords()[mesh_dim.index()] + *shift as usize) % group;
+            return shard_of(x, *dim as usize, group, coord).map_err(|e| format!("ring_slice: {e}"));
+        }
+        Op::RingShift { size, shift, .. } => {
+            check_size(*size)?;
+            let xs = floats(x)?;
+            let got = comm.shift(mesh_dim, xs.iter().map(|&v| Real::to_f64(v)).collect(), *shift as usize)?;
+            if got.len() != xs.len() {
+                return Err(format!("ring_shift over {mesh_dim}: the ranks sent tensors of different sizes"));
+            }
+            return Tensor::from_vec(x.dtype, x.shape.clone(), got.into_iter().map(T::from_f64).collect());
+        }
+        Op::RingConcat { .. } => return Err("ring_concat takes one operand per rank; evaluate it with eval_mesh_op".into()),
         _ => {}
     }
     let xs = floats(x)?;
@@ -115,6 +147,23 @@ pub fn eval_collective<T: Real>(op: &Op, x: &Tensor<T>, comm: &dyn Communicator,
         }
         _ => Err(format!("`{}` is not a collective", op.name())),
     }
+}
+
+/// Evaluate a collective or rank-local op on this rank's operands: [`eval_collective`], and
+/// `ring_concat`, whose `size` operands are the chunks in ring order (this rank's first).
+pub fn eval_mesh_op<T: Real>(op: &Op, inputs: &[&Tensor<T>], comm: &dyn Communicator, precision: Precision) -> Result<Tensor<T>, String> {
+    let Op::RingConcat { mesh_dim, dim, size } = op else {
+        let x = inputs.first().ok_or_else(|| format!("`{}` has no operand", op.name()))?;
+        return eval_collective(op, x, comm, precision);
+    };
+    let group = comm.sizes()[mesh_dim.index()];
+    if *size as usize != group || inputs.len() != group {
+        return Err(format!("`ring_concat` has size = {size} and {} operands but mesh dim {mesh_dim} has {group} ranks", inputs.len()));
+    }
+    let me = comm.coords()[mesh_dim.index()];
+    // Rank order: slice `k` is the chunk computed at ring step `(k - me) mod group`.
+    let ordered: Vec<Tensor<T>> = (0..group).map(|k| inputs[(k + group - me) % group].clone()).collect();
+    concat(&ordered, *dim as usize).map_err(|e| format!("ring_concat: {e}"))
 }
 
 /// The slice of `full` that rank `coord` of `size` holds when dim `dim` is sharded.
@@ -237,6 +286,33 @@ mod tests {
         let bad = Op::AllGather { mesh_dim: MeshDim::DpShard, dim: 0, size: 4 };
         let err = eval_collective(&bad, &x, &me0, Precision::Exact).expect_err("size 4 on 2 ranks");
         assert!(err.contains("has size = 4 but mesh dim dp_shard has 2 ranks"), "{err}");
+    }
+
+    /// The ring micro-steps of `async-tp` on rank 1 of 2: a shift receives the other rank's
+    /// operand, a rotated slice is the other rank's rows, and the chunks computed in ring
+    /// order (own first) concatenate back in rank order.
+    #[test]
+    fn ring_ops_rotate_by_the_rank() {
+        let x = t(&[2, 2], &[1.0, 2.0, 3.0, 4.0]);
+        let me1 = TwoRanks { me: 1 };
+        let shift = Op::RingShift { mesh_dim: MeshDim::DpShard, size: 2, shift: 1 };
+        assert_eq!(eval_collective(&shift, &x, &me1, Precision::Exact).expect("ring_shift").to_f64_vec(), vec![10.0, 20.0, 30.0, 40.0]);
+        let slice = |shift| Op::RingSlice { mesh_dim: MeshDim::DpShard, dim: 1, size: 2, shift };
+        assert_eq!(eval_collective(&slice(0), &x, &me1, Precision::Exact).expect("ring_slice").to_f64_vec(), vec![2.0, 4.0]);
+        assert_eq!(eval_collective(&slice(1), &x, &me1, Precision::Exact).expect("ring_slice").to_f64_vec(), vec![1.0, 3.0]);
+        let (own, next) = (t(&[2, 1], &[2.0, 4.0]), t(&[2, 1], &[1.0, 3.0]));
+        let concat = Op::RingConcat { mesh_dim: MeshDim::DpShard, dim: 1, size: 2 };
+        let full = eval_mesh_op(&concat, &[&own, &next], &me1, Precision::Exact).expect("ring_concat");
+        assert_eq!(full, x);
+        let err = eval_mesh_op(&concat, &[&own], &me1, Precision::Exact).expect_err("one chunk");
+        assert!(err.contains("has size = 2 and 1 operands"), "{err}");
+        // The printed attributes parse back to the same op; a shift outside the group is refused.
+        for op in [shift, slice(1), concat] {
+            assert_eq!(Op::from_parts(op.name(), op.attrs(&|_| String::new()), &|_| None), Ok(op.clone()));
+        }
+        let bad = Op::RingShift { mesh_dim: MeshDim::Tp, size: 2, shift: 2 };
+        let err = Op::from_parts(bad.name(), bad.attrs(&|_| String::new()), &|_| None).expect_err("shift 2 of 2");
+        assert!(err.contains("needs 0 <= shift < size"), "{err}");
     }
 
     #[test]

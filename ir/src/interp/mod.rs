@@ -18,7 +18,7 @@ use crate::graph::{Graph, NodeId, Region, Value};
 use crate::op::Op;
 use crate::shape::TensorType;
 
-pub use collective::{Communicator, concat, eval_collective, shard_of};
+pub use collective::{Communicator, concat, eval_collective, eval_mesh_op, shard_of};
 pub use model::{lr_at, rope_inv_freq};
 pub use ops::eval_op;
 pub use round::{is_narrow_float, round_to_dtype};
@@ -266,7 +266,7 @@ impl<'g> Interpreter<'g> {
                     }
                     op if op.mesh_dim().is_some() && self.comm.is_some() => {
                         let comm = self.comm.as_deref().ok_or_else(|| err("no communicator".into()))?;
-                        vec![eval_collective(op, inputs[0], comm, self.precision).map_err(err)?]
+                        vec![eval_mesh_op(op, &inputs, comm, self.precision).map_err(err)?]
                     }
                     op => eval_op(op, &inputs, &result_types, &self.graph.dims, self.precision).map_err(err)?,
                 }

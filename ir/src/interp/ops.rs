@@ -199,9 +199,14 @@ fn dispatch<T: Real>(op: &Op, x: &[&Tensor<T>], rts: &[ResultType], precision: P
         Op::AdamW(c) => model::adamw(x, c, rts),
         Op::Repeat { .. } => Err("`repeat` runs a block and is executed by the interpreter, not by eval_op".into()),
         Op::Kernel { .. } => Err("`kernel` runs a block and is executed by the interpreter, not by eval_op".into()),
-        Op::AllGather { .. } | Op::ReduceScatter { .. } | Op::AllReduce { .. } | Op::TakeShard { .. } | Op::PlaceShard { .. } => {
-            Err(format!("`{}` needs a device mesh; run the graph with a communicator (the simulated mesh of titan-run)", op.name()))
-        }
+        Op::AllGather { .. }
+        | Op::ReduceScatter { .. }
+        | Op::AllReduce { .. }
+        | Op::TakeShard { .. }
+        | Op::PlaceShard { .. }
+        | Op::RingShift { .. }
+        | Op::RingSlice { .. }
+        | Op::RingConcat { .. } => Err(format!("`{}` needs a device mesh; run the graph with a communicator (the simulated mesh of titan-run)", op.name())),
     }
 }
 

@@ -115,6 +115,10 @@ pub fn vjp(op: &Op, a: &VjpArgs, b: &mut Builder) -> Result<Vec<Option<Value>>, 
         Op::Reshape | Op::Transpose { .. } | Op::Reduce { .. } | Op::Broadcast { .. } | Op::Slice { .. } | Op::Concat { .. } => layout_vjp(op, a, b),
         Op::Matmul { .. } => matmul_vjp(op, a, b),
         Op::AllGather { .. } | Op::ReduceScatter { .. } | Op::AllReduce { .. } | Op::TakeShard { .. } | Op::PlaceShard { .. } => collective_vjp(op, a, b),
+        Op::RingShift { .. } | Op::RingSlice { .. } | Op::RingConcat { .. } => Err(PassDiag::unsupported(format!(
+            "differentiating `{}` is not supported yet; `async-tp` writes it after `autodiff`, which differentiates the synchronous collectives",
+            op.name()
+        ))),
         Op::Constant { .. } => Ok(vec![]),
         Op::RmsNormBwd { .. } | Op::AttentionBwd { .. } | Op::CrossEntropyBwd | Op::CrossEntropyStatsBwd | Op::LrSchedule(_) | Op::AdamW(_) => {
             Err(PassDiag::unsupported(format!("differentiating `{}` is not supported", op.name())))

@@ -90,7 +90,14 @@ pub fn classify(op: &Op, ins: &[&TensorType], outs: &[&TensorType], dims: &DimTa
         Op::Reshape | Op::Repeat { .. } | Op::Kernel { .. } => Class::Keep,
         // Collectives (and the rank-local shard ops) are schedule steps of their own: they
         // never join a kernel, and the convexity check sees paths through them.
-        Op::AllGather { .. } | Op::ReduceScatter { .. } | Op::AllReduce { .. } | Op::TakeShard { .. } | Op::PlaceShard { .. } => Class::Keep,
+        Op::AllGather { .. }
+        | Op::ReduceScatter { .. }
+        | Op::AllReduce { .. }
+        | Op::TakeShard { .. }
+        | Op::PlaceShard { .. }
+        | Op::RingShift { .. }
+        | Op::RingSlice { .. }
+        | Op::RingConcat { .. } => Class::Keep,
         // A leading-axis slice is a view and a concat a set of copies into one buffer, but the
         // memory plan has no offset views yet (`docs/notes.md`).
         Op::Slice { .. } | Op::Concat { .. } => {

@@ -89,7 +89,7 @@ pub struct FuseStats {
 /// Whether `op` stays a region-level step of the kernel graph besides kernels, views and
 /// repeats: a collective or a rank-local shard op.
 pub fn is_collective_step(op: &Op) -> bool {
-    op.is_collective() || matches!(op, Op::TakeShard { .. } | Op::PlaceShard { .. })
+    op.is_collective() || op.is_rank_local()
 }
 
 /// Whether a region is already a kernel region: only kernels, views, collectives and repeats.

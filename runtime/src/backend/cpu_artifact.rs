@@ -19,7 +19,7 @@
 //! An SPMD artifact (a mesh in its manifest) runs one trainer per rank
 //! ([`CpuArtifactTrainer::with_rank`], driven by `sim_mesh::ArtifactMeshTrainer`): every rank
 //! runs the same schedule, its `collective` steps go through the rank's [`Communicator`]
-//! (the interpreter's `eval_collective`, so the same bits as graph mode), and each state buffer
+//! (the interpreter's `eval_mesh_op`, so the same bits as graph mode), and each state buffer
 //! starts as the rank's shard of the single-rank initialization.
 //!
 //! [`Communicator`]: titan_ir::interp::Communicator
@@ -28,7 +28,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use titan_ir::artifact::{Arena, BufRef, Buffer, BufferClass, Step};
-use titan_ir::interp::{Interpreter, Precision, Tensor, eval_collective, eval_op};
+use titan_ir::interp::{Interpreter, Precision, Tensor, eval_mesh_op, eval_op};
 use titan_ir::{DType, Op, Region, TensorType, ValueDef};
 
 use crate::RuntimeError;
@@ -373,19 +373,24 @@ impl<'a> CpuArtifactTrainer<'a> {
                         self.exec(steps, Some(Frame { layer: run.layer, t: run.t, carries }))?;
                     }
                 }
-                Step::Collective { collective, mesh_dim, group, dim, reduce, dtype, in_shape, out_shape, input, output, .. } => {
+                Step::Collective { collective, mesh_dim, group, dim, reduce, dtype, in_shape, out_shape, input, output, more_inputs, shift, .. } => {
                     let what = || format!("`{}` over {mesh_dim}", collective.name());
                     let comm = self.rank.as_ref().map(|r| Arc::clone(&r.comm)).ok_or_else(|| {
                         RuntimeError::Backend(format!("{}: a collective step outside a mesh run; run the artifact on the simulated mesh", what()))
                     })?;
-                    let op = collective.to_op(mesh_dim, *group, *dim, *reduce).map_err(|e| bad(format!("{}: {e}", what())))?;
-                    let (i, o) = (self.view(input, frame)?, self.view(output, frame)?);
+                    let op = collective.to_op(mesh_dim, *group, *dim, *reduce, *shift).map_err(|e| bad(format!("{}: {e}", what())))?;
+                    let o = self.view(output, frame)?;
                     let shape = |s: &[u64]| s.iter().map(|&d| usize_of(d, "a collective operand")).collect::<Result<Vec<_>, _>>();
-                    if i.dtype != *dtype || o.dtype != *dtype {
-                        return Err(bad(format!("{}: the step is {dtype}, the schedule binds {} and {} buffers", what(), i.dtype, o.dtype)));
+                    let mut xs = Vec::with_capacity(1 + more_inputs.len());
+                    for r in std::iter::once(input).chain(more_inputs) {
+                        let i = self.view(r, frame)?;
+                        if i.dtype != *dtype || o.dtype != *dtype {
+                            return Err(bad(format!("{}: the step is {dtype}, the schedule binds {} and {} buffers", what(), i.dtype, o.dtype)));
+                        }
+                        xs.push(decode(self.bytes(i), *dtype, shape(in_shape)?).map_err(|e| bad(format!("{}: input: {e}", what())))?);
                     }
-                    let x = decode(self.bytes(i), *dtype, shape(in_shape)?).map_err(|e| bad(format!("{}: input: {e}", what())))?;
-                    let y = eval_collective(&op, &x, comm.as_ref(), Precision::Emulate).map_err(|e| RuntimeError::Backend(format!("{}: {e}", what())))?;
+                    let refs: Vec<&Tensor<f32>> = xs.iter().collect();
+                    let y = eval_mesh_op(&op, &refs, comm.as_ref(), Precision::Emulate).map_err(|e| RuntimeError::Backend(format!("{}: {e}", what())))?;
                     if y.shape != shape(out_shape)? {
                         return Err(bad(format!("{}: the result is {:?}, the step declares {out_shape:?}", what(), y.shape)));
                     }

@@ -181,7 +181,8 @@ fn fsdp_tp_schedule_has_collective_steps() {
                         CollectiveOp::AllGather => bytes(out_shape) * (n - 1) / n,
                         CollectiveOp::ReduceScatter => bytes(in_shape) * (n - 1) / n,
                         CollectiveOp::AllReduce => 2 * bytes(in_shape) * (n - 1) / n,
-                        CollectiveOp::TakeShard | CollectiveOp::PlaceShard => 0,
+                        CollectiveOp::RingShift => bytes(in_shape),
+                        CollectiveOp::TakeShard | CollectiveOp::PlaceShard | CollectiveOp::RingSlice | CollectiveOp::RingConcat => 0,
                     };
                     assert_eq!(*send_bytes, want, "{collective:?}");
                 }

@@ -5,6 +5,7 @@
 mod activation_checkpoint;
 mod artifact_cpu;
 mod artifact_mesh;
+mod async_tp;
 mod block_gradcheck;
 mod checkpoint_e2e;
 mod common;

@@ -83,6 +83,12 @@ pub fn plan(s: &StepShape<'_>, coord: u64) -> Result<Plan, String> {
     let reduce = s.reduce.unwrap_or(ReduceOp::Sum);
     let dim = || s.dim.map(|d| d as usize).ok_or_else(|| format!("`{}` needs a tensor dim", s.collective.name()));
     let (actions, staging_bytes, communicates) = match s.collective {
+        CollectiveOp::RingShift | CollectiveOp::RingSlice | CollectiveOp::RingConcat => {
+            return Err(format!(
+                "`{}`: async TP is not supported on the CUDA backend yet; rebuild the artifact without `--async-tp` (the CPU meshes run it)",
+                s.collective.name()
+            ));
+        }
         CollectiveOp::AllReduce => {
             if numel(s.in_shape) != numel(s.out_shape) {
                 return Err("all_reduce changes the element count".into());

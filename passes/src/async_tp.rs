@@ -1,0 +1,476 @@
+//! `async-tp`: micro-pipelined tensor parallelism (PyTorch's `fused_all_gather_matmul` /
+//! `fused_matmul_reduce_scatter` and inductor's `micro_pipeline_tp` pass). Every
+//! collective–GEMM pair on the `tp` mesh dim is split into per-chunk GEMMs and point-to-point
+//! ring transfers, so that each transfer can run while the previous chunk's GEMM computes:
+//!
+//! - **all-gather → GEMM** (`all_gather` along a row dim of a `linear`/`matmul` operand): rank
+//!   `r` multiplies its own shard first; for step `s = 1 .. tp-1` it receives shard
+//!   `(r + s) mod tp` from its neighbour (`ring_shift {shift = 1}` of the shard it holds) while
+//!   it multiplies the previous one. GEMMs that read the same gathered value share one loop;
+//!   each GEMM's chunks are put back in rank order by `ring_concat`, and where something else
+//!   still reads the gathered value (the weight gradient, which contracts over the gathered
+//!   rows) it is assembled from the received shards the same way, as a by-product.
+//! - **GEMM → reduce-scatter** (`reduce_scatter` of a `linear`/`matmul` result along a row
+//!   dim): for `s = 1 .. tp-1` the rank computes the partial of the rows of peer `(r + s) mod
+//!   tp` (`ring_slice` of the GEMM operand, then the GEMM) and sends it there
+//!   (`ring_shift {shift = tp - s}`) while it computes the next; its own chunk comes last,
+//!   and the `tp` partials are summed once, in f32.
+//!
+//! The pass runs after `autodiff` (and `cse`/`dce`), on the joint forward and backward
+//! graph, as inductor's pass does: the backward's collective–GEMM pairs (the all-gathered
+//! output cotangent of `wo`/`w2` times the weight) are split like the forward's, and the new
+//! ops need no derivative. Every pair is decided and reported (`PassStats::notes`): split, or
+//! kept synchronous and why (the consumer or producer is not a GEMM over the collective's
+//! rows, the value has other readers, the chunk is below [`worth_splitting`]'s threshold).
+//!
+//! The pass only acts when the graph's meta asks for it (`async_tp`, written by
+//! `--async-tp`); it then needs `tp > 1` with sequence parallelism and fails otherwise.
+
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap};
+
+use titan_ir::shape::resolve_dim;
+use titan_ir::{BinaryOp, CollectiveReduce, DType, Dim, DimTable, Graph, Mesh, MeshDim, NodeId, Op, Region, TensorType, Value};
+
+use crate::PassDiag;
+use crate::util::replace_uses;
+
+/// The meta key `--async-tp` writes: `1` splits the pairs [`worth_splitting`] accepts, `2`
+/// every eligible pair (`--async-tp=all`, for tests and small models).
+pub const ASYNC_TP_META: &str = "async_tp";
+
+/// Which pairs `async-tp` splits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AsyncTpMode {
+    /// Those whose chunks are large enough to hide a micro-step's overhead ([`worth_splitting`]).
+    Auto,
+    /// Every eligible pair, whatever its size.
+    All,
+}
+
+impl AsyncTpMode {
+    pub fn name(self) -> &'static str {
+        match self {
+            AsyncTpMode::Auto => "auto",
+            AsyncTpMode::All => "all",
+        }
+    }
+
+    /// `auto` or `all`.
+    pub fn from_name(s: &str) -> Result<AsyncTpMode, String> {
+        match s {
+            "auto" => Ok(AsyncTpMode::Auto),
+            "all" => Ok(AsyncTpMode::All),
+            other => Err(format!("unknown async TP mode `{other}`; expected `auto` (split the pairs the cost threshold accepts) or `all`")),
+        }
+    }
+}
+
+/// Record in `g`'s meta that `async-tp` must split its collective–GEMM pairs.
+pub fn enable_async_tp(g: &mut Graph, mode: AsyncTpMode) {
+    g.meta.entries.retain(|(k, _)| k != ASYNC_TP_META);
+    let v = match mode {
+        AsyncTpMode::Auto => 1,
+        AsyncTpMode::All => 2,
+    };
+    g.meta.entries.push((ASYNC_TP_META.into(), titan_ir::AttrValue::Int(v)));
+}
+
+/// The mode `g`'s meta asks for; `None` when async TP is off.
+pub fn async_tp_mode(g: &Graph) -> Result<Option<AsyncTpMode>, String> {
+    match g.meta_i64(ASYNC_TP_META) {
+        None | Some(0) => Ok(None),
+        Some(1) => Ok(Some(AsyncTpMode::Auto)),
+        Some(2) => Ok(Some(AsyncTpMode::All)),
+        Some(v) => Err(format!("meta `{ASYNC_TP_META} = {v}`: expected 0 (off), 1 (auto) or 2 (all)")),
+    }
+}
+
+/// Link bandwidth of the threshold: NVLink 4 on H100/H200, per direction (bytes/s).
+pub const LINK_BYTES_PER_S: f64 = 450e9;
+/// Dense bf16 GEMM rate of the threshold (FLOP/s), about what an H100/H200 sustains.
+pub const GEMM_FLOPS_PER_S: f64 = 700e12;
+/// Fixed cost of one micro-step: a transfer's latency plus a GEMM launch (seconds).
+pub const MICRO_STEP_OVERHEAD_S: f64 = 10e-6;
+
+/// Whether splitting a pair pays, by a deliberately small model (to be replaced by the step
+/// simulator's): each micro-step moves `chunk_bytes` and runs `chunk_flops` of GEMM, and at
+/// best hides the shorter of the two, `min(bytes / link, flops / rate)`; the split adds a
+/// fixed [`MICRO_STEP_OVERHEAD_S`] per step. Split when the hidden time covers it. At 70B
+/// (tp 8, seq 8192, dim 8192, bf16) a chunk is 16 MiB (37 µs on the link): split; on the
+/// debug model (KiB chunks) nothing is, unless `--async-tp=all`.
+pub fn worth_splitting(chunk_bytes: u64, chunk_flops: u64) -> bool {
+    hidden_seconds(chunk_bytes, chunk_flops) >= MICRO_STEP_OVERHEAD_S
+}
+
+fn hidden_seconds(chunk_bytes: u64, chunk_flops: u64) -> f64 {
+    (chunk_bytes as f64 / LINK_BYTES_PER_S).min(chunk_flops as f64 / GEMM_FLOPS_PER_S)
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct AsyncTpStats {
+    /// all-gather → GEMM pairs split (one per gathered value, whatever its GEMM count).
+    pub gathers_split: usize,
+    /// GEMM → reduce-scatter pairs split.
+    pub scatters_split: usize,
+    /// tp all-gathers and reduce-scatters left synchronous.
+    pub kept: usize,
+    /// `ring_shift` micro-steps written (per block, not per layer).
+    pub ring_shifts: usize,
+    /// Chunk GEMMs written.
+    pub chunk_gemms: usize,
+    /// The decision report: one line per tp all-gather or reduce-scatter.
+    pub decisions: Vec<String>,
+}
+
+/// A GEMM that consumes (or produces) a value along a row dim: `linear(x, w)` or
+/// `matmul(x, w)` without `transpose_a`, with `x` the value and `w` a matrix.
+fn row_gemm(region: &Region, node: &titan_ir::Node, x: Value, dim: usize) -> Result<(), String> {
+    let ok_op = match node.op {
+        Op::Linear => true,
+        Op::Matmul { transpose_a, .. } => !transpose_a && region.ty(node.inputs[1]).rank() == 2,
+        _ => false,
+    };
+    if !ok_op {
+        return Err(format!("`{}` is not a GEMM over its operand's rows", node.op.name()));
+    }
+    if node.inputs[0] != x || node.inputs[1] == x {
+        return Err(format!("`{}` reads the value as its weight operand", node.op.name()));
+    }
+    if dim + 1 >= region.ty(x).rank() {
+        return Err(format!("`{}` contracts over dim {dim}", node.op.name()));
+    }
+    Ok(())
+}
+
+fn numel(ty: &TensorType, dims: &DimTable) -> Result<u64, String> {
+    ty.numel(dims).ok_or_else(|| format!("{ty} has an unbound dim"))
+}
+
+fn bytes(ty: &TensorType, dims: &DimTable) -> Result<u64, String> {
+    Ok(numel(ty, dims)? * ty.dtype.size_bytes() as u64)
+}
+
+fn divided(ty: &TensorType, d: usize, n: u32, dims: &DimTable) -> Result<TensorType, String> {
+    let size = resolve_dim(&ty.shape[d], dims).ok_or_else(|| format!("dim {d} of {ty} is not bound"))?;
+    if !size.is_multiple_of(u64::from(n)) {
+        return Err(format!("dim {d} of {ty} is not divisible by tp = {n}"));
+    }
+    let mut t = ty.clone();
+    t.shape[d] = Dim::Fixed(size / u64::from(n));
+    Ok(t)
+}
+
+fn human(b: u64) -> String {
+    if b >= 1 << 20 { format!("{:.2} MiB", b as f64 / f64::from(1u32 << 20)) } else { format!("{:.2} KiB", b as f64 / 1024.0) }
+}
+
+fn name_of(region: &Region, v: Value) -> String {
+    region.value(v).name.as_ref().map_or_else(|| format!("{v}"), |n| format!("%{n}"))
+}
+
+/// Nodes of `region` (in order) that read `v`, and whether a region output or update does.
+fn readers(region: &Region, v: Value) -> (Vec<NodeId>, bool) {
+    let nodes = region.order.iter().copied().filter(|&m| region.node(m).inputs.contains(&v)).collect();
+    let out = region.outputs.iter().any(|o| o.value == v) || region.updates.iter().any(|u| u.value == v);
+    (nodes, out)
+}
+
+/// Builds the new nodes of one rewrite; they all take the place (the order key) of `at`.
+struct Emit<'r> {
+    region: &'r mut Region,
+    new: Vec<NodeId>,
+}
+
+impl Emit<'_> {
+    fn push(&mut self, op: Op, inputs: Vec<Value>, ty: TensorType, name: Option<String>) -> Value {
+        let n = self.region.add_node(op, inputs, vec![ty]);
+        self.region.order.pop();
+        self.new.push(n);
+        let v = self.region.node(n).results[0];
+        self.region.values[v.index()].name = name;
+        v
+    }
+}
+
+/// Re-sort `region.order` topologically, keeping each node as close to its key as its
+/// operands allow (smallest key first among the ready nodes).
+fn stable_topo(region: &mut Region, keys: &HashMap<NodeId, (usize, usize)>) -> Result<(), String> {
+    let def: HashMap<Value, NodeId> = region.order.iter().flat_map(|&m| region.node(m).results.iter().map(move |&r| (r, m))).collect();
+    let mut waiting: HashMap<NodeId, usize> = HashMap::new();
+    let mut users: HashMap<NodeId, Vec<NodeId>> = HashMap::new();
+    let mut heap = BinaryHeap::new();
+    for &m in &region.order {
+        let mut deps: Vec<NodeId> = region.node(m).inputs.iter().filter_map(|v| def.get(v).copied()).collect();
+        deps.sort_unstable();
+        deps.dedup();
+        for d in &deps {
+            users.entry(*d).or_default().push(m);
+        }
+        waiting.insert(m, deps.len());
+        if deps.is_empty() {
+            heap.push(Reverse((keys[&m], m)));
+        }
+    }
+    let mut order = Vec::with_capacity(region.order.len());
+    while let Some(Reverse((_, m))) = heap.pop() {
+        order.push(m);
+        for u in users.remove(&m).unwrap_or_default() {
+            let w = waiting.get_mut(&u).ok_or("invariant: every user is in the order")?;
+            *w -= 1;
+            if *w == 0 {
+                heap.push(Reverse((keys[&u], u)));
+            }
+        }
+    }
+    if order.len() != region.order.len() {
+        return Err(format!("@{}: the rewritten nodes form a cycle", region.name));
+    }
+    region.order = order;
+    Ok(())
+}
+
+/// Replace the nodes `gone` by `new` (at the order position of `at`) and re-sort.
+fn splice(region: &mut Region, gone: &[NodeId], at: NodeId, new: &[NodeId]) -> Result<(), String> {
+    let pos = region.order.iter().position(|&m| m == at).ok_or("invariant: the anchor is in the order")?;
+    let mut keys: HashMap<NodeId, (usize, usize)> = region.order.iter().enumerate().map(|(p, &m)| (m, (p, 0))).collect();
+    for (j, &n) in new.iter().enumerate() {
+        keys.insert(n, (pos, j + 1));
+    }
+    region.order.retain(|m| !gone.contains(m));
+    region.order.extend_from_slice(new);
+    stable_topo(region, &keys)
+}
+
+struct Ctx<'a> {
+    dims: &'a DimTable,
+    tp: u32,
+    mode: AsyncTpMode,
+}
+
+impl Ctx<'_> {
+    fn threshold(&self, chunk_bytes: u64, chunk_flops: u64) -> Result<(), String> {
+        if self.mode == AsyncTpMode::All || worth_splitting(chunk_bytes, chunk_flops) {
+            return Ok(());
+        }
+        Err(format!(
+            "chunk of {} and {:.3} GFLOP hides {:.2} us per micro-step, below the {:.0} us overhead (`--async-tp=all` splits it anyway)",
+            human(chunk_bytes),
+            chunk_flops as f64 / 1e9,
+            hidden_seconds(chunk_bytes, chunk_flops) * 1e6,
+            MICRO_STEP_OVERHEAD_S * 1e6
+        ))
+    }
+}
+
+/// Decide and (maybe) split the all-gather `ag`; returns the report line.
+fn all_gather_pair(region: &mut Region, ag: NodeId, ctx: &Ctx, stats: &mut AsyncTpStats) -> Result<String, String> {
+    let node = region.node(ag).clone();
+    let Op::AllGather { dim, size, .. } = node.op else { return Err("invariant: an all_gather".into()) };
+    let (x, g) = (node.inputs[0], node.results[0]);
+    let d = dim as usize;
+    let head = format!("@{}: all_gather({}) {{dim = {d}}}", region.name, name_of(region, x));
+    let (users, used_outside) = readers(region, g);
+    let mut gemms = Vec::new();
+    let mut why_not = Vec::new();
+    for &u in &users {
+        match row_gemm(region, region.node(u), g, d) {
+            Ok(()) => gemms.push(u),
+            Err(e) => why_not.push(e),
+        }
+    }
+    if gemms.is_empty() {
+        let why = if why_not.is_empty() { "nothing reads it but the region's outputs".to_string() } else { why_not.join("; ") };
+        return Ok(format!("{head}: synchronous: no consumer is a GEMM over the gathered rows ({why})"));
+    }
+    let names: Vec<String> = gemms.iter().map(|&u| format!("{}({})", region.node(u).op.name(), name_of(region, region.node(u).inputs[1]))).collect();
+    let chunk_bytes = bytes(region.ty(x), ctx.dims)?;
+    let k = resolve_dim(region.ty(g).shape.last().ok_or("a scalar gathered")?, ctx.dims).ok_or("unbound contraction dim")?;
+    let mut flops = 0;
+    for &u in &gemms {
+        flops += 2 * numel(region.ty(region.node(u).results[0]), ctx.dims)? / u64::from(size) * k;
+    }
+    if let Err(e) = ctx.threshold(chunk_bytes, flops) {
+        return Ok(format!("{head} -> {}: synchronous: {e}", names.join(", ")));
+    }
+    // The rewrite.
+    let n = size;
+    let xname = region.value(x).name.clone();
+    let gemm_nodes: Vec<titan_ir::Node> = gemms.iter().map(|&u| region.node(u).clone()).collect();
+    let at = *gemms.last().ok_or("invariant: a GEMM")?;
+    let mut e = Emit { region, new: Vec::new() };
+    let mut shards = vec![x];
+    let mut chunks: Vec<Vec<Value>> = vec![Vec::new(); gemm_nodes.len()];
+    for s in 0..n {
+        let cur = shards[s as usize];
+        if s + 1 < n {
+            let ty = e.region.ty(cur).clone();
+            let next = e.push(Op::RingShift { mesh_dim: MeshDim::Tp, size: n, shift: 1 }, vec![cur], ty, xname.as_ref().map(|b| format!("{b}.ring{}", s + 1)));
+            shards.push(next);
+            stats.ring_shifts += 1;
+        }
+        for (c, gn) in gemm_nodes.iter().enumerate() {
+            let ty = divided(e.region.ty(gn.results[0]), d, n, ctx.dims)?;
+            let name = e.region.value(gn.results[0]).name.as_ref().map(|b| format!("{b}.chunk{s}"));
+            chunks[c].push(e.push(gn.op.clone(), vec![cur, gn.inputs[1]], ty, name));
+            stats.chunk_gemms += 1;
+        }
+    }
+    let mut gone = vec![ag];
+    for (c, gn) in gemm_nodes.iter().enumerate() {
+        let y = gn.results[0];
+        let ty = e.region.ty(y).clone();
+        let name = e.region.value(y).name.clone();
+        let assembled = e.push(Op::RingConcat { mesh_dim: MeshDim::Tp, dim, size: n }, chunks[c].clone(), ty, name);
+        replace_uses(e.region, y, assembled, None);
+        gone.push(gemms[c]);
+    }
+    let byproduct = users.len() > gemms.len() || used_outside;
+    if byproduct {
+        let ty = e.region.ty(g).clone();
+        let name = e.region.value(g).name.clone();
+        let full = e.push(Op::RingConcat { mesh_dim: MeshDim::Tp, dim, size: n }, shards.clone(), ty, name);
+        replace_uses(e.region, g, full, None);
+    }
+    let new = std::mem::take(&mut e.new);
+    splice(region, &gone, at, &new)?;
+    stats.gathers_split += 1;
+    Ok(format!(
+        "{head} -> {}: split into {n} micro-steps ({} ring shifts of {} each){}",
+        names.join(", "),
+        n - 1,
+        human(chunk_bytes),
+        if byproduct { format!("; the gathered value is assembled for its other readers ({})", why_not.join("; ")) } else { String::new() }
+    ))
+}
+
+/// Decide and (maybe) split the reduce-scatter `rs`; returns the report line.
+fn reduce_scatter_pair(region: &mut Region, rs: NodeId, ctx: &Ctx, stats: &mut AsyncTpStats) -> Result<String, String> {
+    let node = region.node(rs).clone();
+    let Op::ReduceScatter { dim, size, reduce, .. } = node.op else { return Err("invariant: a reduce_scatter".into()) };
+    let (p, out) = (node.inputs[0], node.results[0]);
+    let d = dim as usize;
+    let head = format!("@{}: reduce_scatter({}) {{dim = {d}}}", region.name, name_of(region, p));
+    let producer = region.order.iter().copied().find(|&m| region.node(m).results.contains(&p));
+    let Some(prod) = producer else {
+        return Ok(format!("{head}: synchronous: its operand is an argument of the region, not a GEMM"));
+    };
+    let pn = region.node(prod).clone();
+    if reduce != CollectiveReduce::Sum {
+        return Ok(format!("{head}: synchronous: only sum reductions are split"));
+    }
+    let h = pn.inputs.first().copied();
+    let shape_ok = match h {
+        Some(h) => row_gemm(region, &pn, h, d),
+        None => Err(format!("`{}` has no operand", pn.op.name())),
+    };
+    if let Err(e) = shape_ok {
+        return Ok(format!("{head}: synchronous: the producer is not a GEMM over the scattered rows ({e})"));
+    }
+    let h = h.ok_or("invariant: a GEMM operand")?;
+    let (users, used_outside) = readers(region, p);
+    if users.len() != 1 || used_outside {
+        return Ok(format!("{head}: synchronous: the GEMM's full partial result has other readers"));
+    }
+    let wname = name_of(region, pn.inputs[1]);
+    let n = size;
+    let out_ty = region.ty(out).clone();
+    let chunk_bytes = bytes(&out_ty, ctx.dims)?;
+    let k = resolve_dim(region.ty(h).shape.last().ok_or("a scalar operand")?, ctx.dims).ok_or("unbound contraction dim")?;
+    let flops = 2 * numel(&out_ty, ctx.dims)? * k;
+    if let Err(e) = ctx.threshold(chunk_bytes, flops) {
+        return Ok(format!("{head} <- {}({wname}): synchronous: {e}", pn.op.name()));
+    }
+    let pname = region.value(p).name.clone();
+    let hname = region.value(h).name.clone();
+    let h_chunk = divided(region.ty(h), d, n, ctx.dims)?;
+    let part_ty = divided(region.ty(p), d, n, ctx.dims)?;
+    let mut e = Emit { region, new: Vec::new() };
+    let mut received = Vec::new();
+    // Peers' partials first (each sent while the next is computed), this rank's own last.
+    for s in (1..n).chain([0]) {
+        let name = hname.as_ref().map(|b| format!("{b}.rows{s}"));
+        let hs = e.push(Op::RingSlice { mesh_dim: MeshDim::Tp, dim, size: n, shift: s }, vec![h], h_chunk.clone(), name);
+        let ps = e.push(pn.op.clone(), vec![hs, pn.inputs[1]], part_ty.clone(), pname.as_ref().map(|b| format!("{b}.chunk{s}")));
+        stats.chunk_gemms += 1;
+        if s == 0 {
+            received.push(ps);
+        } else {
+            let name = pname.as_ref().map(|b| format!("{b}.from{s}"));
+            received.push(e.push(Op::RingShift { mesh_dim: MeshDim::Tp, size: n, shift: n - s }, vec![ps], part_ty.clone(), name));
+            stats.ring_shifts += 1;
+        }
+    }
+    // One f32 reduction of the tp partials.
+    let wide = out_ty.dtype != DType::F32;
+    let f32_ty = TensorType::new(DType::F32, out_ty.shape.clone());
+    let mut acc: Option<Value> = None;
+    for r in received {
+        let r = if wide { e.push(Op::Cast, vec![r], f32_ty.clone(), None) } else { r };
+        acc = Some(match acc {
+            None => r,
+            Some(a) => e.push(Op::Binary(BinaryOp::Add), vec![a, r], f32_ty.clone(), None),
+        });
+    }
+    let acc = acc.ok_or("invariant: tp > 1 partials")?;
+    let result = if wide { e.push(Op::Cast, vec![acc], out_ty.clone(), None) } else { acc };
+    e.region.values[result.index()].name = e.region.value(out).name.clone();
+    replace_uses(e.region, out, result, None);
+    let new = std::mem::take(&mut e.new);
+    splice(region, &[prod, rs], rs, &new)?;
+    stats.scatters_split += 1;
+    Ok(format!(
+        "{head} <- {}({wname}): split into {n} micro-steps ({} ring shifts of {} each, own chunk last, one f32 reduction)",
+        pn.op.name(),
+        n - 1,
+        human(chunk_bytes)
+    ))
+}
+
+fn rewrite_region(region: &mut Region, ctx: &Ctx, stats: &mut AsyncTpStats) -> Result<(), String> {
+    let candidates: Vec<NodeId> = region
+        .order
+        .iter()
+        .copied()
+        .filter(|&m| matches!(region.node(m).op, Op::AllGather { mesh_dim: MeshDim::Tp, .. } | Op::ReduceScatter { mesh_dim: MeshDim::Tp, .. }))
+        .collect();
+    for c in candidates {
+        let line = if matches!(region.node(c).op, Op::AllGather { .. }) {
+            all_gather_pair(region, c, ctx, stats)?
+        } else {
+            reduce_scatter_pair(region, c, ctx, stats)?
+        };
+        if line.contains(": synchronous: ") {
+            stats.kept += 1;
+        }
+        stats.decisions.push(line);
+    }
+    Ok(())
+}
+
+pub fn async_tp(g: &mut Graph) -> Result<AsyncTpStats, PassDiag> {
+    let mut stats = AsyncTpStats::default();
+    let Some(mode) = async_tp_mode(g)? else { return Ok(stats) };
+    let tp = Mesh::from_graph(g)?.map_or(1, |m| m.size(MeshDim::Tp));
+    if tp < 2 {
+        return Err(PassDiag::precondition(format!(
+            "async tensor parallelism needs tp > 1 with sequence parallelism; this mesh has tp = {tp}: add `--tp N` or drop `--async-tp`"
+        )));
+    }
+    let sequence_parallel = std::iter::once(&g.main)
+        .chain(&g.blocks)
+        .flat_map(|r| r.order.iter().map(move |&m| &r.node(m).op))
+        .any(|op| matches!(op, Op::AllGather { mesh_dim: MeshDim::Tp, dim: 1, .. }));
+    if !sequence_parallel {
+        return Err(PassDiag::precondition(
+            "async tensor parallelism needs sequence parallelism (the tp all-gather of the sequence before the column-parallel GEMMs), and this graph has none; run `shard-tp` first",
+        ));
+    }
+    let ctx = Ctx { dims: &g.dims, tp, mode };
+    debug_assert!(ctx.tp >= 2);
+    rewrite_region(&mut g.main, &ctx, &mut stats)?;
+    for b in &mut g.blocks {
+        rewrite_region(b, &ctx, &mut stats)?;
+    }
+    Ok(stats)
+}

@@ -1,0 +1,196 @@
+//! Async tensor parallelism (`--async-tp`, the `async-tp` pass): the split schedule (ring
+//! micro-steps and chunk GEMMs) trains like the synchronous one on the CPU simulated mesh.
+//!
+//! For each mesh the f32 debug model is lowered twice, synchronous and with `--async-tp=all`
+//! (every eligible pair split: the debug model's chunks are below the cost threshold of
+//! `auto`), and both run 5 steps on the simulated mesh from the same initialization: tp 2 as
+//! built artifacts (schedule, memory plan, ring steps of the manifest), the other meshes in
+//! graph mode (the interpreter's semantics of the same ops, seconds instead of a build each).
+//! Tolerances are those of the mesh runs against one device (`artifact_mesh.rs`): losses
+//! within 1e-5, gradient norms within 1e-4 relative, every state within 5e-5. The only
+//! difference is the order of the f32 sums of the reduce-scatter's partials (the synchronous
+//! collective adds them in rank order, the split one in ring order, own chunk last); the
+//! measured maxima are printed with `--nocapture`. Multi-process runs: `launch.rs`.
+
+use std::time::Instant;
+
+use titan_compiler::build::{BuildOptions, build_artifact};
+use titan_compiler::{LlamaConfig, Preset, build_llama3};
+use titan_ir::artifact::{CollectiveOp, Step};
+use titan_ir::interp::Tensor;
+use titan_ir::{DType, Graph, Mesh};
+use titan_passes::async_tp::{AsyncTpMode, enable_async_tp};
+use titan_passes::lower_to_train;
+use titan_runtime::{Artifact, ArtifactMeshTrainer, BUNDLED_CORPUS, Batch, Batcher, MeshTrainer, Trainer, byte_tokens};
+
+use crate::common::{Scratch, debug_f32, debug_f32_with, train_options};
+
+const STEPS: usize = 5;
+const LOSS_TOL: f64 = 1e-5;
+const STATE_TOL: f32 = 5e-5;
+
+struct Run {
+    losses: Vec<f64>,
+    grad_norms: Vec<f64>,
+    states: Vec<(String, Tensor<f32>)>,
+}
+
+fn build(model: &Graph, mesh: Mesh, async_tp: Option<AsyncTpMode>, name: &str) -> (Scratch, titan_compiler::build::BuildSummary) {
+    let dir = crate::common::scratch("async-tp", name);
+    let opts = BuildOptions { train: train_options(), mesh, async_tp, ..BuildOptions::default() };
+    let summary = build_artifact(model, &titan_ir::print::print_graph(model), &opts, dir.as_ref()).unwrap_or_else(|e| panic!("building {name}: {e}"));
+    (dir, summary)
+}
+
+fn run(dir: &Scratch) -> Run {
+    let artifact = Artifact::load(dir.as_ref()).expect("load");
+    let mut t = ArtifactMeshTrainer::new(&artifact, 0).expect("mesh trainer");
+    let batches = batches(&t);
+    let (mut losses, mut grad_norms) = (Vec::new(), Vec::new());
+    for b in &batches {
+        let m = t.step(b).expect("step");
+        losses.push(m.loss);
+        grad_norms.push(m.grad_norm);
+    }
+    Run { losses, grad_norms, states: t.states().expect("states") }
+}
+
+fn batches(t: &dyn Trainer) -> Vec<Batch> {
+    let mut batcher = Batcher::new(byte_tokens(BUNDLED_CORPUS.as_bytes()), t.batch_size(), t.seq_len(), 7).expect("batcher");
+    (0..STEPS).map(|_| batcher.next_batch()).collect()
+}
+
+/// The SPMD training graph of `model` on `mesh` (with async TP) run in graph mode.
+fn graph_run(model: &Graph, mesh: Mesh, async_tp: bool) -> (Run, usize) {
+    let mut m = model.clone();
+    mesh.write_meta(&mut m);
+    if async_tp {
+        enable_async_tp(&mut m, AsyncTpMode::All);
+    }
+    let g = lower_to_train(&m, &train_options()).expect("lowering");
+    let ops = |r: &titan_ir::Region| r.order.iter().filter(|&&n| matches!(r.node(n).op, titan_ir::Op::RingShift { .. })).count();
+    let shifts = ops(&g.main) + g.blocks.iter().map(ops).sum::<usize>();
+    let mut t = MeshTrainer::new(&g, 0).expect("mesh trainer");
+    let mut batcher = Batcher::new(byte_tokens(BUNDLED_CORPUS.as_bytes()), t.global_batch(), 64, 7).expect("batcher");
+    let (mut losses, mut grad_norms) = (Vec::new(), Vec::new());
+    for _ in 0..STEPS {
+        let m = t.step(&batcher.next_batch()).expect("step");
+        losses.push(m.loss);
+        grad_norms.push(m.grad_norm);
+    }
+    (Run { losses, grad_norms, states: t.gathered_states().expect("gather") }, shifts)
+}
+
+/// Collective steps of `op` in a schedule, loops counted once.
+fn count(steps: &[Step], op: CollectiveOp) -> usize {
+    steps
+        .iter()
+        .map(|s| match s {
+            Step::Loop { body, prefetch, .. } => count(body, op) + count(prefetch, op),
+            Step::Collective { collective, .. } => usize::from(*collective == op),
+            _ => 0,
+        })
+        .sum()
+}
+
+fn check(model: &Graph, mesh: Mesh, name: &str) {
+    let start = Instant::now();
+    let (sync_dir, _) = build(model, mesh, None, &format!("{name}-sync"));
+    let (async_dir, summary) = build(model, mesh, Some(AsyncTpMode::All), &format!("{name}-async"));
+    let stats = summary.pipeline.stats("async-tp").expect("the pass ran");
+    // Per layer (forward and backward blocks): wq/wk/wv and w1/w3 share their gathered input,
+    // wo and w2 are reduce-scattered, and the backward's all-gathered cotangents of wo and w2
+    // feed their data-gradient GEMMs; in `main` the vocab-parallel output head's gathered
+    // input, and in its backward the reduce-scatter of its input cotangent.
+    assert_eq!((stats.get("gathers_split"), stats.get("scatters_split")), (Some(5), Some(3)), "{stats}: {:#?}", stats.notes);
+    assert!(stats.notes.iter().any(|l| l.contains("synchronous: ")), "every pair is reported: {:#?}", stats.notes);
+    let manifest = &Artifact::load(async_dir.as_ref()).expect("load").manifest;
+    let steps = &manifest.ranks[0].steps;
+    let tp = mesh.size(titan_ir::MeshDim::Tp) as usize;
+    assert_eq!(count(steps, CollectiveOp::RingShift), 8 * (tp - 1), "one ring shift per micro-step after the first");
+    compare(mesh, &run(&sync_dir), &run(&async_dir), start);
+}
+
+/// Graph mode: the synchronous and the async-TP SPMD graphs of `model` on `mesh`.
+fn check_graph(model: &Graph, mesh: Mesh) {
+    let start = Instant::now();
+    let (want, none) = graph_run(model, mesh, false);
+    let (got, shifts) = graph_run(model, mesh, true);
+    let tp = mesh.size(titan_ir::MeshDim::Tp) as usize;
+    assert_eq!((none, shifts), (0, 8 * (tp - 1)), "one ring shift per micro-step after the first, 8 split pairs");
+    compare(mesh, &want, &got, start);
+}
+
+fn compare(mesh: Mesh, want: &Run, got: &Run, start: Instant) {
+    let loss_diff = want.losses.iter().zip(&got.losses).map(|(a, b)| (a - b).abs()).fold(0.0, f64::max);
+    let norm_diff = want.grad_norms.iter().zip(&got.grad_norms).map(|(a, b)| (a - b).abs() / a.abs()).fold(0.0, f64::max);
+    let (mut state_diff, mut worst) = (0.0f32, String::new());
+    assert_eq!(want.states.len(), got.states.len());
+    for ((n1, t1), (n2, t2)) in want.states.iter().zip(&got.states) {
+        assert_eq!((n1, &t1.shape), (n2, &t2.shape));
+        let d = t1.floats().expect("float").iter().zip(t2.floats().expect("float")).map(|(x, y)| (x - y).abs()).fold(0.0f32, f32::max);
+        if d > state_diff {
+            (state_diff, worst) = (d, n1.clone());
+        }
+    }
+    println!(
+        "async tp {:?}: losses {:?}; vs synchronous: max |dloss| {loss_diff:.3e}, max rel dgrad_norm {norm_diff:.3e}, max |dstate| {state_diff:.3e} ({worst}); {:.2} s",
+        mesh.sizes,
+        got.losses,
+        start.elapsed().as_secs_f64()
+    );
+    assert!(loss_diff <= LOSS_TOL, "losses differ by {loss_diff}: {:?} vs {:?}", want.losses, got.losses);
+    assert!(norm_diff <= 1e-4, "grad norms differ: {:?} vs {:?}", want.grad_norms, got.grad_norms);
+    assert!(state_diff <= STATE_TOL, "state `{worst}` differs by {state_diff}");
+}
+
+#[test]
+fn async_tp_2_trains_like_synchronous_tp_2() {
+    check(&debug_f32(), Mesh::new(1, 1, 2), "tp2");
+}
+
+/// tp 4 on the stock debug model (2 kv heads): kv-head replication.
+#[test]
+fn async_tp_4_trains_like_synchronous_tp_4() {
+    check_graph(&debug_f32(), Mesh::new(1, 1, 4));
+}
+
+/// tp 8 needs 8 query heads (head_dim 8); 2 kv heads, each replicated on 4 ranks.
+#[test]
+fn async_tp_8_trains_like_synchronous_tp_8() {
+    let m = debug_f32_with(LlamaConfig { n_heads: 8, ..LlamaConfig::preset(Preset::Debug) });
+    check_graph(&m, Mesh::new(1, 1, 8));
+}
+
+#[test]
+fn async_tp_with_dp_shard_trains_like_synchronous() {
+    check_graph(&debug_f32(), Mesh::new(1, 2, 2));
+    check_graph(&debug_f32(), Mesh::new(1, 2, 4));
+    check_graph(&debug_f32_with(LlamaConfig { n_heads: 8, ..LlamaConfig::preset(Preset::Debug) }), Mesh::new(1, 2, 8));
+}
+
+/// `titanc build --tp 4 --async-tp` prints the decision for every pair (the debug model's
+/// chunks are below the threshold: all synchronous, each with its reason; the split ones are
+/// in the filetests and the tp 2 test above), and a build where async TP cannot apply says why.
+#[test]
+fn titanc_build_prints_the_decisions_and_refuses_tp_1() {
+    let dir = crate::common::scratch("async-tp", "cli");
+    std::fs::create_dir_all(dir.as_ref()).expect("scratch dir");
+    let model = dir.as_ref().join("debug.ir");
+    let cfg = LlamaConfig { dtype: DType::F32, ..LlamaConfig::preset(Preset::Debug) };
+    std::fs::write(&model, titan_ir::print::print_graph(&build_llama3(&cfg, "llama3_debug").expect("model"))).expect("write");
+    let (m, out) = (model.to_str().expect("utf-8"), dir.as_ref().join("a"));
+    let o = out.to_str().expect("utf-8");
+    let stdout = titan_compiler::cli::run_args(["titanc", "build", m, "--tp", "4", "--async-tp", "-o", o]).expect("build").stdout;
+    assert!(stdout.contains("async-tp:\n"), "{stdout}");
+    assert!(
+        stdout.contains("@layer: all_gather(%xn) {dim = 1} -> linear(%wq), linear(%wk.kv_head), linear(%wv.kv_head): synchronous: chunk of 32.00 KiB")
+            && stdout.contains("synchronous: chunk of"),
+        "{stdout}"
+    );
+    assert!(stdout.contains("synchronous: the producer is not a GEMM over the scattered rows"), "{stdout}");
+    let err = titan_compiler::cli::run_args(["titanc", "build", m, "--dp-shard", "2", "--async-tp", "-o", o]).expect_err("tp 1").to_string();
+    assert!(err.contains("async tensor parallelism (`--async-tp`) needs tp > 1 with sequence parallelism, and this build has tp = 1"), "{err}");
+    let err = titan_compiler::cli::run_args(["titanc", "build", m, "--tp", "2", "--async-tp=some", "-o", o]).expect_err("mode").to_string();
+    assert!(err.contains("unknown async TP mode `some`"), "{err}");
+}
