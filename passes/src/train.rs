@@ -158,6 +158,31 @@ pub(crate) fn run_on_copy(
     Ok((g, report))
 }
 
+/// Validate `opts`, copy `model` as `<name>_eval` (meta `step = "eval"`) and run `passes` on it.
+/// A float8 build has no eval step yet (its forward needs the float8 expansion that `autodiff`
+/// runs): refused.
+pub(crate) fn run_eval_on_copy(
+    model: &Graph,
+    opts: &TrainOptions,
+    passes: &[crate::pipeline::PassInfo],
+    popts: &crate::pipeline::PipelineOptions,
+) -> Result<(Graph, crate::pipeline::PipelineReport), PassError> {
+    opts.validate()?;
+    if opts.float8.is_some() {
+        return Err(PassError::new(
+            "lower-to-eval",
+            crate::PassErrorKind::Precondition,
+            "an eval step of a float8 build is not supported yet; validate a bf16 build of the same model (its checkpoints load)".to_string(),
+        ));
+    }
+    let mut g = model.clone();
+    g.name = format!("{}_eval", model.name);
+    g.meta.entries.push(("step".into(), AttrValue::Str("eval".into())));
+    crate::model_hash::stamp_model_identity(&mut g, model, opts);
+    let report = crate::pipeline::run_pipeline(&mut g, passes, opts, popts)?;
+    Ok((g, report))
+}
+
 /// The lowering for `model`: [`SPMD_TRAIN_PIPELINE`](crate::pipeline::SPMD_TRAIN_PIPELINE)
 /// when its `meta` names a mesh of more than one rank, else
 /// [`TRAIN_PIPELINE`](crate::pipeline::TRAIN_PIPELINE).
