@@ -245,15 +245,31 @@ fn mesh_step<T: Trainer + Send>(
     local_batch: usize,
     seq_parallel: bool,
 ) -> Result<StepMetrics, RuntimeError> {
+    let mut m = on_every_rank(mesh, rv, ranks, batch, local_batch, seq_parallel, |t, b| t.step(b))?;
+    m.tokens_per_s *= f64::from(mesh.dp());
+    Ok(m)
+}
+
+/// Run `f` on every rank, each on its part of `batch`, one thread each; rank 0's result.
+fn on_every_rank<T: Trainer + Send, R: Send>(
+    mesh: Mesh,
+    rv: &Rendezvous,
+    ranks: &mut [T],
+    batch: &Batch,
+    local_batch: usize,
+    seq_parallel: bool,
+    f: impl Fn(&mut T, &Batch) -> Result<R, RuntimeError> + Sync,
+) -> Result<R, RuntimeError> {
     let seq = ranks.first().map_or(0, |t| t.seq_len());
     let locals = (0..ranks.len()).map(|r| rank_batch(mesh, mesh.coords(r), batch, local_batch, seq, seq_parallel)).collect::<Result<Vec<_>, _>>()?;
-    let results: Vec<Result<StepMetrics, RuntimeError>> = std::thread::scope(|s| {
+    let f = &f;
+    let results: Vec<Result<R, RuntimeError>> = std::thread::scope(|s| {
         let handles: Vec<_> = ranks
             .iter_mut()
             .zip(locals)
             .map(|(trainer, local)| {
                 s.spawn(move || {
-                    let out = trainer.step(&local);
+                    let out = f(trainer, &local);
                     if out.is_err() {
                         rv.abort();
                     }
@@ -271,9 +287,7 @@ fn mesh_step<T: Trainer + Send>(
             Err(e) => return Err(RuntimeError::Backend(format!("rank {r}: {e}"))),
         }
     }
-    let mut m = first.ok_or_else(|| RuntimeError::Backend("the mesh has no ranks".into()))?;
-    m.tokens_per_s *= f64::from(mesh.dp());
-    Ok(m)
+    first.ok_or_else(|| RuntimeError::Backend("the mesh has no ranks".into()))
 }
 
 /// The shared rendezvous of `mesh` and one rank context per rank, in rank order.
@@ -360,6 +374,12 @@ impl<'a> ArtifactMeshTrainer<'a> {
 impl Trainer for ArtifactMeshTrainer<'_> {
     fn step(&mut self, batch: &Batch) -> Result<StepMetrics, RuntimeError> {
         ArtifactMeshTrainer::step(self, batch)
+    }
+
+    /// The eval step on every rank (sharded like the training step, the loss all-reduced in it):
+    /// rank 0's loss, which every rank holds.
+    fn eval_loss(&mut self, batch: &Batch) -> Result<f64, RuntimeError> {
+        on_every_rank(self.mesh, &self.rv, &mut self.ranks, batch, self.local_batch, self.seq_parallel, |t, b| t.eval_loss(b))
     }
 
     fn batch_size(&self) -> usize {

@@ -23,3 +23,4 @@ mod readme;
 mod text_data;
 mod train_debug;
 mod train_graph;
+mod validation;
