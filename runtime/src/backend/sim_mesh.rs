@@ -183,7 +183,7 @@ impl<'g> MeshTrainer<'g> {
     /// Run one step: rank `r` with data-parallel index `i` takes rows `i * b .. (i + 1) * b`
     /// of the global batch.
     pub fn step(&mut self, batch: &Batch) -> Result<StepMetrics, RuntimeError> {
-        mesh_step(self.mesh, &self.rv, &mut self.ranks, batch, self.local_batch, self.seq_parallel)
+        mesh_throughput(self.mesh, on_every_rank(self.mesh, &self.rv, &mut self.ranks, batch, self.local_batch, self.seq_parallel, |t, b| t.step(b)))
     }
 
     /// Every state buffer, gathered from its shards into the single-rank tensor.
@@ -235,22 +235,15 @@ fn sharded_dims(mesh: Mesh, placement: &[Placement]) -> Vec<(usize, u32)> {
         .collect()
 }
 
-/// Run one step on every rank, each on its part of `batch` (see [`rank_batch`]), one thread
-/// each; rank 0's metrics with the throughput of the whole mesh.
-fn mesh_step<T: Trainer + Send>(
-    mesh: Mesh,
-    rv: &Rendezvous,
-    ranks: &mut [T],
-    batch: &Batch,
-    local_batch: usize,
-    seq_parallel: bool,
-) -> Result<StepMetrics, RuntimeError> {
-    let mut m = on_every_rank(mesh, rv, ranks, batch, local_batch, seq_parallel, |t, b| t.step(b))?;
+/// Rank 0's metrics of a step run on every rank, with the throughput of the whole mesh.
+fn mesh_throughput(mesh: Mesh, m: Result<StepMetrics, RuntimeError>) -> Result<StepMetrics, RuntimeError> {
+    let mut m = m?;
     m.tokens_per_s *= f64::from(mesh.dp());
     Ok(m)
 }
 
-/// Run `f` on every rank, each on its part of `batch`, one thread each; rank 0's result.
+/// Run `f` on every rank, each on its part of `batch` (see [`rank_batch`]), one thread each;
+/// rank 0's result.
 fn on_every_rank<T: Trainer + Send, R: Send>(
     mesh: Mesh,
     rv: &Rendezvous,
@@ -346,7 +339,7 @@ impl<'a> ArtifactMeshTrainer<'a> {
     /// Run one step: rank `r` with data-parallel index `i` takes rows `i * b .. (i + 1) * b`
     /// of the global batch.
     pub fn step(&mut self, batch: &Batch) -> Result<StepMetrics, RuntimeError> {
-        mesh_step(self.mesh, &self.rv, &mut self.ranks, batch, self.local_batch, self.seq_parallel)
+        mesh_throughput(self.mesh, on_every_rank(self.mesh, &self.rv, &mut self.ranks, batch, self.local_batch, self.seq_parallel, |t, b| t.step(b)))
     }
 
     /// Turn the NaN poisoning of every rank's activation and gradient arenas on or off.
