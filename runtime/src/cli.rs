@@ -444,7 +444,7 @@ struct ValidationRecord {
 impl Validator {
     /// TorchTitan's rule: step 1 and every `freq` steps.
     fn due(&self, step: u64) -> bool {
-        step == 1 || step % self.every == 0
+        step == 1 || step.is_multiple_of(self.every)
     }
 
     /// The mean eval loss over `steps` batches from the start of the data.
