@@ -715,10 +715,17 @@ fn compile(model: &Graph, model_text: &str, opts: &BuildOptions, generate_code: 
     // The eval kernels: the same code generator and ptxas, files next to the training ones.
     let t = Instant::now();
     if let Some(e) = eval.as_mut() {
-        let code = if generate_code { codegen(&e.fused, &e.bodies, &mut notes)? } else { e.bodies.iter().map(|_| None).collect() };
+        let mut eval_notes = Vec::new();
+        let code = if generate_code { codegen(&e.fused, &e.bodies, &mut eval_notes)? } else { e.bodies.iter().map(|_| None).collect() };
         let eval_ptx = attach_code(&mut e.step.kernels, code);
-        cubins.extend(attach_cubins(ptxas, &mut e.step.kernels, &eval_ptx, &mut notes));
+        cubins.extend(attach_cubins(ptxas, &mut e.step.kernels, &eval_ptx, &mut eval_notes));
         ptx.extend(eval_ptx);
+        // A note the training kernels already gave (no ptxas) is said once.
+        for n in eval_notes {
+            if !notes.contains(&n) {
+                notes.push(format!("eval step: {n}"));
+            }
+        }
     }
     phases.eval += t.elapsed();
 
