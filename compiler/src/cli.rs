@@ -22,7 +22,7 @@ use crate::stats::model_stats;
 pub const FAMILIES: [&str; 1] = ["llama3"];
 
 /// Targets `titanc lower --to` accepts.
-pub const LOWER_TARGETS: [&str; 1] = ["train"];
+pub const LOWER_TARGETS: [&str; 2] = ["train", "eval"];
 
 #[derive(Debug, Parser)]
 #[command(name = "titanc", version, about = "titan: an ahead-of-time compiler for training Llama models")]
@@ -146,7 +146,8 @@ impl OverrideArgs {
 pub struct LowerArgs {
     /// The model graph file
     pub file: PathBuf,
-    /// What to lower to; only `train` for now
+    /// What to lower to: `train` (the training step) or `eval` (forward and loss only, the eval
+    /// step an artifact carries for validation, unfused)
     #[arg(long, value_name = "TARGET")]
     pub to: String,
     #[command(flatten)]
@@ -646,11 +647,11 @@ fn cmd_lower(a: &LowerArgs) -> Result<Outcome, CliError> {
     if let Some(policy) = a.ac.policy()? {
         policy.write_meta(&mut g);
     }
-    let lowered = lower_to_train(&g, &opts)?;
+    let lowered = if a.to == "eval" { titan_passes::lower_to_eval(&g, &opts)? } else { lower_to_train(&g, &opts)? };
     let errors = titan_ir::verify::verify(&lowered);
     if !errors.is_empty() {
         let errors = errors.iter().map(|e| format!("  {e}")).collect::<Vec<_>>().join("\n");
-        return Err(CliError::Internal { what: "the training graph".into(), errors });
+        return Err(CliError::Internal { what: format!("the {} graph", if a.to == "eval" { "eval" } else { "training" }), errors });
     }
     let mut out = Outcome::default();
     emit(a.output.as_deref(), print_graph(&lowered), &mut out)?;

@@ -24,12 +24,18 @@ pub mod workspace;
 /// reader would run the artifact but drop the model identity from its checkpoints, so they
 /// could not be resumed on another mesh without `--allow-different-build`; readers of version 5
 /// still read version 4 (no `model_hash`: checkpoints are matched on the content hash alone).
-pub const FORMAT_VERSION: u32 = 5;
+///
+/// Version 6 added the optional `eval` step (validation loss): a version-5 reader would ignore
+/// it and refuse `--val-data`, so it is a bump; readers of version 6 still read 4 and 5 (no eval
+/// step).
+pub const FORMAT_VERSION: u32 = 6;
 /// The oldest format version this reader reads: version 4 is version 5 without `model_hash`.
 pub const MIN_FORMAT_VERSION: u32 = 4;
 pub const MANIFEST_FILE: &str = "manifest.json";
 /// The fused training graph; each kernel's `body` names one of its blocks.
 pub const GRAPH_FILE: &str = "graph.ir";
+/// The fused eval step's graph; each eval kernel's `body` names one of its blocks.
+pub const EVAL_GRAPH_FILE: &str = "eval.ir";
 pub const KERNEL_DIR: &str = "kernels";
 
 /// The GPU the PTX was generated for.
@@ -598,6 +604,27 @@ pub struct Manifest {
     /// Per-rank memory and communication of an SPMD artifact; absent on one device.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub report: Option<MeshReport>,
+    /// The eval step (forward and loss, no backward or optimizer) over the same memory plan;
+    /// absent before format version 6 and in builds without one (float8).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub eval: Option<EvalStep>,
+}
+
+/// The eval step: its own buffer table, kernels and schedule, run between training steps.
+/// Its `param` buffers are the training plan's masters (same state name, dtype, shape, arena and
+/// offset), its `input` buffers the training plan's `tokens` and `targets`; every other buffer
+/// is an `activation` placed in the training plan's `activations` arena, which holds nothing
+/// live between steps. Buffer and kernel ids are positions in this step's own lists; kernel
+/// bodies are blocks of [`EVAL_GRAPH_FILE`], kernel files live in `kernels/` with the training
+/// ones (names start with `eval_`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct EvalStep {
+    pub buffers: Vec<Buffer>,
+    /// Bytes of the `activations` arena the eval step uses (at most the arena's size).
+    pub activation_bytes: u64,
+    pub kernels: Vec<Kernel>,
+    /// The schedule every rank runs (SPMD, like `ranks[0]`).
+    pub steps: Vec<Step>,
 }
 
 /// Why an artifact cannot be used.

@@ -30,7 +30,7 @@ pub use fuse::{FuseStats, FusionReport, fuse, fusion_report};
 pub use model_hash::{model_hash, stamp_model_identity};
 pub use pipeline::{
     BUILD_PIPELINE, DumpAfter, PassContext, PassFn, PassInfo, PassRecord, PassStats, PipelineOptions, PipelineReport, SPMD_BUILD_PIPELINE, SPMD_TRAIN_PIPELINE,
-    TRAIN_PIPELINE, build_pipeline, compile_train_graph, lookup_passes, pass_table, run_pipeline,
+    TRAIN_PIPELINE, build_pipeline, compile_eval_graph, compile_train_graph, eval_pipeline, lookup_passes, lower_to_eval, pass_table, run_pipeline,
 };
 pub use train::{TrainOptions, TrainStats, lower_to_train, lower_to_train_with_stats, train_pipeline};
 

@@ -122,6 +122,7 @@ static PASSES: [PassInfo; 15] = [
     )
     .renumbering(),
     PassInfo::new("sync-grads", "all-reduce gradients of replicated parameters and the loss across the mesh", run_sync_grads),
+    PassInfo::new("reduce-loss", "all-reduce the `loss` output over the mesh (the eval step's global mean)", run_reduce_loss),
     PassInfo::new("adamw", "consume the gradient map's outputs: global-norm clipping, lr schedule and AdamW updates", run_adamw),
     PassInfo::new("cse", "merge identical nodes", run_cse),
     PassInfo::new("dce", "drop nodes that reach no output or update, and renumber", run_dce).renumbering(),
@@ -158,6 +159,16 @@ pub const SPMD_TRAIN_PIPELINE: [&str; 14] = [
     "check-collectives",
 ];
 
+/// The passes of the eval step (forward and loss only, `titanc lower --to eval`): the same
+/// fp32 masters read through compute-dtype casts as the training step, no autodiff, no
+/// optimizer; `loss` is the only output.
+pub const EVAL_PIPELINE: [&str; 3] = ["master-weights", "cse", "dce"];
+
+/// The eval lowering of a model whose `meta` names a mesh: partitioned like the training step,
+/// the loss all-reduced over the mesh.
+pub const SPMD_EVAL_PIPELINE: [&str; 9] =
+    ["shard-tp", "shard-dp", "master-weights", "reduce-loss", "cse", "dce", "prefetch-gathers", "prefetch-next-layer", "check-collectives"];
+
 /// `train` followed by `fuse` (checked at compile time to be one longer).
 const fn then_fuse<const N: usize, const M: usize>(train: [&'static str; N]) -> [&'static str; M] {
     assert!(M == N + 1, "a build pipeline is its training pipeline plus `fuse`");
@@ -183,6 +194,19 @@ pub const SPMD_BUILD_PIPELINE: [&str; 15] = then_fuse(SPMD_TRAIN_PIPELINE);
 pub fn build_pipeline(model: &Graph) -> Result<&'static [&'static str], PassError> {
     let mesh = titan_ir::Mesh::from_graph(model).map_err(|message| PassError::new("build", PassErrorKind::Invalid, message))?;
     Ok(if mesh.is_some_and(|m| m.world_size() > 1) { &SPMD_BUILD_PIPELINE } else { &BUILD_PIPELINE })
+}
+
+/// The eval-step passes of `titanc build` (fusion included).
+pub const EVAL_BUILD_PIPELINE: [&str; 4] = then_fuse(EVAL_PIPELINE);
+
+/// The eval-step passes of `titanc build` on a mesh (fusion included).
+pub const SPMD_EVAL_BUILD_PIPELINE: [&str; 10] = then_fuse(SPMD_EVAL_PIPELINE);
+
+/// The eval lowering of `model` (without fusion): [`SPMD_EVAL_PIPELINE`] on a mesh, else
+/// [`EVAL_PIPELINE`].
+pub fn eval_pipeline(model: &Graph) -> Result<&'static [&'static str], PassError> {
+    let mesh = titan_ir::Mesh::from_graph(model).map_err(|message| PassError::new("lower-to-eval", PassErrorKind::Invalid, message))?;
+    Ok(if mesh.is_some_and(|m| m.world_size() > 1) { &SPMD_EVAL_PIPELINE } else { &EVAL_PIPELINE })
 }
 
 /// Every pass: those of [`BUILD_PIPELINE`] with the SPMD ones of [`SPMD_TRAIN_PIPELINE`] in place.
@@ -336,6 +360,25 @@ pub fn run_pipeline(g: &mut Graph, passes: &[PassInfo], train: &TrainOptions, po
 pub fn compile_train_graph(model: &Graph, opts: &TrainOptions, popts: &PipelineOptions) -> Result<(Graph, PipelineReport), PassError> {
     let passes = lookup_passes(build_pipeline(model)?)?;
     crate::train::run_on_copy(model, opts, &passes, popts)
+}
+
+/// The eval step of `titanc build`: copy `model` as `<name>_eval`, lower it with
+/// [`eval_pipeline`] and fuse it. Returns the kernel graph and the report.
+pub fn compile_eval_graph(model: &Graph, opts: &TrainOptions, popts: &PipelineOptions) -> Result<(Graph, PipelineReport), PassError> {
+    let mut names = eval_pipeline(model)?.to_vec();
+    names.push("fuse");
+    crate::train::run_eval_on_copy(model, opts, &lookup_passes(&names)?, popts)
+}
+
+/// The unfused eval step of `model` (`titanc lower --to eval`): the reference the compiled eval
+/// step is checked against.
+pub fn lower_to_eval(model: &Graph, opts: &TrainOptions) -> Result<Graph, PassError> {
+    let passes = lookup_passes(eval_pipeline(model)?)?;
+    crate::train::run_eval_on_copy(model, opts, &passes, &PipelineOptions::default()).map(|(g, _)| g)
+}
+
+fn run_reduce_loss(g: &mut Graph, _: &PassContext) -> Result<PassStats, PassDiag> {
+    Ok(PassStats::new().with("all_reduces", crate::sync_grads::reduce_loss_pass(g)? as u64))
 }
 
 fn run_master_weights(g: &mut Graph, _: &PassContext) -> Result<PassStats, PassDiag> {
@@ -562,7 +605,7 @@ mod tests {
         let err = run_pipeline(&mut model(), &passes, &TrainOptions::default(), &opts(false, DumpAfter::Pass("fusion".into()))).expect_err("unknown");
         assert_eq!(
             err.to_string(),
-            "unknown pass `fusion`; valid passes: shard-tp, shard-dp, master-weights, float8, autodiff, activation-checkpoint, sync-grads, adamw, cse, dce, async-tp, prefetch-gathers, prefetch-next-layer, check-collectives, fuse"
+            "unknown pass `fusion`; valid passes: shard-tp, shard-dp, master-weights, float8, autodiff, activation-checkpoint, sync-grads, reduce-loss, adamw, cse, dce, async-tp, prefetch-gathers, prefetch-next-layer, check-collectives, fuse"
         );
         let err = run_pipeline(&mut model(), &passes, &TrainOptions::default(), &opts(false, DumpAfter::Pass("fuse".into()))).expect_err("not run");
         assert!(
@@ -616,6 +659,6 @@ mod tests {
         assert_eq!(single, BUILD_PIPELINE);
         let spmd: Vec<&str> = names.iter().copied().filter(|n| SPMD_TRAIN_PIPELINE.contains(n)).collect();
         assert_eq!(spmd, SPMD_TRAIN_PIPELINE);
-        assert!(names.iter().all(|n| BUILD_PIPELINE.contains(n) || SPMD_TRAIN_PIPELINE.contains(n)));
+        assert!(names.iter().all(|n| BUILD_PIPELINE.contains(n) || SPMD_TRAIN_PIPELINE.contains(n) || SPMD_EVAL_PIPELINE.contains(n)));
     }
 }

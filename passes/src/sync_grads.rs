@@ -42,16 +42,32 @@ pub fn sync_grads(g: &mut Graph) -> Result<SyncGradsStats, PassDiag> {
         }
         g.main.outputs[k].value = v;
     }
+    reduce_loss(g, &mesh)?;
+    Ok(stats)
+}
+
+/// Make output `loss` (a rank's share of the mean) the sum over every mesh dim of more than one
+/// rank: the global mean on every rank. The training step gets it from [`sync_grads`], the
+/// eval step from the `reduce-loss` pass. Returns the number of `all_reduce`s inserted.
+pub fn reduce_loss(g: &mut Graph, mesh: &Mesh) -> Result<usize, PassDiag> {
     let pos = g.main.outputs.iter().position(|o| o.name.as_deref() == Some("loss")).ok_or_else(|| PassDiag::precondition("the graph has no `loss` output"))?;
     let mut loss = g.main.outputs[pos].value;
+    let mut n = 0;
     for m in [MeshDim::Tp, MeshDim::DpShard, MeshDim::DpReplicate] {
         if mesh.size(m) > 1 {
             loss = all_reduce(g, loss, m)?;
+            n += 1;
         }
     }
     g.main.values[loss.index()].placement = vec![Placement::Replicate; 3];
     g.main.outputs[pos].value = loss;
-    Ok(stats)
+    Ok(n)
+}
+
+/// The `reduce-loss` pass: [`reduce_loss`] on a graph whose meta names a mesh.
+pub fn reduce_loss_pass(g: &mut Graph) -> Result<usize, PassDiag> {
+    let Some(mesh) = Mesh::from_graph(g)? else { return Err(crate::error::no_mesh()) };
+    reduce_loss(g, &mesh)
 }
 
 fn all_reduce(g: &mut Graph, v: Value, m: MeshDim) -> Result<Value, String> {

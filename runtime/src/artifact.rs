@@ -6,7 +6,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
-use titan_ir::artifact::{Arena, ArtifactError, BufRef, Buffer, BufferClass, GRAPH_FILE, MANIFEST_FILE, Manifest, Step};
+use titan_ir::artifact::{Arena, ArtifactError, BufRef, Buffer, BufferClass, EVAL_GRAPH_FILE, GRAPH_FILE, Kernel, MANIFEST_FILE, Manifest, Step};
 use titan_ir::{BlockId, DType, Graph, Region};
 
 /// The GPU architectures this runtime executes artifacts for.
@@ -41,6 +41,16 @@ pub struct Artifact {
     kernel_index: BTreeMap<u32, (usize, BlockId)>,
     /// Bytes of each arena.
     arena_bytes: BTreeMap<Arena, u64>,
+    /// The eval step's fused graph (`eval.ir`) and kernel bodies, when the manifest has one.
+    pub eval: Option<EvalProgram>,
+}
+
+/// The eval step of a loaded artifact: `eval.ir` and each eval kernel's body in it (buffer and
+/// kernel ids of `manifest.eval` are positions, checked by the manifest verifier).
+#[derive(Debug)]
+pub struct EvalProgram {
+    pub graph: Graph,
+    bodies: Vec<BlockId>,
 }
 
 fn invalid(message: String) -> ArtifactError {
@@ -185,8 +195,38 @@ impl Artifact {
         }
         let graph = titan_ir::parse_file(&graph_path).map_err(|e| invalid(format!("`{}` does not parse: {e}", graph_path.display())))?;
         crate::manifest_check::verify_manifest(&manifest, &graph, dir)?;
-        let mut artifact =
-            Artifact { dir: dir.to_path_buf(), manifest, graph, buffer_index: BTreeMap::new(), kernel_index: BTreeMap::new(), arena_bytes: BTreeMap::new() };
+        let eval = match &manifest.eval {
+            None => None,
+            Some(e) => {
+                let path = dir.join(EVAL_GRAPH_FILE);
+                if !path.is_file() {
+                    return Err(ArtifactError::Io {
+                        path: path.display().to_string(),
+                        message: "not found, but the manifest has an eval step; the artifact is incomplete, rebuild it with `titanc build`".into(),
+                    });
+                }
+                let g = titan_ir::parse_file(&path).map_err(|err| invalid(format!("`{}` does not parse: {err}", path.display())))?;
+                crate::manifest_check::verify_eval(&manifest, &g, dir)?;
+                let bodies = e
+                    .kernels
+                    .iter()
+                    .map(|k| {
+                        g.block_by_name(&k.body)
+                            .ok_or_else(|| invalid(format!("eval kernel `{}`: its body `@{}` is not a block of {EVAL_GRAPH_FILE}", k.name, k.body)))
+                    })
+                    .collect::<Result<Vec<_>, _>>()?;
+                Some(EvalProgram { graph: g, bodies })
+            }
+        };
+        let mut artifact = Artifact {
+            dir: dir.to_path_buf(),
+            manifest,
+            graph,
+            buffer_index: BTreeMap::new(),
+            kernel_index: BTreeMap::new(),
+            arena_bytes: BTreeMap::new(),
+            eval,
+        };
         artifact.check()?;
         Ok(artifact)
     }
@@ -204,6 +244,17 @@ impl Artifact {
     /// The kernel with id `id` and the block of `graph.ir` holding its body.
     pub fn kernel(&self, id: u32) -> Option<(&titan_ir::artifact::Kernel, &Region)> {
         self.kernel_index.get(&id).map(|&(i, b)| (&self.manifest.kernels[i], self.graph.block(b)))
+    }
+
+    /// Buffer `id` of the eval step (its position in `manifest.eval.buffers`).
+    pub fn eval_buffer(&self, id: u32) -> Option<&Buffer> {
+        self.manifest.eval.as_ref()?.buffers.get(id as usize)
+    }
+
+    /// Kernel `id` of the eval step and the block of `eval.ir` holding its body.
+    pub fn eval_kernel(&self, id: u32) -> Option<(&Kernel, &Region)> {
+        let (e, p) = (self.manifest.eval.as_ref()?, self.eval.as_ref()?);
+        Some((e.kernels.get(id as usize)?, p.graph.block(*p.bodies.get(id as usize)?)))
     }
 
     /// Index of kernel `id` in `manifest.kernels`.

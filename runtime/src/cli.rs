@@ -111,6 +111,18 @@ struct Cli {
     /// With --skip-nonfinite-steps: stop when more than this many steps in a row are skipped.
     #[arg(long, value_name = "N", requires = "skip_nonfinite_steps", default_value_t = crate::nonfinite::DEFAULT_MAX_CONSECUTIVE_SKIPS, value_parser = titan_ir::flags::non_negative::<u64>, allow_negative_numbers = true)]
     max_consecutive_skips: u64,
+    /// Validation data, read like --data (with --tokenizer: text; a directory or glob: llm.c
+    /// shards; one token file: batches sampled by seed): the artifact's eval step (forward and
+    /// loss, no update) runs on --val-steps batches of it, from its start each time, at step 1
+    /// and every --val-every steps. Job config: `[validation] dataset_path`.
+    #[arg(long, value_name = "PATH")]
+    val_data: Option<PathBuf>,
+    /// Validate at step 1 and every N steps (`[validation] freq`).
+    #[arg(long, value_name = "N", default_value_t = 10, requires = "val_data", value_parser = titan_ir::flags::positive::<u64>, allow_negative_numbers = true)]
+    val_every: u64,
+    /// Batches per validation; the validation loss is their mean (`[validation] steps`).
+    #[arg(long, value_name = "K", default_value_t = 1, requires = "val_data", value_parser = titan_ir::flags::positive::<u64>, allow_negative_numbers = true)]
+    val_steps: u64,
     /// Seconds every rank waits for the others at the rendezvous of a multi-process run.
     #[arg(long, value_name = "SECS", default_value_t = 300, value_parser = titan_ir::flags::positive::<u64>, allow_negative_numbers = true)]
     rendezvous_timeout: u64,
@@ -359,20 +371,25 @@ fn run_artifact_rank(cli: &Cli, env: &DistEnv, data: DataSource, data_name: &str
 
 /// What `--data`, `--data-format`, `--tokenizer` and `--text-field` name.
 fn data_source(cli: &Cli) -> Result<DataSource> {
+    data_source_at(cli, cli.data.as_deref())
+}
+
+/// [`data_source`] for the data at `data` (`--data`, or `--val-data`).
+fn data_source_at(cli: &Cli, data: Option<&Path>) -> Result<DataSource> {
     let format = DataFormat::parse(&cli.data_format)?;
     if let Some(tokenizer) = &cli.tokenizer {
         if format != DataFormat::Auto {
             bail!("--data-format {} says how a token file is encoded; text read with --tokenizer takes none, drop it", format.name());
         }
-        let data = cli.data.as_deref().expect("invariant: clap requires --data with --tokenizer");
+        let data = data.expect("invariant: clap requires --data with --tokenizer");
         return Ok(DataSource::Packed(PackedSpec::text(data, tokenizer, &cli.text_field)?));
     }
-    Ok(match &cli.data {
+    Ok(match data {
         Some(p) if p.is_dir() || p.to_string_lossy().contains(['*', '?', '[']) => {
             if !matches!(format, DataFormat::Auto | DataFormat::Llmc) {
                 bail!("a directory or glob of --data is read as llm.c token shards; --data-format {} applies to one file only", format.name());
             }
-            DataSource::Packed(PackedSpec::Shards { path: p.clone() })
+            DataSource::Packed(PackedSpec::Shards { path: p.to_path_buf() })
         }
         Some(p) if p.extension().is_some_and(|e| e == "jsonl") => {
             bail!(
@@ -385,6 +402,83 @@ fn data_source(cli: &Cli) -> Result<DataSource> {
     })
 }
 
+/// `--val-data` runs an artifact's eval step on the cpu backend (one device or the simulated
+/// mesh); refuse it elsewhere before anything starts.
+fn check_val_flags(cli: &Cli, env: &DistEnv) -> Result<()> {
+    if cli.val_data.is_none() {
+        return Ok(());
+    }
+    if is_graph_file(&cli.path) {
+        bail!("--val-data runs the eval step of an artifact; graph mode (a training graph .ir) has none: build an artifact with `titanc build` and run that");
+    }
+    if cli.backend == "cuda" {
+        bail!("--val-data with --backend cuda is not supported yet (the CUDA backend does not run the artifact's eval step); validate on --backend cpu");
+    }
+    if cli.nproc_per_node.is_some() || env.is_distributed() {
+        bail!("--val-data in a multi-process run is not supported yet; validate on the simulated mesh (`titan-run DIR` without --nproc-per-node)");
+    }
+    Ok(())
+}
+
+/// Validation: the eval step on `--val-steps` batches of `--val-data`, from its start.
+struct Validator {
+    source: DataSource,
+    every: u64,
+    steps: u64,
+    seed: u64,
+}
+
+/// One validation's result, in TorchTitan's metric names (plus the perplexity).
+#[derive(serde::Serialize)]
+struct ValidationRecord {
+    step: u64,
+    #[serde(rename = "validation_metrics/loss")]
+    loss: f64,
+    #[serde(rename = "validation_metrics/perplexity")]
+    perplexity: f64,
+    #[serde(rename = "validation_metrics/throughput(tps)")]
+    tokens_per_s: f64,
+    wall_s: f64,
+}
+
+impl Validator {
+    /// TorchTitan's rule: step 1 and every `freq` steps.
+    fn due(&self, step: u64) -> bool {
+        step == 1 || step.is_multiple_of(self.every)
+    }
+
+    /// The mean eval loss over `steps` batches from the start of the data.
+    fn run(&self, trainer: &mut dyn Trainer, step: u64, wall_s: f64) -> Result<ValidationRecord> {
+        let started = std::time::Instant::now();
+        let mut batches = match &self.source {
+            DataSource::Sampled(tokens) => {
+                Batches::Sampled(Batcher::new(tokens.clone(), trainer.batch_size(), trainer.seq_len(), self.seed).map_err(anyhow::Error::msg)?)
+            }
+            DataSource::Packed(spec) => {
+                Batches::Packed(Box::new(PackedBatches::open(spec, trainer.batch_size(), trainer.seq_len(), trainer.vocab_size(), &Default::default())?))
+            }
+        };
+        let mut sum = 0.0;
+        for _ in 0..self.steps {
+            let batch = batches.next_batch()?;
+            sum += trainer.eval_loss(&batch).context("validation")?;
+        }
+        let loss = sum / self.steps as f64;
+        let tokens = self.steps as f64 * (trainer.batch_size() * trainer.seq_len()) as f64;
+        Ok(ValidationRecord { step, loss, perplexity: loss.exp(), tokens_per_s: tokens / started.elapsed().as_secs_f64().max(1e-9), wall_s })
+    }
+}
+
+/// The validation line in TorchTitan's shape: `validate step:  10  loss:  2.4521  perplexity: 11.6  memory: ...  tps: ...`.
+fn format_validation(r: &ValidationRecord, peak_bytes: Option<u64>) -> String {
+    let mut line = format!("validate step: {:>2}  loss: {:>7.4}  perplexity: {:.4}", r.step, r.loss, r.perplexity);
+    if let Some(p) = peak_bytes {
+        line.push_str(&format!("  memory: {}(predicted)", crate::artifact::format_bytes(p).replace(' ', "")));
+    }
+    line.push_str(&format!("  tps: {}", crate::log::with_commas(r.tokens_per_s)));
+    line
+}
+
 fn run(cli: Cli) -> Result<()> {
     let started = std::time::Instant::now();
     check_backend(&cli.backend)?;
@@ -394,6 +488,7 @@ fn run(cli: Cli) -> Result<()> {
         return launch_local(n, &cli);
     }
     let env = DistEnv::from_process_env()?;
+    check_val_flags(&cli, &env)?;
     let data = data_source(&cli)?;
     let data_name = cli.data.as_ref().map_or("bundled corpus".to_string(), |p| p.display().to_string());
     if env.is_distributed() {
@@ -583,6 +678,17 @@ fn train(trainer: &mut dyn Trainer, cli: &Cli, data: DataSource, data_name: &str
     let progress = if logger { Progress::new(steps) } else { Progress::with_visibility(steps, false) };
     let started = std::time::Instant::now();
     let mut guard = NonFiniteGuard::new(cli.skip_nonfinite_steps.then_some(cli.max_consecutive_skips));
+    let validator = match &cli.val_data {
+        Some(p) => {
+            let source = data_source_at(cli, Some(p)).context("--val-data")?;
+            match &source {
+                DataSource::Sampled(tokens) => check_vocab(tokens, trainer.vocab_size()).context("--val-data")?,
+                DataSource::Packed(spec) => spec.check_vocab(trainer.vocab_size()).context("--val-data")?,
+            }
+            Some(Validator { source, every: cli.val_every, steps: cli.val_steps, seed })
+        }
+        None => None,
+    };
     for s in first..=cli.steps {
         let batch = batches.next_batch()?;
         batch_index += 1;
@@ -608,6 +714,15 @@ fn train(trainer: &mut dyn Trainer, cli: &Cli, data: DataSource, data_name: &str
         }
         if logger && (s == first || s == cli.steps || s % cli.log_every.max(1) == 0) {
             progress.println(&format_step_with(&m, &ctx));
+        }
+        if let Some(v) = validator.as_ref().filter(|v| v.due(s)) {
+            let r = v.run(trainer, s, started.elapsed().as_secs_f64())?;
+            if logger {
+                progress.println(&format_validation(&r, m.peak_bytes));
+            }
+            if let Some(w) = metrics.as_mut() {
+                w.write_json(&r)?;
+            }
         }
         if let Some(dir) = &cli.checkpoint_dir
             && (s == cli.steps || cli.checkpoint_every.is_some_and(|k| s % k == 0))

@@ -166,6 +166,11 @@ impl MetricsWriter {
 
     /// Write one record as a line, flushed so a crashed run keeps its steps.
     pub fn write(&mut self, r: &MetricsRecord) -> Result<(), MetricsError> {
+        self.write_json(r)
+    }
+
+    /// Write any serializable record (a validation's) as a line, flushed.
+    pub fn write_json(&mut self, r: &impl serde::Serialize) -> Result<(), MetricsError> {
         use std::io::Write;
         let err = |e: String| MetricsError { path: self.path.clone(), message: e };
         let line = serde_json::to_string(r).map_err(|e| err(e.to_string()))?;

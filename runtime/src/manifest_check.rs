@@ -56,6 +56,194 @@ pub fn verify_manifest(m: &Manifest, graph: &Graph, dir: &Path) -> Check {
     check_report(m)
 }
 
+/// Verify the eval step `m.eval` against the training plan, its `eval.ir` and the files in `dir`:
+/// ids, sizes, arenas and bounds of its buffers; its `param` and `input` buffers are the training
+/// plan's (same state or feed, type, arena and offset); everything else is an `activation` in
+/// the `activations` arena within `eval.activation_bytes`, no two of them share a byte while both
+/// are live; one f32 `loss` output; kernels with unique `eval_` names, their bodies in `eval.ir`
+/// and their files present; every step names existing kernels and buffers and writes only the
+/// eval step's activations (so running it leaves the training state as it was).
+pub fn verify_eval(m: &Manifest, eval_graph: &Graph, dir: &Path) -> Check {
+    let Some(e) = &m.eval else { return Ok(()) };
+    let arena_bytes: BTreeMap<Arena, u64> = m.memory.arenas.iter().map(|a| (a.arena, a.bytes)).collect();
+    let act_arena = arena_bytes.get(&Arena::Activations).copied().unwrap_or(0);
+    if e.activation_bytes > act_arena {
+        return Err(fail("eval.activation_bytes", format!("{}, but the activations arena has {act_arena} bytes", e.activation_bytes)));
+    }
+    let mut loss = None;
+    for (i, b) in e.buffers.iter().enumerate() {
+        let at = |field: &str| format!("eval.buffers[{i}].{field}");
+        if b.id as usize != i {
+            return Err(fail(at("id"), format!("{}; an eval buffer's id is its position in `eval.buffers` ({i})", b.id)));
+        }
+        let bytes = tensor_bytes(b.dtype, &b.shape).ok_or_else(|| fail(at("shape"), format!("{:?} overflows", b.shape)))?;
+        if b.bytes != bytes {
+            return Err(fail(at("bytes"), format!("{}, but {}{:?} takes {bytes}", b.bytes, b.dtype, b.shape)));
+        }
+        if b.arena != arena_of(b.class) {
+            return Err(fail(
+                at("arena"),
+                format!("`{}`, but a `{}` buffer lives in `{}`", arena_name(b.arena), class_name(b.class), arena_name(arena_of(b.class))),
+            ));
+        }
+        let shared = match b.class {
+            BufferClass::Param => {
+                let name = b
+                    .state
+                    .as_ref()
+                    .map(|s| s.name.as_str())
+                    .ok_or_else(|| fail(at("state"), "missing; an eval param buffer names the training state it reads"))?;
+                Some(m.buffers.iter().find(|t| t.class == BufferClass::Param && t.state.as_ref().is_some_and(|s| s.name == name)).ok_or_else(|| {
+                    fail(at("state.name"), format!("`{name}` is no param buffer of the training plan; the eval step reads the training masters"))
+                })?)
+            }
+            BufferClass::Input => {
+                let feed = b
+                    .feed
+                    .as_deref()
+                    .filter(|f| *f == "tokens" || *f == "targets")
+                    .ok_or_else(|| fail(at("feed"), "an eval input is fed `tokens` or `targets`"))?;
+                Some(
+                    m.buffers
+                        .iter()
+                        .find(|t| t.feed.as_deref() == Some(feed))
+                        .ok_or_else(|| fail(at("feed"), format!("no training buffer is fed `{feed}`")))?,
+                )
+            }
+            BufferClass::Activation => {
+                if b.offset % ALIGN != 0 || b.offset.checked_add(b.bytes).is_none_or(|end| end > e.activation_bytes) {
+                    return Err(fail(
+                        at("offset"),
+                        format!(
+                            "bytes {}..{} are not aligned or lie outside eval.activation_bytes ({})",
+                            b.offset,
+                            b.offset.saturating_add(b.bytes),
+                            e.activation_bytes
+                        ),
+                    ));
+                }
+                None
+            }
+            c => return Err(fail(at("class"), format!("`{}`: the eval step has no gradients or optimizer state", class_name(c)))),
+        };
+        if let Some(t) = shared
+            && (t.dtype, &t.shape, t.arena, t.offset) != (b.dtype, &b.shape, b.arena, b.offset)
+        {
+            return Err(fail(
+                at("offset"),
+                format!(
+                    "{}{:?} at {} of `{}`, but the training buffer `{}` it shares is {}{:?} at {}",
+                    b.dtype,
+                    b.shape,
+                    b.offset,
+                    arena_name(b.arena),
+                    t.name,
+                    t.dtype,
+                    t.shape,
+                    t.offset
+                ),
+            ));
+        }
+        match b.output.as_deref() {
+            None => {}
+            Some("loss") if loss.is_none() && b.dtype == DType::F32 && b.shape.iter().product::<u64>() == 1 && b.class == BufferClass::Activation => {
+                loss = Some(i)
+            }
+            Some(o) => return Err(fail(at("output"), format!("`{o}`: the eval step has one output, `loss`, one f32 activation"))),
+        }
+    }
+    if loss.is_none() {
+        return Err(fail("eval.buffers", "no buffer holds the `loss` output"));
+    }
+    let train_names: BTreeSet<&str> = m.kernels.iter().map(|k| k.name.as_str()).collect();
+    let mut names = BTreeSet::new();
+    for (i, k) in e.kernels.iter().enumerate() {
+        let at = |field: &str| format!("eval.kernels[{i}].{field}");
+        if k.id as usize != i {
+            return Err(fail(at("id"), format!("{}; an eval kernel's id is its position in `eval.kernels` ({i})", k.id)));
+        }
+        let file_safe = k.name.bytes().all(|c| c.is_ascii_alphanumeric() || b"._-".contains(&c));
+        if !k.name.starts_with("eval_") || !file_safe || train_names.contains(k.name.as_str()) || !names.insert(k.name.as_str()) {
+            return Err(fail(at("name"), format!("`{}`: eval kernel names start with `eval_`, name files safely and are unique", k.name)));
+        }
+        if eval_graph.block_by_name(&k.body).is_none() {
+            return Err(fail(at("body"), format!("`@{}` is not a block of {}", k.body, titan_ir::artifact::EVAL_GRAPH_FILE)));
+        }
+        for (field, file) in [("ptx", &k.ptx), ("cubin", &k.cubin)] {
+            if let Some(f) = file
+                && !dir.join(f).is_file()
+            {
+                return Err(fail(at(field), format!("`{f}` is not a file of the artifact; rebuild it with `titanc build`")));
+            }
+        }
+    }
+    check_eval_steps(e, &e.steps, "eval.steps", &[])?;
+    let lifetimes = titan_ir::artifact::liveness::eval_buffer_lifetimes(m);
+    let acts: Vec<usize> = (0..e.buffers.len()).filter(|&i| e.buffers[i].class == BufferClass::Activation && e.buffers[i].bytes > 0).collect();
+    for (k, &i) in acts.iter().enumerate() {
+        for &j in &acts[k + 1..] {
+            let (a, b) = (&e.buffers[i], &e.buffers[j]);
+            let bytes_overlap = a.offset < b.offset + b.bytes && b.offset < a.offset + a.bytes;
+            if bytes_overlap
+                && let (Some(l1), Some(l2)) = (lifetimes[i], lifetimes[j])
+                && l1.overlaps(&l2)
+            {
+                return Err(fail(
+                    format!("eval.buffers[{j}].offset"),
+                    format!("`{}` shares bytes with eval.buffers[{i}] (`{}`) while both are live", b.name, a.name),
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Every step of the eval schedule names an existing kernel and existing buffers, and writes
+/// only activation buffers (`carries`: the slot pairs of the enclosing loop).
+fn check_eval_steps(e: &titan_ir::artifact::EvalStep, steps: &[Step], at: &str, carries: &[[u32; 2]]) -> Check {
+    let buffers = |r: &BufRef, carries: &[[u32; 2]]| -> Result<Vec<u32>, ArtifactError> {
+        match *r {
+            BufRef::Buffer { buffer, .. } => Ok(vec![buffer]),
+            BufRef::Carry { carry, .. } => {
+                carries.get(carry as usize).map(|c| c.to_vec()).ok_or_else(|| fail(at, format!("carry {carry} outside a loop that has it")))
+            }
+        }
+    };
+    for (i, s) in steps.iter().enumerate() {
+        let here = format!("{at}[{i}]");
+        if let Step::Launch { kernel, .. } = s
+            && e.kernels.get(*kernel as usize).is_none()
+        {
+            return Err(fail(&here, format!("kernel {kernel} does not exist")));
+        }
+        if let Step::Loop { carries: inner, body, prefetch, .. } = s {
+            for id in inner.iter().flatten() {
+                if e.buffers.get(*id as usize).is_none_or(|b| b.class != BufferClass::Activation) {
+                    return Err(fail(&here, format!("carry slot {id} is not an activation buffer of the eval step")));
+                }
+            }
+            check_eval_steps(e, prefetch, &format!("{here}.prefetch"), inner)?;
+            check_eval_steps(e, body, &format!("{here}.body"), inner)?;
+            continue;
+        }
+        let written: Vec<BufRef> = match s {
+            Step::Launch { outputs, .. } => outputs.clone(),
+            Step::Copy { dst, .. } | Step::Memset { dst, .. } => vec![*dst],
+            Step::Collective { output, .. } => vec![*output],
+            Step::Loop { .. } => Vec::new(),
+        };
+        for r in titan_ir::artifact::liveness::step_refs(s) {
+            for id in buffers(&r, carries)? {
+                let b = e.buffers.get(id as usize).ok_or_else(|| fail(&here, format!("buffer {id} does not exist")))?;
+                if written.contains(&r) && b.class != BufferClass::Activation {
+                    return Err(fail(&here, format!("writes `{}`, a `{}` buffer; the eval step writes only its activations", b.name, class_name(b.class))));
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
 fn is_hex_sha256(s: &str) -> bool {
     s.len() == 64 && s.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
 }

@@ -7,7 +7,7 @@
 use std::fs;
 use std::path::{Path, PathBuf};
 
-use titan_ir::artifact::{GRAPH_FILE, KERNEL_DIR, MANIFEST_FILE};
+use titan_ir::artifact::{EVAL_GRAPH_FILE, GRAPH_FILE, KERNEL_DIR, MANIFEST_FILE};
 
 use super::{Artifact, BuildError};
 
@@ -24,6 +24,9 @@ fn write_files(dir: &Path, a: &Artifact) -> Result<(), BuildError> {
     fs::create_dir_all(dir.join(KERNEL_DIR)).map_err(|e| io(dir, e))?;
     let manifest = a.manifest.to_json();
     let mut files: Vec<(&str, &str)> = vec![(MANIFEST_FILE, manifest.as_str()), (GRAPH_FILE, a.graph_text.as_str())];
+    if let Some(text) = &a.eval_graph_text {
+        files.push((EVAL_GRAPH_FILE, text.as_str()));
+    }
     files.extend(a.ptx.iter().map(|(p, t)| (p.as_str(), t.as_str())));
     let cubins = a.cubins.iter().map(|(p, c)| (p.as_str(), c.as_slice()));
     for (rel, bytes) in files.into_iter().map(|(p, t)| (p, t.as_bytes())).chain(cubins) {

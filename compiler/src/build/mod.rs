@@ -14,6 +14,7 @@
 
 pub mod device_memory;
 pub mod emit;
+pub mod eval;
 pub mod gemm;
 pub mod memory;
 pub mod schedule;
@@ -36,7 +37,7 @@ use titan_ir::{AttrValue, BlockId, Graph, KernelKind};
 use titan_kernels::KernelError;
 use titan_passes::activation_checkpoint::AcPolicy;
 use titan_passes::fuse::FusionReport;
-use titan_passes::pipeline::{BUILD_PIPELINE, SPMD_BUILD_PIPELINE};
+use titan_passes::pipeline::{BUILD_PIPELINE, EVAL_BUILD_PIPELINE, SPMD_BUILD_PIPELINE, SPMD_EVAL_BUILD_PIPELINE};
 use titan_passes::{PassError, PipelineOptions, PipelineReport, TrainOptions, compile_train_graph, fusion_report, lower_to_train};
 
 use self::memory::{Storage, bytes_of, shape_of};
@@ -97,6 +98,10 @@ impl BuildOptions {
             format!("format_version = {FORMAT_VERSION}"),
             format!("pipeline = {}", pipeline.join(",")),
         ];
+        if self.train.float8.is_none() {
+            let eval: &[&str] = if spmd { &SPMD_EVAL_BUILD_PIPELINE } else { &EVAL_BUILD_PIPELINE };
+            lines.push(format!("eval_pipeline = {}", eval.join(",")));
+        }
         lines.extend(self.train.canonical_lines().into_iter().map(|(k, v)| format!("train.{k} = {v}")));
         if let Some(f8) = &self.train.float8 {
             lines.extend(f8.canonical_lines());
@@ -153,11 +158,13 @@ pub struct Phases {
     pub write: Duration,
     /// The extra unfused lowering of `--report` (zero without it).
     pub report: Duration,
+    /// Lowering, planning and code generation of the eval step (zero without one).
+    pub eval: Duration,
 }
 
 impl Phases {
     pub fn total(&self) -> Duration {
-        self.pipeline + self.plan + self.codegen + self.ptxas + self.write + self.report
+        self.pipeline + self.plan + self.codegen + self.ptxas + self.write + self.report + self.eval
     }
 }
 
@@ -198,6 +205,18 @@ pub struct BuildSummary {
     pub workspaces: LibraryWorkspaces,
     /// Where each recomputed activation went in the kernel graph (activation checkpointing).
     pub recompute_placement: Vec<String>,
+    /// The eval step: kernels, launches per step, activation bytes (`None`: no eval step).
+    pub eval: Option<EvalSummary>,
+}
+
+/// What the build's eval step is, for the summary.
+#[derive(Clone, Debug, PartialEq)]
+pub struct EvalSummary {
+    pub kernels: usize,
+    pub launches_per_step: u64,
+    pub activation_bytes: u64,
+    /// The `activations` arena grew from this many bytes to hold it.
+    pub grew_activations_from: Option<u64>,
 }
 
 /// `1.50 GiB`.
@@ -246,6 +265,19 @@ impl fmt::Display for BuildSummary {
                 }
             }
         }
+        if let Some(e) = &self.eval {
+            let arena = match e.grew_activations_from {
+                Some(from) => format!("the activations arena grew from {} to hold it", human_bytes(from)),
+                None => "within the training step's activations arena".to_string(),
+            };
+            writeln!(
+                f,
+                "eval step:    {} kernels, {} launches; activations {} ({arena}); params and inputs shared with the training step",
+                e.kernels,
+                e.launches_per_step,
+                human_bytes(e.activation_bytes)
+            )?;
+        }
         if let Some(ac) = self.pipeline.stats("activation-checkpoint").filter(|s| !s.notes.is_empty()) {
             writeln!(f, "activation checkpointing:")?;
             for line in &ac.notes {
@@ -260,6 +292,9 @@ impl fmt::Display for BuildSummary {
         let mut phases = format!("pipeline {}, plan {}, codegen {}{ptxas}, write {}", secs(p.pipeline), secs(p.plan), secs(p.codegen), secs(p.write));
         if p.report > Duration::ZERO {
             phases.push_str(&format!(", report {}", secs(p.report)));
+        }
+        if p.eval > Duration::ZERO {
+            phases.push_str(&format!(", eval step {}", secs(p.eval)));
         }
         writeln!(f, "build time:   {} ({phases})", secs(p.total()))?;
         for n in &self.notes {
@@ -467,6 +502,8 @@ pub struct Artifact {
     pub ptx: Vec<(String, String)>,
     /// `(path relative to the artifact directory, cubin image)`.
     pub cubins: Vec<(String, Vec<u8>)>,
+    /// The fused eval graph's text (`eval.ir`), when the artifact has an eval step.
+    pub eval_graph_text: Option<String>,
 }
 
 /// Hex SHA-256 of the model text, the canonical options and the target, each length-prefixed.
@@ -656,20 +693,52 @@ fn compile(model: &Graph, model_text: &str, opts: &BuildOptions, generate_code: 
     };
 
     let t = Instant::now();
-    let plan = plan_kernel_graph(&fused)?;
-    let report = spmd.then(|| mesh_report(&plan, &opts.mesh));
-    let (bodies, mut kernels) = kernel_table(&fused, &plan)?;
+    let mut plan = plan_kernel_graph(&fused)?;
     phases.plan = t.elapsed();
 
+    // The eval step, bound to the training plan (it may grow the activations arena, so before
+    // the mesh report). A float8 build has none yet.
     let t = Instant::now();
     let mut notes = Vec::new();
+    let mut eval = match opts.train.float8 {
+        Some(_) => {
+            notes.push("no eval step: validation of a float8 build is not supported yet (titan-run --val-data refuses this artifact)".to_string());
+            None
+        }
+        None => Some(eval::plan_eval(model, opts, &plan.storage.buffers, &mut plan.memory)?),
+    };
+    phases.eval = t.elapsed();
+
+    let t = Instant::now();
+    let report = spmd.then(|| mesh_report(&plan, &opts.mesh));
+    let (bodies, mut kernels) = kernel_table(&fused, &plan)?;
+    phases.plan += t.elapsed();
+
+    let t = Instant::now();
     let code = if generate_code { codegen(&fused, &bodies, &mut notes)? } else { bodies.iter().map(|_| None).collect() };
-    let ptx = attach_code(&mut kernels, code);
+    let mut ptx = attach_code(&mut kernels, code);
     phases.codegen = t.elapsed();
 
     let t = Instant::now();
-    let cubins = attach_cubins(ptxas, &mut kernels, &ptx, &mut notes);
+    let mut cubins = attach_cubins(ptxas, &mut kernels, &ptx, &mut notes);
     phases.ptxas = t.elapsed();
+
+    // The eval kernels: the same code generator and ptxas, files next to the training ones.
+    let t = Instant::now();
+    if let Some(e) = eval.as_mut() {
+        let mut eval_notes = Vec::new();
+        let code = if generate_code { codegen(&e.fused, &e.bodies, &mut eval_notes)? } else { e.bodies.iter().map(|_| None).collect() };
+        let eval_ptx = attach_code(&mut e.step.kernels, code);
+        cubins.extend(attach_cubins(ptxas, &mut e.step.kernels, &eval_ptx, &mut eval_notes));
+        ptx.extend(eval_ptx);
+        // A note the training kernels already gave (no ptxas) is said once.
+        for n in eval_notes {
+            if !notes.contains(&n) {
+                notes.push(format!("eval step: {n}"));
+            }
+        }
+    }
+    phases.eval += t.elapsed();
 
     let dims = fused.dims.clone();
     let batch = dims.get("batch").copied().unwrap_or(0);
@@ -698,6 +767,7 @@ fn compile(model: &Graph, model_text: &str, opts: &BuildOptions, generate_code: 
         kernels,
         ranks: vec![RankSchedule { rank: 0, steps: plan.schedule.steps.clone() }],
         report: report.clone(),
+        eval: eval.as_ref().map(|e| e.step.clone()),
     };
     let summary = BuildSummary {
         out_dir: PathBuf::new(),
@@ -722,9 +792,16 @@ fn compile(model: &Graph, model_text: &str, opts: &BuildOptions, generate_code: 
         report,
         workspaces: library_workspaces(&manifest),
         recompute_placement: titan_passes::activation_checkpoint::recompute_placement(&fused),
+        eval: eval.as_ref().map(|e| EvalSummary {
+            kernels: e.step.kernels.len(),
+            launches_per_step: e.launches_per_step,
+            activation_bytes: e.step.activation_bytes,
+            grew_activations_from: e.grew_activations_from,
+        }),
     };
     let graph_text = titan_ir::print::print_graph(&fused);
-    Ok((Artifact { manifest, graph_text, ptx, cubins }, summary))
+    let eval_graph_text = eval.as_ref().map(|e| titan_ir::print::print_graph(&e.fused));
+    Ok((Artifact { manifest, graph_text, ptx, cubins, eval_graph_text }, summary))
 }
 
 /// Refuse `--async-tp` where it cannot apply: it splits the sequence-parallel collectives of

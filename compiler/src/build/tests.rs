@@ -502,7 +502,7 @@ fn version_4_manifests_load_without_a_model_hash() {
     assert_eq!((back.format_version, back.model_hash), (4, None));
     v["format_version"] = 3.into();
     let e = Manifest::from_json("manifest.json", &v.to_string()).err().map(|e| e.to_string()).unwrap_or_default();
-    assert!(e.contains("format version 3 is not supported") && e.contains("reads versions 4 to 5"), "{e}");
+    assert!(e.contains("format version 3 is not supported") && e.contains("reads versions 4 to 6"), "{e}");
 }
 
 #[test]

@@ -51,8 +51,8 @@ pub fn ref_buffers(r: &BufRef, carries: &[[u32; 2]]) -> Vec<u32> {
 }
 
 /// Which buffers are temporaries of which top-level loop (by buffer position).
-fn scopes(m: &Manifest, steps: &[Step]) -> Vec<Scope> {
-    let mut scope: Vec<Scope> = vec![None; m.buffers.len()];
+fn scopes(n: usize, steps: &[Step]) -> Vec<Scope> {
+    let mut scope: Vec<Scope> = vec![None; n];
     let mut mark = |id: u32, s: Option<usize>| {
         if let Some(slot) = scope.get_mut(id as usize) {
             *slot = match *slot {
@@ -111,9 +111,18 @@ fn scopes(m: &Manifest, steps: &[Step]) -> Vec<Scope> {
 /// refuses them separately).
 pub fn buffer_lifetimes(m: &Manifest, rank: usize) -> Vec<Option<Lifetime>> {
     let Some(schedule) = m.ranks.get(rank) else { return vec![None; m.buffers.len()] };
-    let scope = scopes(m, &schedule.steps);
+    let scope = scopes(m.buffers.len(), &schedule.steps);
     let temporary_of = |id: u32| scope.get(id as usize).copied().flatten().flatten();
     lifetimes(m.buffers.len(), &schedule.steps, temporary_of, |i| m.buffers[i].output.is_some())
+}
+
+/// The lifetime of every buffer of the eval step (`m.eval`), by position in its `buffers`; empty
+/// without one.
+pub fn eval_buffer_lifetimes(m: &Manifest) -> Vec<Option<Lifetime>> {
+    let Some(e) = &m.eval else { return Vec::new() };
+    let scope = scopes(e.buffers.len(), &e.steps);
+    let temporary_of = |id: u32| scope.get(id as usize).copied().flatten().flatten();
+    lifetimes(e.buffers.len(), &e.steps, temporary_of, |i| e.buffers[i].output.is_some())
 }
 
 /// The lifetime of each of `n` buffers over the linearized `steps`, given which top-level loop

@@ -163,6 +163,11 @@ pub struct CpuArtifactTrainer<'a> {
     /// Per kernel (in `manifest.kernels` order): how to stream its body, if it can be.
     plans: Arc<Vec<Option<BodyPlan>>>,
     streaming: bool,
+    /// The eval step's interpreter and body plans (per `manifest.eval.kernels`), when the
+    /// artifact has one.
+    eval: Option<(Interpreter<'a>, Arc<Vec<Option<BodyPlan>>>)>,
+    /// The schedule being run is the eval step's: buffer and kernel ids are its own.
+    in_eval: bool,
 }
 
 fn usize_of(x: u64, what: &str) -> Result<usize, RuntimeError> {
@@ -215,6 +220,17 @@ impl<'a> CpuArtifactTrainer<'a> {
             Some(r) => Interpreter::new(&artifact.graph, Precision::Emulate).with_communicator(Arc::clone(&r.comm)),
             None => Interpreter::new(&artifact.graph, Precision::Emulate),
         };
+        let eval = match (&m.eval, &artifact.eval) {
+            (Some(e), Some(p)) => {
+                let interp = match &rank {
+                    Some(r) => Interpreter::new(&p.graph, Precision::Emulate).with_communicator(Arc::clone(&r.comm)),
+                    None => Interpreter::new(&p.graph, Precision::Emulate),
+                };
+                let plans = (0..e.kernels.len() as u32).map(|id| artifact.eval_kernel(id).and_then(|(_, body)| BodyPlan::new(body))).collect();
+                Some((interp, Arc::new(plans)))
+            }
+            _ => None,
+        };
         let mut trainer = CpuArtifactTrainer {
             artifact,
             interp,
@@ -236,6 +252,8 @@ impl<'a> CpuArtifactTrainer<'a> {
             profile: None,
             profiled_steps: 0,
             plans: Arc::new(m.kernels.iter().map(|k| artifact.graph.block_by_name(&k.body).and_then(|b| BodyPlan::new(artifact.graph.block(b)))).collect()),
+            eval,
+            in_eval: false,
         };
         trainer.init_state(seed)?;
         Ok(trainer)
@@ -295,7 +313,10 @@ impl<'a> CpuArtifactTrainer<'a> {
 
     /// Resolve `r` in the loop iteration `frame`.
     fn view(&self, r: &BufRef, frame: Option<Frame<'_>>) -> Result<View, RuntimeError> {
-        let buffer = |id: u32| self.artifact.buffer(id).ok_or_else(|| bad(format!("buffer {id} does not exist")));
+        let buffer = |id: u32| {
+            let b = if self.in_eval { self.artifact.eval_buffer(id) } else { self.artifact.buffer(id) };
+            b.ok_or_else(|| bad(format!("buffer {id} does not exist")))
+        };
         match *r {
             BufRef::Buffer { buffer: id, layer: false } => self.whole(buffer(id)?),
             BufRef::Buffer { buffer: id, layer: true } => {
@@ -403,15 +424,23 @@ impl<'a> CpuArtifactTrainer<'a> {
 
     fn launch(&mut self, kernel: u32, inputs: &[BufRef], outputs: &[BufRef], frame: Option<Frame<'_>>) -> Result<(), RuntimeError> {
         let artifact = self.artifact;
-        let pos = artifact.kernel_pos(kernel).ok_or_else(|| bad(format!("kernel {kernel} does not exist")))?;
-        let (k, body) = artifact.kernel(kernel).ok_or_else(|| bad(format!("kernel {kernel} does not exist")))?;
+        let missing = || bad(format!("kernel {kernel} does not exist"));
+        let (pos, (k, body)) = if self.in_eval {
+            (kernel as usize, artifact.eval_kernel(kernel).ok_or_else(missing)?)
+        } else {
+            (artifact.kernel_pos(kernel).ok_or_else(missing)?, artifact.kernel(kernel).ok_or_else(missing)?)
+        };
         if inputs.len() != body.args.len() || outputs.len() != body.outputs.len() {
             return Err(bad(format!("kernel `{}` is launched with {} inputs and {} outputs", k.name, inputs.len(), outputs.len())));
         }
         let ins = inputs.iter().map(|r| self.view(r, frame)).collect::<Result<Vec<_>, _>>()?;
         let outs = outputs.iter().map(|r| self.view(r, frame)).collect::<Result<Vec<_>, _>>()?;
-        let start = self.profile.is_some().then(Instant::now);
-        let plans = Arc::clone(&self.plans);
+        // The profile counts training kernels (the eval step is not part of a training step).
+        let start = (self.profile.is_some() && !self.in_eval).then(Instant::now);
+        let plans = match (&self.eval, self.in_eval) {
+            (Some((_, p)), true) => Arc::clone(p),
+            _ => Arc::clone(&self.plans),
+        };
         let plan = plans.get(pos).ok_or_else(|| bad(format!("kernel `{}` has no execution plan", k.name)))?;
         let result = match plan {
             Some(plan) if self.streaming => self.run_streaming(body, plan, &ins, &outs),
@@ -454,7 +483,11 @@ impl<'a> CpuArtifactTrainer<'a> {
     /// Decode every input, run the body on the interpreter, encode every output.
     fn run_whole(&mut self, body: &Region, ins: &[View], outs: &[View]) -> Result<(), RuntimeError> {
         let args = ins.iter().enumerate().map(|(i, &v)| self.decode_arg(body, i, v)).collect::<Result<Vec<_>, _>>()?;
-        let results = self.interp.run_region(body, &args)?;
+        let interp = match &self.eval {
+            Some((i, _)) if self.in_eval => i,
+            _ => &self.interp,
+        };
+        let results = interp.run_region(body, &args)?;
         drop(args);
         for (i, (t, &v)) in results.iter().zip(outs).enumerate() {
             self.encode_out(i, t, v)?;
@@ -578,6 +611,25 @@ impl<'a> CpuArtifactTrainer<'a> {
         })
     }
 
+    /// Run the artifact's eval step (forward and loss, no update) on `batch` and return its loss.
+    /// It reads the masters in place and writes only the activations arena (poisoned first), so
+    /// the training steps that follow are the same with or without it.
+    pub fn eval_loss(&mut self, batch: &Batch) -> Result<f64, RuntimeError> {
+        let e = self.artifact.manifest.eval.as_ref().ok_or_else(no_eval_step)?;
+        check_rank_batch(batch, self.batch, self.seq, self.tokens_len, self.vocab)?;
+        if self.poison {
+            self.arenas[slot(Arena::Activations)].fill(POISON);
+        }
+        self.feed(self.tokens, &batch.tokens)?;
+        self.feed(self.targets, &batch.targets)?;
+        let loss = e.buffers.iter().find(|b| b.output.as_deref() == Some("loss")).ok_or_else(|| bad("the eval step has no `loss` buffer".into()))?;
+        self.in_eval = true;
+        let run = self.exec(&e.steps, None);
+        self.in_eval = false;
+        run?;
+        self.scalar(Some(loss))
+    }
+
     /// Every state buffer by checkpoint name, in manifest order.
     pub fn states(&self) -> Result<Vec<(String, Tensor<f32>)>, RuntimeError> {
         let mut out = Vec::new();
@@ -616,6 +668,13 @@ impl<'a> CpuArtifactTrainer<'a> {
     }
 }
 
+/// Why `--val-data` cannot run on an artifact without an eval step.
+pub(crate) fn no_eval_step() -> RuntimeError {
+    RuntimeError::Backend(
+        "the artifact has no eval step (built before format version 6, or a float8 build, whose validation is not supported yet); rebuild it with this titanc, or drop --val-data".into(),
+    )
+}
+
 /// The param or optimizer-state buffer with checkpoint name `name`.
 pub(crate) fn state_buffer<'a>(artifact: &'a Artifact, name: &str) -> Result<&'a Buffer, RuntimeError> {
     artifact
@@ -644,6 +703,10 @@ impl Trainer for CpuArtifactTrainer<'_> {
 
     fn step(&mut self, batch: &Batch) -> Result<StepMetrics, RuntimeError> {
         CpuArtifactTrainer::step(self, batch)
+    }
+
+    fn eval_loss(&mut self, batch: &Batch) -> Result<f64, RuntimeError> {
+        CpuArtifactTrainer::eval_loss(self, batch)
     }
 
     fn batch_size(&self) -> usize {

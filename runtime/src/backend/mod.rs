@@ -42,6 +42,14 @@ pub struct StepMetrics {
 pub trait Trainer {
     /// Run one training step on `batch`.
     fn step(&mut self, batch: &Batch) -> Result<StepMetrics, RuntimeError>;
+    /// Run the eval step (forward and loss only, the state unchanged) on `batch`; its loss.
+    fn eval_loss(&mut self, batch: &Batch) -> Result<f64, RuntimeError> {
+        let _ = batch;
+        Err(RuntimeError::Backend(
+            "validation (--val-data) is not supported yet on this backend; it runs an artifact's eval step on --backend cpu (one device or the simulated mesh)"
+                .into(),
+        ))
+    }
     fn batch_size(&self) -> usize;
     fn seq_len(&self) -> usize;
     fn vocab_size(&self) -> usize;

@@ -183,7 +183,7 @@ impl<'g> MeshTrainer<'g> {
     /// Run one step: rank `r` with data-parallel index `i` takes rows `i * b .. (i + 1) * b`
     /// of the global batch.
     pub fn step(&mut self, batch: &Batch) -> Result<StepMetrics, RuntimeError> {
-        mesh_step(self.mesh, &self.rv, &mut self.ranks, batch, self.local_batch, self.seq_parallel)
+        mesh_throughput(self.mesh, on_every_rank(self.mesh, &self.rv, &mut self.ranks, batch, self.local_batch, self.seq_parallel, |t, b| t.step(b)))
     }
 
     /// Every state buffer, gathered from its shards into the single-rank tensor.
@@ -235,25 +235,34 @@ fn sharded_dims(mesh: Mesh, placement: &[Placement]) -> Vec<(usize, u32)> {
         .collect()
 }
 
-/// Run one step on every rank, each on its part of `batch` (see [`rank_batch`]), one thread
-/// each; rank 0's metrics with the throughput of the whole mesh.
-fn mesh_step<T: Trainer + Send>(
+/// Rank 0's metrics of a step run on every rank, with the throughput of the whole mesh.
+fn mesh_throughput(mesh: Mesh, m: Result<StepMetrics, RuntimeError>) -> Result<StepMetrics, RuntimeError> {
+    let mut m = m?;
+    m.tokens_per_s *= f64::from(mesh.dp());
+    Ok(m)
+}
+
+/// Run `f` on every rank, each on its part of `batch` (see [`rank_batch`]), one thread each;
+/// rank 0's result.
+fn on_every_rank<T: Trainer + Send, R: Send>(
     mesh: Mesh,
     rv: &Rendezvous,
     ranks: &mut [T],
     batch: &Batch,
     local_batch: usize,
     seq_parallel: bool,
-) -> Result<StepMetrics, RuntimeError> {
+    f: impl Fn(&mut T, &Batch) -> Result<R, RuntimeError> + Sync,
+) -> Result<R, RuntimeError> {
     let seq = ranks.first().map_or(0, |t| t.seq_len());
     let locals = (0..ranks.len()).map(|r| rank_batch(mesh, mesh.coords(r), batch, local_batch, seq, seq_parallel)).collect::<Result<Vec<_>, _>>()?;
-    let results: Vec<Result<StepMetrics, RuntimeError>> = std::thread::scope(|s| {
+    let f = &f;
+    let results: Vec<Result<R, RuntimeError>> = std::thread::scope(|s| {
         let handles: Vec<_> = ranks
             .iter_mut()
             .zip(locals)
             .map(|(trainer, local)| {
                 s.spawn(move || {
-                    let out = trainer.step(&local);
+                    let out = f(trainer, &local);
                     if out.is_err() {
                         rv.abort();
                     }
@@ -271,9 +280,7 @@ fn mesh_step<T: Trainer + Send>(
             Err(e) => return Err(RuntimeError::Backend(format!("rank {r}: {e}"))),
         }
     }
-    let mut m = first.ok_or_else(|| RuntimeError::Backend("the mesh has no ranks".into()))?;
-    m.tokens_per_s *= f64::from(mesh.dp());
-    Ok(m)
+    first.ok_or_else(|| RuntimeError::Backend("the mesh has no ranks".into()))
 }
 
 /// The shared rendezvous of `mesh` and one rank context per rank, in rank order.
@@ -332,7 +339,7 @@ impl<'a> ArtifactMeshTrainer<'a> {
     /// Run one step: rank `r` with data-parallel index `i` takes rows `i * b .. (i + 1) * b`
     /// of the global batch.
     pub fn step(&mut self, batch: &Batch) -> Result<StepMetrics, RuntimeError> {
-        mesh_step(self.mesh, &self.rv, &mut self.ranks, batch, self.local_batch, self.seq_parallel)
+        mesh_throughput(self.mesh, on_every_rank(self.mesh, &self.rv, &mut self.ranks, batch, self.local_batch, self.seq_parallel, |t, b| t.step(b)))
     }
 
     /// Turn the NaN poisoning of every rank's activation and gradient arenas on or off.
@@ -360,6 +367,12 @@ impl<'a> ArtifactMeshTrainer<'a> {
 impl Trainer for ArtifactMeshTrainer<'_> {
     fn step(&mut self, batch: &Batch) -> Result<StepMetrics, RuntimeError> {
         ArtifactMeshTrainer::step(self, batch)
+    }
+
+    /// The eval step on every rank (sharded like the training step, the loss all-reduced in it):
+    /// rank 0's loss, which every rank holds.
+    fn eval_loss(&mut self, batch: &Batch) -> Result<f64, RuntimeError> {
+        on_every_rank(self.mesh, &self.rv, &mut self.ranks, batch, self.local_batch, self.seq_parallel, |t, b| t.eval_loss(b))
     }
 
     fn batch_size(&self) -> usize {

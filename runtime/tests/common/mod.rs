@@ -145,6 +145,7 @@ impl Fixture {
             kernels: self.kernels.clone(),
             ranks: vec![RankSchedule { rank: 0, steps: self.steps.clone() }],
             report: None,
+            eval: None,
         }
     }
 

@@ -15,7 +15,7 @@ use std::time::Instant;
 use crate::common::{Scratch, scratch};
 use titan_compiler::build::{BuildOptions, build_artifact};
 use titan_compiler::{LlamaConfig, Preset, build_llama3};
-use titan_ir::artifact::{BufRef, GRAPH_FILE, MANIFEST_FILE, Manifest, Step};
+use titan_ir::artifact::{BufRef, EVAL_GRAPH_FILE, GRAPH_FILE, MANIFEST_FILE, Manifest, Step};
 use titan_ir::{DType, DecayKind, Graph};
 use titan_passes::{TrainOptions, lower_to_train};
 use titan_runtime::{Artifact, BUNDLED_CORPUS, Batcher, CpuArtifactTrainer, CpuTrainer, Trainer, byte_tokens};
@@ -206,6 +206,7 @@ fn load_edited(base: &Path, name: &str, edit: impl Fn(&mut Manifest)) -> String 
     let dir = out_dir(name);
     std::fs::create_dir_all(&dir).expect("mkdir");
     std::fs::copy(base.join(GRAPH_FILE), dir.join(GRAPH_FILE)).expect("copy graph.ir");
+    std::fs::copy(base.join(EVAL_GRAPH_FILE), dir.join(EVAL_GRAPH_FILE)).expect("copy eval.ir");
     // The kernels too (PTX and cubins), so only the edit can make the load fail.
     let kernels = base.join(titan_ir::artifact::KERNEL_DIR);
     if kernels.is_dir() {

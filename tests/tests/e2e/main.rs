@@ -24,3 +24,4 @@ mod readme;
 mod text_data;
 mod train_debug;
 mod train_graph;
+mod validation;
