@@ -215,8 +215,12 @@ fn apply_job_config(mut cli: Cli, given: &dyn Fn(&str) -> bool, announce: bool) 
         cli.metrics = Some(job.metrics_file());
     }
     let ck = &job.checkpoint;
-    if ck.enable && !given("checkpoint_dir") {
-        let dir = job.checkpoint_dir();
+    if ck.enable {
+        // `--checkpoint-dir` replaces the folder only; the other keys still apply.
+        let dir = match &cli.checkpoint_dir {
+            Some(d) if given("checkpoint_dir") => d.clone(),
+            _ => job.checkpoint_dir(),
+        };
         // TorchTitan's interval default.
         if !given("checkpoint_every") {
             cli.checkpoint_every = Some(ck.interval.unwrap_or(500));
