@@ -275,6 +275,10 @@ pub struct BuildArgs {
     /// vs modeled recompute time) into this SVG file
     #[arg(long, value_name = "FILE.svg")]
     pub ac_pareto: Option<PathBuf>,
+    /// Draw the memory plan into this SVG file: every buffer's bytes over the step's schedule,
+    /// per arena, with the planned peak marked (hover a buffer for its name)
+    #[arg(long, value_name = "FILE.svg")]
+    pub memory_svg: Option<PathBuf>,
     /// Verify the graph after every pass; a pass that breaks it is named
     #[arg(long)]
     pub verify_each: bool,
@@ -712,7 +716,10 @@ impl BuildArgs {
 
 fn cmd_build(a: &BuildArgs) -> Result<Outcome, CliError> {
     let file = a.file.display().to_string();
-    let text = std::fs::read_to_string(&a.file).map_err(|e| FrontendError::Io { file: file.clone(), message: e.to_string() })?;
+    let text = match std::fs::read_to_string(&a.file) {
+        Ok(text) => text,
+        Err(e) => model_of_preset_name(&file, a.job_config.as_deref())?.ok_or_else(|| FrontendError::Io { file: file.clone(), message: e.to_string() })?,
+    };
     let (parsed, map) = titan_ir::parse_and_verify_with_map(&file, &text)?;
     let mut model = parsed.clone();
     model.canonicalize();
@@ -754,10 +761,33 @@ fn cmd_build(a: &BuildArgs) -> Result<Outcome, CliError> {
         std::fs::write(path, svg).map_err(|e| CliError::Write { file: path.display().to_string(), message: e.to_string() })?;
         out.stdout.push_str(&format!("wrote the Pareto frontier to {}\n", path.display()));
     }
+    if let Some(path) = &a.memory_svg {
+        let path_json = a.output.join("manifest.json");
+        let manifest = std::fs::read_to_string(&path_json)
+            .map_err(|e| e.to_string())
+            .and_then(|t| titan_ir::artifact::Manifest::from_json(&path_json.display().to_string(), &t).map_err(|e| e.to_string()))
+            .map_err(|e| CliError::Usage(format!("--memory-svg: {e}")))?;
+        let svg = titan_ir::artifact::memory_svg::memory_svg(&manifest, 0, None);
+        std::fs::write(path, svg).map_err(|e| CliError::Write { file: path.display().to_string(), message: e.to_string() })?;
+        out.stdout.push_str(&format!("wrote the memory plan to {}\n", path.display()));
+    }
     for note in job.iter().flat_map(JobConfig::notes) {
         out.stdout.push_str(&format!("note: {note}\n"));
     }
     Ok(out)
+}
+
+/// `titanc build 8B --job-config ...`: a model file argument that names no file but a flavor or
+/// preset (`debugmodel`, `8B`, `70B`, `405B`, or titanc's preset names) builds that preset with
+/// the job config's batch and sequence length; `None` for any other name.
+fn model_of_preset_name(name: &str, job: Option<&Path>) -> Result<Option<String>, CliError> {
+    if crate::job_config::flavor_preset(name).is_none() {
+        return Ok(None);
+    }
+    let job = job.map(JobConfig::load).transpose()?;
+    let Some(cfg) = JobConfig::preset_model(name, job.as_ref()) else { return Ok(None) };
+    let graph_name = format!("llama3_{}", name.to_ascii_lowercase());
+    Ok(Some(crate::llama::model_ir(&cfg, &graph_name)?))
 }
 
 fn cmd_opt(a: &OptArgs) -> Result<Outcome, CliError> {

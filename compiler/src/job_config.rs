@@ -1,11 +1,12 @@
-//! TorchTitan-style job configurations (`titanc build --job-config job.toml`).
+//! TorchTitan-style job configurations (`titanc build --job-config job.toml`): the build
+//! sections, read on top of `titan_ir::job_config` (the key table, the collecting reader and
+//! the runtime sections `titan-run --job-config` honors, which titanc checks too).
 //!
-//! The file uses TorchTitan's section and key names so an existing job config mostly carries
-//! over. Every key is either applied, checked against the model, recorded as a note for
-//! `titan-run`, or rejected: unknown sections and keys are errors naming `section.key`, values
-//! of the wrong type name the key and the expected type, and features titan does not build yet
-//! (float8, async tensor parallelism, any parallel degree but 1, ...)
-//! fail with "... is not supported yet" instead of being ignored.
+//! The file uses TorchTitan's section and key names (its last TOML release, v0.2.2, and
+//! v0.1.0), so its llama3 configs build as shipped: every key is applied, checked against the
+//! model, read by `titan-run`, accepted with one "not honored" line saying why, or refused
+//! ("... is not supported yet" for features titan does not build, such as pipeline parallelism,
+//! at any value but the one that turns them off). All problems of a file are reported together.
 //!
 //! Learning-rate schedule mapping (TorchTitan's `build_lr_schedulers`), with `S =
 //! training.steps` and `W = lr_scheduler.warmup_steps`:
@@ -18,61 +19,15 @@
 //! Without `training.steps` the schedule keeps titanc's defaults (or the command-line flags).
 //! Command-line flags override everything the file sets.
 
-use std::fmt::Write as _;
 use std::path::Path;
 
+use titan_ir::job_config::{JobFile, NotHonored, RunSettings};
 use titan_ir::{ArgKind, DType, DecayKind, Graph};
 use titan_passes::TrainOptions;
 
-/// Sections and their keys, in the order the documentation lists them.
-pub const SECTIONS: [(&str, &[&str]); 12] = [
-    ("job", &["description", "dump_folder"]),
-    ("model", &["name", "flavor", "converters"]),
-    ("optimizer", &["name", "lr", "eps", "beta1", "beta2", "weight_decay"]),
-    ("lr_scheduler", &["warmup_steps", "decay_ratio", "decay_type", "min_lr_factor"]),
-    ("training", &["local_batch_size", "seq_len", "max_norm", "steps", "mixed_precision_param", "dataset", "seed"]),
-    ("compile", &["enable", "components"]),
-    ("float8", &["recipe_name", "enable_fsdp_float8_all_gather", "precompute_float8_dynamic_scale_for_fsdp", "filter_fqns"]),
-    ("quantize", &["linear"]),
-    ("activation_checkpoint", &["mode", "selective_ac_option", "memory_budget"]),
-    ("experimental", &["enable_async_tensor_parallel"]),
-    ("validation", &["enable", "freq", "steps", "dataset", "dataset_path"]),
-    (
-        "parallelism",
-        &[
-            "data_parallel_replicate_degree",
-            "data_parallel_shard_degree",
-            "tensor_parallel_degree",
-            "context_parallel_degree",
-            "pipeline_parallel_degree",
-            "expert_parallel_degree",
-            "disable_loss_parallel",
-            "disable_prefetch_next_layer",
-        ],
-    ),
-];
+pub use titan_ir::job_config::JobConfigError;
 
-/// Why a job config cannot be used; every message names the file and the key to change.
-#[derive(Debug, Clone, PartialEq, thiserror::Error)]
-pub enum JobConfigError {
-    #[error("cannot read `{file}`: {message}")]
-    Io { file: String, message: String },
-    /// Not valid TOML.
-    #[error("{file}: invalid TOML: {message}")]
-    Syntax { file: String, message: String },
-    #[error("{file}: unknown section `[{section}]`; known sections: {known}")]
-    UnknownSection { file: String, section: String, known: String },
-    #[error("{file}: unknown key `{key}`; `[{section}]` takes: {known}")]
-    UnknownKey { file: String, key: String, section: String, known: String },
-    #[error("{file}: `{key}` must be {expected}, found {found}")]
-    Type { file: String, key: String, expected: &'static str, found: String },
-    /// A feature titan does not build yet.
-    #[error("{file}: {what} is not supported yet; {fix}")]
-    Unsupported { file: String, what: String, fix: String },
-    /// A value out of range, or inconsistent with the model or another key.
-    #[error("{file}: {message}")]
-    Invalid { file: String, message: String },
-}
+use crate::llama::{LlamaConfig, Preset};
 
 /// `[optimizer]`.
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -91,10 +46,11 @@ pub struct LrSchedulerSection {
     pub warmup_steps: Option<u64>,
     pub decay_ratio: Option<f64>,
     pub decay_type: Option<DecayKind>,
+    /// `min_lr_factor`, or `lr_min` in v0.1.0.
     pub min_lr_factor: Option<f64>,
 }
 
-/// `[training]`.
+/// `[training]`: the keys titanc reads.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct TrainingSection {
     pub local_batch_size: Option<u64>,
@@ -103,19 +59,14 @@ pub struct TrainingSection {
     pub max_norm: Option<f64>,
     pub steps: Option<u64>,
     pub mixed_precision_param: Option<DType>,
-    pub dataset: Option<String>,
-    pub seed: Option<u64>,
 }
 
 /// A parsed and checked job config. Feature sections that can only hold their defaults today
-/// (`float8`, `activation_checkpoint`, `experimental`, `parallelism`, `compile`) are validated
-/// while parsing and not kept.
-#[derive(Clone, Debug, Default, PartialEq)]
+/// are validated while parsing and not kept.
+#[derive(Clone, Debug, PartialEq)]
 pub struct JobConfig {
     /// The file name used in messages.
     pub file: String,
-    pub description: Option<String>,
-    pub dump_folder: Option<String>,
     pub model_name: Option<String>,
     pub model_flavor: Option<String>,
     pub optimizer: OptimizerSection,
@@ -128,6 +79,10 @@ pub struct JobConfig {
     pub float8: Option<titan_passes::float8::Float8Options>,
     /// `[activation_checkpoint]`: `None` when the file does not set `mode`.
     pub activation_checkpoint: Option<titan_passes::activation_checkpoint::AcPolicy>,
+    /// The runtime sections (`titan-run --job-config` applies them; titanc checks them).
+    pub run: RunSettings,
+    /// Every "not honored" line of the file, of both binaries' keys, in file order.
+    pub not_honored: Vec<NotHonored>,
 }
 
 /// The training settings a job config sets, named like `titanc lower`'s flags; `None` where
@@ -148,381 +103,244 @@ pub struct JobTrainSettings {
     pub float8: Option<titan_passes::float8::Float8Options>,
 }
 
-fn describe(v: &toml::Value) -> String {
-    match v {
-        toml::Value::String(s) => format!("the string \"{s}\""),
-        toml::Value::Integer(i) => format!("the integer {i}"),
-        toml::Value::Float(x) => format!("the float {x}"),
-        toml::Value::Boolean(b) => format!("the bool {b}"),
-        toml::Value::Datetime(d) => format!("the date {d}"),
-        toml::Value::Array(_) => "an array".into(),
-        toml::Value::Table(_) => "a table".into(),
-    }
+/// TorchTitan's llama3 flavors (and titan's preset names) and the preset each one is.
+pub const FLAVORS: [(&str, Preset); 4] = [("debugmodel", Preset::Debug), ("8B", Preset::B8), ("70B", Preset::B70), ("405B", Preset::B405)];
+
+/// The preset a `model.flavor` names: TorchTitan's flavor names, or titan's preset names
+/// (`debug`, `1b`, `8b`, ..., any case).
+pub fn flavor_preset(flavor: &str) -> Option<Preset> {
+    FLAVORS.iter().find(|(f, _)| *f == flavor).map(|(_, p)| *p).or_else(|| flavor.parse().ok())
 }
 
-/// One section of the file with typed accessors that name `section.key` in errors.
-struct Section<'a> {
-    file: &'a str,
-    name: &'static str,
-    table: Option<&'a toml::Table>,
+/// The dims a flavor fixes, as `titanc new` writes them into the model's `meta`.
+const FLAVOR_DIMS: [&str; 5] = ["dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim"];
+
+fn flavor_dims(cfg: &LlamaConfig) -> [u64; 5] {
+    [cfg.dim, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.ffn_dim]
 }
 
-impl<'a> Section<'a> {
-    fn key(&self, k: &str) -> String {
-        format!("{}.{k}", self.name)
-    }
-
-    fn get(&self, k: &str) -> Option<&'a toml::Value> {
-        self.table.and_then(|t| t.get(k))
-    }
-
-    fn type_error(&self, k: &str, expected: &'static str, v: &toml::Value) -> JobConfigError {
-        JobConfigError::Type { file: self.file.into(), key: self.key(k), expected, found: describe(v) }
-    }
-
-    fn invalid(&self, message: String) -> JobConfigError {
-        JobConfigError::Invalid { file: self.file.into(), message }
-    }
-
-    fn unsupported(&self, what: String, fix: &str) -> JobConfigError {
-        JobConfigError::Unsupported { file: self.file.into(), what, fix: fix.into() }
-    }
-
-    fn string(&self, k: &str) -> Result<Option<String>, JobConfigError> {
-        match self.get(k) {
-            None => Ok(None),
-            Some(toml::Value::String(s)) => Ok(Some(s.clone())),
-            Some(v) => Err(self.type_error(k, "a string", v)),
-        }
-    }
-
-    /// A float; integers are accepted (`weight_decay = 0`).
-    fn float(&self, k: &str) -> Result<Option<f64>, JobConfigError> {
-        match self.get(k) {
-            None => Ok(None),
-            Some(toml::Value::Float(x)) => Ok(Some(*x)),
-            Some(toml::Value::Integer(i)) => Ok(Some(*i as f64)),
-            Some(v) => Err(self.type_error(k, "a number", v)),
-        }
-    }
-
-    fn int(&self, k: &str) -> Result<Option<i64>, JobConfigError> {
-        match self.get(k) {
-            None => Ok(None),
-            Some(toml::Value::Integer(i)) => Ok(Some(*i)),
-            Some(v) => Err(self.type_error(k, "an integer", v)),
-        }
-    }
-
-    /// An integer of at least `min`.
-    fn count(&self, k: &str, min: u64) -> Result<Option<u64>, JobConfigError> {
-        match self.int(k)? {
-            None => Ok(None),
-            Some(i) => match u64::try_from(i) {
-                Ok(u) if u >= min => Ok(Some(u)),
-                _ => Err(self.invalid(format!("`{}` must be at least {min}, found {i}", self.key(k)))),
-            },
-        }
-    }
-
-    fn bool(&self, k: &str) -> Result<Option<bool>, JobConfigError> {
-        match self.get(k) {
-            None => Ok(None),
-            Some(toml::Value::Boolean(b)) => Ok(Some(*b)),
-            Some(v) => Err(self.type_error(k, "a bool (true or false)", v)),
-        }
-    }
-
-    /// An array of strings; a single string (older TorchTitan configs, e.g. `filter_fqns =
-    /// "output"`) is a one-element array.
-    fn strings(&self, k: &str) -> Result<Option<Vec<String>>, JobConfigError> {
-        match self.get(k) {
-            None => Ok(None),
-            Some(toml::Value::String(s)) => Ok(Some(vec![s.clone()])),
-            Some(toml::Value::Array(items)) => {
-                let mut out = Vec::with_capacity(items.len());
-                for item in items {
-                    match item {
-                        toml::Value::String(s) => out.push(s.clone()),
-                        other => return Err(self.type_error(k, "a string or an array of strings", other)),
-                    }
-                }
-                Ok(Some(out))
-            }
-            Some(v) => Err(self.type_error(k, "a string or an array of strings", v)),
-        }
-    }
-
-    /// A float checked by `ok`, with `range` describing the accepted values.
-    fn float_in(&self, k: &str, range: &str, ok: impl Fn(f64) -> bool) -> Result<Option<f64>, JobConfigError> {
-        match self.float(k)? {
-            Some(x) if !(x.is_finite() && ok(x)) => Err(self.invalid(format!("`{}` must be {range}, found {x}", self.key(k)))),
-            other => Ok(other),
-        }
-    }
+fn show_dims(d: &[u64; 5]) -> String {
+    FLAVOR_DIMS.iter().zip(d).map(|(k, v)| format!("{k} {v}")).collect::<Vec<_>>().join(", ")
 }
 
 impl JobConfig {
-    /// Read and check a job config file.
+    /// Read and check a job config file; every problem of the file comes back at once.
     pub fn load(path: &Path) -> Result<JobConfig, JobConfigError> {
-        let file = path.display().to_string();
-        let text = std::fs::read_to_string(path).map_err(|e| JobConfigError::Io { file: file.clone(), message: e.to_string() })?;
-        JobConfig::parse(&file, &text)
+        JobConfig::read(JobFile::load(path)?)
     }
 
     /// Parse and check the text of a job config; `file` names it in messages.
     pub fn parse(file: &str, text: &str) -> Result<JobConfig, JobConfigError> {
-        let root: toml::Table =
-            text.parse().map_err(|e: toml::de::Error| JobConfigError::Syntax { file: file.into(), message: e.message().trim_end().to_string() })?;
-        let known_sections = SECTIONS.iter().map(|(s, _)| *s).collect::<Vec<_>>().join(", ");
-        let mut names: Vec<&String> = root.keys().collect();
-        names.sort();
-        for name in names {
-            let Some((_, keys)) = SECTIONS.iter().find(|(s, _)| s == name) else {
-                return Err(match &root[name] {
-                    toml::Value::Table(_) => JobConfigError::UnknownSection { file: file.into(), section: name.clone(), known: known_sections },
-                    _ => JobConfigError::Invalid {
-                        file: file.into(),
-                        message: format!("`{name}` is outside any section; put it under its section, e.g. `[training]` for `steps`"),
-                    },
-                });
-            };
-            let toml::Value::Table(t) = &root[name] else {
-                return Err(JobConfigError::Type { file: file.into(), key: name.clone(), expected: "a section (`[name]`)", found: describe(&root[name]) });
-            };
-            let mut ks: Vec<&String> = t.keys().collect();
-            ks.sort();
-            for k in ks {
-                if !keys.contains(&k.as_str()) {
-                    return Err(JobConfigError::UnknownKey { file: file.into(), key: format!("{name}.{k}"), section: name.clone(), known: keys.join(", ") });
-                }
-            }
-        }
-        let section = |name: &'static str| Section {
-            file,
-            name,
-            table: match root.get(name) {
-                Some(toml::Value::Table(t)) => Some(t),
-                _ => None,
-            },
-        };
-        let mut cfg = JobConfig { file: file.into(), ..JobConfig::default() };
+        JobConfig::read(JobFile::parse(file, text)?)
+    }
 
-        let job = section("job");
-        cfg.description = job.string("description")?;
-        cfg.dump_folder = job.string("dump_folder")?;
+    fn read(mut jf: JobFile) -> Result<JobConfig, JobConfigError> {
+        let run = RunSettings::read(&mut jf);
+        let cfg = JobConfig::read_build(&jf, run);
+        jf.finish()?;
+        Ok(JobConfig { not_honored: jf.not_honored(None), ..cfg })
+    }
 
-        let model = section("model");
-        cfg.model_name = model.string("name")?;
-        cfg.model_flavor = model.string("flavor")?;
+    /// The build sections; problems are recorded on `jf`.
+    fn read_build(jf: &JobFile, run: RunSettings) -> JobConfig {
+        let file = jf.file.clone();
+        let model = jf.section("model");
         let mut float8_converter = None;
-        for c in model.strings("converters")?.unwrap_or_default() {
+        for c in model.strings("converters").unwrap_or_default() {
             match c.as_str() {
                 "float8" | "quantize.linear.float8" => float8_converter = Some(c),
-                other => {
-                    return Err(model.unsupported(
-                        format!("the model converter `model.converters = [\"{other}\"]`"),
-                        "titan converts linears to \"float8\" (or \"quantize.linear.float8\"); remove the others",
-                    ));
-                }
+                other => model.error(model.unsupported(
+                    format!("the model converter `model.converters = [\"{other}\"]`"),
+                    "titan converts linears to \"float8\" (or \"quantize.linear.float8\"); remove the others",
+                )),
             }
         }
-
-        let opt = section("optimizer");
-        cfg.optimizer.name = opt.string("name")?;
-        match cfg.optimizer.name.as_deref() {
-            None | Some("AdamW") => {}
-            Some("Adam") => return Err(opt.unsupported("`optimizer.name = \"Adam\"`".into(), "use \"AdamW\"")),
-            Some(other) => return Err(opt.invalid(format!("unknown optimizer `optimizer.name = \"{other}\"`; titan trains with \"AdamW\""))),
-        }
-        cfg.optimizer.lr = opt.float_in("lr", "a positive number such as 8e-4", |x| x > 0.0)?;
-        cfg.optimizer.eps = opt.float_in("eps", "a positive number such as 1e-8", |x| x > 0.0)?;
-        cfg.optimizer.beta1 = opt.float_in("beta1", "at least 0 and below 1, e.g. 0.9", |x| (0.0..1.0).contains(&x))?;
-        cfg.optimizer.beta2 = opt.float_in("beta2", "at least 0 and below 1, e.g. 0.95", |x| (0.0..1.0).contains(&x))?;
-        cfg.optimizer.weight_decay = opt.float_in("weight_decay", "0 or more, e.g. 0.1", |x| x >= 0.0)?;
-
-        let sched = section("lr_scheduler");
-        cfg.lr_scheduler.warmup_steps = sched.count("warmup_steps", 0)?;
-        cfg.lr_scheduler.decay_ratio = sched.float_in("decay_ratio", "between 0 and 1", |x| (0.0..=1.0).contains(&x))?;
-        cfg.lr_scheduler.decay_type = match sched.string("decay_type")?.as_deref() {
-            None => None,
-            Some("linear") => Some(DecayKind::Linear),
-            Some("cosine") => Some(DecayKind::Cosine),
-            Some("sqrt") => return Err(sched.unsupported("`lr_scheduler.decay_type = \"sqrt\"`".into(), "use \"linear\" or \"cosine\"")),
-            Some(other) => return Err(sched.invalid(format!("unknown `lr_scheduler.decay_type = \"{other}\"`; choose \"linear\" or \"cosine\""))),
-        };
-        cfg.lr_scheduler.min_lr_factor = sched.float_in("min_lr_factor", "between 0 and 1", |x| (0.0..=1.0).contains(&x))?;
-
-        let tr = section("training");
-        cfg.training.local_batch_size = tr.count("local_batch_size", 1)?;
-        cfg.training.seq_len = tr.count("seq_len", 1)?;
-        cfg.training.max_norm = tr.float_in("max_norm", "0 (no clipping) or a positive number such as 1.0", |x| x >= 0.0)?;
-        cfg.training.steps = tr.count("steps", 1)?;
-        cfg.training.mixed_precision_param = match tr.string("mixed_precision_param")?.as_deref() {
-            None => None,
-            Some("bfloat16") => Some(DType::BF16),
-            Some("float32") => Some(DType::F32),
-            Some(other) => return Err(tr.invalid(format!("`training.mixed_precision_param` must be \"bfloat16\" or \"float32\", found \"{other}\""))),
-        };
-        cfg.training.dataset = tr.string("dataset")?;
-        cfg.training.seed = tr.count("seed", 0)?;
-
-        let compile = section("compile");
-        if compile.bool("enable")? == Some(false) {
-            return Err(
-                compile.unsupported("`compile.enable = false` (running without fusion)".into(), "titan always compiles; remove the key or set it to true")
-            );
-        }
-        if let Some(components) = compile.strings("components")? {
-            if let Some(bad) = components.iter().find(|c| *c != "model" && *c != "loss") {
-                return Err(compile.invalid(format!("unknown `compile.components` entry \"{bad}\"; the components are \"model\" and \"loss\"")));
-            }
-            for needed in ["model", "loss"] {
-                if !components.iter().any(|c| c == needed) {
-                    return Err(compile.unsupported(
-                        format!("leaving \"{needed}\" out of `compile.components`"),
-                        "titan compiles the whole step; set components = [\"model\", \"loss\"]",
-                    ));
-                }
-            }
-        }
-
-        // Float8: TorchTitan's `[float8]`, or `[quantize.linear.float8]` of its newer configs.
-        let nested = match root.get("quantize") {
-            None => None,
-            Some(toml::Value::Table(q)) => match q.get("linear") {
-                None => None,
-                Some(toml::Value::Table(l)) => {
-                    if let Some(k) = l.keys().find(|k| k.as_str() != "float8") {
-                        return Err(JobConfigError::UnknownKey {
-                            file: file.into(),
-                            key: format!("quantize.linear.{k}"),
-                            section: "quantize.linear".into(),
-                            known: "float8".into(),
-                        });
-                    }
-                    match l.get("float8") {
-                        None => None,
-                        Some(toml::Value::Table(t)) => Some(t),
-                        Some(v) => {
-                            return Err(JobConfigError::Type {
-                                file: file.into(),
-                                key: "quantize.linear.float8".into(),
-                                expected: "a section",
-                                found: describe(v),
-                            });
-                        }
-                    }
-                }
-                Some(v) => return Err(JobConfigError::Type { file: file.into(), key: "quantize.linear".into(), expected: "a section", found: describe(v) }),
-            },
-            Some(_) => None,
-        };
-        let f8_keys = ["recipe_name", "enable_fsdp_float8_all_gather", "precompute_float8_dynamic_scale_for_fsdp", "filter_fqns"];
-        if let Some(t) = nested
-            && let Some(k) = t.keys().find(|k| !f8_keys.contains(&k.as_str()))
+        let flavor = model.string("flavor");
+        if let Some(f) = &flavor
+            && flavor_preset(f).is_none()
         {
-            return Err(JobConfigError::UnknownKey {
-                file: file.into(),
-                key: format!("quantize.linear.float8.{k}"),
-                section: "quantize.linear.float8".into(),
-                known: f8_keys.join(", "),
+            let known = FLAVORS.iter().map(|(f, _)| format!("\"{f}\"")).collect::<Vec<_>>().join(", ");
+            model.error(match f.strip_suffix("_flex_attn") {
+                Some(base) => model.unsupported(
+                    format!("the flex-attention flavor `model.flavor = \"{f}\"` (document masking)"),
+                    &format!("titan's attention is causal over the whole sequence; use \"{base}\""),
+                ),
+                None => model.invalid(format!("unknown `model.flavor = \"{f}\"`; TorchTitan's llama3 flavors are {known}")),
             });
         }
-        let f8 = match nested {
-            Some(t) => {
-                if root.get("float8").is_some() {
-                    return Err(JobConfigError::Invalid {
-                        file: file.into(),
-                        message: "both `[float8]` and `[quantize.linear.float8]` are set; keep one".into(),
-                    });
+
+        let opt = jf.section("optimizer");
+        let name = opt.string("name");
+        match name.as_deref() {
+            None | Some("AdamW") => {}
+            Some("Adam") => opt.error(opt.unsupported("`optimizer.name = \"Adam\"`".into(), "use \"AdamW\"")),
+            Some(other) => opt.error(opt.invalid(format!("unknown optimizer `optimizer.name = \"{other}\"`; titan trains with \"AdamW\""))),
+        }
+        let optimizer = OptimizerSection {
+            name,
+            lr: opt.float_in("lr", "a positive number such as 8e-4", |x| x > 0.0),
+            eps: opt.float_in("eps", "a positive number such as 1e-8", |x| x > 0.0),
+            beta1: opt.float_in("beta1", "at least 0 and below 1, e.g. 0.9", |x| (0.0..1.0).contains(&x)),
+            beta2: opt.float_in("beta2", "at least 0 and below 1, e.g. 0.95", |x| (0.0..1.0).contains(&x)),
+            weight_decay: opt.float_in("weight_decay", "0 or more, e.g. 0.1", |x| x >= 0.0),
+        };
+
+        let sched = jf.section("lr_scheduler");
+        let lr_scheduler = LrSchedulerSection {
+            warmup_steps: sched.count("warmup_steps", 0),
+            decay_ratio: sched.float_in("decay_ratio", "between 0 and 1", |x| (0.0..=1.0).contains(&x)),
+            decay_type: match sched.string("decay_type").as_deref() {
+                None => None,
+                Some("linear") => Some(DecayKind::Linear),
+                Some("cosine") => Some(DecayKind::Cosine),
+                Some("sqrt") => {
+                    sched.error(sched.unsupported("`lr_scheduler.decay_type = \"sqrt\"`".into(), "use \"linear\" or \"cosine\""));
+                    None
                 }
-                Section { file, name: "quantize.linear.float8", table: Some(t) }
+                Some(other) => {
+                    sched.error(sched.invalid(format!("unknown `lr_scheduler.decay_type = \"{other}\"`; choose \"linear\" or \"cosine\"")));
+                    None
+                }
+            },
+            min_lr_factor: sched.alias(["min_lr_factor", "lr_min"]).and_then(|k| sched.float_in(k, "between 0 and 1", |x| (0.0..=1.0).contains(&x))),
+        };
+
+        let tr = jf.section("training");
+        let training = TrainingSection {
+            local_batch_size: tr.count("local_batch_size", 1),
+            seq_len: tr.count("seq_len", 1),
+            max_norm: tr.float_in("max_norm", "0 (no clipping) or a positive number such as 1.0", |x| x >= 0.0),
+            steps: run.steps,
+            mixed_precision_param: match tr.string("mixed_precision_param").as_deref() {
+                None => None,
+                Some("bfloat16") => Some(DType::BF16),
+                Some("float32") => Some(DType::F32),
+                Some(other) => {
+                    tr.error(tr.invalid(format!("`training.mixed_precision_param` must be \"bfloat16\" or \"float32\", found \"{other}\"")));
+                    None
+                }
+            },
+        };
+
+        let compile = jf.section("compile");
+        if let Some(components) = compile.strings("components") {
+            if let Some(bad) = components.iter().find(|c| *c != "model" && *c != "loss") {
+                compile.error(compile.invalid(format!("unknown `compile.components` entry \"{bad}\"; the components are \"model\" and \"loss\"")));
+            } else if compile.bool("enable") != Some(false) {
+                // With `enable = false` TorchTitan compiles nothing, whatever the list says.
+                for needed in ["model", "loss"] {
+                    if !components.iter().any(|c| c == needed) {
+                        compile.error(compile.unsupported(
+                            format!("leaving \"{needed}\" out of `compile.components`"),
+                            "titan compiles the whole step; set components = [\"model\", \"loss\"]",
+                        ));
+                    }
+                }
             }
-            None => section("float8"),
+        }
+
+        // Float8: TorchTitan's `[float8]` (v0.1.0), or `[quantize.linear.float8]` (v0.2).
+        let f8 = if jf.has_section("quantize.linear.float8") {
+            if jf.has_section("float8") {
+                jf.error(JobConfigError::Invalid { file: file.clone(), message: "both `[float8]` and `[quantize.linear.float8]` are set; keep one".into() });
+            }
+            jf.section("quantize.linear.float8")
+        } else {
+            jf.section("float8")
         };
         for k in ["enable_fsdp_float8_all_gather", "precompute_float8_dynamic_scale_for_fsdp"] {
-            if f8.bool(k)? == Some(true) {
-                return Err(f8.unsupported(
+            if f8.bool(k) == Some(true) {
+                f8.error(f8.unsupported(
                     format!("fp8 FSDP weight gathers (`{}.{k} = true`)", f8.name),
                     "set it to false (weights are gathered in bf16 and quantized after the gather)",
                 ));
             }
         }
-        let recipe = match f8.string("recipe_name")? {
-            None => None,
-            Some(r) => Some(titan_ir::Float8Recipe::from_name(&r).map_err(|e| f8.invalid(format!("`{}.recipe_name`: {e}", f8.name)))?),
-        };
-        let filter = f8.strings("filter_fqns")?.unwrap_or_default();
-        cfg.float8 = match (float8_converter, recipe) {
+        let recipe = f8
+            .string("recipe_name")
+            .and_then(|r| titan_ir::Float8Recipe::from_name(&r).map_err(|e| f8.error(f8.invalid(format!("`{}.recipe_name`: {e}", f8.name)))).ok());
+        let filter = f8.strings("filter_fqns").unwrap_or_default();
+        let float8 = match (float8_converter, recipe) {
             // TorchTitan's default recipe is tensorwise scaling.
             (Some(_), r) => Some(titan_passes::float8::Float8Options { recipe: r.unwrap_or(titan_ir::Float8Recipe::Tensorwise), filter, auto: false }),
             (None, Some(r)) => {
-                return Err(model.invalid(format!(
+                model.error(model.invalid(format!(
                     "`{}.recipe_name = \"{}\"` without a float8 converter: TorchTitan would train in bf16; add `converters = [\"float8\"]` to `[model]` or remove the recipe",
                     f8.name,
                     r.name()
                 )));
+                None
             }
             (None, None) => None,
         };
 
-        let ac = section("activation_checkpoint");
-        let option = ac.string("selective_ac_option")?;
-        let budget = ac.float("memory_budget")?;
-        {
-            use titan_passes::activation_checkpoint::AcPolicy;
-            cfg.activation_checkpoint = match ac.string("mode")?.as_deref() {
-                None => None,
-                Some("none") => Some(AcPolicy::None),
-                Some("full") => Some(AcPolicy::Full),
-                Some("selective") => Some(
-                    AcPolicy::selective(option.as_deref().unwrap_or("op"))
-                        .map_err(|e| ac.invalid(format!("`activation_checkpoint.selective_ac_option`: {e}")))?,
-                ),
-                Some("memory_budget") => {
-                    let b = budget
-                        .ok_or_else(|| ac.invalid("`activation_checkpoint.mode = \"memory_budget\"` needs `memory_budget` (a fraction in [0, 1])".into()))?;
-                    Some(AcPolicy::budget_fraction(b).map_err(|e| ac.invalid(format!("activation_checkpoint: {e}")))?)
-                }
-                Some(other) => {
-                    return Err(ac.invalid(format!(
-                        "unknown `activation_checkpoint.mode = \"{other}\"`; choose \"none\", \"selective\", \"full\" or \"memory_budget\""
-                    )));
+        let ac = jf.section("activation_checkpoint");
+        let option = ac.string("selective_ac_option");
+        let budget = ac.float("memory_budget");
+        let activation_checkpoint =
+            {
+                use titan_passes::activation_checkpoint::AcPolicy;
+                match ac.string("mode").as_deref() {
+                    None => None,
+                    Some("none") => Some(AcPolicy::None),
+                    Some("full") => Some(AcPolicy::Full),
+                    Some("selective") => match AcPolicy::selective(option.as_deref().unwrap_or("op")) {
+                        Ok(AcPolicy::SelectiveEvery(n)) => {
+                            ac.error(ac.unsupported(
+                                format!("full recompute of one layer in every {n} (`activation_checkpoint.selective_ac_option = \"{n}\"`)"),
+                                "use \"op\", or mode \"full\" or \"memory_budget\"",
+                            ));
+                            None
+                        }
+                        Ok(p) => Some(p),
+                        Err(e) => {
+                            ac.error(ac.invalid(format!("`activation_checkpoint.selective_ac_option`: {e}")));
+                            None
+                        }
+                    },
+                    Some("memory_budget") => match budget {
+                        None => {
+                            ac.error(ac.invalid("`activation_checkpoint.mode = \"memory_budget\"` needs `memory_budget` (a fraction in [0, 1])".into()));
+                            None
+                        }
+                        Some(b) => AcPolicy::budget_fraction(b).map_err(|e| ac.error(ac.invalid(format!("activation_checkpoint: {e}")))).ok(),
+                    },
+                    Some(other) => {
+                        ac.error(ac.invalid(format!(
+                            "unknown `activation_checkpoint.mode = \"{other}\"`; choose \"none\", \"selective\", \"full\" or \"memory_budget\""
+                        )));
+                        None
+                    }
                 }
             };
-        }
-
-        let val = section("validation");
-        if val.bool("enable")? == Some(true) {
-            return Err(val.unsupported("a validation loss (`validation.enable = true`)".into(), "set it to false"));
-        }
-        // Only read with enable = true, which is rejected above; check their types.
-        val.count("freq", 1)?;
-        val.int("steps")?;
-        val.string("dataset")?;
-        val.string("dataset_path")?;
-
-        let exp = section("experimental");
-        if exp.bool("enable_async_tensor_parallel")? == Some(true) {
-            return Err(exp.unsupported("async tensor parallelism (`experimental.enable_async_tensor_parallel = true`)".into(), "set it to false"));
-        }
 
         // Degrees are resolved and checked (against each other, the world size and the model)
         // by `ParallelDims` when the build knows the model; here only their types.
-        let par = section("parallelism");
-        cfg.parallelism = crate::parallel::ParallelRequest {
-            dp_replicate: par.int("data_parallel_replicate_degree")?,
-            dp_shard: par.int("data_parallel_shard_degree")?,
-            cp: par.int("context_parallel_degree")?,
-            tp: par.int("tensor_parallel_degree")?,
-            pp: par.int("pipeline_parallel_degree")?,
-            ep: par.int("expert_parallel_degree")?,
+        let par = jf.section("parallelism");
+        let parallelism = crate::parallel::ParallelRequest {
+            dp_replicate: par.int("data_parallel_replicate_degree"),
+            dp_shard: par.int("data_parallel_shard_degree"),
+            cp: par.int("context_parallel_degree"),
+            tp: par.int("tensor_parallel_degree"),
+            pp: par.int("pipeline_parallel_degree"),
+            ep: par.int("expert_parallel_degree"),
             world_size: None,
-            disable_loss_parallel: par.bool("disable_loss_parallel")?,
-            disable_prefetch_next_layer: par.bool("disable_prefetch_next_layer")?,
+            disable_loss_parallel: par.bool("disable_loss_parallel"),
+            disable_prefetch_next_layer: par.bool("disable_prefetch_next_layer"),
         };
-        Ok(cfg)
+        JobConfig {
+            file,
+            model_name: model.string("name"),
+            model_flavor: flavor,
+            optimizer,
+            lr_scheduler,
+            training,
+            parallelism,
+            float8,
+            activation_checkpoint,
+            run,
+            not_honored: Vec::new(),
+        }
     }
 
     /// The training settings the file sets, with `decay_steps` derived from `training.steps`
@@ -577,24 +395,43 @@ impl JobConfig {
         })
     }
 
-    /// Check the keys that describe the model (`training.local_batch_size`, `training.seq_len`,
-    /// `training.mixed_precision_param`, `model.name`) against the model graph.
+    /// Check the keys that describe the model (`model.flavor`, `training.local_batch_size`,
+    /// `training.seq_len`, `training.mixed_precision_param`, `model.name`) against the model
+    /// graph; every mismatch is reported at once.
     pub fn check_model(&self, model: &Graph) -> Result<(), JobConfigError> {
-        let invalid = |message: String| JobConfigError::Invalid { file: self.file.clone(), message };
+        let mut errors = Vec::new();
+        let mut invalid = |message: String| errors.push(JobConfigError::Invalid { file: self.file.clone(), message });
+        if let Some((flavor, preset)) = self.model_flavor.as_deref().and_then(|f| Some((f, flavor_preset(f)?))) {
+            let meta = |k: &str| model.meta.get(k).and_then(|v| v.as_i64()).and_then(|v| u64::try_from(v).ok());
+            let want = flavor_dims(&LlamaConfig::preset(preset));
+            let have: Option<Vec<u64>> = FLAVOR_DIMS.iter().map(|k| meta(k)).collect();
+            match have {
+                None => invalid(format!(
+                    "`model.flavor = \"{flavor}\"` cannot be checked: the model's meta does not record {}; remove the key or build the model with `titanc new`",
+                    FLAVOR_DIMS.join(", ")
+                )),
+                Some(have) if have != want => {
+                    let have: [u64; 5] = have.try_into().expect("invariant: one value per flavor dim");
+                    let matching = FLAVORS.iter().find(|(_, p)| flavor_dims(&LlamaConfig::preset(*p)) == have).map(|(f, _)| *f);
+                    let fix = match matching {
+                        Some(f) => format!("set `model.flavor = \"{f}\"`, or build the model with `titanc new llama3 --preset {preset}`"),
+                        None => format!("build the model with `titanc new llama3 --preset {preset}`, or remove `model.flavor`"),
+                    };
+                    invalid(format!("`model.flavor = \"{flavor}\"` ({}) does not match the model file ({}); {fix}", show_dims(&want), show_dims(&have)));
+                }
+                Some(_) => {}
+            }
+        }
         for (key, value, dim, flag) in
             [("local_batch_size", self.training.local_batch_size, "batch", "--batch-size"), ("seq_len", self.training.seq_len, "seq", "--seq-len")]
         {
             let Some(v) = value else { continue };
             match model.dims.get(dim) {
                 Some(&d) if d == v => {}
-                Some(&d) => {
-                    return Err(invalid(format!(
-                        "`training.{key} = {v}` does not match the model, which was built with {dim} = {d}; regenerate the model with `titanc new ... {flag} {v}` or set `training.{key} = {d}`"
-                    )));
-                }
-                None => {
-                    return Err(invalid(format!("`training.{key}` is set but the model has no `{dim}` dimension; remove the key")));
-                }
+                Some(&d) => invalid(format!(
+                    "`training.{key} = {v}` does not match the model, which was built with {dim} = {d}; regenerate the model with `titanc new ... {flag} {v}` or set `training.{key} = {d}`"
+                )),
+                None => invalid(format!("`training.{key}` is set but the model has no `{dim}` dimension; remove the key")),
             }
         }
         if let Some(want) = self.training.mixed_precision_param {
@@ -603,36 +440,40 @@ impl JobConfig {
                 && have != want
             {
                 let name = if want == DType::BF16 { "bfloat16" } else { "float32" };
-                return Err(invalid(format!(
+                invalid(format!(
                     "`training.mixed_precision_param = \"{name}\"` does not match the model's {have} parameters; regenerate the model with `titanc new ... --dtype {want}`"
-                )));
+                ));
             }
         }
         if let (Some(name), Some(arch)) = (&self.model_name, model.meta.get("arch").and_then(|a| a.as_str()))
             && name != arch
         {
-            return Err(invalid(format!("`model.name = \"{name}\"` does not match the model file, a {arch} model; set `model.name = \"{arch}\"`")));
+            invalid(format!("`model.name = \"{name}\"` does not match the model file, a {arch} model; set `model.name = \"{arch}\"`"));
         }
-        Ok(())
+        JobConfigError::collect(&self.file, errors)
     }
 
-    /// Settings the file carries that `titan-run` (not titanc) applies, as notes for the build
-    /// summary so they are never silently dropped.
+    /// The model a preset name stands for when the model file argument is one (`titanc build
+    /// 8B --job-config ...`): the preset with the file's `training.local_batch_size` and
+    /// `training.seq_len`. `None` when `name` is not a flavor or preset name.
+    pub fn preset_model(name: &str, job: Option<&JobConfig>) -> Option<LlamaConfig> {
+        let preset = flavor_preset(name)?;
+        let mut cfg = LlamaConfig::preset(preset);
+        if let Some(j) = job {
+            cfg.batch_size = j.training.local_batch_size.unwrap_or(cfg.batch_size);
+            cfg.seq_len = j.training.seq_len.unwrap_or(cfg.seq_len);
+        }
+        Some(cfg)
+    }
+
+    /// The lines for the build summary: every "not honored" key (titanc's and titan-run's),
+    /// and that titan-run reads the runtime sections of the same file.
     pub fn notes(&self) -> Vec<String> {
-        let mut notes = Vec::new();
-        let mut run_flags = String::new();
-        if let Some(seed) = self.training.seed {
-            let _ = write!(run_flags, " --seed {seed}");
-        }
-        if let Some(d) = &self.training.dataset {
-            let _ = write!(run_flags, " --data {d}");
-        }
-        if let Some(s) = self.training.steps {
-            let _ = write!(run_flags, " --steps {s}");
-        }
-        if !run_flags.is_empty() {
-            notes.push(format!("{}: titan-run takes the step count, seed and data from its own flags; run it with{run_flags}", self.file));
-        }
+        let mut notes: Vec<String> = self.not_honored.iter().map(|n| format!("{}: {n}", self.file)).collect();
+        notes.push(format!(
+            "{}: titan-run reads the runtime sections ([training] steps, seed and dataset, [checkpoint], [metrics], [profiling], [comm], job.dump_folder): `titan-run DIR --job-config {}`",
+            self.file, self.file
+        ));
         notes
     }
 }
@@ -713,7 +554,11 @@ expert_parallel_degree = 1
         assert_eq!(s.decay_steps, Some(190), "round(200 * 0.95) = 190 = 200 - 10");
         assert_eq!(s.min_lr_ratio, Some(0.1));
         assert_eq!(s.warmup_steps, Some(10));
-        assert_contains(&c.notes().join("\n"), "--seed 42 --data examples/data/tiny_corpus.txt --steps 200");
+        assert_eq!((c.run.seed, c.run.steps), (Some(42), Some(200)));
+        // Relative to the working directory, `compiler/` under `cargo test`: no such file there.
+        assert_eq!(c.run.data, None);
+        assert_contains(&c.notes().join("\n"), "`training.dataset = \"examples/data/tiny_corpus.txt\"` not honored: titan-run has no dataset registry");
+        assert_contains(&c.notes().join("\n"), "titan-run reads the runtime sections");
     }
 
     #[test]
@@ -739,14 +584,32 @@ expert_parallel_degree = 1
 
     #[test]
     fn unknown_sections_and_keys_are_named() {
-        let e = err("[metrics]\nlog_freq = 10\n");
-        assert_contains(&e, "job.toml: unknown section `[metrics]`; known sections: job, model, optimizer");
-        let e = err("[training]\nglobal_batch_size = 8\n");
-        assert_contains(&e, "unknown key `training.global_batch_size`; `[training]` takes: local_batch_size, seq_len");
+        let e = err("[metric]\nlog_freq = 10\n");
+        assert_contains(&e, "job.toml: unknown section `[metric]`; known sections: job, profiling, metrics, model");
+        let e = err("[training]\nglobal_batchsize = 8\n");
+        assert_contains(&e, "unknown key `training.global_batchsize`; `[training]` takes: dataset, dataset_path, local_batch_size");
         let e = err("steps = 8\n");
         assert_contains(&e, "`steps` is outside any section");
         let e = err("training = 3\n");
-        assert_contains(&e, "`training` must be a section");
+        assert_contains(&e, "`training` is outside any section");
+    }
+
+    /// One run reports every problem of the file, build and runtime keys alike.
+    #[test]
+    fn every_problem_comes_back_at_once() {
+        let e = err(
+            "[optimizer]\nlr = \"fast\"\n[training]\nsteps = 0\nglobal_batch_size = 8\n[checkpoint]\ninterval = 0\n[parallelism]\npipeline_parallel_degree = 2\nenable_async_tensor_parallel = true\n",
+        );
+        assert_contains(&e, "job.toml: 5 problems, all listed:");
+        for want in [
+            "`optimizer.lr` must be a number",
+            "`training.steps` must be at least 1, found 0",
+            "gradient accumulation (`training.global_batch_size = 8`) is not supported yet; set `training.global_batch_size` to -1",
+            "`checkpoint.interval` must be at least 1, found 0",
+            "async tensor parallelism (`parallelism.enable_async_tensor_parallel = true`) is not supported yet",
+        ] {
+            assert_contains(&e, want);
+        }
     }
 
     #[test]
@@ -774,7 +637,6 @@ expert_parallel_degree = 1
             use titan_passes::activation_checkpoint::{AcPolicy, Budget};
             let ac = |text: &str| ok(&format!("[activation_checkpoint]\n{text}")).activation_checkpoint;
             assert_eq!(ac("mode = \"selective\"\nselective_ac_option = \"op\"\n"), Some(AcPolicy::SelectiveOp));
-            assert_eq!(ac("mode = \"selective\"\nselective_ac_option = \"2\"\n"), Some(AcPolicy::SelectiveEvery(2)));
             assert_eq!(ac("mode = \"full\"\n"), Some(AcPolicy::Full));
             assert_eq!(ac("mode = \"memory_budget\"\nmemory_budget = 0.5\n"), Some(AcPolicy::Budget(Budget::Fraction(0.5))));
             assert_eq!(ac("selective_ac_option = \"op\"\n"), None);
@@ -790,8 +652,15 @@ expert_parallel_degree = 1
             ("[float8]\nenable_fsdp_float8_all_gather = true\n", "`float8.enable_fsdp_float8_all_gather = true`) is not supported yet; set it to false"),
             ("[model]\nconverters = [\"mx\"]\n", "the model converter `model.converters = [\"mx\"]` is not supported yet"),
             ("[experimental]\nenable_async_tensor_parallel = true\n", "async tensor parallelism"),
-            ("[validation]\nenable = true\nfreq = 10\n", "a validation loss (`validation.enable = true`) is not supported yet; set it to false"),
-            ("[compile]\nenable = false\n", "`compile.enable = false` (running without fusion) is not supported yet"),
+            (
+                "[validation]\nenable = true\nfreq = 10\n",
+                "a validation loss (`validation.enable = true`) is not supported yet; set `validation.enable` to false",
+            ),
+            (
+                "[activation_checkpoint]\nmode = \"selective\"\nselective_ac_option = \"2\"\n",
+                "one layer in every 2 (`activation_checkpoint.selective_ac_option = \"2\"`) is not supported yet",
+            ),
+            ("[model]\nflavor = \"8B_flex_attn\"\n", "the flex-attention flavor `model.flavor = \"8B_flex_attn\"` (document masking) is not supported yet"),
             ("[compile]\ncomponents = [\"model\"]\n", "leaving \"loss\" out of `compile.components` is not supported yet"),
             ("[optimizer]\nname = \"Adam\"\n", "`optimizer.name = \"Adam\"` is not supported yet; use \"AdamW\""),
             ("[lr_scheduler]\ndecay_type = \"sqrt\"\n", "is not supported yet"),
@@ -847,6 +716,18 @@ expert_parallel_degree = 1
         assert_contains(&e, "does not match the model's bf16 parameters; regenerate the model with `titanc new ... --dtype f32`");
         let e = ok("[model]\nname = \"llama4\"\n").check_model(&g).unwrap_err().to_string();
         assert_contains(&e, "set `model.name = \"llama3\"`");
+        ok("[model]\nflavor = \"debugmodel\"\n").check_model(&g).unwrap();
+        ok("[model]\nflavor = \"debug\"\n").check_model(&g).unwrap();
+        let e = ok("[model]\nflavor = \"405B\"\n[training]\nseq_len = 128\n").check_model(&g).unwrap_err().to_string();
+        assert_contains(&e, "2 problems");
+        assert_contains(
+            &e,
+            "`model.flavor = \"405B\"` (dim 16384, n_layers 126, n_heads 128, n_kv_heads 8, ffn_dim 53248) does not match the model file (dim 64, n_layers 2, n_heads 4, n_kv_heads 2, ffn_dim 192); set `model.flavor = \"debugmodel\"`, or build the model with `titanc new llama3 --preset 405b`",
+        );
+        assert_contains(
+            &err("[model]\nflavor = \"9B\"\n"),
+            "unknown `model.flavor = \"9B\"`; TorchTitan's llama3 flavors are \"debugmodel\", \"8B\", \"70B\", \"405B\"",
+        );
     }
 
     #[test]

@@ -12,6 +12,7 @@ pub mod graph;
 pub mod identity;
 pub mod infer;
 pub mod interp;
+pub mod job_config;
 pub mod op;
 pub mod parse;
 pub mod placement;

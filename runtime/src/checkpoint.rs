@@ -371,6 +371,81 @@ pub fn resolve(path: &Path) -> Result<PathBuf, CheckpointError> {
     })
 }
 
+/// Delete all but the newest `keep` step directories of `dir` (TorchTitan's
+/// `checkpoint.keep_latest_k`; `0` keeps every one). Returns the directories removed.
+pub fn prune(dir: &Path, keep: u64) -> Result<Vec<PathBuf>, CheckpointError> {
+    if keep == 0 {
+        return Ok(Vec::new());
+    }
+    let mut steps: Vec<(u64, PathBuf)> = std::fs::read_dir(dir)
+        .map_err(|e| io("read checkpoint directory", dir, e))?
+        .flatten()
+        .filter_map(|e| {
+            let n = e.file_name().to_str()?.strip_prefix("step-")?.parse::<u64>().ok()?;
+            e.path().is_dir().then(|| (n, e.path()))
+        })
+        .collect();
+    steps.sort();
+    let excess = steps.len().saturating_sub(usize::try_from(keep).unwrap_or(usize::MAX));
+    let mut removed = Vec::new();
+    for (_, path) in steps.into_iter().take(excess) {
+        std::fs::remove_dir_all(&path).map_err(|e| io("remove", &path, e))?;
+        removed.push(path);
+    }
+    Ok(removed)
+}
+
+/// The dtype `export_model_only` writes.
+pub use titan_ir::job_config::ExportDtype;
+
+/// Turn the checkpoint in `step_dir` into a model-only export (TorchTitan's
+/// `checkpoint.last_save_model_only` with `export_dtype`): `model.safetensors` rewritten in
+/// `dtype`, the optimizer state and `trainer_state.json` removed, so the directory is no
+/// checkpoint to resume from (`--resume CKPT` takes the latest full one) but loads with
+/// `--init-from step-<n>/model.safetensors`.
+pub fn export_model_only(step_dir: &Path, dtype: ExportDtype) -> Result<(), CheckpointError> {
+    use safetensors::Dtype;
+    let model = step_dir.join(MODEL_FILE);
+    if dtype != ExportDtype::F32 {
+        let tensors = file::read_safetensors(&model)?;
+        let (st, width) = match dtype {
+            ExportDtype::BF16 => (Dtype::BF16, 2),
+            ExportDtype::F16 => (Dtype::F16, 2),
+            ExportDtype::F32 => (Dtype::F32, 4),
+        };
+        let bytes: Vec<Vec<u8>> = tensors
+            .values()
+            .map(|t| {
+                let mut b = Vec::with_capacity(t.values.len() * width);
+                for &x in &t.values {
+                    match dtype {
+                        ExportDtype::BF16 => b.extend(half::bf16::from_f32(x).to_le_bytes()),
+                        ExportDtype::F16 => b.extend(half::f16::from_f32(x).to_le_bytes()),
+                        ExportDtype::F32 => b.extend(x.to_le_bytes()),
+                    }
+                }
+                b
+            })
+            .collect();
+        let mut views = Vec::with_capacity(tensors.len());
+        for (t, b) in tensors.values().zip(&bytes) {
+            let view = safetensors::tensor::TensorView::new(st, t.shape.clone(), b)
+                .map_err(|e| CheckpointError::Format { path: model.display().to_string(), message: e.to_string() })?;
+            views.push((t.name.clone(), view));
+        }
+        let out = safetensors::serialize(views, Some(file::file_metadata()))
+            .map_err(|e| CheckpointError::Format { path: model.display().to_string(), message: e.to_string() })?;
+        let tmp = step_dir.join(".model.safetensors.tmp");
+        std::fs::write(&tmp, out).map_err(|e| io("write", &tmp, e))?;
+        std::fs::rename(&tmp, &model).map_err(|e| io("write", &model, e))?;
+    }
+    for f in [OPTIMIZER_FILE, STATE_FILE] {
+        let path = step_dir.join(f);
+        std::fs::remove_file(&path).map_err(|e| io("remove", &path, e))?;
+    }
+    Ok(())
+}
+
 /// Read `trainer_state.json` of a step directory, checking its format version.
 pub fn read_state(step_dir: &Path) -> Result<TrainerState, CheckpointError> {
     let path = step_dir.join(STATE_FILE);

@@ -126,6 +126,154 @@ struct Cli {
     /// Seconds every rank waits for the others at the rendezvous of a multi-process run.
     #[arg(long, value_name = "SECS", default_value_t = 300, value_parser = titan_ir::flags::positive::<u64>, allow_negative_numbers = true)]
     rendezvous_timeout: u64,
+    /// A TorchTitan job config (TOML): its runtime sections set the run ([training] steps, seed
+    /// and dataset_path, [checkpoint], [metrics] log_freq, [profiling], [comm] timeouts, with
+    /// job.dump_folder the root of the checkpoint folder and of metrics.jsonl); flags given on
+    /// the command line override the file.
+    #[arg(long, value_name = "TOML")]
+    job_config: Option<PathBuf>,
+    /// Keep only the newest K step directories of --checkpoint-dir (0 keeps all).
+    #[arg(long, value_name = "K", requires = "checkpoint_dir", value_parser = titan_ir::flags::non_negative::<u64>, allow_negative_numbers = true)]
+    keep_latest_k: Option<u64>,
+    /// Make the last checkpoint a model-only export (no optimizer state, no trainer state; load
+    /// it with --init-from), in --export-dtype.
+    #[arg(long, requires = "checkpoint_dir")]
+    last_save_model_only: bool,
+    /// With --last-save-model-only: the dtype of the exported weights, `float32` (default),
+    /// `bfloat16` or `float16`.
+    #[arg(long, value_name = "DTYPE", requires = "last_save_model_only")]
+    export_dtype: Option<String>,
+    /// Seconds a collective (and, on the GPU, the watchdog's step) may take in a multi-process
+    /// run before it fails [default: 600].
+    #[arg(long, value_name = "SECS", value_parser = titan_ir::flags::positive::<u64>, allow_negative_numbers = true)]
+    train_timeout: Option<u64>,
+    /// After the run, draw the artifact's memory plan into this SVG file with the measured
+    /// peak over it (the GPU's measured peak; on the cpu backend, the bytes its arenas allocate).
+    #[arg(long, value_name = "FILE.svg")]
+    memory_svg: Option<PathBuf>,
+}
+
+/// `--memory-svg`: the plan of `artifact` with `measured` (bytes, what they are) over it.
+fn write_memory_svg(cli: &Cli, artifact: &Artifact, bytes: u64, what: &str) -> Result<()> {
+    let Some(path) = &cli.memory_svg else { return Ok(()) };
+    let measured = titan_ir::artifact::memory_svg::MeasuredPeak { bytes, what: what.into() };
+    let svg = titan_ir::artifact::memory_svg::memory_svg(&artifact.manifest, 0, Some(&measured));
+    std::fs::write(path, svg).with_context(|| format!("cannot write --memory-svg `{}`", path.display()))?;
+    eprintln!("titan-run: wrote the memory plan with the {what} to {}", path.display());
+    Ok(())
+}
+
+/// `--export-dtype`'s value.
+fn export_dtype(cli: &Cli) -> Result<checkpoint::ExportDtype> {
+    Ok(match cli.export_dtype.as_deref() {
+        None | Some("float32") => checkpoint::ExportDtype::F32,
+        Some("bfloat16") => checkpoint::ExportDtype::BF16,
+        Some("float16") => checkpoint::ExportDtype::F16,
+        Some(other) => bail!("unknown --export-dtype `{other}`; choose float32, bfloat16 or float16"),
+    })
+}
+
+/// The rendezvous options of a multi-process run: `--rendezvous-timeout` and `--train-timeout`.
+fn rendezvous_options(cli: &Cli) -> RendezvousOptions {
+    let d = RendezvousOptions::default();
+    RendezvousOptions {
+        join_timeout: std::time::Duration::from_secs(cli.rendezvous_timeout),
+        collective_timeout: cli.train_timeout.map_or(d.collective_timeout, std::time::Duration::from_secs),
+    }
+}
+
+/// Apply `--job-config`: every runtime setting of the file that no command-line flag (`given`)
+/// sets. Prints the file's description and titan-run's "not honored" lines when `announce`.
+fn apply_job_config(mut cli: Cli, given: &dyn Fn(&str) -> bool, announce: bool) -> Result<Cli> {
+    let Some(path) = cli.job_config.clone() else { return Ok(cli) };
+    let (job, notes) = titan_ir::job_config::RunSettings::load(&path).map_err(|e| anyhow::anyhow!("{e}"))?;
+    if announce {
+        if let Some(d) = &job.description {
+            eprintln!("titan-run: job: {d} ({})", path.display());
+        }
+        for n in &notes {
+            eprintln!("titan-run: note: {}: {n}", path.display());
+        }
+    }
+    if !given("steps")
+        && let Some(s) = job.steps
+    {
+        cli.steps = s;
+    }
+    if !given("seed") && job.seed.is_some() {
+        cli.seed = job.seed;
+    }
+    if !given("data") && job.data.is_some() {
+        cli.data = job.data.clone();
+    }
+    if !given("log_every")
+        && let Some(f) = job.log_freq
+    {
+        cli.log_every = f;
+    }
+    if !given("profile") && job.profile {
+        cli.profile = true;
+    }
+    if !given("rendezvous_timeout")
+        && let Some(t) = job.init_timeout_s
+    {
+        cli.rendezvous_timeout = t;
+    }
+    if !given("train_timeout") && job.train_timeout_s.is_some() {
+        cli.train_timeout = job.train_timeout_s;
+    }
+    if !given("metrics") {
+        std::fs::create_dir_all(&job.dump_folder).with_context(|| format!("cannot create job.dump_folder `{}`", job.dump_folder.display()))?;
+        cli.metrics = Some(job.metrics_file());
+    }
+    let ck = &job.checkpoint;
+    if ck.enable {
+        // `--checkpoint-dir` replaces the folder only; the other keys still apply.
+        let dir = match &cli.checkpoint_dir {
+            Some(d) if given("checkpoint_dir") => d.clone(),
+            _ => job.checkpoint_dir(),
+        };
+        // TorchTitan's interval default.
+        if !given("checkpoint_every") {
+            cli.checkpoint_every = Some(ck.interval.unwrap_or(500));
+        }
+        if !given("keep_latest_k") {
+            cli.keep_latest_k = Some(ck.keep_latest_k);
+        }
+        if !given("last_save_model_only") && ck.last_save_model_only {
+            cli.last_save_model_only = true;
+            if !given("export_dtype") {
+                cli.export_dtype = Some(
+                    match ck.export_dtype {
+                        checkpoint::ExportDtype::F32 => "float32",
+                        checkpoint::ExportDtype::BF16 => "bfloat16",
+                        checkpoint::ExportDtype::F16 => "float16",
+                    }
+                    .into(),
+                );
+            }
+        }
+        // TorchTitan loads `load_step`, or else the latest checkpoint of the folder if any.
+        if !given("resume") && !given("init_from") {
+            match ck.load_step {
+                Some(n) => {
+                    let step = checkpoint::step_dir(&dir, n);
+                    if !step.join(checkpoint::STATE_FILE).is_file() {
+                        bail!(
+                            "{}: `checkpoint.load_step = {n}` but `{}` holds no checkpoint; use a step the run saved, or -1 for the latest",
+                            path.display(),
+                            step.display()
+                        );
+                    }
+                    cli.resume = Some(step);
+                }
+                None if checkpoint::resolve(&dir).is_ok() => cli.resume = Some(dir.clone()),
+                None => {}
+            }
+        }
+        cli.checkpoint_dir = Some(dir);
+    }
+    Ok(cli)
 }
 
 fn check_backend(name: &str) -> Result<()> {
@@ -160,6 +308,12 @@ fn check_skip_flags(cli: &Cli) -> Result<()> {
 
 /// Check the checkpoint flags before any work is done.
 fn check_checkpoint_flags(cli: &Cli) -> Result<()> {
+    export_dtype(cli)?;
+    if cli.memory_svg.is_some() && (is_graph_file(&cli.path) || cli.nproc_per_node.is_some()) {
+        bail!(
+            "--memory-svg draws the memory plan of a single-device artifact; a training graph has no plan, and on a mesh it is not supported yet (use `titanc build --memory-svg` for the plan)"
+        );
+    }
     if cli.resume.is_some() && cli.init_from.is_some() {
         bail!("--resume restores the parameters already; drop --init-from (or --resume to start a new run from the weights)");
     }
@@ -234,6 +388,9 @@ fn run_identity(graph_identity: &str, data: &DataSource, seed: u64) -> String {
 /// the rendezvous and run its rank of the SPMD graph (or artifact) with the TCP process group.
 fn run_rank(cli: &Cli, env: &DistEnv, data: DataSource, data_name: &str) -> Result<()> {
     let (rank, world) = (env.rank, env.world_size);
+    if cli.memory_svg.is_some() {
+        bail!("--memory-svg is not supported yet on a mesh; `titanc build --memory-svg` draws the plan every rank runs");
+    }
     if cli.backend != "cpu" && is_graph_file(&cli.path) {
         bail!(
             "graph mode (a `.ir` file) runs on the cpu backend only; build an SPMD artifact (`titanc build --tp/--dp-shard ...`) for --backend {}",
@@ -265,7 +422,7 @@ fn run_rank(cli: &Cli, env: &DistEnv, data: DataSource, data_name: &str) -> Resu
     let (addr, port) = env.master.clone().ok_or_else(|| anyhow::anyhow!("a multi-process run needs MASTER_ADDR and MASTER_PORT"))?;
     let seed = cli.seed.unwrap_or(0);
     let identity = run_identity(&checkpoint::graph_identity(&graph_text), &data, seed);
-    let opts = RendezvousOptions { join_timeout: std::time::Duration::from_secs(cli.rendezvous_timeout), ..RendezvousOptions::default() };
+    let opts = rendezvous_options(cli);
     let group = std::sync::Arc::new(ProcessGroup::rendezvous(rank, world, (&addr, port), &identity, Vec::new(), opts)?);
     let made = ProcessMeshTrainer::new(&graph, seed, std::sync::Arc::clone(&group));
     let announce = |trainer: &ProcessMeshTrainer<'_>| {
@@ -342,7 +499,7 @@ fn run_artifact_rank(cli: &Cli, env: &DistEnv, data: DataSource, data_name: &str
     let (addr, port) = env.master.clone().ok_or_else(|| anyhow::anyhow!("a multi-process run needs MASTER_ADDR and MASTER_PORT"))?;
     let seed = cli.seed.unwrap_or(0);
     let identity = run_identity(&format!("artifact {}", m.content_hash), &data, seed);
-    let opts = RendezvousOptions { join_timeout: std::time::Duration::from_secs(cli.rendezvous_timeout), ..RendezvousOptions::default() };
+    let opts = rendezvous_options(cli);
     let step_timeout = opts.collective_timeout;
     let cuda = cli.backend == "cuda";
     // On the GPU, rank 0 hands every rank the NCCL unique id through the rendezvous.
@@ -550,6 +707,9 @@ fn run(cli: Cli) -> Result<()> {
         if cli.profile {
             bail!("--profile is not supported yet on a simulated mesh; build the artifact without a mesh to profile its kernels");
         }
+        if cli.memory_svg.is_some() {
+            bail!("--memory-svg is not supported yet on a mesh; `titanc build --memory-svg` draws the plan every rank runs");
+        }
         let mut trainer = ArtifactMeshTrainer::new(&artifact, seed)?;
         eprintln!(
             "titan-run: artifact {} ({} kernels, {} launches and {} collectives per step per rank, target {}) on a simulated cpu mesh of {} ranks ({}), global batch {} x seq {}, {} steps, data {data_name}",
@@ -590,6 +750,7 @@ fn run(cli: Cli) -> Result<()> {
     if cli.profile {
         print_profile(&trainer, true);
     }
+    write_memory_svg(&cli, &artifact, trainer.allocated_bytes(), "bytes the cpu backend allocated for the arenas")?;
     Ok(())
 }
 
@@ -746,6 +907,21 @@ fn train(trainer: &mut dyn Trainer, cli: &Cli, data: DataSource, data_name: &str
             let written = checkpoint::save(dir, trainer, &state)?;
             if logger {
                 progress.println(&format!("titan-run: checkpoint written to {}", written.display()));
+                if cli.last_save_model_only && s == cli.steps {
+                    let dtype = export_dtype(cli)?;
+                    checkpoint::export_model_only(&written, dtype)?;
+                    progress.println(&format!(
+                        "titan-run: {} is a model-only export in {} (load it with --init-from {})",
+                        written.display(),
+                        cli.export_dtype.as_deref().unwrap_or("float32"),
+                        written.join(checkpoint::MODEL_FILE).display()
+                    ));
+                }
+                if let Some(k) = cli.keep_latest_k {
+                    for old in checkpoint::prune(dir, k)? {
+                        progress.println(&format!("titan-run: removed {} (keep_latest_k {k})", old.display()));
+                    }
+                }
             }
         }
     }
@@ -796,6 +972,7 @@ fn run_cuda(cli: &Cli, artifact: &Artifact, data: DataSource, data_name: &str, s
     trainer.set_log_capture(true);
     train(&mut trainer, cli, data, data_name, &RunIdentity::of_artifact(artifact), true)?;
     eprintln!("titan-run: {}", format_memory_check(crate::memory_fit::predicted_device_bytes(m), trainer.measured_peak_bytes()));
+    write_memory_svg(cli, artifact, trainer.measured_peak_bytes(), "measured peak on the GPU (arenas and library workspaces)")?;
     if cli.profile {
         print_profile(&trainer, true);
     }
@@ -804,7 +981,13 @@ fn run_cuda(cli: &Cli, artifact: &Artifact, data: DataSource, data_name: &str, s
 
 /// `titan-run`'s `main`.
 pub fn main() -> ExitCode {
-    match run(Cli::parse()) {
+    use clap::{CommandFactory, FromArgMatches};
+    let matches = Cli::command().get_matches();
+    let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
+    let given = |id: &str| matches.value_source(id) == Some(clap::parser::ValueSource::CommandLine);
+    // The launcher of --nproc-per-node leaves the notes to rank 0.
+    let announce = cli.nproc_per_node.is_none() && DistEnv::from_process_env().map_or(true, |e| e.rank == 0);
+    match apply_job_config(cli, &given, announce).and_then(run) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {e:#}");

@@ -175,6 +175,11 @@ fn usize_of(x: u64, what: &str) -> Result<usize, RuntimeError> {
 }
 
 impl<'a> CpuArtifactTrainer<'a> {
+    /// The bytes this trainer allocated for its arenas (the memory plan's peak, as allocated).
+    pub fn allocated_bytes(&self) -> u64 {
+        self.arenas.iter().map(|a| a.len() as u64).sum()
+    }
+
     /// Allocate the arenas of `artifact`'s memory plan and initialize every parameter and
     /// optimizer-state buffer from `graph.ir`'s state arguments with `seed` (the same values
     /// graph mode starts from). A single-device artifact only; see [`Self::with_rank`].

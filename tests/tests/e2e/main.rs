@@ -15,6 +15,7 @@ mod filetests;
 mod float8;
 mod fusion;
 mod initial_loss;
+mod job_config;
 mod launch;
 mod manifest_mutation;
 mod mesh_checkpoint;
