@@ -24,9 +24,11 @@ pub mod workspace;
 /// reader would run the artifact but drop the model identity from its checkpoints, so they
 /// could not be resumed on another mesh without `--allow-different-build`; readers of version 5
 /// still read version 4 (no `model_hash`: checkpoints are matched on the content hash alone).
-pub const FORMAT_VERSION: u32 = 5;
-/// The oldest format version this reader reads: version 4 is version 5 without `model_hash`.
-pub const MIN_FORMAT_VERSION: u32 = 4;
+/// Version 6 dropped the `grads` arena: gradients are planned with the activations in one arena
+/// (both are dead between steps), so a version-5 manifest names an arena this reader does not have.
+pub const FORMAT_VERSION: u32 = 6;
+/// The oldest format version this reader reads.
+pub const MIN_FORMAT_VERSION: u32 = 6;
 pub const MANIFEST_FILE: &str = "manifest.json";
 /// The fused training graph; each kernel's `body` names one of its blocks.
 pub const GRAPH_FILE: &str = "graph.ir";
@@ -84,7 +86,9 @@ pub enum Arena {
     Inputs,
     Params,
     OptimizerState,
-    Grads,
+    /// Everything the step computes (activations, gradients and their fp32 copies): dead between
+    /// steps, so one best-fit plan over all of them lets a gradient reuse the bytes of an
+    /// activation the backward has finished with.
     Activations,
 }
 
@@ -94,7 +98,7 @@ pub fn arena_of(class: BufferClass) -> Arena {
         BufferClass::Input => Arena::Inputs,
         BufferClass::Param => Arena::Params,
         BufferClass::OptimizerState => Arena::OptimizerState,
-        BufferClass::Grad => Arena::Grads,
+        BufferClass::Grad => Arena::Activations,
         BufferClass::Activation => Arena::Activations,
     }
 }
@@ -105,7 +109,6 @@ pub fn arena_name(a: Arena) -> &'static str {
         Arena::Inputs => "inputs",
         Arena::Params => "params",
         Arena::OptimizerState => "optimizer_state",
-        Arena::Grads => "grads",
         Arena::Activations => "activations",
     }
 }
@@ -482,10 +485,8 @@ pub struct RankMemory {
     pub params: u64,
     /// AdamW moments.
     pub optimizer_state: u64,
-    /// The planned gradient arena (bf16 gradients and their fp32 copies).
-    pub grads: u64,
-    /// The planned activation arena (everything else computed in the step), which includes
-    /// `gathered_weights`.
+    /// The planned activation arena (everything computed in the step, gradients included),
+    /// which includes `gathered_weights`.
     pub activations: u64,
     /// `tokens`, `targets`, `step`.
     pub inputs: u64,

@@ -43,15 +43,14 @@ use crate::data::Batch;
 /// format and -1 as an integer.
 const POISON: u8 = 0xff;
 
-const ARENAS: [Arena; 5] = [Arena::Inputs, Arena::Params, Arena::OptimizerState, Arena::Grads, Arena::Activations];
+const ARENAS: [Arena; 4] = [Arena::Inputs, Arena::Params, Arena::OptimizerState, Arena::Activations];
 
 fn slot(a: Arena) -> usize {
     match a {
         Arena::Inputs => 0,
         Arena::Params => 1,
         Arena::OptimizerState => 2,
-        Arena::Grads => 3,
-        Arena::Activations => 4,
+        Arena::Activations => 3,
     }
 }
 
@@ -551,9 +550,7 @@ impl<'a> CpuArtifactTrainer<'a> {
         }
         let start = Instant::now();
         if self.poison {
-            for a in [Arena::Grads, Arena::Activations] {
-                self.arenas[slot(a)].fill(POISON);
-            }
+            self.arenas[slot(Arena::Activations)].fill(POISON);
         }
         self.feed(self.tokens, &batch.tokens)?;
         self.feed(self.targets, &batch.targets)?;

@@ -219,11 +219,11 @@ impl<'a> CudaArtifactTrainer<'a> {
         startup.load_s += t.elapsed().as_secs_f64();
         let t = Instant::now();
         let mut memory = Vec::new();
-        let mut base = [0u64; 5];
-        let mut bytes = [0u64; 5];
+        let mut base = [0u64; ARENAS.len()];
+        let mut bytes = [0u64; ARENAS.len()];
         for a in ARENAS {
             let n = artifact.arena_bytes(a);
-            let fill = if matches!(a, Arena::Grads | Arena::Activations) { 0xff } else { 0 };
+            let fill = if a == Arena::Activations { 0xff } else { 0 };
             let buf = gpu.alloc(n, fill, &format!("the `{}` arena", arena_name(a)))?;
             base[slot(a)] = buf.ptr;
             bytes[slot(a)] = n;
