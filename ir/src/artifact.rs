@@ -14,6 +14,7 @@ use crate::op::{CollectiveReduce, KernelKind, Op};
 use crate::placement::MeshDim as GraphMeshDim;
 
 pub mod liveness;
+pub mod timeline;
 pub mod workspace;
 
 /// Bumped on every change a reader of an older version would misread. Version 3 added the

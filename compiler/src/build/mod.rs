@@ -619,7 +619,7 @@ pub fn check_model_graph(g: &Graph, source: &str) -> Result<(), BuildError> {
 
 /// [`compile_artifact`], optionally without code generation (tests of the plan and schedule),
 /// with an explicit `ptxas` (`None`: no cubins).
-fn compile(model: &Graph, model_text: &str, opts: &BuildOptions, generate_code: bool, ptxas: Option<&Path>) -> Result<(Artifact, BuildSummary), BuildError> {
+pub(crate) fn compile(model: &Graph, model_text: &str, opts: &BuildOptions, generate_code: bool, ptxas: Option<&Path>) -> Result<(Artifact, BuildSummary), BuildError> {
     check_target(&opts.target)?;
     check_model_graph(model, &format!("the graph @{}", model.name))?;
     let mut phases = Phases::default();

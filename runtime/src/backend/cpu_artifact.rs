@@ -159,6 +159,10 @@ pub struct CpuArtifactTrainer<'a> {
     profile: Option<Vec<KernelTime>>,
     /// Steps run since profiling was enabled.
     profiled_steps: u64,
+    /// When profiling: the start of the current step, and `(start, seconds)` of every operation
+    /// it ran so far, in execution order.
+    step_start: Option<Instant>,
+    op_times: Vec<(f64, f64)>,
     /// Per kernel (in `manifest.kernels` order): how to stream its body, if it can be.
     plans: Arc<Vec<Option<BodyPlan>>>,
     streaming: bool,
@@ -234,6 +238,8 @@ impl<'a> CpuArtifactTrainer<'a> {
             streaming: true,
             profile: None,
             profiled_steps: 0,
+            step_start: None,
+            op_times: Vec::new(),
             plans: Arc::new(m.kernels.iter().map(|k| artifact.graph.block_by_name(&k.body).and_then(|b| BodyPlan::new(artifact.graph.block(b)))).collect()),
         };
         trainer.init_state(seed)?;
@@ -342,6 +348,7 @@ impl<'a> CpuArtifactTrainer<'a> {
     /// Execute `steps` in order.
     fn exec(&mut self, steps: &[Step], frame: Option<Frame<'_>>) -> Result<(), RuntimeError> {
         for step in steps {
+            let t0 = (self.step_start.is_some() && !matches!(step, Step::Loop { .. })).then(Instant::now);
             match step {
                 Step::Launch { kernel, inputs, outputs, .. } => self.launch(*kernel, inputs, outputs, frame)?,
                 Step::Copy { src, dst, bytes, .. } => {
@@ -390,6 +397,9 @@ impl<'a> CpuArtifactTrainer<'a> {
                     }
                     encode(&y, &mut self.arenas[o.arena][o.start..o.start + o.len]).map_err(|e| bad(format!("{}: output: {e}", what())))?;
                 }
+            }
+            if let (Some(t0), Some(base)) = (t0, self.step_start) {
+                self.op_times.push((t0.duration_since(base).as_secs_f64(), t0.elapsed().as_secs_f64()));
             }
         }
         Ok(())
@@ -549,6 +559,10 @@ impl<'a> CpuArtifactTrainer<'a> {
             self.profiled_steps += 1;
         }
         let start = Instant::now();
+        if self.profile.is_some() {
+            self.step_start = Some(start);
+            self.op_times.clear();
+        }
         if self.poison {
             self.arenas[slot(Arena::Activations)].fill(POISON);
         }
@@ -622,6 +636,11 @@ impl Trainer for CpuArtifactTrainer<'_> {
     fn enable_profile(&mut self) -> Result<(), RuntimeError> {
         CpuArtifactTrainer::enable_profile(self);
         Ok(())
+    }
+
+    fn step_trace(&self) -> Option<Vec<titan_ir::artifact::timeline::Span>> {
+        // Every rank runs `ranks[0]`'s schedule (one plan serves all ranks).
+        crate::backend::profile::measured_spans(self.artifact, 0, &self.op_times)
     }
 
     fn profile_report(&self, full: bool) -> Option<String> {
