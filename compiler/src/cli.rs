@@ -47,6 +47,8 @@ pub enum Command {
     Build(BuildArgs),
     /// Run named passes on a graph file and print the result (`titanc opt f.ir --passes cse,dce`)
     Opt(OptArgs),
+    /// Predict an artifact's step time with the cost model; compare with and calibrate to a measured trace
+    Simulate(SimulateArgs),
     /// List the passes `titanc opt --passes` and `--dump-after` take, with their summaries
     Passes,
     /// Training data: `titanc data tokenize PATH --tokenizer tokenizer.json -o DIR` writes llm.c shards
@@ -282,6 +284,35 @@ pub struct BuildArgs {
     /// Verify the graph after every pass; a pass that breaks it is named
     #[arg(long)]
     pub verify_each: bool,
+    /// Predict one step's timeline with the cost model, print step time, MFU and the share of
+    /// each mesh dim's communication hidden behind compute, and write it as a Chrome/Perfetto trace
+    #[arg(long, value_name = "FILE.json")]
+    pub trace: Option<PathBuf>,
+    /// The cost model `--trace` predicts with: `h100`, `h200` or a JSON file (`titanc simulate
+    /// --calibrate` writes one)
+    #[arg(long, value_name = "h100|h200|FILE", default_value = "h200")]
+    pub cost_model: String,
+}
+
+/// `titanc simulate DIR`: predict a built artifact's step, compare it with a measured trace,
+/// calibrate the cost model.
+#[derive(Debug, Args)]
+pub struct SimulateArgs {
+    /// The artifact directory (`titanc build -o DIR`)
+    pub artifact: PathBuf,
+    /// `h100`, `h200` or a cost model JSON file
+    #[arg(long, value_name = "h100|h200|FILE", default_value = "h200")]
+    pub cost_model: String,
+    /// Write the predicted step as a Chrome/Perfetto trace
+    #[arg(long, value_name = "FILE.json")]
+    pub trace: Option<PathBuf>,
+    /// A measured trace of this artifact (`titan-run --trace`): print predicted against measured
+    /// time per kernel and for the step
+    #[arg(long, value_name = "MEASURED.json")]
+    pub compare: Option<PathBuf>,
+    /// With `--compare`: fit the cost model's rates to the measured trace and write the model here
+    #[arg(long, value_name = "OUT.json", requires = "compare")]
+    pub calibrate: Option<PathBuf>,
 }
 
 #[derive(Debug, Args)]
@@ -494,6 +525,7 @@ pub fn execute(cli: &Cli) -> Result<Outcome, CliError> {
         Command::Stats(a) => cmd_stats(&a.file),
         Command::Build(a) => cmd_build(a),
         Command::Opt(a) => cmd_opt(a),
+        Command::Simulate(a) => cmd_simulate(a),
         Command::Passes => Ok(cmd_passes()),
         Command::Data(c) => crate::data_cmd::cmd_data(c),
     }
@@ -773,6 +805,52 @@ fn cmd_build(a: &BuildArgs) -> Result<Outcome, CliError> {
     }
     for note in job.iter().flat_map(JobConfig::notes) {
         out.stdout.push_str(&format!("note: {note}\n"));
+    }
+    if let Some(path) = &a.trace {
+        let manifest = read_manifest(&a.output)?;
+        out.stdout.push_str(&predict(&manifest, &a.cost_model, Some(path))?);
+    }
+    Ok(out)
+}
+
+fn read_manifest(dir: &std::path::Path) -> Result<titan_ir::artifact::Manifest, CliError> {
+    let path = dir.join(titan_ir::artifact::MANIFEST_FILE);
+    let shown = path.display().to_string();
+    let text = std::fs::read_to_string(&path).map_err(|e| FrontendError::Io { file: shown.clone(), message: e.to_string() })?;
+    titan_ir::artifact::Manifest::from_json(&shown, &text).map_err(|e| CliError::Usage(e.to_string()))
+}
+
+fn cost_error(e: crate::cost::CostError) -> CliError {
+    CliError::Usage(e.to_string())
+}
+
+/// The prediction of rank 0's step with `model`, written to `trace` when given.
+fn predict(m: &titan_ir::artifact::Manifest, model: &str, trace: Option<&std::path::Path>) -> Result<String, CliError> {
+    let c = crate::cost::CostModel::load(model).map_err(cost_error)?;
+    let sim = crate::cost::simulate(m, 0, &c).map_err(cost_error)?;
+    let mut s = sim.summary(&c.name);
+    if let Some(path) = trace {
+        crate::cost::write_trace(path, 0, &sim, &c.name).map_err(cost_error)?;
+        s.push_str(&format!("wrote the predicted step's trace to {} (open it in Perfetto or chrome://tracing)\n", path.display()));
+    }
+    Ok(s)
+}
+
+fn cmd_simulate(a: &SimulateArgs) -> Result<Outcome, CliError> {
+    let m = read_manifest(&a.artifact)?;
+    let mut out = Outcome { stdout: predict(&m, &a.cost_model, a.trace.as_deref())?, stderr: String::new() };
+    if let Some(path) = &a.compare {
+        let shown = path.display().to_string();
+        let text = std::fs::read_to_string(path).map_err(|e| FrontendError::Io { file: shown.clone(), message: e.to_string() })?;
+        let measured = titan_ir::artifact::timeline::read_chrome_trace(&text).map_err(|e| CliError::Usage(format!("`{shown}`: {e}")))?;
+        let c = crate::cost::CostModel::load(&a.cost_model).map_err(cost_error)?;
+        out.stdout.push_str(&crate::cost::compare(&m, 0, &c, &measured).map_err(cost_error)?.to_string());
+        if let Some(dst) = &a.calibrate {
+            let fitted = crate::cost::calibrate(&m, 0, &c, &measured).map_err(cost_error)?;
+            std::fs::write(dst, fitted.to_json()).map_err(|e| CliError::Write { file: dst.display().to_string(), message: e.to_string() })?;
+            out.stdout.push_str(&format!("calibrated:\n{}", crate::cost::compare(&m, 0, &fitted, &measured).map_err(cost_error)?));
+            out.stdout.push_str(&format!("wrote the calibrated cost model to {}\n", dst.display()));
+        }
     }
     Ok(out)
 }

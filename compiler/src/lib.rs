@@ -4,6 +4,7 @@
 //! command line (`titanc data tokenize` in `data_cmd.rs`, over `titan-data`).
 
 pub mod build;
+pub mod cost;
 pub mod cli;
 pub mod data_cmd;
 pub mod error;

@@ -15,6 +15,7 @@ use crate::placement::MeshDim as GraphMeshDim;
 
 pub mod liveness;
 pub mod memory_svg;
+pub mod timeline;
 pub mod workspace;
 
 /// Bumped on every change a reader of an older version would misread. Version 3 added the
@@ -27,11 +28,12 @@ pub mod workspace;
 /// still read version 4 (no `model_hash`: checkpoints are matched on the content hash alone).
 ///
 /// Version 6 added the optional `eval` step (validation loss): a version-5 reader would ignore
-/// it and refuse `--val-data`, so it is a bump; readers of version 6 still read 4 and 5 (no eval
-/// step).
-pub const FORMAT_VERSION: u32 = 6;
-/// The oldest format version this reader reads: version 4 is version 5 without `model_hash`.
-pub const MIN_FORMAT_VERSION: u32 = 4;
+/// it and refuse `--val-data`. Version 7 dropped the `grads` arena: gradients are planned with
+/// the activations in one arena (both are dead between steps), so an older manifest names an
+/// arena this reader does not have, and an older reader would size the arenas wrongly.
+pub const FORMAT_VERSION: u32 = 7;
+/// The oldest format version this reader reads.
+pub const MIN_FORMAT_VERSION: u32 = 7;
 pub const MANIFEST_FILE: &str = "manifest.json";
 /// The fused training graph; each kernel's `body` names one of its blocks.
 pub const GRAPH_FILE: &str = "graph.ir";
@@ -91,7 +93,9 @@ pub enum Arena {
     Inputs,
     Params,
     OptimizerState,
-    Grads,
+    /// Everything the step computes (activations, gradients and their fp32 copies): dead between
+    /// steps, so one best-fit plan over all of them lets a gradient reuse the bytes of an
+    /// activation the backward has finished with.
     Activations,
 }
 
@@ -101,7 +105,7 @@ pub fn arena_of(class: BufferClass) -> Arena {
         BufferClass::Input => Arena::Inputs,
         BufferClass::Param => Arena::Params,
         BufferClass::OptimizerState => Arena::OptimizerState,
-        BufferClass::Grad => Arena::Grads,
+        BufferClass::Grad => Arena::Activations,
         BufferClass::Activation => Arena::Activations,
     }
 }
@@ -112,7 +116,6 @@ pub fn arena_name(a: Arena) -> &'static str {
         Arena::Inputs => "inputs",
         Arena::Params => "params",
         Arena::OptimizerState => "optimizer_state",
-        Arena::Grads => "grads",
         Arena::Activations => "activations",
     }
 }
@@ -530,10 +533,8 @@ pub struct RankMemory {
     pub params: u64,
     /// AdamW moments.
     pub optimizer_state: u64,
-    /// The planned gradient arena (bf16 gradients and their fp32 copies).
-    pub grads: u64,
-    /// The planned activation arena (everything else computed in the step), which includes
-    /// `gathered_weights`.
+    /// The planned activation arena (everything computed in the step, gradients included),
+    /// which includes `gathered_weights`.
     pub activations: u64,
     /// `tokens`, `targets`, `step`.
     pub inputs: u64,

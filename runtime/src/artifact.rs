@@ -636,7 +636,7 @@ mod tests {
 
     #[test]
     fn every_class_has_its_arena() {
-        assert_eq!(arena_of(BufferClass::Grad), Arena::Grads);
+        assert_eq!(arena_of(BufferClass::Grad), Arena::Activations);
         assert_eq!(arena_of(BufferClass::OptimizerState), Arena::OptimizerState);
     }
 }

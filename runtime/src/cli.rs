@@ -80,6 +80,12 @@ struct Cli {
     /// Print the time spent per kernel after the run (artifacts only).
     #[arg(long)]
     profile: bool,
+    /// Write the measured timeline of the last profiled step to FILE as a Chrome/Perfetto trace,
+    /// in the operations and names `titanc simulate --compare` reads (implies --profile;
+    /// artifacts only). On a mesh of processes each rank writes `FILE` with `.rank<N>` before
+    /// its extension.
+    #[arg(long, value_name = "FILE.json")]
+    trace: Option<PathBuf>,
     /// Write every step's tokens and targets to FILE: int32 little-endian, per step
     /// `[batch, seq]` tokens then `[batch, seq]` targets (see docs/checkpoints.md).
     #[arg(long, value_name = "FILE")]
@@ -400,8 +406,8 @@ fn run_rank(cli: &Cli, env: &DistEnv, data: DataSource, data_name: &str) -> Resu
     if !is_graph_file(&cli.path) {
         return run_artifact_rank(cli, env, data, data_name);
     }
-    if cli.profile {
-        bail!("--profile times the kernels of an artifact; build one with `titanc build --tp/--dp-shard ...` and pass its directory");
+    if cli.profiling() {
+        bail!("--profile and --trace time the kernels of an artifact; build one with `titanc build --tp/--dp-shard ...` and pass its directory");
     }
     let graph_text = std::fs::read_to_string(&cli.path).with_context(|| format!("cannot read `{}`", cli.path.display()))?;
     let graph = titan_ir::parse_file(&cli.path).map_err(|e| anyhow::anyhow!("{e}"))?;
@@ -458,7 +464,7 @@ fn run_in_group(
         }
     };
     let logger = group.rank() == 0;
-    if cli.profile
+    if cli.profiling()
         && let Err(e) = trainer.enable_profile()
     {
         group.abort(&e.to_string());
@@ -466,7 +472,7 @@ fn run_in_group(
     }
     if logger {
         announce(&trainer);
-        if cli.profile {
+        if cli.profiling() {
             eprintln!("titan-run: --profile: every rank times its kernels; rank 0 reports in full, the others in one line");
         }
     }
@@ -474,8 +480,9 @@ fn run_in_group(
         group.abort(&format!("{e:#}"));
         return Err(e);
     }
-    if cli.profile {
+    if cli.profiling() {
         print_profile(&trainer, logger);
+        write_trace(&trainer, cli, group.rank(), group.world_size())?;
     }
     group.finish()?;
     Ok(())
@@ -656,8 +663,8 @@ fn run(cli: Cli) -> Result<()> {
         if cli.backend == "cuda" {
             bail!("graph mode (a `.ir` file) runs on the cpu backend only; build an artifact with `titanc build` for --backend cuda");
         }
-        if cli.profile {
-            bail!("--profile times the kernels of an artifact; build one with `titanc build` and pass its directory");
+        if cli.profiling() {
+            bail!("--profile and --trace time the kernels of an artifact; build one with `titanc build` and pass its directory");
         }
         let graph_text = std::fs::read_to_string(&cli.path).with_context(|| format!("cannot read `{}`", cli.path.display()))?;
         let graph = titan_ir::parse_file(&cli.path).map_err(|e| anyhow::anyhow!("{e}"))?;
@@ -704,7 +711,7 @@ fn run(cli: Cli) -> Result<()> {
                 m.mesh.world_size
             );
         }
-        if cli.profile {
+        if cli.profiling() {
             bail!("--profile is not supported yet on a simulated mesh; build the artifact without a mesh to profile its kernels");
         }
         if cli.memory_svg.is_some() {
@@ -731,7 +738,7 @@ fn run(cli: Cli) -> Result<()> {
         return run_cuda(&cli, &artifact, data, &data_name, started, load_s);
     }
     let mut trainer = CpuArtifactTrainer::new(&artifact, seed)?;
-    if cli.profile {
+    if cli.profiling() {
         trainer.enable_profile();
     }
     let m = &artifact.manifest;
@@ -747,8 +754,9 @@ fn run(cli: Cli) -> Result<()> {
     );
     eprintln!("titan-run: {}", memory_summary(&artifact));
     train(&mut trainer, &cli, data, &data_name, &RunIdentity::of_artifact(&artifact), true)?;
-    if cli.profile {
+    if cli.profiling() {
         print_profile(&trainer, true);
+        write_trace(&trainer, &cli, 0, 1)?;
     }
     write_memory_svg(&cli, &artifact, trainer.allocated_bytes(), "bytes the cpu backend allocated for the arenas")?;
     Ok(())
@@ -949,7 +957,7 @@ fn train(trainer: &mut dyn Trainer, cli: &Cli, data: DataSource, data_name: &str
 /// `started` is when titan-run started, `load_s` the seconds reading the artifact took.
 fn run_cuda(cli: &Cli, artifact: &Artifact, data: DataSource, data_name: &str, started: std::time::Instant, load_s: f64) -> Result<()> {
     let mut trainer = crate::backend::cuda::CudaArtifactTrainer::new(artifact, cli.seed.unwrap_or(0))?;
-    if cli.profile {
+    if cli.profiling() {
         trainer.enable_profile()?;
         eprintln!("titan-run: --profile: steps run eagerly with a timing event around every launch (no CUDA graph); the first step is not counted");
     }
@@ -973,8 +981,38 @@ fn run_cuda(cli: &Cli, artifact: &Artifact, data: DataSource, data_name: &str, s
     train(&mut trainer, cli, data, data_name, &RunIdentity::of_artifact(artifact), true)?;
     eprintln!("titan-run: {}", format_memory_check(crate::memory_fit::predicted_device_bytes(m), trainer.measured_peak_bytes()));
     write_memory_svg(cli, artifact, trainer.measured_peak_bytes(), "measured peak on the GPU (arenas and library workspaces)")?;
-    if cli.profile {
+    if cli.profiling() {
         print_profile(&trainer, true);
+        write_trace(&trainer, cli, 0, 1)?;
+    }
+    Ok(())
+}
+
+impl Cli {
+    /// `--profile`, or `--trace` (which needs the profile's events).
+    fn profiling(&self) -> bool {
+        self.profile || self.trace.is_some()
+    }
+}
+
+/// `--trace FILE`: the last profiled step's measured timeline (`FILE.rank<N>.<ext>` on a mesh
+/// of processes).
+fn write_trace(trainer: &dyn Trainer, cli: &Cli, rank: usize, world: usize) -> Result<()> {
+    let Some(path) = &cli.trace else { return Ok(()) };
+    let path = if world > 1 {
+        let stem = path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
+        let ext = path.extension().map(|e| format!(".{}", e.to_string_lossy())).unwrap_or_default();
+        path.with_file_name(format!("{stem}.rank{rank}{ext}"))
+    } else {
+        path.clone()
+    };
+    let Some(spans) = trainer.step_trace() else {
+        bail!("--trace: no profiled step to write (the GPU does not count the first step); run at least 2 steps");
+    };
+    let text = titan_ir::artifact::timeline::chrome_trace(rank, "measured", &spans);
+    std::fs::write(&path, text).with_context(|| format!("cannot write the trace `{}`", path.display()))?;
+    if rank == 0 {
+        eprintln!("titan-run: wrote the measured step's timeline to {} (compare: `titanc simulate ARTIFACT --compare {}`)", path.display(), path.display());
     }
     Ok(())
 }

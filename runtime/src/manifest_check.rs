@@ -28,7 +28,7 @@ use crate::artifact::{arena_name, arena_of, class_name, tensor_bytes};
 /// Alignment of every buffer offset and arena size.
 pub const ALIGN: u64 = 256;
 /// The arenas of a memory plan, in manifest order.
-const ARENAS: [Arena; 5] = [Arena::Inputs, Arena::Params, Arena::OptimizerState, Arena::Grads, Arena::Activations];
+const ARENAS: [Arena; 4] = [Arena::Inputs, Arena::Params, Arena::OptimizerState, Arena::Activations];
 /// The mesh dims titan builds, outermost first.
 const MESH_DIMS: [&str; 3] = ["dp_replicate", "dp_shard", "tp"];
 /// The step outputs titan-run reads.
@@ -620,12 +620,12 @@ fn check_buffers(m: &Manifest, graph: &Graph) -> Check {
     Ok(())
 }
 
-/// No two buffers of a packed arena share a byte; no two buffers of `grads` or `activations`
-/// live at the same time do.
+/// No two buffers of a packed arena share a byte; no two buffers of `activations` live at the
+/// same time do.
 fn check_placement(m: &Manifest) -> Check {
     let lifetimes = buffer_lifetimes(m, 0);
     for a in ARENAS {
-        let planned = matches!(a, Arena::Grads | Arena::Activations);
+        let planned = a == Arena::Activations;
         let mut ids: Vec<usize> = (0..m.buffers.len()).filter(|&i| m.buffers[i].arena == a && m.buffers[i].bytes > 0).collect();
         ids.sort_by_key(|&i| (m.buffers[i].offset, i));
         for (k, &i) in ids.iter().enumerate() {
@@ -967,7 +967,6 @@ fn check_report(m: &Manifest) -> Check {
     for (field, v, want) in [
         ("params", mem.params, arena(Arena::Params)),
         ("optimizer_state", mem.optimizer_state, arena(Arena::OptimizerState)),
-        ("grads", mem.grads, arena(Arena::Grads)),
         ("activations", mem.activations, arena(Arena::Activations)),
         ("inputs", mem.inputs, arena(Arena::Inputs)),
         ("peak", mem.peak, m.memory.peak_bytes),

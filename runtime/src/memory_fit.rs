@@ -60,16 +60,15 @@ mod tests {
 
     const GIB: u64 = 1 << 30;
 
-    fn plan(params: u64, optimizer_state: u64, grads: u64, activations: u64) -> MemoryPlan {
+    fn plan(params: u64, optimizer_state: u64, activations: u64) -> MemoryPlan {
         MemoryPlan {
             arenas: vec![
                 ArenaPlan { arena: Arena::Inputs, bytes: 0 },
                 ArenaPlan { arena: Arena::Params, bytes: params },
                 ArenaPlan { arena: Arena::OptimizerState, bytes: optimizer_state },
-                ArenaPlan { arena: Arena::Grads, bytes: grads },
                 ArenaPlan { arena: Arena::Activations, bytes: activations },
             ],
-            peak_bytes: params + optimizer_state + grads + activations,
+            peak_bytes: params + optimizer_state + activations,
             activation_bytes_unplanned: activations,
         }
     }
@@ -80,9 +79,9 @@ mod tests {
 
     #[test]
     fn a_step_that_fits_starts() {
-        assert_eq!(check_fits(&plan(GIB, 2 * GIB, GIB, GIB), 1, ws(), 80 * GIB), Ok(()));
+        assert_eq!(check_fits(&plan(GIB, 2 * GIB, 2 * GIB), 1, ws(), 80 * GIB), Ok(()));
         // Exactly the free memory fits.
-        let p = plan(GIB, 0, 0, 0);
+        let p = plan(GIB, 0, 0);
         assert_eq!(check_fits(&p, 1, ws(), GIB + ws().total()), Ok(()));
     }
 
@@ -91,19 +90,19 @@ mod tests {
     /// activations), and nothing about activation checkpointing.
     #[test]
     fn a_step_too_large_names_both_numbers_and_the_dp_shard_that_fits() {
-        let err = check_fits(&plan(60 * GIB, 120 * GIB, 150 * GIB, 30 * GIB), 1, ws(), 141 * GIB).expect_err("does not fit").to_string();
+        let err = check_fits(&plan(90 * GIB, 240 * GIB, 30 * GIB), 1, ws(), 141 * GIB).expect_err("does not fit").to_string();
         assert!(err.contains("the step needs 360.03 GiB per GPU (memory plan 360.00 GiB + library workspaces 33.00 MiB"), "{err}");
         assert!(err.contains("only 141.00 GiB is free"), "{err}");
         assert!(err.contains("`titanc build --dp-shard 4`"), "{err}");
         assert!(!err.contains("checkpoint"), "{err}");
         // Already sharded over 2: the next degree that fits is counted from there.
-        let err = check_fits(&plan(60 * GIB, 120 * GIB, 150 * GIB, 30 * GIB), 2, ws(), 100 * GIB).expect_err("does not fit").to_string();
+        let err = check_fits(&plan(90 * GIB, 240 * GIB, 30 * GIB), 2, ws(), 100 * GIB).expect_err("does not fit").to_string();
         assert!(err.contains("--dp-shard 16"), "{err}");
     }
 
     #[test]
     fn activations_that_never_fit_say_so() {
-        let err = check_fits(&plan(GIB, GIB, GIB, 200 * GIB), 1, ws(), 141 * GIB).expect_err("does not fit").to_string();
+        let err = check_fits(&plan(GIB, GIB, 200 * GIB), 1, ws(), 141 * GIB).expect_err("does not fit").to_string();
         assert!(err.contains("leaves the activations too large"), "{err}");
         assert!(err.contains("--seq-len"), "{err}");
     }

@@ -253,7 +253,7 @@ impl fmt::Display for BuildSummary {
             writeln!(f, "  {:<16} {:>12}", memory::arena_name(a.arena), human_bytes(a.bytes))?;
         }
         let planned = self.arenas.iter().find(|a| a.arena == titan_ir::artifact::Arena::Activations).map_or(0, |a| a.bytes);
-        writeln!(f, "  activations are {} planned, {} if no buffer were reused", human_bytes(planned), human_bytes(self.activation_bytes_unplanned))?;
+        writeln!(f, "  activations and gradients are {} planned, {} if no buffer were reused", human_bytes(planned), human_bytes(self.activation_bytes_unplanned))?;
         match &self.report {
             Some(r) => {
                 write_mesh_report(f, &self.mesh, self.collectives_per_step, r, &self.workspaces)?;
@@ -349,10 +349,9 @@ fn write_mesh_report(f: &mut fmt::Formatter<'_>, mesh: &Mesh, collectives: u64, 
     writeln!(f, "per-rank memory (predicted, each of the {} ranks):", mesh.world_size)?;
     writeln!(f, "  params           {:>12}  fp32 master weights (this rank's shards)", human_bytes(m.params))?;
     writeln!(f, "  optimizer_state  {:>12}  AdamW moments", human_bytes(m.optimizer_state))?;
-    writeln!(f, "  grads            {:>12}  gradients (bf16 and the fp32 copies the optimizer reads), planned", human_bytes(m.grads))?;
     writeln!(
         f,
-        "  activations      {:>12}  planned; includes {} of FSDP-gathered weights, {} of them saved for the backward",
+        "  activations      {:>12}  planned with the gradients (bf16 and the fp32 copies the optimizer reads); includes {} of FSDP-gathered weights, {} of them saved for the backward",
         human_bytes(m.activations),
         human_bytes(m.gathered_weights),
         human_bytes(m.gathered_weights_saved)
@@ -464,7 +463,6 @@ pub fn mesh_report(plan: &Plan, mesh: &titan_ir::Mesh) -> MeshReport {
         memory: RankMemory {
             params: arena(Arena::Params),
             optimizer_state: arena(Arena::OptimizerState),
-            grads: arena(Arena::Grads),
             activations: arena(Arena::Activations),
             inputs: arena(Arena::Inputs),
             gathered_weights,
@@ -668,7 +666,7 @@ pub fn check_model_graph(g: &Graph, source: &str) -> Result<(), BuildError> {
 
 /// [`compile_artifact`], optionally without code generation (tests of the plan and schedule),
 /// with an explicit `ptxas` (`None`: no cubins).
-fn compile(model: &Graph, model_text: &str, opts: &BuildOptions, generate_code: bool, ptxas: Option<&Path>) -> Result<(Artifact, BuildSummary), BuildError> {
+pub(crate) fn compile(model: &Graph, model_text: &str, opts: &BuildOptions, generate_code: bool, ptxas: Option<&Path>) -> Result<(Artifact, BuildSummary), BuildError> {
     check_target(&opts.target)?;
     check_model_graph(model, &format!("the graph @{}", model.name))?;
     let mut phases = Phases::default();

@@ -86,13 +86,13 @@ pub fn library_workspaces(m: &Manifest) -> LibraryWorkspaces {
 
 /// The smallest `dp_shard` degree, doubling from `dp_shard`, at which a rank of a plan like
 /// `memory` (built at `dp_shard`) would need at most `budget` bytes with `workspaces` on top:
-/// an estimate that divides only the parameters, optimizer state and gradients by the degree
-/// (FSDP shards them) and keeps the activations (which shrink too when the batch is split over
-/// the new ranks). `None` when no degree up to 1024 fits: the activations alone are too large.
+/// an estimate that divides only the parameters and optimizer state by the degree (FSDP shards
+/// them) and keeps the step arena (activations and gradients; gradients shrink with the degree
+/// and activations when the batch is split over the new ranks, so this errs on the safe side). `None` when no degree up to 1024 fits: the activations alone are too large.
 pub fn dp_shard_to_fit(memory: &super::MemoryPlan, dp_shard: u32, workspaces: u64, budget: u64) -> Option<u32> {
     use super::Arena;
     let arena = |a: Arena| memory.arenas.iter().find(|p| p.arena == a).map_or(0, |p| p.bytes);
-    let sharded = arena(Arena::Params).saturating_add(arena(Arena::OptimizerState)).saturating_add(arena(Arena::Grads));
+    let sharded = arena(Arena::Params).saturating_add(arena(Arena::OptimizerState));
     let rest = memory.peak_bytes.saturating_sub(sharded).saturating_add(workspaces);
     let base = u64::from(dp_shard.max(1));
     let mut d = base;
@@ -123,20 +123,19 @@ mod tests {
     #[test]
     fn dp_shard_to_fit_divides_the_sharded_arenas() {
         let gib = 1u64 << 30;
-        let plan = |p: u64, o: u64, g: u64, a: u64| MemoryPlan {
+        let plan = |p: u64, o: u64, a: u64| MemoryPlan {
             arenas: vec![
                 ArenaPlan { arena: Arena::Inputs, bytes: 0 },
                 ArenaPlan { arena: Arena::Params, bytes: p },
                 ArenaPlan { arena: Arena::OptimizerState, bytes: o },
-                ArenaPlan { arena: Arena::Grads, bytes: g },
                 ArenaPlan { arena: Arena::Activations, bytes: a },
             ],
-            peak_bytes: p + o + g + a,
+            peak_bytes: p + o + a,
             activation_bytes_unplanned: a,
         };
-        // 40 + 80 + 40 GiB sharded, 20 GiB activations: 8 ranks give 20 + 20 = 40 GiB.
-        let m = plan(40 * gib, 80 * gib, 40 * gib, 20 * gib);
-        assert_eq!(dp_shard_to_fit(&m, 1, 0, 80 * gib), Some(4));
+        // 40 + 80 GiB sharded, a 20 GiB step arena: 8 ranks give 20 + 15 = 35 GiB.
+        let m = plan(40 * gib, 80 * gib, 20 * gib);
+        assert_eq!(dp_shard_to_fit(&m, 1, 0, 80 * gib), Some(2));
         assert_eq!(dp_shard_to_fit(&m, 1, 0, 40 * gib), Some(8));
         assert_eq!(dp_shard_to_fit(&m, 2, 0, 40 * gib), Some(16));
         assert_eq!(dp_shard_to_fit(&m, 1, 0, 19 * gib), None);

@@ -43,15 +43,14 @@ use crate::data::Batch;
 /// format and -1 as an integer.
 const POISON: u8 = 0xff;
 
-const ARENAS: [Arena; 5] = [Arena::Inputs, Arena::Params, Arena::OptimizerState, Arena::Grads, Arena::Activations];
+const ARENAS: [Arena; 4] = [Arena::Inputs, Arena::Params, Arena::OptimizerState, Arena::Activations];
 
 fn slot(a: Arena) -> usize {
     match a {
         Arena::Inputs => 0,
         Arena::Params => 1,
         Arena::OptimizerState => 2,
-        Arena::Grads => 3,
-        Arena::Activations => 4,
+        Arena::Activations => 3,
     }
 }
 
@@ -160,6 +159,10 @@ pub struct CpuArtifactTrainer<'a> {
     profile: Option<Vec<KernelTime>>,
     /// Steps run since profiling was enabled.
     profiled_steps: u64,
+    /// When profiling: the start of the current step, and `(start, seconds)` of every operation
+    /// it ran so far, in execution order.
+    step_start: Option<Instant>,
+    op_times: Vec<(f64, f64)>,
     /// Per kernel (in `manifest.kernels` order): how to stream its body, if it can be.
     plans: Arc<Vec<Option<BodyPlan>>>,
     streaming: bool,
@@ -256,6 +259,8 @@ impl<'a> CpuArtifactTrainer<'a> {
             streaming: true,
             profile: None,
             profiled_steps: 0,
+            step_start: None,
+            op_times: Vec::new(),
             plans: Arc::new(m.kernels.iter().map(|k| artifact.graph.block_by_name(&k.body).and_then(|b| BodyPlan::new(artifact.graph.block(b)))).collect()),
             eval,
             in_eval: false,
@@ -369,6 +374,7 @@ impl<'a> CpuArtifactTrainer<'a> {
     /// Execute `steps` in order.
     fn exec(&mut self, steps: &[Step], frame: Option<Frame<'_>>) -> Result<(), RuntimeError> {
         for step in steps {
+            let t0 = (self.step_start.is_some() && !matches!(step, Step::Loop { .. })).then(Instant::now);
             match step {
                 Step::Launch { kernel, inputs, outputs, .. } => self.launch(*kernel, inputs, outputs, frame)?,
                 Step::Copy { src, dst, bytes, .. } => {
@@ -422,6 +428,9 @@ impl<'a> CpuArtifactTrainer<'a> {
                     }
                     encode(&y, &mut self.arenas[o.arena][o.start..o.start + o.len]).map_err(|e| bad(format!("{}: output: {e}", what())))?;
                 }
+            }
+            if let (Some(t0), Some(base)) = (t0, self.step_start) {
+                self.op_times.push((t0.duration_since(base).as_secs_f64(), t0.elapsed().as_secs_f64()));
             }
         }
         Ok(())
@@ -593,10 +602,12 @@ impl<'a> CpuArtifactTrainer<'a> {
             self.profiled_steps += 1;
         }
         let start = Instant::now();
+        if self.profile.is_some() {
+            self.step_start = Some(start);
+            self.op_times.clear();
+        }
         if self.poison {
-            for a in [Arena::Grads, Arena::Activations] {
-                self.arenas[slot(a)].fill(POISON);
-            }
+            self.arenas[slot(Arena::Activations)].fill(POISON);
         }
         self.feed(self.tokens, &batch.tokens)?;
         self.feed(self.targets, &batch.targets)?;
@@ -694,6 +705,11 @@ impl Trainer for CpuArtifactTrainer<'_> {
     fn enable_profile(&mut self) -> Result<(), RuntimeError> {
         CpuArtifactTrainer::enable_profile(self);
         Ok(())
+    }
+
+    fn step_trace(&self) -> Option<Vec<titan_ir::artifact::timeline::Span>> {
+        // Every rank runs `ranks[0]`'s schedule (one plan serves all ranks).
+        crate::backend::profile::measured_spans(self.artifact, 0, &self.op_times)
     }
 
     fn profile_report(&self, full: bool) -> Option<String> {

@@ -60,15 +60,14 @@ pub use self::trainer::{CudaArtifactTrainer, CudaRankSetup};
 /// Steps run eagerly before the step is captured into a CUDA graph.
 pub const WARMUP_STEPS: u64 = 2;
 
-const ARENAS: [Arena; 5] = [Arena::Inputs, Arena::Params, Arena::OptimizerState, Arena::Grads, Arena::Activations];
+const ARENAS: [Arena; 4] = [Arena::Inputs, Arena::Params, Arena::OptimizerState, Arena::Activations];
 
 fn slot(a: Arena) -> usize {
     match a {
         Arena::Inputs => 0,
         Arena::Params => 1,
         Arena::OptimizerState => 2,
-        Arena::Grads => 3,
-        Arena::Activations => 4,
+        Arena::Activations => 3,
     }
 }
 

@@ -88,6 +88,12 @@ pub trait Trainer {
         let _ = full;
         None
     }
+    /// The measured timeline of the last profiled step (`--trace`), in the operations and names
+    /// `titanc simulate` predicts; `None` where the backend does not record one, or before a
+    /// profiled step.
+    fn step_trace(&self) -> Option<Vec<titan_ir::artifact::timeline::Span>> {
+        None
+    }
     /// Model FLOPs per token for throughput and MFU, when known.
     fn flops_per_token(&self) -> Option<u64> {
         None

@@ -63,3 +63,30 @@ pub fn kernel_table(artifact: &Artifact, times: &[KernelTime], other: Option<Ker
     }
     out
 }
+
+/// The measured timeline of one profiled step for `--trace`: `times[i]` is `(start, seconds)` of
+/// operation `i` of the unrolled schedule (`titan_ir::artifact::timeline::unroll`, the order both
+/// backends run it in), relative to the step's start; the names, classes and streams are the
+/// ones `titanc simulate` predicts, so the two traces compare operation by operation. `None`
+/// when the count does not match the schedule (no complete profiled step yet).
+pub fn measured_spans(artifact: &Artifact, rank: usize, times: &[(f64, f64)]) -> Option<Vec<titan_ir::artifact::timeline::Span>> {
+    use titan_ir::artifact::timeline::{Span, op_class, unroll};
+    let m = &artifact.manifest;
+    let ops = unroll(m, rank.min(m.ranks.len().saturating_sub(1))).ok()?;
+    if ops.len() != times.len() {
+        return None;
+    }
+    let spans = ops
+        .iter()
+        .zip(times)
+        .map(|(op, &(start_s, dur_s))| Span {
+            name: op.name.clone(),
+            class: op_class(m, op).into(),
+            stream: if op.on_comm_stream() { "comm" } else { "compute" }.into(),
+            start_s,
+            dur_s,
+            at: op.at.clone(),
+        })
+        .collect();
+    Some(spans)
+}

@@ -154,6 +154,10 @@ impl Trainer for ProcessMeshTrainer<'_> {
         self.trainer.profile_report(full)
     }
 
+    fn step_trace(&self) -> Option<Vec<titan_ir::artifact::timeline::Span>> {
+        self.trainer.step_trace()
+    }
+
     fn reports_grad_norm(&self) -> bool {
         self.trainer.reports_grad_norm()
     }

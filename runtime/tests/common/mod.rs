@@ -124,7 +124,7 @@ impl Fixture {
     }
 
     pub fn manifest(&self) -> Manifest {
-        let arenas: Vec<ArenaPlan> = [Arena::Inputs, Arena::Params, Arena::OptimizerState, Arena::Grads, Arena::Activations]
+        let arenas: Vec<ArenaPlan> = [Arena::Inputs, Arena::Params, Arena::OptimizerState, Arena::Activations]
             .into_iter()
             .map(|a| ArenaPlan { arena: a, bytes: self.used.get(&a).copied().unwrap_or(0) })
             .collect();

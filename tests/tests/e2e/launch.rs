@@ -165,6 +165,22 @@ fn two_processes_run_an_spmd_artifact_like_the_simulated_mesh() {
     assert!(out.status.success(), "{e}");
     assert!(e.contains("titan-run: time per kernel on the cpu backend, mean of 3 profiled step(s)"), "{e}");
     assert!(e.contains("[rank 1] titan-run: --profile: ") && e.contains("ms per step in kernels"), "{e}");
+    // --trace: every rank writes its measured step, in the operations `titanc simulate`
+    // predicts, so the two compare kernel by kernel and calibrate the cost model.
+    let trace = dir.with_file_name("launch-trace.json");
+    let out = titan_run(&[p(&dir), "--steps", "2", "--nproc-per-node", "2", "--trace", p(&trace)]);
+    let e = text(&out.stderr);
+    assert!(out.status.success() && e.contains("wrote the measured step's timeline to"), "{e}");
+    let rank_trace = |r: usize| trace.with_file_name(format!("launch-trace.rank{r}.json"));
+    assert!(rank_trace(0).exists() && rank_trace(1).exists());
+    let cost = dir.with_file_name("launch-cost.json");
+    let sim = titan_compiler::cli::run_args(["titanc", "simulate", p(&dir), "--compare", p(&rank_trace(1)), "--calibrate", p(&cost)]).expect("simulate");
+    assert!(sim.stdout.contains("predicted step:") && sim.stdout.contains("step: predicted") && sim.stdout.contains("all_gather(tp)"), "{}", sim.stdout);
+    let fitted = titan_compiler::cost::CostModel::load(p(&cost)).expect("the calibrated model loads");
+    assert!(fitted.name.ends_with("calibrated") && fitted.memory_gbps < 1000.0, "a CPU runs memory-bound kernels far below an H200: {}", fitted.memory_gbps);
+    for f in [rank_trace(0), rank_trace(1), cost] {
+        let _ = std::fs::remove_file(f);
+    }
     // On the GPU an SPMD artifact runs one process per GPU: a single process says how, and a
     // graph file (not an artifact) is refused on --backend cuda before any GPU work.
     let out = titan_run(&[dir.to_str().expect("utf-8"), "--backend", "cuda", "--steps", "1"]);

@@ -63,7 +63,7 @@ fn corruptions(m: &Manifest) -> Vec<Case> {
         cases.push(case(format!("{at}: extra dim"), format!("{at}.bytes"), move |m| m.buffers[i].shape.push(3)));
         let other = if b.dtype == DType::BF16 { DType::F32 } else { DType::BF16 };
         cases.push(case(format!("{at}: dtype {other}"), format!("{at}.bytes"), move |m| m.buffers[i].dtype = other));
-        let wrong = if b.arena == Arena::Activations { Arena::Grads } else { Arena::Activations };
+        let wrong = if b.arena == Arena::Activations { Arena::Params } else { Arena::Activations };
         cases.push(case(format!("{at}: arena"), format!("{at}.arena"), move |m| m.buffers[i].arena = wrong));
         cases.push(case(format!("{at}: empty name"), format!("{at}.name"), move |m| m.buffers[i].name.clear()));
         if b.bytes > 0 {
@@ -71,7 +71,7 @@ fn corruptions(m: &Manifest) -> Vec<Case> {
             cases.push(case(format!("{at}: past its arena"), format!("{at}.offset"), move |m| m.buffers[i].offset = end));
             // On top of another buffer of its arena that is live at the same time (any buffer
             // of a packed arena), and at least as large, so it stays inside the arena.
-            let planned = matches!(b.arena, Arena::Grads | Arena::Activations);
+            let planned = b.arena == Arena::Activations;
             let victim = m.buffers.iter().enumerate().find(|&(j, o)| {
                 j != i
                     && o.arena == b.arena
@@ -244,14 +244,14 @@ fn corruptions(m: &Manifest) -> Vec<Case> {
     }));
     cases.push(case("memory.peak_bytes", "memory.peak_bytes", |m| m.memory.peak_bytes += 256));
     cases.push(case("memory.activation_bytes_unplanned", "memory.activation_bytes_unplanned", |m| m.memory.activation_bytes_unplanned += 256));
-    cases.push(case("memory.arenas[4].bytes misaligned", "memory.arenas[4].bytes", |m| m.memory.arenas[4].bytes += 1));
-    cases.push(case("memory.arenas swapped", "memory.arenas[3].arena", |m| m.memory.arenas.swap(3, 4)));
+    cases.push(case("memory.arenas[3].bytes misaligned", "memory.arenas[3].bytes", |m| m.memory.arenas[3].bytes += 1));
+    cases.push(case("memory.arenas swapped", "memory.arenas[2].arena", |m| m.memory.arenas.swap(2, 3)));
     cases.push(case("memory.arenas one missing", "memory.arenas", |m| {
         m.memory.arenas.pop();
     }));
-    cases.push(case("memory.arenas[4] too small", "].offset: bytes ", |m| {
-        m.memory.peak_bytes -= m.memory.arenas[4].bytes;
-        m.memory.arenas[4].bytes = 0;
+    cases.push(case("memory.arenas[3] too small", "].offset: bytes ", |m| {
+        m.memory.peak_bytes -= m.memory.arenas[3].bytes;
+        m.memory.arenas[3].bytes = 0;
     }));
     cases.push(case("ranks twice", "ranks", |m| m.ranks.push(m.ranks[0].clone())));
     cases.push(case("ranks[0].rank", "ranks[0].rank", |m| m.ranks[0].rank = 1));
@@ -260,7 +260,6 @@ fn corruptions(m: &Manifest) -> Vec<Case> {
             memory: titan_ir::artifact::RankMemory {
                 params: 0,
                 optimizer_state: 0,
-                grads: 0,
                 activations: 0,
                 inputs: 0,
                 gathered_weights: 0,

@@ -12,6 +12,9 @@
 use titan_ir::DType;
 use titan_ir::artifact::{CollectiveOp, ReduceOp};
 
+/// The stream rule lives with the schedule so the compiler's simulator uses it too.
+pub use titan_ir::artifact::timeline::{Joins, join_points};
+
 /// A byte offset into one of the buffers a step touches.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Loc {
@@ -181,42 +184,6 @@ pub fn plan(s: &StepShape<'_>, coord: u64) -> Result<Plan, String> {
         }
     };
     Ok(Plan { actions, staging_bytes, communicates })
-}
-
-/// Where the compute stream waits for each collective: `before[j]` lists the collectives (by
-/// their number among the communicating ones) to wait for before op `j`, `at_end` those no later
-/// op touches (waited for at the end of the step).
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct Joins {
-    pub before: Vec<Vec<usize>>,
-    pub at_end: Vec<usize>,
-}
-
-fn overlap(a: (u64, u64), b: (u64, u64)) -> bool {
-    a.1 > 0 && b.1 > 0 && a.0 < b.0 + b.1 && b.0 < a.0 + a.1
-}
-
-/// For ops in schedule order, `comm[j]` whether op `j` runs on the collectives' stream and
-/// `ranges[j]` the byte ranges it reads or writes: each collective is joined before the first
-/// later compute op whose ranges overlap the collective's (it reads the result, or reuses the
-/// operand's or the result's memory). Later collectives need no join: the collectives' stream
-/// runs them in order, and each starts after the compute enqueued before it.
-pub fn join_points(comm: &[bool], ranges: &[Vec<(u64, u64)>]) -> Joins {
-    let mut j = Joins { before: vec![Vec::new(); comm.len()], at_end: Vec::new() };
-    let mut nth = 0;
-    for (i, &c) in comm.iter().enumerate() {
-        if !c {
-            continue;
-        }
-        let mine = &ranges[i];
-        let first = (i + 1..comm.len()).find(|&k| !comm[k] && ranges[k].iter().any(|r| mine.iter().any(|m| overlap(*m, *r))));
-        match first {
-            Some(k) => j.before[k].push(nth),
-            None => j.at_end.push(nth),
-        }
-        nth += 1;
-    }
-    j
 }
 
 #[cfg(test)]
@@ -419,7 +386,9 @@ mod tests {
         assert_eq!(j.before, vec![vec![], vec![], vec![], vec![], vec![1], vec![0], vec![]]);
         assert_eq!(j.at_end, vec![2]);
         // Adjacent ranges do not overlap; empty ones never do.
-        assert!(!overlap((0, 10), (10, 5)) && overlap((0, 11), (10, 5)) && !overlap((0, 0), (0, 5)));
+        assert_eq!(join_points(&[true, false], &[vec![(0, 10)], vec![(10, 5)]]).at_end, vec![0]);
+        assert_eq!(join_points(&[true, false], &[vec![(0, 11)], vec![(10, 5)]]).before[1], vec![0]);
+        assert_eq!(join_points(&[true, false], &[vec![(0, 0)], vec![(0, 5)]]).at_end, vec![0]);
         // A collective's operand being overwritten later also forces the join.
         let j = join_points(&[true, false], &[vec![(0, 8), (100, 8)], vec![(4, 1)]]);
         assert_eq!(j.before, vec![vec![], vec![0]]);

@@ -111,6 +111,9 @@ struct Profile {
     steps: u64,
     /// On a mesh: the collectives' side of the profile.
     comm: Option<CommTiming>,
+    /// `(start, seconds)` of every op of the last counted step, relative to its first event
+    /// (`--trace`); a communicating collective's is its span on the collectives' stream.
+    last: Vec<(f64, f64)>,
 }
 
 /// `--profile` events of a mesh rank: the compute stream before its waits for collectives (per
@@ -219,11 +222,11 @@ impl<'a> CudaArtifactTrainer<'a> {
         startup.load_s += t.elapsed().as_secs_f64();
         let t = Instant::now();
         let mut memory = Vec::new();
-        let mut base = [0u64; 5];
-        let mut bytes = [0u64; 5];
+        let mut base = [0u64; ARENAS.len()];
+        let mut bytes = [0u64; ARENAS.len()];
         for a in ARENAS {
             let n = artifact.arena_bytes(a);
-            let fill = if matches!(a, Arena::Grads | Arena::Activations) { 0xff } else { 0 };
+            let fill = if a == Arena::Activations { 0xff } else { 0 };
             let buf = gpu.alloc(n, fill, &format!("the `{}` arena", arena_name(a)))?;
             base[slot(a)] = buf.ptr;
             bytes[slot(a)] = n;
@@ -616,7 +619,7 @@ impl<'a> CudaArtifactTrainer<'a> {
             }
             None => None,
         };
-        self.profile = Some(Profile { events, kernels, other: KernelTime::default(), steps: 0, comm });
+        self.profile = Some(Profile { events, kernels, other: KernelTime::default(), steps: 0, comm, last: Vec::new() });
         self.set_graphs(false);
         Ok(())
     }
@@ -649,10 +652,20 @@ impl<'a> CudaArtifactTrainer<'a> {
         if warm {
             return Ok(());
         }
+        p.last.clear();
+        let mut nth = 0;
         for (i, op) in self.ops.iter().enumerate() {
             // On a mesh an op's time ends where the waits before the next op begin.
             let end = p.comm.as_ref().map_or(&p.events[i + 1], |c| &c.before_waits[i + 1]);
             let secs = f64::from(p.events[i].elapsed_ms(end)?) * 1e-3;
+            match (op, p.comm.as_ref(), &self.comm_events) {
+                (Op::Collective { plan, .. }, Some(c), Some(ce)) if plan.communicates => {
+                    let start = f64::from(p.events[0].elapsed_ms(&c.start[nth])?) * 1e-3;
+                    p.last.push((start, f64::from(c.start[nth].elapsed_ms(&ce.done[nth])?) * 1e-3));
+                    nth += 1;
+                }
+                _ => p.last.push((f64::from(p.events[0].elapsed_ms(&p.events[i])?) * 1e-3, secs)),
+            }
             let t = match op {
                 Op::Launch { kernel, .. } => &mut p.kernels[*kernel],
                 Op::Copy { .. } | Op::Memset { .. } | Op::Collective { .. } => &mut p.other,
@@ -797,6 +810,12 @@ fn with_step(e: CudaError, n: u64) -> CudaError {
 impl Trainer for CudaArtifactTrainer<'_> {
     fn enable_profile(&mut self) -> Result<(), RuntimeError> {
         CudaArtifactTrainer::enable_profile(self)
+    }
+
+    fn step_trace(&self) -> Option<Vec<titan_ir::artifact::timeline::Span>> {
+        let p = self.profile.as_ref().filter(|p| p.steps > 0)?;
+        // One schedule (`ranks[0]`) serves every rank.
+        crate::backend::profile::measured_spans(self.artifact, 0, &p.last)
     }
 
     fn profile_report(&self, full: bool) -> Option<String> {

@@ -62,8 +62,8 @@ pub(super) struct Frame<'s> {
 /// Device addresses of the arenas, resolving buffer references like the CPU backend.
 pub(super) struct Arenas<'a> {
     pub(super) artifact: &'a Artifact,
-    pub(super) base: [u64; 5],
-    pub(super) bytes: [u64; 5],
+    pub(super) base: [u64; 4],
+    pub(super) bytes: [u64; 4],
     /// This rank's coordinates in the mesh (zeros on one GPU).
     pub(super) coords: [usize; 3],
 }
