@@ -246,6 +246,8 @@ fn a_collective_step_needs_the_mesh_it_names() {
         out_shape: vec![1],
         input: r,
         output: r,
+        more_inputs: vec![],
+        shift: None,
         send_bytes: 4,
         stream: 0,
     });
