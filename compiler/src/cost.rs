@@ -22,8 +22,9 @@ use std::fmt::Write as _;
 use std::path::Path;
 
 use serde::{Deserialize, Serialize};
+use titan_ir::KernelKind;
+use titan_ir::artifact::Manifest;
 use titan_ir::artifact::timeline::{self, OpKind, Span, UnrolledOp, join_points};
-use titan_ir::artifact::{KernelKind, Manifest};
 
 /// The format version of cost model files this titanc reads.
 pub const COST_MODEL_FORMAT: u32 = 1;
@@ -287,14 +288,29 @@ fn lay_out(m: &Manifest, ops: &[UnrolledOp], durations: &[f64], peak_tflops: f64
     let mut spans = Vec::with_capacity(ops.len());
     let mut comm_s = BTreeMap::new();
     let mut exposed_s: BTreeMap<String, f64> = BTreeMap::new();
-    let mut wait = |compute_t: &mut f64, which: &[usize], ends: &[(f64, String)], spans: &mut Vec<Span>, at: &str| {
-        // Wait for the latest; the exposed time goes to its mesh dim.
+    // The collectives' stream as (start, end, mesh dim), in order.
+    let mut busy_comm: Vec<(f64, f64, String)> = Vec::new();
+    // Wait for the latest of `which`. The waited interval is exposed communication of whatever
+    // the collectives' stream runs in it (a tp collective queued behind FSDP gathers exposes
+    // the gathers' time, not its own), the rest of it of the collective waited for.
+    let mut wait = |compute_t: &mut f64, which: &[usize], ends: &[(f64, String)], busy_comm: &[(f64, f64, String)], spans: &mut Vec<Span>, at: &str| {
         if let Some((end, dim)) = which.iter().map(|&c| &ends[c]).max_by(|a, b| a.0.total_cmp(&b.0))
             && *end > *compute_t
         {
-            spans.push(Span { name: format!("wait for {dim}"), class: "wait".into(), stream: "wait".into(), start_s: *compute_t, dur_s: end - *compute_t, at: at.into() });
-            *exposed_s.entry(dim.clone()).or_default() += end - *compute_t;
-            *compute_t = *end;
+            let (t0, t1) = (*compute_t, *end);
+            spans.push(Span { name: format!("wait for {dim}"), class: "wait".into(), stream: "wait".into(), start_s: t0, dur_s: t1 - t0, at: at.into() });
+            let mut covered = 0.0;
+            for (s, e, d) in busy_comm {
+                let o = e.min(t1) - s.max(t0);
+                if o > 0.0 {
+                    *exposed_s.entry(d.clone()).or_default() += o;
+                    covered += o;
+                }
+            }
+            if t1 - t0 - covered > 0.0 {
+                *exposed_s.entry(dim.clone()).or_default() += t1 - t0 - covered;
+            }
+            *compute_t = t1;
         }
     };
     for (j, op) in ops.iter().enumerate() {
@@ -308,16 +324,17 @@ fn lay_out(m: &Manifest, ops: &[UnrolledOp], durations: &[f64], peak_tflops: f64
                 _ => String::new(),
             };
             *comm_s.entry(dim.clone()).or_default() += d;
+            busy_comm.push((start, comm_t, dim.clone()));
             ends.push((comm_t, dim));
             spans.push(Span { name: op.name.clone(), class, stream: "comm".into(), start_s: start, dur_s: d, at: op.at.clone() });
         } else {
-            wait(&mut compute_t, &joins.before[j], &ends, &mut spans, &op.at);
+            wait(&mut compute_t, &joins.before[j], &ends, &busy_comm, &mut spans, &op.at);
             spans.push(Span { name: op.name.clone(), class, stream: "compute".into(), start_s: compute_t, dur_s: d, at: op.at.clone() });
             compute_t += d;
             busy += d;
         }
     }
-    wait(&mut compute_t, &joins.at_end, &ends, &mut spans, "end of step");
+    wait(&mut compute_t, &joins.at_end, &ends, &busy_comm, &mut spans, "end of step");
     let world = f64::from(m.mesh.world_size.max(1));
     Simulation {
         spans,
@@ -366,9 +383,13 @@ fn measured_ops<'a>(ops: &[UnrolledOp], measured: &'a [Span]) -> Result<Vec<&'a 
     let mut out = Vec::with_capacity(ops.len());
     for (j, op) in ops.iter().enumerate() {
         let k = usize::from(op.on_comm_stream());
-        let s = by_stream[k].get(next[k]).ok_or_else(|| CostError::Schedule(format!("the measured trace ends before operation {j} ({} at {})", op.name, op.at)))?;
+        let s =
+            by_stream[k].get(next[k]).ok_or_else(|| CostError::Schedule(format!("the measured trace ends before operation {j} ({} at {})", op.name, op.at)))?;
         if s.name != op.name {
-            return Err(CostError::Schedule(format!("operation {j} is `{}` ({}) in the artifact but `{}` in the measured trace: a trace of another artifact?", op.name, op.at, s.name)));
+            return Err(CostError::Schedule(format!(
+                "operation {j} is `{}` ({}) in the artifact but `{}` in the measured trace: a trace of another artifact?",
+                op.name, op.at, s.name
+            )));
         }
         next[k] += 1;
         out.push(*s);
@@ -407,7 +428,7 @@ pub fn calibrate(m: &Manifest, rank: usize, base: &CostModel, measured: &[Span])
     // (work, seconds) per key.
     let mut sums: BTreeMap<String, (f64, f64)> = BTreeMap::new();
     for (op, s) in ops.iter().zip(meas) {
-        let t = (s.dur_s - launch).max(1e-9);
+        let t = (s.dur_s - launch).max(0.0);
         let (key, amount) = match work(m, op, base.gpus_per_node) {
             Work::Gemm { flops, fp8 } => {
                 let d = if fp8 { "fp8" } else { "bf16" };
@@ -446,7 +467,8 @@ pub fn calibrate(m: &Manifest, rank: usize, base: &CostModel, measured: &[Span])
         c.network.gbps = r * 1e-9;
     }
     c.name = format!("{} calibrated", base.name);
-    c.source = format!("{}; rates fitted to a measured trace of `{}` ({} operations)", base.source, m.content_hash.get(..16).unwrap_or(&m.content_hash), ops.len());
+    c.source =
+        format!("{}; rates fitted to a measured trace of `{}` ({} operations)", base.source, m.content_hash.get(..16).unwrap_or(&m.content_hash), ops.len());
     Ok(c)
 }
 

@@ -4,8 +4,8 @@
 //! command line (`titanc data tokenize` in `data_cmd.rs`, over `titan-data`).
 
 pub mod build;
-pub mod cost;
 pub mod cli;
+pub mod cost;
 pub mod data_cmd;
 pub mod error;
 pub mod hf;

@@ -164,7 +164,7 @@ fn build_writes_an_artifact_and_prints_the_peak() {
     let out = titanc(&["build", &model, "-o", o, "--job-config", &job, "--timings", "--report", "--lr", "2e-3"]);
     assert!(out.status.success(), "{}", text(&out.stderr));
     let summary = text(&out.stdout);
-    for needle in ["passes:", "fuse", "fusion report", "note: ", "--steps 200"] {
+    for needle in ["passes:", "fuse", "fusion report", "note: ", "titan-run reads the runtime sections"] {
         assert!(summary.contains(needle), "expected `{needle}` in\n{summary}");
     }
     let out = titanc(&["build", &model, "-o", o, "--dump-after", "fuse"]);
@@ -189,7 +189,7 @@ fn build_errors_say_what_to_change() {
         (&["build", &model, "-o", o, "--dump-after", "fusion"], "unknown pass `fusion`"),
         (
             &["build", &model, "-o", o, "--job-config", job.to_str().unwrap()],
-            "full recompute of one layer in every 2 (`selective_ac_option = \"2\"`) is not supported yet",
+            "full recompute of one layer in every 2 (`activation_checkpoint.selective_ac_option = \"2\"`) is not supported yet",
         ),
         (&["build", &model, "-o", o, "--job-config", &j8b], "regenerate the model with `titanc new ... --batch-size 1`"),
         (&["build", &model, "-o", o, "--job-config", "no/such/job.toml"], "cannot read `no/such/job.toml`"),

@@ -253,7 +253,12 @@ impl fmt::Display for BuildSummary {
             writeln!(f, "  {:<16} {:>12}", memory::arena_name(a.arena), human_bytes(a.bytes))?;
         }
         let planned = self.arenas.iter().find(|a| a.arena == titan_ir::artifact::Arena::Activations).map_or(0, |a| a.bytes);
-        writeln!(f, "  activations and gradients are {} planned, {} if no buffer were reused", human_bytes(planned), human_bytes(self.activation_bytes_unplanned))?;
+        writeln!(
+            f,
+            "  activations and gradients are {} planned, {} if no buffer were reused",
+            human_bytes(planned),
+            human_bytes(self.activation_bytes_unplanned)
+        )?;
         match &self.report {
             Some(r) => {
                 write_mesh_report(f, &self.mesh, self.collectives_per_step, r, &self.workspaces)?;
@@ -666,7 +671,13 @@ pub fn check_model_graph(g: &Graph, source: &str) -> Result<(), BuildError> {
 
 /// [`compile_artifact`], optionally without code generation (tests of the plan and schedule),
 /// with an explicit `ptxas` (`None`: no cubins).
-pub(crate) fn compile(model: &Graph, model_text: &str, opts: &BuildOptions, generate_code: bool, ptxas: Option<&Path>) -> Result<(Artifact, BuildSummary), BuildError> {
+pub(crate) fn compile(
+    model: &Graph,
+    model_text: &str,
+    opts: &BuildOptions,
+    generate_code: bool,
+    ptxas: Option<&Path>,
+) -> Result<(Artifact, BuildSummary), BuildError> {
     check_target(&opts.target)?;
     check_model_graph(model, &format!("the graph @{}", model.name))?;
     let mut phases = Phases::default();

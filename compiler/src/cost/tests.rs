@@ -95,10 +95,14 @@ fn collectives_overlap_compute_and_expose_only_what_is_waited_for() {
 #[test]
 fn calibration_recovers_the_rates_of_a_trace() {
     let m = manifest(titan_ir::Mesh::new(1, 1, 2));
-    let truth = h200();
+    // No launch overhead or link latency: on the debug model they would dwarf the rates being
+    // fitted.
+    let base = h200();
+    let truth = CostModel { launch_us: 0.0, nvlink: Link { gbps: base.nvlink.gbps, latency_us: 0.0 }, ..base };
     let measured = simulate(&m, 0, &truth).unwrap_or_else(|e| panic!("{e}")).spans;
     // Round-trip through the trace format, as `titan-run --trace` files arrive.
-    let measured = titan_ir::artifact::timeline::read_chrome_trace(&titan_ir::artifact::timeline::chrome_trace(0, "test", &measured)).unwrap_or_else(|e| panic!("{e}"));
+    let measured =
+        titan_ir::artifact::timeline::read_chrome_trace(&titan_ir::artifact::timeline::chrome_trace(0, "test", &measured)).unwrap_or_else(|e| panic!("{e}"));
     let mut wrong = truth.clone();
     wrong.memory_gbps *= 3.0;
     wrong.attention_fwd_tflops *= 0.5;

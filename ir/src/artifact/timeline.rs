@@ -17,18 +17,31 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::{BufRef, CollectiveOp, KernelKind, Manifest, Step, loop_runs};
+use super::{BufRef, CollectiveOp, Manifest, Step, loop_runs};
 
 /// What an unrolled operation does.
 #[derive(Clone, Debug, PartialEq)]
 pub enum OpKind {
     /// Kernel `kernel` of the manifest.
-    Launch { kernel: usize },
-    Copy { bytes: u64 },
-    Memset { bytes: u64 },
+    Launch {
+        kernel: usize,
+    },
+    Copy {
+        bytes: u64,
+    },
+    Memset {
+        bytes: u64,
+    },
     /// A collective step; `communicates` is false for the rank-local `take_shard` /
     /// `place_shard`, which run on the compute stream.
-    Collective { collective: CollectiveOp, mesh_dim: String, group: u32, send_bytes: u64, bytes: u64, communicates: bool },
+    Collective {
+        collective: CollectiveOp,
+        mesh_dim: String,
+        group: u32,
+        send_bytes: u64,
+        bytes: u64,
+        communicates: bool,
+    },
 }
 
 /// One operation of the unrolled step.
@@ -66,7 +79,13 @@ struct Unroller<'m> {
 impl Unroller<'_> {
     fn whole(&self, id: u32) -> Result<(u64, u64), String> {
         let b = self.m.buffers.get(id as usize).ok_or_else(|| format!("buffer {id} does not exist"))?;
-        let arena = self.m.memory.arenas.iter().position(|a| a.arena == b.arena).ok_or_else(|| format!("buffer {id}: arena `{}` is not planned", super::arena_name(b.arena)))?;
+        let arena = self
+            .m
+            .memory
+            .arenas
+            .iter()
+            .position(|a| a.arena == b.arena)
+            .ok_or_else(|| format!("buffer {id}: arena `{}` is not planned", super::arena_name(b.arena)))?;
         Ok((self.base[arena] + b.offset, b.bytes))
     }
 
@@ -196,15 +215,7 @@ pub fn join_points(comm: &[bool], ranges: &[Vec<(u64, u64)>]) -> Joins {
 /// The kind of kernel an op runs, for grouping in reports (`gemm`, `attention`, `copy`, ...).
 pub fn op_class(m: &Manifest, op: &UnrolledOp) -> &'static str {
     match &op.kind {
-        OpKind::Launch { kernel } => match m.kernels[*kernel].kind {
-            KernelKind::Fused => "fused",
-            KernelKind::Gemm => "gemm",
-            KernelKind::Attention => "attention",
-            KernelKind::AttentionBwd => "attention_bwd",
-            KernelKind::Gather => "gather",
-            KernelKind::ScatterAdd => "scatter_add",
-            KernelKind::Optimizer => "optimizer",
-        },
+        OpKind::Launch { kernel } => m.kernels[*kernel].kind.name(),
         OpKind::Copy { .. } => "copy",
         OpKind::Memset { .. } => "memset",
         OpKind::Collective { communicates: true, .. } => "collective",
@@ -290,8 +301,22 @@ mod tests {
     #[test]
     fn traces_round_trip() {
         let spans = vec![
-            Span { name: "layer.k3_gemm".into(), class: "gemm".into(), stream: "compute".into(), start_s: 0.0, dur_s: 1.5e-3, at: "schedule step 4.1, layer 0".into() },
-            Span { name: "all_gather(tp)".into(), class: "collective".into(), stream: "comm".into(), start_s: 1e-4, dur_s: 2e-4, at: "schedule step 4.0, layer 0".into() },
+            Span {
+                name: "layer.k3_gemm".into(),
+                class: "gemm".into(),
+                stream: "compute".into(),
+                start_s: 0.0,
+                dur_s: 1.5e-3,
+                at: "schedule step 4.1, layer 0".into(),
+            },
+            Span {
+                name: "all_gather(tp)".into(),
+                class: "collective".into(),
+                stream: "comm".into(),
+                start_s: 1e-4,
+                dur_s: 2e-4,
+                at: "schedule step 4.0, layer 0".into(),
+            },
             Span { name: "wait".into(), class: "wait".into(), stream: "wait".into(), start_s: 1.5e-3, dur_s: 0.0, at: String::new() },
         ];
         let back = read_chrome_trace(&chrome_trace(0, "predicted", &spans)).unwrap_or_else(|e| panic!("{e}"));

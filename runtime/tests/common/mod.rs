@@ -129,7 +129,7 @@ impl Fixture {
             .map(|a| ArenaPlan { arena: a, bytes: self.used.get(&a).copied().unwrap_or(0) })
             .collect();
         let peak_bytes = arenas.iter().map(|a| a.bytes).sum();
-        let activation_bytes_unplanned = self.buffers.iter().filter(|b| b.class == BufferClass::Activation).map(|b| b.bytes.div_ceil(ALIGN) * ALIGN).sum();
+        let activation_bytes_unplanned = self.buffers.iter().filter(|b| b.arena == Arena::Activations).map(|b| b.bytes.div_ceil(ALIGN) * ALIGN).sum();
         Manifest {
             format_version: FORMAT_VERSION,
             titan_version: "test".into(),

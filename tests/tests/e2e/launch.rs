@@ -328,7 +328,7 @@ fn bad_launches_are_refused_clearly() {
     let e = err(&[p(&spmd), "--steps", "2", "--nproc-per-node", "2"], &[("RANK", "0"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "h"), ("MASTER_PORT", "9")]);
     assert!(e.contains("--nproc-per-node launches its own ranks"), "{e}");
     let e = err(&[p(&spmd), "--steps", "2", "--nproc-per-node", "2", "--profile"], &[]);
-    assert!(e.contains("--profile times the kernels of an artifact") && e.contains("titanc build --tp/--dp-shard"), "{e}");
+    assert!(e.contains("--profile and --trace time the kernels of an artifact") && e.contains("titanc build --tp/--dp-shard"), "{e}");
     // Slurm: the rendezvous host is the first of the nodelist; rank 0 not there times out, naming it.
     let e = err(
         &[p(&spmd), "--steps", "2", "--rendezvous-timeout", "1"],

@@ -17,7 +17,9 @@ fn assemble_preset(preset: Preset) {
     let mut checked = 0;
     let mut failures = Vec::new();
     println!("{:<44} {:>5} {:>7} {:>7} {:>7}", format!("{} kernel", preset.name()), "regs", "st-spl", "ld-spl", "smem");
-    for k in &artifact.manifest.kernels {
+    // The training step's kernels and the eval step's (validation), which ship PTX too.
+    let eval = artifact.manifest.eval.iter().flat_map(|e| &e.kernels);
+    for k in artifact.manifest.kernels.iter().chain(eval) {
         let (Some(path), Some(entry)) = (&k.ptx, &k.entry) else { continue };
         let ptx = &artifact.ptx.iter().find(|(p, _)| p == path).unwrap_or_else(|| panic!("{path} listed in the manifest but not emitted")).1;
         match ptxas_check(ptx, entry) {
