@@ -122,9 +122,37 @@ fn transposed(b: &mut Builder, q: Quantized) -> Result<Quantized, String> {
     Ok(Quantized { q: t, inv_scale: q.inv_scale })
 }
 
-/// `scaled_matmul` of two quantized operands, producing `out`'s dtype.
-fn scaled_gemm(b: &mut Builder, a: Quantized, bq: Quantized, ta: bool, tb: bool, fast_accum: bool, out: TensorType) -> Result<Value, String> {
-    b.push_typed(Op::ScaledMatmul { transpose_a: ta, transpose_b: tb, fast_accum }, &[a.q, bq.q, a.inv_scale, bq.inv_scale], out)
+/// The TN `scaled_matmul` (`a [.., M, K]`, `bq [N, K]`) of two quantized operands, producing
+/// `out`'s dtype.
+///
+/// With power-of-2 scales (`pow2`), per-row or per-column scales are not given to the GEMM:
+/// it runs with unit scales in their place and the scales multiply its rounded output
+/// afterwards (`y = f32(gemm) · sa[row] · sb[col]`, back to `out`'s dtype), in ops that fusion
+/// puts into the kernel consuming the product. Hopper's cuBLASLt takes only scalar fp8 scales
+/// (`docs/notes.md`, "Float8"), and a power of two commutes with rounding: `round(acc) · 2^e
+/// = round(acc · 2^e)` unless the result leaves the normal range, so the values are the
+/// vector-scaled GEMM's. Scalar scales stay in the GEMM.
+fn scaled_gemm(b: &mut Builder, a: Quantized, bq: Quantized, fast_accum: bool, pow2: bool, out: TensorType) -> Result<Value, String> {
+    let vector = |b: &Builder, s: Value| b.ty(s).rank() > 0;
+    let (va, vb) = (vector(b, a.inv_scale), vector(b, bq.inv_scale));
+    if !pow2 || !(va || vb) {
+        return b.push_typed(Op::ScaledMatmul { transpose_a: false, transpose_b: true, fast_accum }, &[a.q, bq.q, a.inv_scale, bq.inv_scale], out);
+    }
+    let one = b.push_typed(Op::Constant { value: 1.0 }, &[], TensorType::scalar(DType::F32))?;
+    let (sa, sb) = (if va { one } else { a.inv_scale }, if vb { one } else { bq.inv_scale });
+    let y = b.push_typed(Op::ScaledMatmul { transpose_a: false, transpose_b: true, fast_accum }, &[a.q, bq.q, sa, sb], out.clone())?;
+    let rank = out.rank();
+    let wide = TensorType::new(DType::F32, out.shape.clone());
+    let mut acc = if out.dtype == DType::F32 { y } else { b.push_typed(Op::Cast, &[y], wide.clone())? };
+    if va {
+        let rows = b.push_typed(Op::Broadcast { dims: (0..rank - 1).collect() }, &[a.inv_scale], wide.clone())?;
+        acc = b.push1(Op::Binary(BinaryOp::Mul), &[acc, rows])?;
+    }
+    if vb {
+        let cols = b.push_typed(Op::Broadcast { dims: vec![rank - 1] }, &[bq.inv_scale], wide)?;
+        acc = b.push1(Op::Binary(BinaryOp::Mul), &[acc, cols])?;
+    }
+    if out.dtype == DType::F32 { Ok(acc) } else { b.push_typed(Op::Cast, &[acc], out) }
 }
 
 /// The forward of `linear_f8(x, w)` as primitives: `y [..., N]` in `x`'s dtype.
@@ -136,7 +164,7 @@ pub fn forward(b: &mut Builder, x: Value, w: Value, recipe: Float8Recipe) -> Res
     let qw = quantize(b, w, sw, pow2)?;
     let mut shape = xt.shape.clone();
     *shape.last_mut().ok_or("linear_f8 input must have rank >= 1")? = wt.shape[0].clone();
-    scaled_gemm(b, qx, qw, false, true, true, TensorType::new(xt.dtype, shape))
+    scaled_gemm(b, qx, qw, true, pow2, TensorType::new(xt.dtype, shape))
 }
 
 /// `grad_input = dy · w` of `linear_f8` under `recipe`: `dx [..., K]` in `dy`'s dtype.
@@ -150,7 +178,7 @@ pub fn grad_input(b: &mut Builder, dy: Value, w: Value, recipe: Float8Recipe) ->
     let qwt = transposed(b, qw)?;
     let mut shape = dyt.shape.clone();
     *shape.last_mut().ok_or("linear_f8 gradient must have rank >= 1")? = wt.shape[1].clone();
-    scaled_gemm(b, qdy, qwt, false, true, false, TensorType::new(dyt.dtype, shape))
+    scaled_gemm(b, qdy, qwt, false, pow2, TensorType::new(dyt.dtype, shape))
 }
 
 /// `grad_weight = dyᵀ · x` of `linear_f8` under `recipe`, from the 2-D `dy [M, N]` and
@@ -169,7 +197,7 @@ pub fn grad_weight(b: &mut Builder, dy: Value, x: Value, recipe: Float8Recipe) -
             // `dyᵀ [N, M] · x [M, K]` as the TN `(dyᵀ [N, M]) · (xᵀ [K, M])ᵀ`.
             let (qdyt, qxt) = (transposed(b, qdy)?, transposed(b, qx)?);
             let out = TensorType::new(xt.dtype, vec![dyt.shape[1].clone(), xt.shape[1].clone()]);
-            scaled_gemm(b, qdyt, qxt, false, true, false, out)
+            scaled_gemm(b, qdyt, qxt, false, pow2, out)
         }
     }
 }

@@ -66,14 +66,17 @@ pub fn gemm_desc(g: &Graph, body: &Region) -> Result<GemmDesc, BuildError> {
         (Some(0), Some(1)) | (Some(0), Some(0)) => {}
         _ => return Err(internal(format!("gemm kernel @{}: A and B must be the body's first two arguments", body.name))),
     }
-    // A scaled GEMM's dequantization scales are arguments 2 (rows of A) and 3 (columns of B).
+    // A scaled GEMM's dequantization scales are arguments 2 (rows of A) and 3 (columns of B),
+    // or 2 for both when they are one value (the unit scales of `titan_ir::float8`).
     let scales = match node.op {
         Op::ScaledMatmul { fast_accum, .. } => {
             let mut modes = [GemmScale::None; 2];
+            let shared = node.inputs[2] == node.inputs[3];
             for (i, mode) in modes.iter_mut().enumerate() {
                 let s = node.inputs[2 + i];
-                if arg_index(body, s) != Some(2 + i) {
-                    return Err(internal(format!("gemm kernel @{}: scale {} must be the body's argument {}", body.name, i, 2 + i)));
+                let want = if shared { 2 } else { 2 + i };
+                if arg_index(body, s) != Some(want) {
+                    return Err(internal(format!("gemm kernel @{}: scale {} must be the body's argument {}", body.name, i, want)));
                 }
                 *mode = if body.ty(s).rank() == 0 { GemmScale::Tensor } else { GemmScale::Vector };
             }

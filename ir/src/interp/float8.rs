@@ -143,6 +143,34 @@ mod tests {
         assert_eq!(out.floats().unwrap(), &[9.0, 27.0, 18.0, 36.0]);
     }
 
+    /// What `crate::float8::forward` relies on for the rowwise recipes: a GEMM with unit scales,
+    /// rounded to bf16, then multiplied by power-of-2 row and column scales, equals the
+    /// vector-scaled GEMM rounded once, bit for bit.
+    #[test]
+    fn power_of_2_vector_scales_commute_with_the_bf16_rounding() {
+        let (m, k, n) = (16usize, 64usize, 24usize);
+        let fp8 = |v: Vec<f32>| v.into_iter().map(|x| q(x * 64.0, 1.0, DType::F8E4M3)).collect::<Vec<f32>>();
+        let a = Tensor::from_vec(DType::F8E4M3, vec![m, k], fp8(bf16_values(m * k, 3))).unwrap();
+        let b = Tensor::from_vec(DType::F8E4M3, vec![n, k], fp8(bf16_values(n * k, 4))).unwrap();
+        let pow2 = |len: usize, seed: usize| (0..len).map(|i| 2f32.powi(((i * 7 + seed) % 29) as i32 - 20)).collect::<Vec<f32>>();
+        let (ra, rb) = (pow2(m, 1), pow2(n, 5));
+        let sa = Tensor::from_vec(DType::F32, vec![m], ra.clone()).unwrap();
+        let sb = Tensor::from_vec(DType::F32, vec![n], rb.clone()).unwrap();
+        let one = Tensor::from_vec(DType::F32, vec![], vec![1.0]).unwrap();
+        let out = (DType::BF16, vec![m, n]);
+        let scaled = scaled_matmul(&[&a, &b, &sa, &sb], false, true, &out).unwrap();
+        let unit = scaled_matmul(&[&a, &b, &one, &one], false, true, &out).unwrap();
+        let (scaled, unit) = (scaled.floats().unwrap(), unit.floats().unwrap());
+        for i in 0..m {
+            for j in 0..n {
+                // `scaled_matmul` leaves the rounding to the result dtype to its caller.
+                let bf16 = |x: f32| half::bf16::from_f32(x).to_f32();
+                let after = bf16(bf16(unit[i * n + j]) * ra[i] * rb[j]);
+                assert_eq!(after.to_bits(), bf16(scaled[i * n + j]).to_bits(), "[{i},{j}]");
+            }
+        }
+    }
+
     #[test]
     fn fp8_scale_op_saturates_and_rounds() {
         let amax = Tensor::from_vec(DType::F32, vec![3], vec![0.0, 3.0, 1e9]).unwrap();

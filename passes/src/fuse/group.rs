@@ -197,6 +197,8 @@ struct Grouper<'r> {
     /// Whether a value reduces across rows ([`grid_reduced_results`]).
     grid_reduced: Vec<bool>,
     class: Vec<Option<Class>>,
+    /// Whether a node is a `broadcast` to more elements than it reads (rule 9).
+    expands: Vec<bool>,
     groups: Vec<Option<Group>>,
     group_of: Vec<Option<usize>>,
 }
@@ -213,6 +215,7 @@ impl<'r> Grouper<'r> {
             escapes: vec![false; nv],
             grid_reduced: vec![false; nv],
             class: vec![None; nn],
+            expands: vec![false; nn],
             groups: Vec::new(),
             group_of: vec![None; nn],
         };
@@ -237,6 +240,9 @@ impl<'r> Grouper<'r> {
                 }
             }
             g.class[n.index()] = Some(classify(&node.op, &ins, &outs, dims).map_err(|e| format!("@{}, node {n} (`{}`): {e}", region.name, node.op.name()))?);
+            if let (Op::Broadcast { .. }, [i], [o]) = (&node.op, ins.as_slice(), outs.as_slice()) {
+                g.expands[n.index()] = numel(o, dims)? > numel(i, dims)?;
+            }
         }
         for v in region.outputs.iter().map(|o| o.value).chain(region.updates.iter().map(|u| u.value)) {
             *g.escapes.get_mut(v.index()).ok_or_else(|| bad_value(v))? = true;
@@ -397,6 +403,7 @@ impl<'r> Grouper<'r> {
     /// Greedy merging in program order (module documentation, rules 1-5).
     fn fuse_pointwise(&mut self) {
         let region = self.region;
+        let mut deferred: Vec<NodeId> = Vec::new();
         for &n in &region.order {
             let Some(Class::Fusible(space)) = self.node_class(n) else { continue };
             if self.group_of[n.index()].is_some() {
@@ -407,6 +414,21 @@ impl<'r> Grouper<'r> {
                 continue;
             }
             let node = &region.nodes[n.index()];
+            // Rule 9: an expanding `broadcast` waits for its consumers, so a small tensor (a row
+            // scale) is expanded inside the kernel that reads it rather than written out wide.
+            if self.expands[n.index()] {
+                deferred.push(n);
+                continue;
+            }
+            // Broadcasts waiting for this consumer (rule 9) come first, so that joining their
+            // producers' groups below stays convex.
+            for &v in &node.inputs {
+                let Some(p) = self.producer[v.index()].filter(|p| self.expands[p.index()]) else { continue };
+                let Some(g) = self.group_of[p.index()].filter(|&g| g != cur && self.group(g).members.len() == 1) else { continue };
+                if let Some(s) = self.can_merge(cur, g) {
+                    self.merge(cur, g, s);
+                }
+            }
             // Producer -> consumer: join the groups that made the operands.
             let mut joined = false;
             let mut tried: Vec<usize> = Vec::new();
@@ -444,6 +466,17 @@ impl<'r> Grouper<'r> {
                     self.merge(g, cur, s);
                     break;
                 }
+            }
+        }
+        // A broadcast no consumer took joins its producer as rule 1 would have had it.
+        for n in deferred {
+            let Some(cur) = self.group_of[n.index()] else { continue };
+            if self.group(cur).members.len() != 1 {
+                continue;
+            }
+            let Some(g) = region.nodes[n.index()].inputs.first().and_then(|v| self.producer[v.index()]).and_then(|p| self.group_of[p.index()]) else { continue };
+            if let Some(s) = self.can_merge(g, cur) {
+                self.merge(g, cur, s);
             }
         }
     }

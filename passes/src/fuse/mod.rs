@@ -54,6 +54,12 @@
 //! 8. Collectives and `take_shard`/`place_shard` are never inside a kernel: they split groups
 //!    like any node left in place, and rule 4 sees the paths through them (a producer of an
 //!    `all_gather` operand never merges with a consumer of its result).
+//! 9. **Broadcasts go with their consumers.** An expanding `broadcast` (a row scale widened
+//!    to the rows' shape) joins no producer when visited; the consumer that reads it pulls it
+//!    in (rule 1), so the small tensor crosses kernels and is widened where it is used. Only a
+//!    broadcast that no consumer took joins its producer's group afterwards (as rule 1 would
+//!    have had it). Without this, the float8 GEMMs' row scales were written out as full f32
+//!    tensors by the kernel that computed them.
 //!
 //! Kernels are scheduled in a topological order, earliest first op first. The interpreter runs
 //! a kernel's body op by op, so the fused graph computes bit-identical results.

@@ -155,10 +155,12 @@ pub(super) fn gemm_operands(
                     ptrs[j] = p;
                 }
                 check_gemm_extent(k, g, bound)?;
-                // A scaled GEMM's dequantization scales (inputs 2 and 3).
+                // A scaled GEMM's dequantization scales (inputs 2 and 3, or 2 twice).
                 let mut scales = [0u64; 2];
-                for (j, r) in inputs.iter().skip(2).take(2).enumerate() {
-                    scales[j] = arenas.view(r, frame)?.0;
+                for (j, r) in [inputs.get(2), inputs.get(3).or(inputs.get(2))].into_iter().enumerate() {
+                    if let Some(r) = r {
+                        scales[j] = arenas.view(r, frame)?.0;
+                    }
                 }
                 first[pos].get_or_insert((ptrs, scales));
             }

@@ -220,8 +220,9 @@ impl LoadedCode {
                 let (Some(&a), Some(&b), Some(&c)) = (ins.first(), ins.get(1).or(ins.first()), outs.first()) else {
                     return Err(CudaError::Call { what: format!("GEMM `{name}` ({})", at()), message: "needs two inputs and one output".into() });
                 };
-                // A scaled GEMM's dequantization scales are its inputs 2 and 3.
-                let scales = [ins.get(2).copied().unwrap_or(0), ins.get(3).copied().unwrap_or(0)];
+                // A scaled GEMM's dequantization scales are its inputs 2 and 3, or 2 for both when
+                // the body reads one scale twice.
+                let scales = [ins.get(2).copied().unwrap_or(0), ins.get(3).or(ins.get(2)).copied().unwrap_or(0)];
                 self.plans[*plan]
                     .run(&self.blas, [a, b, c], scales, self.blas_workspace.ptr, gpu.stream)
                     .map_err(|e| CudaError::Call { what: format!("GEMM `{name}` ({})", at()), message: format!("cublasLtMatmul failed with {:?}", e.0) })
