@@ -166,6 +166,8 @@ fn fp8_cases(g: &mut Graph) -> Vec<(&'static str, BlockId, (f64, f64))> {
         ("fp8_quantize_rows", quantize_body(g, "fp8_q_rows", &[8, 64, 64], true, DType::F8E4M3, false), (-30.0, 30.0)),
         ("fp8_quantize_cols_transposed", quantize_body(g, "fp8_q_cols_t", &[64, 192], false, DType::F8E4M3, true), (-30.0, 30.0)),
         ("fp8_quantize_rows_e5m2_transposed", quantize_body(g, "fp8_q_e5m2_t", &[96, 40], true, DType::F8E5M2, true), (-3000.0, 3000.0)),
+        // Both sides multiples of 64: the transposed values go through shared-memory tiles.
+        ("fp8_quantize_rows_e5m2_transposed_tiled", quantize_body(g, "fp8_q_e5m2_tt", &[128, 192], true, DType::F8E5M2, true), (-3000.0, 3000.0)),
         ("fp8_amax_cols", amax(g, "fp8_amax_cols", &[512, 64], vec![0]), (-4.0, 4.0)),
         ("fp8_amax_tensor", amax(g, "fp8_amax_tensor", &[8, 64, 64], vec![0, 1, 2]), (-4.0, 4.0)),
     ]
@@ -1204,6 +1206,10 @@ fn perf_manifest(dir: &std::path::Path) -> String {
             v as i64,
         ),
         ("perf_grad_norm_clip", grad_norm_body(&mut g, [&[ffn, d], &[d], &[d, d]]), KernelKind::Fused, 1),
+        // float8's K-major operand of grad_weight (x per column, stored transposed): tiled through
+        // shared memory, and at a width that is not a multiple of 64 (one scattered byte per store).
+        ("perf_fp8_quantize_cols_transposed", quantize_body(&mut g, "p_q_cols_t", &[8192, d], false, DType::F8E4M3, true), KernelKind::Fused, 1),
+        ("perf_fp8_quantize_cols_transposed_untiled", quantize_body(&mut g, "p_q_cols_tu", &[8192, d + 4], false, DType::F8E4M3, true), KernelKind::Fused, 1),
         ("perf_attention_fwd_causal", attention_body(&mut g, [1, 8192, 32, 8, 128], true), KernelKind::Attention, 1),
         ("perf_attention_bwd_causal", attention_bwd_body(&mut g, [1, 8192, 32, 8, 128], true), KernelKind::AttentionBwd, 1),
     ];

@@ -6,8 +6,8 @@ use titan_ir::Op;
 use super::analyze::{AccSrc, Analysis, RedOp};
 use super::cross_block::{Geometry, Partials, finish_accs, workspace_bytes};
 use super::reduce::{Params, identities, lanes_dividing, params, red_smem, scalars_at_top, store_output, update};
-use crate::emit::{Elem, Func, ICmp, Val};
-use crate::values::{Body, Eval, Lay};
+use crate::emit::{Elem, Func, ICmp, Ty, Val};
+use crate::values::{Body, Eval, Lay, narrow, storage};
 use crate::{GenResult, Generated, invalid, unsupported};
 
 /// Threads of a flat kernel.
@@ -76,6 +76,9 @@ pub(super) fn gen_flat(b: &Body, a: &Analysis, entry: &str) -> GenResult<Generat
         return invalid("column sums in a flat kernel");
     }
     let doms = flat_domains(b, a);
+    if let Some(t) = tiled_transpose(b, &doms) {
+        return gen_tiled(b, a, entry, &doms[0], &t);
+    }
     // Work in chunks of one vector per thread; a table of chunk offsets maps a chunk to its domain.
     let single = doms.len() == 1;
     let max_nvec = doms.iter().map(|d| d.nvec).max().unwrap_or(1);
@@ -148,6 +151,179 @@ pub(super) fn gen_flat(b: &Body, a: &Analysis, entry: &str) -> GenResult<Generat
             })
         })?
     };
+    if !a.accs.is_empty() {
+        let smem = f.shared_array("titan_red", Elem::F32, red_smem(1));
+        let geo = Geometry { threads: threads as u32, grid, d: 1, lanes: 1, col_of: vec![], smem, tid, bid };
+        let parts = Partials { scalar: parts.into_iter().map(|x| vec![x]).collect(), col: vec![] };
+        finish_accs(&mut f, &mut ev, a, &p, parts, &geo)?;
+    }
+    Ok(Generated::new(f.finish(entry, threads as u32, grid as u32), threads as u32, grid as u32, ws_bytes))
+}
+
+/// Side of the square tiles a transposing kernel moves through shared memory.
+const TILE: u64 = 64;
+/// Row pitch of a tile in shared memory, in elements: 4 more than the tile so that a column
+/// read of one-byte elements falls in distinct banks.
+const TILE_PITCH: u64 = TILE + 4;
+/// Consecutive output elements each thread stores in the second phase of a tile.
+const TILE_RUN: u64 = 4;
+
+/// A flat kernel whose transposed outputs go through shared memory: the 2-D domain `[rows,
+/// cols]` and, per output, `Some(x)` when it stores `transpose(x)`.
+struct Tiled {
+    rows: u64,
+    cols: u64,
+    transposed: Vec<Option<titan_ir::Value>>,
+}
+
+/// The tiling of a one-domain flat kernel that stores a 2-D `transpose` (float8's column-scaled
+/// operands, stored K-major for the TN GEMMs), when both sides are multiples of [`TILE`];
+/// `None` keeps the element-at-a-time scattered stores.
+fn tiled_transpose(b: &Body, doms: &[Domain]) -> Option<Tiled> {
+    let [dom] = doms else { return None };
+    let mut shape = None;
+    let mut transposed = Vec::with_capacity(b.r.outputs.len());
+    for o in &b.r.outputs {
+        match b.def(o.value) {
+            Some((node, _)) if matches!(&node.op, Op::Transpose { perm } if perm.as_slice() == [1, 0]) => {
+                let x = node.inputs[0];
+                let s = b.shape[x.index()].clone();
+                if s.len() != 2 || b.numel(x) != dom.n || shape.is_some_and(|t: (u64, u64)| t != (s[0], s[1])) {
+                    return None;
+                }
+                shape = Some((s[0], s[1]));
+                transposed.push(Some(x));
+            }
+            Some((node, _)) if matches!(node.op, Op::Transpose { .. }) => return None,
+            _ => transposed.push(None),
+        }
+    }
+    let (rows, cols) = shape?;
+    (rows.is_multiple_of(TILE) && cols.is_multiple_of(TILE) && rows / TILE * (cols / TILE) <= i32::MAX as u64).then_some(Tiled { rows, cols, transposed })
+}
+
+/// A flat kernel over `TILE x TILE` tiles of a 2-D domain. Each tile is computed in the
+/// domain's order (vector loads along the rows, the untransposed outputs stored as in
+/// [`gen_flat`], reductions folded); the transposed outputs' values go to shared memory, and
+/// after a barrier each thread stores [`TILE_RUN`] consecutive elements of a transposed row,
+/// so the global stores are coalesced instead of one scattered element per store.
+fn gen_tiled(b: &Body, a: &Analysis, entry: &str, dom: &Domain, t: &Tiled) -> GenResult<Generated> {
+    let threads = FLAT_BLOCK;
+    let lanes = dom.lanes.min(8);
+    let (tiles_r, tiles_c) = (t.rows / TILE, t.cols / TILE);
+    let tiles = tiles_r * tiles_c;
+    let grid = tiles.clamp(1, FLAT_GRID_CAP);
+    let ws_bytes = workspace_bytes(a, grid, 1);
+    let nparams = b.r.args.len() + b.r.outputs.len() + usize::from(ws_bytes > 0);
+    let mut f = Func::new(nparams);
+    let (args, p) = params(&f, b, ws_bytes > 0);
+    let mut ev = Eval::new(b, a.lay.clone(), args);
+    let tid = f.thread_id();
+    let bid = f.block_id();
+    let zero32 = f.i32c(0);
+    let t0 = f.cmpi(ICmp::Eq, tid, zero32);
+    let b0 = f.cmpi(ICmp::Eq, bid, zero32);
+    let first = f.andi(t0, b0);
+    scalars_at_top(&mut f, &mut ev, b, &p, first)?;
+    let mut smem = Vec::with_capacity(t.transposed.len());
+    for (oi, x) in t.transposed.iter().enumerate() {
+        smem.push(match x {
+            Some(x) => Some((f.shared_array(&format!("titan_tile{oi}"), storage(b.dtype(*x))?, TILE * TILE_PITCH), storage(b.dtype(*x))?)),
+            None => None,
+        });
+    }
+    let ops: Vec<RedOp> = a.accs.iter().map(|x| x.op).collect();
+    let init: Vec<Val> = identities(&mut f, &ops).into_iter().flatten().collect();
+    let tid64 = f.extui(tid, Elem::I64);
+    let bid64 = f.extui(bid, Elem::I64);
+    let end = f.i64c(tiles as i64);
+    let step = f.i64c(grid as i64);
+    let parts = f.try_for_loop(bid64, end, step, &init, |f, tile, st| {
+        let tc = f.i64c(tiles_c as i64);
+        let tr = f.divui(tile, tc);
+        let tcol = f.remui(tile, tc);
+        let tile_c = f.i64c(TILE as i64);
+        let r0 = f.muli(tr, tile_c);
+        let c0 = f.muli(tcol, tile_c);
+        let cols = f.i64c(t.cols as i64);
+        let pitch = f.i64c(TILE_PITCH as i64);
+        let mut st = st.to_vec();
+        // Phase 1: the tile in the domain's order, `lanes` elements of a row per work item.
+        let items = TILE * TILE / u64::from(lanes);
+        for k in 0..items.div_ceil(threads) {
+            let kk = f.i64c((k * threads) as i64);
+            let item = f.addi(kk, tid64);
+            let l = f.i64c(i64::from(lanes));
+            let e = f.muli(item, l);
+            let rl = f.divui(e, tile_c);
+            let cl = f.remui(e, tile_c);
+            let r = f.addi(r0, rl);
+            let c = f.addi(c0, cl);
+            let row = f.muli(r, cols);
+            let lin = f.addi(row, c);
+            let pos = ev.pos(lanes, lin, None);
+            for (oi, o) in b.r.outputs.iter().enumerate() {
+                match (&t.transposed[oi], &smem[oi]) {
+                    (Some(x), Some((sm, el))) => {
+                        let xv = ev.lanes(f, *x, &pos)?;
+                        let y = narrow(f, xv, *el);
+                        let at = f.muli(rl, pitch);
+                        let at = f.addi(at, cl);
+                        for ln in 0..lanes {
+                            let off = f.i64c(i64::from(ln));
+                            let idx = f.addi(at, off);
+                            let v = f.extract(y, ln);
+                            f.store_at(v, *sm, idx, el.bytes());
+                        }
+                    }
+                    _ if a.lay[o.value.index()] == Lay::Elem && b.numel(o.value) == dom.n => store_output(f, &mut ev, &p, oi, o.value, &pos, None)?,
+                    _ => {}
+                }
+            }
+            for (k, acc) in a.accs.iter().filter(|x| !x.col).enumerate() {
+                let AccSrc::Elem(v) = acc.src else {
+                    return invalid("per-row accumulation in a flat kernel");
+                };
+                if b.numel(v) == dom.n {
+                    let x = ev.lanes(f, v, &pos)?;
+                    st[k] = update(f, acc.op, &[st[k]], x, None)[0];
+                }
+            }
+            ev.forget_items();
+        }
+        f.barrier();
+        // Phase 2: each thread stores `TILE_RUN` consecutive elements of one transposed row.
+        let rows = f.i64c(t.rows as i64);
+        let runs_per_col = f.i64c((TILE / TILE_RUN) as i64);
+        let run = f.i64c(TILE_RUN as i64);
+        for (oi, sm) in smem.iter().enumerate() {
+            let Some((sm, el)) = sm else { continue };
+            for k in 0..(TILE * TILE / TILE_RUN).div_ceil(threads) {
+                let kk = f.i64c((k * threads) as i64);
+                let q = f.addi(kk, tid64);
+                let cl = f.divui(q, runs_per_col);
+                let rq = f.remui(q, runs_per_col);
+                let rl = f.muli(rq, run);
+                let mut vals = Vec::with_capacity(TILE_RUN as usize);
+                for i in 0..TILE_RUN {
+                    let off = f.i64c(i as i64);
+                    let r = f.addi(rl, off);
+                    let at = f.muli(r, pitch);
+                    let at = f.addi(at, cl);
+                    vals.push(f.load_at(*sm, at, Ty::S(*el), el.bytes()));
+                }
+                let v = f.vector_of(&vals);
+                let c = f.addi(c0, cl);
+                let dst = f.muli(c, rows);
+                let dst = f.addi(dst, r0);
+                let dst = f.addi(dst, rl);
+                f.store_at(v, p.outs[oi], dst, el.bytes() * TILE_RUN as u32);
+            }
+        }
+        // The next tile overwrites shared memory only after every thread has read this one.
+        f.barrier();
+        Ok(st)
+    })?;
     if !a.accs.is_empty() {
         let smem = f.shared_array("titan_red", Elem::F32, red_smem(1));
         let geo = Geometry { threads: threads as u32, grid, d: 1, lanes: 1, col_of: vec![], smem, tid, bid };

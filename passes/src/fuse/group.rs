@@ -474,7 +474,9 @@ impl<'r> Grouper<'r> {
             if self.group(cur).members.len() != 1 {
                 continue;
             }
-            let Some(g) = region.nodes[n.index()].inputs.first().and_then(|v| self.producer[v.index()]).and_then(|p| self.group_of[p.index()]) else { continue };
+            let Some(g) = region.nodes[n.index()].inputs.first().and_then(|v| self.producer[v.index()]).and_then(|p| self.group_of[p.index()]) else {
+                continue;
+            };
             if let Some(s) = self.can_merge(g, cur) {
                 self.merge(g, cur, s);
             }
