@@ -6,7 +6,9 @@
 //!
 //! Two shapes of kernel:
 //! * flat: a grid-stride loop over vectors of the whole domain (16-byte accesses when the sizes
-//!   allow), for groups without row ops;
+//!   allow), for groups without row ops; one that stores a 2-D `transpose` (float8's K-major
+//!   GEMM operands) loops over 64x64 tiles instead, the transposed values passing through
+//!   shared memory so that both the loads and the stores are coalesced;
 //! * rows: one CTA per row (a grid-stride loop over rows when cross-block sums need a bounded
 //!   grid). The row is read in passes, one per level of dependent reductions; rows of up to
 //!   4096 vectors are held in registers across passes (the work items are unrolled), longer rows
