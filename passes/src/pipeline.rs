@@ -125,16 +125,16 @@ static PASSES: [PassInfo; 17] = [
     PassInfo::new("reduce-loss", "all-reduce the `loss` output over the mesh (the eval step's global mean)", run_reduce_loss),
     PassInfo::new("adamw", "consume the gradient map's outputs: global-norm clipping, lr schedule and AdamW updates", run_adamw),
     PassInfo::new("cse", "merge identical nodes", run_cse),
+    PassInfo::new(
+        "float8-fsdp-gather",
+        "fp8 FSDP all-gathers (`--enable-fsdp-float8-all-gather`, tensorwise): quantize each weight shard with the dp_shard-wide amax, gather one byte per element",
+        run_float8_fsdp_gather,
+    ),
     PassInfo::new("dce", "drop nodes that reach no output or update, and renumber", run_dce).renumbering(),
     PassInfo::new(
         "async-tp",
         "async TP (`--async-tp`): split tp all-gather->GEMM and GEMM->reduce-scatter pairs into ring micro-steps; the report says why a pair stays synchronous",
         run_async_tp,
-    ),
-    PassInfo::new(
-        "float8-fsdp-gather",
-        "fp8 FSDP all-gathers (`--enable-fsdp-float8-all-gather`, tensorwise): quantize each weight shard with the dp_shard-wide amax, gather one byte per element",
-        run_float8_fsdp_gather,
     ),
     PassInfo::new("prefetch-gathers", "issue each block's parameter all-gathers at its top (FSDP prefetch)", run_prefetch_gathers),
     PassInfo::new("prefetch-next-layer", "gather the next layer's parameter shards during each layer (FSDP cross-layer prefetch)", run_prefetch_next_layer),
@@ -621,7 +621,7 @@ mod tests {
         let err = run_pipeline(&mut model(), &passes, &TrainOptions::default(), &opts(false, DumpAfter::Pass("fusion".into()))).expect_err("unknown");
         assert_eq!(
             err.to_string(),
-            "unknown pass `fusion`; valid passes: shard-tp, shard-dp, master-weights, float8, autodiff, activation-checkpoint, sync-grads, reduce-loss, adamw, cse, dce, async-tp, float8-fsdp-gather, prefetch-gathers, prefetch-next-layer, check-collectives, fuse"
+            "unknown pass `fusion`; valid passes: shard-tp, shard-dp, master-weights, float8, autodiff, activation-checkpoint, sync-grads, reduce-loss, adamw, cse, float8-fsdp-gather, dce, async-tp, prefetch-gathers, prefetch-next-layer, check-collectives, fuse"
         );
         let err = run_pipeline(&mut model(), &passes, &TrainOptions::default(), &opts(false, DumpAfter::Pass("fuse".into()))).expect_err("not run");
         assert!(
