@@ -204,6 +204,15 @@ pub struct TrainFlags {
     /// `output`) in bf16; `auto` also keeps those the cost model finds faster in bf16
     #[arg(long, value_name = "NAME,...", requires = "float8")]
     pub float8_filter: Option<String>,
+    /// With --float8 tensorwise and --dp-shard > 1: all-gather FSDP weight shards in fp8 (each
+    /// shard quantized with the dp_shard-wide amax; half the bytes of a bf16 gather), as torchao's
+    /// `enable_fsdp_float8_all_gather`
+    #[arg(long, requires = "float8")]
+    pub enable_fsdp_float8_all_gather: bool,
+    /// With --enable-fsdp-float8-all-gather: one amax all-reduce for all weights of a block
+    /// instead of one per weight (torchao's `precompute_float8_dynamic_scale_for_fsdp`)
+    #[arg(long, requires = "enable_fsdp_float8_all_gather")]
+    pub precompute_float8_dynamic_scale_for_fsdp: bool,
 }
 
 impl TrainFlags {
@@ -232,6 +241,8 @@ impl TrainFlags {
             max_norm: self.max_norm.or(j.max_norm),
             float8: self.float8.clone(),
             float8_filter: self.float8_filter.clone(),
+            enable_fsdp_float8_all_gather: self.enable_fsdp_float8_all_gather,
+            precompute_float8_dynamic_scale_for_fsdp: self.precompute_float8_dynamic_scale_for_fsdp,
         };
         let mut o = merged.checked()?;
         if o.float8.is_none() {
@@ -641,9 +652,15 @@ impl TrainFlags {
         if let Some(r) = &self.float8 {
             let recipe = titan_ir::Float8Recipe::from_name(r).map_err(|e| CliError::Usage(format!("--float8: {e}")))?;
             let opts = titan_passes::float8::Float8Options::new(recipe);
-            o.float8 = Some(match &self.float8_filter {
+            let opts = match &self.float8_filter {
                 Some(list) => opts.with_filter_list(list),
                 None => opts,
+            };
+            o.float8 = Some(if self.enable_fsdp_float8_all_gather {
+                opts.with_fsdp_all_gather(self.precompute_float8_dynamic_scale_for_fsdp)
+                    .map_err(|e| CliError::Usage(format!("--enable-fsdp-float8-all-gather: {e}")))?
+            } else {
+                opts
             });
         }
         if let Some(m) = self.max_norm {

@@ -137,6 +137,33 @@ impl JobConfig {
     fn read(mut jf: JobFile) -> Result<JobConfig, JobConfigError> {
         let run = RunSettings::read(&mut jf);
         let cfg = JobConfig::read_build(&jf, run);
+        // TorchTitan ignores a precomputed fp8 scale without fp8 all-gathers (its
+        // `precompute_scale` needs them): say so.
+        for section in ["float8", "quantize.linear.float8"] {
+            let Some(f8) = cfg.float8.as_ref() else {
+                if jf.section(section).bool("enable_fsdp_float8_all_gather") == Some(true) {
+                    jf.note(titan_ir::job_config::NotHonored {
+                        key: format!("{section}.enable_fsdp_float8_all_gather"),
+                        tool: titan_ir::job_config::Tool::Build,
+                        why: "no float8 converter in `model.converters`: the model trains in bf16 and gathers bf16 weights, as in TorchTitan".into(),
+                    });
+                }
+                continue;
+            };
+            if jf.section(section).bool("precompute_float8_dynamic_scale_for_fsdp") != Some(true) {
+                continue;
+            }
+            let why = if f8.fsdp_all_gather {
+                "titanc build all-reduces the fp8 gathers' amaxes one weight at a time (the same scales; batching them needs `concat` in kernel graphs, not supported yet)"
+            } else {
+                "it batches the amax all-reduces of fp8 all-gathers, which `enable_fsdp_float8_all_gather = false` leaves off"
+            };
+            jf.note(titan_ir::job_config::NotHonored {
+                key: format!("{section}.precompute_float8_dynamic_scale_for_fsdp"),
+                tool: titan_ir::job_config::Tool::Build,
+                why: why.into(),
+            });
+        }
         jf.finish()?;
         Ok(JobConfig { not_honored: jf.not_honored(None), ..cfg })
     }
@@ -248,21 +275,32 @@ impl JobConfig {
         } else {
             jf.section("float8")
         };
-        for k in ["enable_fsdp_float8_all_gather", "precompute_float8_dynamic_scale_for_fsdp"] {
-            if f8.bool(k) == Some(true) {
-                f8.error(f8.unsupported(
-                    format!("fp8 FSDP weight gathers (`{}.{k} = true`)", f8.name),
-                    "set it to false (weights are gathered in bf16 and quantized after the gather)",
-                ));
-            }
-        }
+        let fsdp_f8_gather = f8.bool("enable_fsdp_float8_all_gather") == Some(true);
+        let precompute_scale = f8.bool("precompute_float8_dynamic_scale_for_fsdp") == Some(true);
         let recipe = f8
             .string("recipe_name")
             .and_then(|r| titan_ir::Float8Recipe::from_name(&r).map_err(|e| f8.error(f8.invalid(format!("`{}.recipe_name`: {e}", f8.name)))).ok());
         let filter = f8.strings("filter_fqns").unwrap_or_default();
         let float8 = match (float8_converter, recipe) {
             // TorchTitan's default recipe is tensorwise scaling.
-            (Some(_), r) => Some(titan_passes::float8::Float8Options { recipe: r.unwrap_or(titan_ir::Float8Recipe::Tensorwise), filter, auto: false }),
+            (Some(_), r) => {
+                let opts =
+                    titan_passes::float8::Float8Options { filter, ..titan_passes::float8::Float8Options::new(r.unwrap_or(titan_ir::Float8Recipe::Tensorwise)) };
+                // fp8 FSDP all-gathers (tensorwise only, as TorchTitan, which asserts that no
+                // `recipe_name` is set with them); the precomputed scale batches their amaxes
+                // and, as in TorchTitan, means nothing without them.
+                if fsdp_f8_gather {
+                    match opts.clone().with_fsdp_all_gather(precompute_scale) {
+                        Ok(o) => Some(o),
+                        Err(e) => {
+                            f8.error(f8.invalid(format!("`{}.enable_fsdp_float8_all_gather = true`: {e}", f8.name)));
+                            None
+                        }
+                    }
+                } else {
+                    Some(opts)
+                }
+            }
             (None, Some(r)) => {
                 model.error(model.invalid(format!(
                     "`{}.recipe_name = \"{}\"` without a float8 converter: TorchTitan would train in bf16; add `converters = [\"float8\"]` to `[model]` or remove the recipe",
@@ -649,7 +687,6 @@ expert_parallel_degree = 1
     #[test]
     fn unbuilt_features_are_rejected_not_ignored() {
         let cases = [
-            ("[float8]\nenable_fsdp_float8_all_gather = true\n", "`float8.enable_fsdp_float8_all_gather = true`) is not supported yet; set it to false"),
             ("[model]\nconverters = [\"mx\"]\n", "the model converter `model.converters = [\"mx\"]` is not supported yet"),
             ("[experimental]\nenable_async_tensor_parallel = true\n", "async tensor parallelism"),
             (
@@ -685,6 +722,30 @@ expert_parallel_degree = 1
         let j = ok("[model]\nconverters = [\"quantize.linear.float8\"]\n[quantize.linear.float8]\nrecipe_name = \"rowwise_with_gw_hp\"\n");
         assert_eq!(j.float8.as_ref().map(|f| f.recipe), Some(Float8Recipe::RowwiseWithGwHp));
         assert_eq!(j.train_settings(None).unwrap().float8.map(|f| f.recipe), Some(Float8Recipe::RowwiseWithGwHp));
+        // fp8 FSDP all-gathers (tensorwise, TorchTitan's default recipe), with the batched amax.
+        let f8 = |text: &str| ok(&format!("[model]\nconverters = [\"float8\"]\n[float8]\n{text}"));
+        let j = f8("enable_fsdp_float8_all_gather = true\nprecompute_float8_dynamic_scale_for_fsdp = true\n");
+        let o = j.float8.clone().expect("float8 on");
+        assert!(o.fsdp_all_gather && o.precompute_scale, "{o:?}");
+        assert!(
+            j.notes().iter().any(|n| n.contains("`float8.precompute_float8_dynamic_scale_for_fsdp` not honored: titanc build all-reduces")),
+            "{:?}",
+            j.notes()
+        );
+        let j = f8("enable_fsdp_float8_all_gather = true\n");
+        assert_eq!(j.float8.as_ref().map(|o| (o.fsdp_all_gather, o.precompute_scale)), Some((true, false)));
+        // The precomputed scale without fp8 gathers does nothing, in TorchTitan too: a note.
+        let j = f8("precompute_float8_dynamic_scale_for_fsdp = true\n");
+        assert_eq!(j.float8.as_ref().map(|o| o.fsdp_all_gather), Some(false));
+        assert!(j.notes().iter().any(|n| n.contains("which `enable_fsdp_float8_all_gather = false` leaves off")), "{:?}", j.notes());
+        // Without a converter the key gathers nothing (bf16 training): a note.
+        let j = ok("[float8]\nenable_fsdp_float8_all_gather = true\n");
+        assert!(j.notes().iter().any(|n| n.contains("`float8.enable_fsdp_float8_all_gather` not honored: no float8 converter")), "{:?}", j.notes());
+        // TorchTitan asserts no `recipe_name` is set with fp8 gathers; torchao gathers fp8 only with tensorwise scaling.
+        assert_contains(
+            &err("[model]\nconverters = [\"float8\"]\n[float8]\nrecipe_name = \"rowwise\"\nenable_fsdp_float8_all_gather = true\n"),
+            "fp8 FSDP all-gathers need the tensorwise recipe, not `rowwise`",
+        );
         // A recipe without the converter would silently train in bf16: refused.
         assert_contains(&err("[float8]\nrecipe_name = \"rowwise\"\n"), "without a float8 converter");
         assert_contains(&err("[model]\nconverters = [\"float8\"]\n[float8]\nrecipe_name = \"rows\"\n"), "unknown float8 recipe `rows`");

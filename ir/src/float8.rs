@@ -26,7 +26,7 @@
 //! stores the fp8 values in the transposed layout; no separate transpose kernel runs.
 
 use crate::dtype::DType;
-use crate::graph::{Builder, Value};
+use crate::graph::{Builder, NodeId, Region, Value, ValueDef};
 use crate::op::{BinaryOp, Float8Recipe, Op, ReduceKind, UnaryOp};
 use crate::shape::TensorType;
 
@@ -114,6 +114,79 @@ pub fn quantize(b: &mut Builder, x: Value, how: OperandScaling, pow2: bool) -> R
     let q = b.push_typed(Op::Cast, &[clamped], TensorType::new(how.dtype, ty.shape.clone()))?;
     let inv_scale = b.push1(Op::Unary(UnaryOp::Recip), &[scale])?;
     Ok(Quantized { q, inv_scale })
+}
+
+/// A tensor-scaled quantization as [`quantize`] emits it, found by [`match_tensor_quantize`]:
+/// `amax = reduce_max(abs(x))` over every axis, `scale = fp8_scale(amax)`,
+/// `q = cast<dtype>(min(max(f32(x) · scale, lo), hi))`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TensorQuantize {
+    /// The high-precision operand.
+    pub x: Value,
+    /// The `reduce_max` node and its result.
+    pub amax_node: NodeId,
+    pub amax: Value,
+    /// The `fp8_scale` result.
+    pub scale: Value,
+    /// The clamp bounds (`constant`s).
+    pub lo: Value,
+    pub hi: Value,
+    /// The final `cast` node, its fp8 result and dtype.
+    pub cast_node: NodeId,
+    pub q: Value,
+    pub dtype: DType,
+}
+
+/// Whether `cast_node` ends a tensor-scaled quantization of the exact shape [`quantize`] emits
+/// (what `float8-fsdp-gather` rewrites; keeping the matcher next to the emitter keeps them in
+/// step, and a test checks that every tensor-scaled `quantize` is matched).
+pub fn match_tensor_quantize(r: &Region, cast_node: NodeId) -> Option<TensorQuantize> {
+    let def = |v: Value| match r.value(v).def {
+        ValueDef::Result { node, index: 0 } => Some((node, r.node(node))),
+        _ => None,
+    };
+    let q_node = r.node(cast_node);
+    if !matches!(q_node.op, Op::Cast) || q_node.inputs.len() != 1 || q_node.results.len() != 1 {
+        return None;
+    }
+    let q = q_node.results[0];
+    let dtype = r.ty(q).dtype;
+    crate::fp8::fp8_max(dtype)?;
+    let (_, min) = def(q_node.inputs[0])?;
+    let (_, max) = def(min.inputs.first().copied()?)?;
+    if min.op != Op::Binary(BinaryOp::Min) || max.op != Op::Binary(BinaryOp::Max) {
+        return None;
+    }
+    let (hi, lo) = (min.inputs[1], max.inputs[1]);
+    let is_const = |v: Value| def(v).is_some_and(|(_, n)| matches!(n.op, Op::Constant { .. }));
+    if !is_const(hi) || !is_const(lo) {
+        return None;
+    }
+    let (_, mul) = def(max.inputs[0])?;
+    if mul.op != Op::Binary(BinaryOp::Mul) {
+        return None;
+    }
+    let (xf, scale) = (mul.inputs[0], mul.inputs[1]);
+    let (_, sc) = def(scale)?;
+    if !matches!(sc.op, Op::Fp8Scale { dtype: d, .. } if d == dtype) {
+        return None;
+    }
+    let amax = sc.inputs[0];
+    let (amax_node, red) = def(amax)?;
+    let (_, abs) = def(red.inputs[0])?;
+    if abs.op != Op::Unary(UnaryOp::Abs) {
+        return None;
+    }
+    let x = abs.inputs[0];
+    let rank = r.ty(x).rank();
+    if red.op != (Op::Reduce { kind: ReduceKind::Max, axes: (0..rank).collect() }) {
+        return None;
+    }
+    let f32_of_x = xf == x && r.ty(x).dtype == DType::F32 || def(xf).is_some_and(|(_, n)| n.op == Op::Cast && n.inputs[0] == x);
+    if !f32_of_x {
+        return None;
+    }
+    Some(TensorQuantize { x, amax_node, amax, scale, lo, hi, cast_node, q, dtype })
 }
 
 /// `q`'s fp8 values transposed (2-D): the K-major copy a TN GEMM reads.
@@ -228,6 +301,26 @@ pub fn scale_of(amax: f64, fp8_max: f32, pow2: bool) -> f32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn tensor_quantize_is_matched_and_axis_quantize_is_not() {
+        use crate::shape::Dim;
+        let dims = crate::shape::DimTable::new();
+        let mut r = Region::new("r");
+        let x = r.add_arg(TensorType::new(DType::BF16, vec![Dim::Fixed(32), Dim::Fixed(16)]), crate::graph::ArgKind::Input, Some("x"));
+        let mut b = Builder::new(&mut r, &dims, &[]);
+        let tw = quantize(&mut b, x, e4m3(Scaling::Tensor), false).expect("tensorwise");
+        let rw = quantize(&mut b, x, e4m3(Scaling::Over(1)), true).expect("rowwise");
+        let cast_of = |r: &Region, v: Value| match r.value(v).def {
+            ValueDef::Result { node, .. } => node,
+            ValueDef::Arg(_) => unreachable!("a quantized value is a node result"),
+        };
+        let m = match_tensor_quantize(&r, cast_of(&r, tw.q)).expect("the tensor-scaled quantize matches");
+        assert_eq!((m.x, m.q, m.dtype), (x, tw.q, DType::F8E4M3));
+        let ValueDef::Result { node: recip, .. } = r.value(tw.inv_scale).def else { unreachable!("recip is a node") };
+        assert_eq!(r.node(recip).inputs[0], m.scale);
+        assert_eq!(match_tensor_quantize(&r, cast_of(&r, rw.q)), None, "a per-row quantize is not tensor-scaled");
+    }
 
     #[test]
     fn scales_follow_torchao() {

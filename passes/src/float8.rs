@@ -34,11 +34,17 @@ pub struct Float8Options {
     pub filter: Vec<String>,
     /// Also keep the linears the cost model finds faster in high precision (`--float8-filter auto`).
     pub auto: bool,
+    /// All-gather FSDP weight shards in fp8 (`tensorwise` only; torchao's
+    /// `enable_fsdp_float8_all_gather`): the `float8-fsdp-gather` pass.
+    pub fsdp_all_gather: bool,
+    /// With `fsdp_all_gather`: one amax all-reduce for all weights of a block (torchao's
+    /// `precompute_float8_dynamic_scale_for_fsdp`).
+    pub precompute_scale: bool,
 }
 
 impl Float8Options {
     pub fn new(recipe: Float8Recipe) -> Float8Options {
-        Float8Options { recipe, filter: Vec::new(), auto: false }
+        Float8Options { recipe, filter: Vec::new(), auto: false, fsdp_all_gather: false, precompute_scale: false }
     }
 
     /// Parse a comma-separated `--float8-filter` list; `auto` switches the cost-model filter on.
@@ -53,9 +59,32 @@ impl Float8Options {
         self
     }
 
+    /// Switch fp8 FSDP all-gathers on (`precompute`: with one batched amax all-reduce per block).
+    /// torchao gathers fp8 weights only with tensorwise scaling (TorchTitan asserts the same for
+    /// a `recipe_name`): the rowwise recipes quantize along axes a shard does not hold whole.
+    pub fn with_fsdp_all_gather(mut self, precompute: bool) -> Result<Float8Options, String> {
+        if self.recipe != Float8Recipe::Tensorwise {
+            return Err(format!(
+                "fp8 FSDP all-gathers need the tensorwise recipe, not `{}` (as torchao: the rowwise recipes gather the weight in bf16 and quantize it after the gather)",
+                self.recipe.name()
+            ));
+        }
+        self.fsdp_all_gather = true;
+        self.precompute_scale = precompute;
+        Ok(self)
+    }
+
     /// The options as `key = value` lines (part of the build's content hash).
     pub fn canonical_lines(&self) -> Vec<String> {
-        vec![format!("float8.recipe = {}", self.recipe.name()), format!("float8.filter = {}", self.filter.join(",")), format!("float8.auto = {}", self.auto)]
+        let mut lines = vec![
+            format!("float8.recipe = {}", self.recipe.name()),
+            format!("float8.filter = {}", self.filter.join(",")),
+            format!("float8.auto = {}", self.auto),
+        ];
+        if self.fsdp_all_gather {
+            lines.push(format!("float8.fsdp_all_gather = true, precompute = {}", self.precompute_scale));
+        }
+        lines
     }
 }
 

@@ -12,6 +12,7 @@ pub mod cse;
 pub mod dce;
 pub mod error;
 pub mod float8;
+pub mod float8_fsdp;
 pub mod fuse;
 pub mod master_weights;
 pub mod model_hash;

@@ -105,7 +105,7 @@ impl PassInfo {
     }
 }
 
-static PASSES: [PassInfo; 16] = [
+static PASSES: [PassInfo; 17] = [
     PassInfo::new("shard-tp", "tensor parallelism: column/row-parallel block weights, vocab-parallel embedding and output", run_shard_tp),
     PassInfo::new("shard-dp", "split the batch over data-parallel ranks; FSDP-shard parameters on dp_shard", run_shard_dp),
     PassInfo::new("master-weights", "make every parameter an fp32 master `state` read through a compute-dtype cast", run_master_weights),
@@ -125,6 +125,11 @@ static PASSES: [PassInfo; 16] = [
     PassInfo::new("reduce-loss", "all-reduce the `loss` output over the mesh (the eval step's global mean)", run_reduce_loss),
     PassInfo::new("adamw", "consume the gradient map's outputs: global-norm clipping, lr schedule and AdamW updates", run_adamw),
     PassInfo::new("cse", "merge identical nodes", run_cse),
+    PassInfo::new(
+        "float8-fsdp-gather",
+        "fp8 FSDP all-gathers (`--enable-fsdp-float8-all-gather`, tensorwise): quantize each weight shard with the dp_shard-wide amax, gather one byte per element",
+        run_float8_fsdp_gather,
+    ),
     PassInfo::new("dce", "drop nodes that reach no output or update, and renumber", run_dce).renumbering(),
     PassInfo::new(
         "async-tp",
@@ -142,7 +147,7 @@ pub const TRAIN_PIPELINE: [&str; 7] = ["master-weights", "float8", "autodiff", "
 
 /// The training lowering of a model whose `meta` names a device mesh (`world_size > 1`): the
 /// SPMD partitioning passes around the single-rank lowering, then the collective safety check.
-pub const SPMD_TRAIN_PIPELINE: [&str; 14] = [
+pub const SPMD_TRAIN_PIPELINE: [&str; 15] = [
     "shard-tp",
     "shard-dp",
     "master-weights",
@@ -152,6 +157,7 @@ pub const SPMD_TRAIN_PIPELINE: [&str; 14] = [
     "sync-grads",
     "adamw",
     "cse",
+    "float8-fsdp-gather",
     "dce",
     "async-tp",
     "prefetch-gathers",
@@ -187,7 +193,7 @@ pub const BUILD_PIPELINE: [&str; 8] = then_fuse(TRAIN_PIPELINE);
 
 /// The passes of `titanc build` for a model whose `meta` names a mesh: the SPMD training
 /// lowering, then fusion (collectives stay steps of their own).
-pub const SPMD_BUILD_PIPELINE: [&str; 15] = then_fuse(SPMD_TRAIN_PIPELINE);
+pub const SPMD_BUILD_PIPELINE: [&str; 16] = then_fuse(SPMD_TRAIN_PIPELINE);
 
 /// The build pipeline for `model`: [`SPMD_BUILD_PIPELINE`] when its `meta` names a mesh of more
 /// than one rank, else [`BUILD_PIPELINE`].
@@ -420,6 +426,16 @@ fn run_autodiff(g: &mut Graph, _: &PassContext) -> Result<PassStats, PassDiag> {
     Ok(if expanded > 0 { stats.with("float8_expanded", expanded as u64) } else { stats })
 }
 
+fn run_float8_fsdp_gather(g: &mut Graph, ctx: &PassContext) -> Result<PassStats, PassDiag> {
+    let Some(opts) = ctx.train.float8.as_ref().filter(|o| o.fsdp_all_gather) else { return Ok(PassStats::new()) };
+    let s = crate::float8_fsdp::float8_fsdp_gather(g, opts.precompute_scale)?;
+    let mut notes = s.notes;
+    if s.gathers == 0 {
+        notes.push("no weight is all-gathered over dp_shard and quantized tensorwise: nothing to gather in fp8".to_string());
+    }
+    Ok(PassStats::new().with("fp8_gathers", s.gathers as u64).with("amax_all_reduces", s.all_reduces as u64).with_notes(notes))
+}
+
 fn run_float8(g: &mut Graph, ctx: &PassContext) -> Result<PassStats, PassDiag> {
     let Some(opts) = &ctx.train.float8 else { return Ok(PassStats::new()) };
     let decisions = crate::float8::float8(g, opts)?;
@@ -605,7 +621,7 @@ mod tests {
         let err = run_pipeline(&mut model(), &passes, &TrainOptions::default(), &opts(false, DumpAfter::Pass("fusion".into()))).expect_err("unknown");
         assert_eq!(
             err.to_string(),
-            "unknown pass `fusion`; valid passes: shard-tp, shard-dp, master-weights, float8, autodiff, activation-checkpoint, sync-grads, reduce-loss, adamw, cse, dce, async-tp, prefetch-gathers, prefetch-next-layer, check-collectives, fuse"
+            "unknown pass `fusion`; valid passes: shard-tp, shard-dp, master-weights, float8, autodiff, activation-checkpoint, sync-grads, reduce-loss, adamw, cse, float8-fsdp-gather, dce, async-tp, prefetch-gathers, prefetch-next-layer, check-collectives, fuse"
         );
         let err = run_pipeline(&mut model(), &passes, &TrainOptions::default(), &opts(false, DumpAfter::Pass("fuse".into()))).expect_err("not run");
         assert!(

@@ -688,12 +688,25 @@ pub(crate) fn compile(
     let spmd = opts.mesh.world_size() > 1;
     let meshed = (spmd || opts.ac != AcPolicy::None).then(|| with_layout_meta(model, opts));
     let model = meshed.as_ref().unwrap_or(model);
-    let (fused, pipeline) = compile_train_graph(model, &opts.train, &opts.pipeline)?;
+    // fp8 all-gathers' batched amax all-reduce (`precompute_float8_dynamic_scale_for_fsdp`)
+    // packs the amaxes with `concat` and unpacks them with `slice`, which kernel graphs do not
+    // have yet: an artifact all-reduces them one weight at a time (the same scales).
+    let mut notes = Vec::new();
+    let unbatched;
+    let train = match &opts.train.float8 {
+        Some(f8) if f8.precompute_scale => {
+            notes.push(PRECOMPUTE_NOTE.to_string());
+            unbatched = TrainOptions { float8: Some(titan_passes::float8::Float8Options { precompute_scale: false, ..f8.clone() }), ..opts.train.clone() };
+            &unbatched
+        }
+        _ => &opts.train,
+    };
+    let (fused, pipeline) = compile_train_graph(model, train, &opts.pipeline)?;
     phases.pipeline = t.elapsed();
 
     let fusion = if opts.report {
         let t = Instant::now();
-        let unfused = lower_to_train(model, &opts.train)?;
+        let unfused = lower_to_train(model, train)?;
         let r = fusion_report(&unfused, &fused);
         phases.report = t.elapsed();
         Some(r)
@@ -708,7 +721,6 @@ pub(crate) fn compile(
     // The eval step, bound to the training plan (it may grow the activations arena, so before
     // the mesh report). A float8 build has none yet.
     let t = Instant::now();
-    let mut notes = Vec::new();
     let mut eval = match opts.train.float8 {
         Some(_) => {
             notes.push("no eval step: validation of a float8 build is not supported yet (titan-run --val-data refuses this artifact)".to_string());
@@ -947,6 +959,10 @@ fn attach_cubins(ptxas: Option<&Path>, kernels: &mut [Kernel], ptx: &[(String, S
     }
     cubins
 }
+
+/// What `titanc build` says about `precompute_float8_dynamic_scale_for_fsdp` (see
+/// `compile_artifact`).
+pub const PRECOMPUTE_NOTE: &str = "precompute_float8_dynamic_scale_for_fsdp: the artifact all-reduces the fp8 gathers' amaxes one weight at a time (the same scales; one all-reduce per block packs them with `concat`, which kernel graphs do not support yet; `titanc lower --to train` batches them)";
 
 /// Build the artifact of `model` into `out_dir` (see the module documentation). A failed build
 /// leaves `out_dir` as it was.

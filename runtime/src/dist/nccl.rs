@@ -109,6 +109,8 @@ impl NcclComm {
             DType::F32 => sys::ncclDataType_t::ncclFloat32,
             DType::BF16 => sys::ncclDataType_t::ncclBfloat16,
             DType::F16 => sys::ncclDataType_t::ncclFloat16,
+            // fp8 FSDP weight gathers move bytes; NCCL never reduces fp8 here.
+            DType::F8E4M3 | DType::F8E5M2 if kind == NcclKind::AllGather => sys::ncclDataType_t::ncclUint8,
             other => return Err(DistError::Collective(format!("NCCL collectives of {other:?} are not supported"))),
         };
         let op = match reduce {

@@ -21,7 +21,7 @@ use titan_ir::interp::{Interpreter, Precision, Tensor};
 use titan_ir::{Float8Recipe, Graph, Mesh};
 use titan_passes::float8::Float8Options;
 use titan_passes::{PipelineOptions, TrainOptions, lookup_passes, run_pipeline};
-use titan_runtime::{Artifact, ArtifactMeshTrainer, BUNDLED_CORPUS, Batch, Batcher, CpuArtifactTrainer, Trainer, byte_tokens};
+use titan_runtime::{Artifact, ArtifactMeshTrainer, BUNDLED_CORPUS, Batch, Batcher, CpuArtifactTrainer, MeshTrainer, Trainer, byte_tokens};
 
 use crate::common::{Scratch, debug_f32, train_options};
 
@@ -171,5 +171,84 @@ fn rowwise_on_a_mesh_tracks_the_single_rank_run() {
         let diff = want.iter().zip(&got).map(|(a, b)| (a - b).abs()).fold(0.0, f64::max);
         println!("rowwise on mesh {:?}: losses {got:?}, single rank {want:?}: max |dloss| {diff:.2e}", mesh.sizes);
         assert!(diff <= 1e-3, "mesh {:?}: {got:?} vs {want:?}", mesh.sizes);
+    }
+}
+
+fn fp8_gathers(precompute: bool) -> TrainOptions {
+    let f8 = Float8Options::new(Float8Recipe::Tensorwise).with_fsdp_all_gather(precompute).expect("tensorwise gathers fp8");
+    TrainOptions { float8: Some(f8), ..train_options() }
+}
+
+/// The training graph of the bf16 debug model on `mesh`, run unfused on the simulated mesh.
+fn graph_mesh_losses(model: &Graph, train: &TrainOptions, mesh: Mesh, steps: usize) -> Vec<f64> {
+    let mut m = model.clone();
+    mesh.write_meta(&mut m);
+    let g = titan_passes::lower_to_train(&m, train).unwrap_or_else(|e| panic!("{e}"));
+    let mut t = MeshTrainer::new(&g, 0).expect("mesh trainer");
+    losses(&mut t, steps)
+}
+
+fn bits(l: &[f64]) -> Vec<u64> {
+    l.iter().map(|x| x.to_bits()).collect()
+}
+
+/// fp8 FSDP all-gathers (`--enable-fsdp-float8-all-gather`, tensorwise) give bit-identical
+/// losses to gathering bf16 weights and quantizing after the gather: the shard amaxes' maximum
+/// is the gathered weight's amax, the cast is elementwise, and both quantize the same bf16
+/// compute copy. Training graphs (unfused) of the bf16 debug model at dp_shard 2 and dp_shard 2 ×
+/// tp 2, 3 steps, with and without the batched amax all-reduce (`precompute`).
+#[test]
+fn fsdp_float8_all_gathers_match_bf16_gathers_bitwise() {
+    const STEPS: usize = 3;
+    let model = build_llama3(&LlamaConfig::preset(Preset::Debug), "llama3_debug").expect("debug model");
+    for mesh in [Mesh::new(1, 2, 1), Mesh::new(1, 2, 2)] {
+        let want = graph_mesh_losses(&model, &with_float8(Float8Recipe::Tensorwise), mesh, STEPS);
+        for precompute in [false, true] {
+            let got = graph_mesh_losses(&model, &fp8_gathers(precompute), mesh, STEPS);
+            println!("mesh {:?}, precompute {precompute}: losses {got:?} (bf16 gathers {want:?})", mesh.sizes);
+            assert_eq!(bits(&got), bits(&want), "mesh {:?}, precompute {precompute}: {got:?} vs {want:?}", mesh.sizes);
+        }
+    }
+}
+
+/// The artifact at `--dp-shard 2 --tp 2`: the same losses as with bf16 gathers, bit for bit, and
+/// the per-rank report's dp_shard all-gather bytes fall by half of what the converted weights
+/// took: every linear weight of the block (gathered in the forward and again in the backward of
+/// each layer) and the head (once) moves one byte per element instead of two; the norms and the
+/// embedding stay bf16.
+#[test]
+fn fsdp_float8_all_gathers_halve_the_weight_gather_bytes() {
+    const STEPS: usize = 2;
+    let cfg = LlamaConfig::preset(Preset::Debug);
+    let model = build_llama3(&cfg, "llama3_debug").expect("debug model");
+    let (mesh, tp) = (Mesh::new(1, 2, 2), 2);
+    let run = |train: TrainOptions, name: &str| {
+        let dir = build(&model, train, mesh, name);
+        let artifact = Artifact::load(&dir).expect("load");
+        let report = artifact.manifest.report.clone().expect("an SPMD artifact has a mesh report");
+        let dp = report.comm.iter().find(|c| c.mesh_dim == "dp_shard").expect("dp_shard communication").clone();
+        let mut t = ArtifactMeshTrainer::new(&artifact, 0).expect("mesh trainer");
+        (losses(&mut t, STEPS), dp)
+    };
+    let (want, bf16_dp) = run(with_float8(Float8Recipe::Tensorwise), "bf16-gathers");
+    let (got, f8_dp) = run(fp8_gathers(false), "fp8-gathers");
+    println!("losses {got:?} (bf16 gathers {want:?}); dp_shard all_gather bytes per rank {} -> {}", bf16_dp.all_gather_bytes, f8_dp.all_gather_bytes);
+    assert_eq!(bits(&got), bits(&want), "{got:?} vs {want:?}");
+    let (dim, ffn, kv, vocab, layers) = (cfg.dim, cfg.ffn_dim, cfg.n_kv_heads * cfg.dim / cfg.n_heads, cfg.vocab_size, cfg.n_layers);
+    let block_elems = (2 * dim * dim + 2 * kv * dim + 3 * ffn * dim) / tp;
+    let head_elems = vocab * dim / tp;
+    // A ring all-gather over 2 ranks sends half the gathered tensor: bf16 sends one byte per
+    // gathered element, fp8 half a byte.
+    let bf16_sent = 2 * layers * block_elems + head_elems;
+    assert_eq!(bf16_dp.all_gather_bytes - f8_dp.all_gather_bytes, bf16_sent / 2, "{bf16_dp:?} vs {f8_dp:?}");
+}
+
+/// The rowwise recipes gather bf16 weights and quantize them after the gather (torchao gathers
+/// fp8 only with tensorwise scaling): asking for fp8 gathers with them is refused.
+#[test]
+fn fsdp_float8_all_gathers_need_tensorwise() {
+    for recipe in [Float8Recipe::Rowwise, Float8Recipe::RowwiseWithGwHp] {
+        let e = Float8Options::new(recipe).with_fsdp_all_gather(false).expect_err("rowwise");
+        assert!(e.contains(&format!("fp8 FSDP all-gathers need the tensorwise recipe, not `{}`", recipe.name())), "{e}");
     }
 }
