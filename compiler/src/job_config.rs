@@ -471,7 +471,7 @@ impl JobConfig {
     pub fn notes(&self) -> Vec<String> {
         let mut notes: Vec<String> = self.not_honored.iter().map(|n| format!("{}: {n}", self.file)).collect();
         notes.push(format!(
-            "{}: titan-run reads the runtime sections ([training] steps, seed and dataset, [checkpoint], [metrics], [profiling], [comm], job.dump_folder): `titan-run DIR --job-config {}`",
+            "{}: titan-run reads the runtime sections ([training] steps, seed and dataset, [checkpoint], [metrics], [profiling], [validation], [comm], job.dump_folder): `titan-run DIR --job-config {}`",
             self.file, self.file
         ));
         notes
@@ -598,7 +598,7 @@ expert_parallel_degree = 1
     #[test]
     fn every_problem_comes_back_at_once() {
         let e = err(
-            "[optimizer]\nlr = \"fast\"\n[training]\nsteps = 0\nglobal_batch_size = 8\n[checkpoint]\ninterval = 0\n[parallelism]\npipeline_parallel_degree = 2\nenable_async_tensor_parallel = true\n",
+            "[optimizer]\nlr = \"fast\"\n[training]\nsteps = 0\nglobal_batch_size = 8\n[checkpoint]\ninterval = 0\n[parallelism]\npipeline_parallel_degree = 2\n[validation]\nsteps = -2\n",
         );
         assert_contains(&e, "job.toml: 5 problems, all listed:");
         for want in [
@@ -606,7 +606,7 @@ expert_parallel_degree = 1
             "`training.steps` must be at least 1, found 0",
             "gradient accumulation (`training.global_batch_size = 8`) is not supported yet; set `training.global_batch_size` to -1",
             "`checkpoint.interval` must be at least 1, found 0",
-            "async tensor parallelism (`parallelism.enable_async_tensor_parallel = true`) is not supported yet",
+            "`validation.steps` must be -1 (the whole validation set) or at least 1, found -2",
         ] {
             assert_contains(&e, want);
         }
@@ -651,11 +651,6 @@ expert_parallel_degree = 1
         let cases = [
             ("[float8]\nenable_fsdp_float8_all_gather = true\n", "`float8.enable_fsdp_float8_all_gather = true`) is not supported yet; set it to false"),
             ("[model]\nconverters = [\"mx\"]\n", "the model converter `model.converters = [\"mx\"]` is not supported yet"),
-            ("[experimental]\nenable_async_tensor_parallel = true\n", "async tensor parallelism"),
-            (
-                "[validation]\nenable = true\nfreq = 10\n",
-                "a validation loss (`validation.enable = true`) is not supported yet; set `validation.enable` to false",
-            ),
             (
                 "[activation_checkpoint]\nmode = \"selective\"\nselective_ac_option = \"2\"\n",
                 "one layer in every 2 (`activation_checkpoint.selective_ac_option = \"2\"`) is not supported yet",

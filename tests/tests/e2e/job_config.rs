@@ -137,7 +137,7 @@ fn torchtitan_8b_configs_build_as_shipped() {
 }
 
 /// 70B (tp 8) and 405B (tp 8, float8, async TP, fp8 all-gathers) read in full: the keys titan
-/// does not build are listed together.
+/// does not build are listed together (async TP is built: it is `--async-tp`).
 #[test]
 fn torchtitan_70b_and_405b_configs_are_read_in_one_run() {
     let model = |preset: &str, batch: u64| {
@@ -153,14 +153,19 @@ fn torchtitan_70b_and_405b_configs_are_read_in_one_run() {
         assert_eq!(j.activation_checkpoint, Some(titan_passes::activation_checkpoint::AcPolicy::Full));
         // 405B: refused, every reason at once.
         let cfg = config(release, "llama3_405b");
+        let async_tp = titan_ir::job_config::RunSettings::load(&cfg).map(|(s, _)| s.async_tp).unwrap_or_else(|e| panic!("{release}: {e}"));
+        assert_eq!(async_tp.map(|a| (a.key, a.on)), Some(("parallelism.enable_async_tensor_parallel".to_string(), true)), "{release}");
         let err = titan_compiler::JobConfig::load(&cfg).expect_err("405B").to_string();
         let f8 = if release == "v0.1.0" { "float8" } else { "quantize.linear.float8" };
         assert_eq!(
             problems(&err, &cfg),
             [
-                "async tensor parallelism (`parallelism.enable_async_tensor_parallel = true`) is not supported yet; set `parallelism.enable_async_tensor_parallel` to false".to_string(),
-                format!("fp8 FSDP weight gathers (`{f8}.enable_fsdp_float8_all_gather = true`) is not supported yet; set it to false (weights are gathered in bf16 and quantized after the gather)"),
-                format!("fp8 FSDP weight gathers (`{f8}.precompute_float8_dynamic_scale_for_fsdp = true`) is not supported yet; set it to false (weights are gathered in bf16 and quantized after the gather)"),
+                format!(
+                    "fp8 FSDP weight gathers (`{f8}.enable_fsdp_float8_all_gather = true`) is not supported yet; set it to false (weights are gathered in bf16 and quantized after the gather)"
+                ),
+                format!(
+                    "fp8 FSDP weight gathers (`{f8}.precompute_float8_dynamic_scale_for_fsdp = true`) is not supported yet; set it to false (weights are gathered in bf16 and quantized after the gather)"
+                ),
             ],
             "{release}: {err}"
         );
@@ -324,4 +329,33 @@ fn the_memory_plan_is_drawn_with_its_peak() {
     let text = std::fs::read_to_string(&overlay).expect("overlay");
     assert_eq!(svg_attr(&text, "measured", "data-bytes"), Some(peak), "the cpu backend allocates the plan's arenas");
     assert!(text.contains("bytes the cpu backend allocated for the arenas"), "{text}");
+}
+
+/// `enable_async_tensor_parallel = true` (`[parallelism]`, or the newer `[compile]`) is
+/// `titanc build --async-tp`: with tp 2 the build runs the `async-tp` pass and prints its
+/// decisions; without tensor parallelism it is one "not honored" line (TorchTitan warns and
+/// goes on), and the build succeeds.
+#[test]
+fn async_tp_keys_are_titanc_build_async_tp() {
+    let dir = scratch("job_config", "async-tp");
+    std::fs::create_dir_all(&dir).expect("scratch");
+    let model = dir.join("debug.ir");
+    std::fs::write(&model, titan_ir::print::print_graph(&debug_f32())).expect("write");
+    let build = |name: &str, toml: &str| {
+        let job = dir.join(format!("{name}.toml"));
+        std::fs::write(&job, toml).expect("write");
+        let out = dir.join(name);
+        (titanc(&["build", model.to_str().expect("utf-8"), "-o", out.to_str().expect("utf-8"), "--job-config", job.to_str().expect("utf-8")]), job)
+    };
+    let (stdout, _) = build("tp2", "[parallelism]\ntensor_parallel_degree = 2\n[compile]\nenable_async_tensor_parallel = true\n");
+    let stdout = stdout.expect("tp 2 with async TP builds");
+    assert!(stdout.contains("async-tp:\n") && stdout.contains("synchronous: chunk of"), "{stdout}");
+    let (stdout, job) = build("tp1", "[parallelism]\nenable_async_tensor_parallel = true\n");
+    let stdout = stdout.expect("tp 1 builds");
+    assert!(!stdout.contains("async-tp:\n"), "{stdout}");
+    assert_eq!(
+        notes(&stdout, &job).first().map(String::as_str),
+        Some("`parallelism.enable_async_tensor_parallel = true` not honored: async tensor parallelism needs tensor_parallel_degree > 1"),
+        "{stdout}"
+    );
 }
