@@ -774,16 +774,10 @@ fn cmd_build(a: &BuildArgs) -> Result<Outcome, CliError> {
     // The job config's `enable_async_tensor_parallel = true` is `--async-tp` (auto); like
     // TorchTitan, it does nothing without tensor parallelism (said once, not refused).
     let mut async_tp_note = None;
-    if let Some(s) = job.as_ref().and_then(|j| j.run.async_tp.as_ref()).filter(|s| s.on && opts.async_tp.is_none()) {
-        if opts.mesh.size(titan_ir::MeshDim::Tp) > 1 {
-            opts.async_tp = Some(titan_passes::async_tp::AsyncTpMode::Auto);
-        } else {
-            async_tp_note = Some(format!(
-                "note: {}: `{} = true` not honored: async tensor parallelism needs tensor_parallel_degree > 1\n",
-                job.as_ref().map_or("", |j| j.file.as_str()),
-                s.key
-            ));
-        }
+    if let Some(j) = job.as_ref().filter(|_| opts.async_tp.is_none()) {
+        let (mode, note) = j.async_tp(opts.mesh.size(titan_ir::MeshDim::Tp));
+        opts.async_tp = mode;
+        async_tp_note = note.map(|n| format!("note: {n}\n"));
     }
     opts.ac = a.ac.policy()?.or(job.as_ref().and_then(|j| j.activation_checkpoint)).unwrap_or(AcPolicy::None);
     if a.ac_pareto.is_some() && !matches!(opts.ac, AcPolicy::Budget(_)) {

@@ -468,6 +468,17 @@ impl JobConfig {
 
     /// The lines for the build summary: every "not honored" key (titanc's and titan-run's),
     /// and that titan-run reads the runtime sections of the same file.
+    /// `titanc build --async-tp` as the file asks for it on a mesh of `tp` tensor-parallel
+    /// ranks: `auto` when an `enable_async_tensor_parallel` key is true and `tp > 1`; with
+    /// `tp = 1` no mode and the "not honored" line instead (TorchTitan warns and goes on).
+    pub fn async_tp(&self, tp: u32) -> (Option<titan_passes::async_tp::AsyncTpMode>, Option<String>) {
+        match self.run.async_tp.as_ref().filter(|s| s.on) {
+            None => (None, None),
+            Some(_) if tp > 1 => (Some(titan_passes::async_tp::AsyncTpMode::Auto), None),
+            Some(s) => (None, Some(format!("{}: `{} = true` not honored: async tensor parallelism needs tensor_parallel_degree > 1", self.file, s.key))),
+        }
+    }
+
     pub fn notes(&self) -> Vec<String> {
         let mut notes: Vec<String> = self.not_honored.iter().map(|n| format!("{}: {n}", self.file)).collect();
         notes.push(format!(
@@ -662,6 +673,25 @@ expert_parallel_degree = 1
         ];
         for (text, expected) in cases {
             assert_contains(&err(text), expected);
+        }
+    }
+
+    #[test]
+    fn async_tp_keys_are_async_tp_with_tensor_parallelism() {
+        use titan_passes::async_tp::AsyncTpMode;
+        assert_eq!(ok("[parallelism]\nenable_async_tensor_parallel = false\n").async_tp(2), (None, None));
+        for section in ["parallelism", "compile", "experimental"] {
+            let j = ok(&format!("[{section}]\nenable_async_tensor_parallel = true\n"));
+            assert_eq!(j.async_tp(2), (Some(AsyncTpMode::Auto), None), "{section}");
+            let (mode, note) = j.async_tp(1);
+            assert_eq!(mode, None);
+            assert_eq!(
+                note.as_deref(),
+                Some(
+                    format!("job.toml: `{section}.enable_async_tensor_parallel = true` not honored: async tensor parallelism needs tensor_parallel_degree > 1")
+                        .as_str()
+                )
+            );
         }
     }
 
