@@ -108,6 +108,26 @@ print(f"resume on the GPU: steps 1-10 straight vs 1-5 + resume 6-10: max |dloss|
 sys.exit(0 if worst <= 1e-6 else 1)
 PY
     rm -rf "$ck"
+    echo "== validation on the GPU (--val-data): the CPU backend's validation losses, training unchanged by it"
+    v=$(mktemp -d)
+    val=(--steps 6 --val-data examples/data/tiny_corpus.txt --val-every 2 --val-steps 2 --log-every 2)
+    timeout 120 "$dir/titan-run" "$dir/debug" --backend cuda "${val[@]}" --metrics "$v/cuda.jsonl" >"$out/val.log" 2>&1 || rc=1
+    timeout 120 "$dir/titan-run" "$dir/debug" --backend cuda --steps 6 --metrics "$v/cuda-noval.jsonl" >>"$out/val.log" 2>&1 || rc=1
+    timeout 300 "$dir/titan-run" "$dir/debug" --backend cpu "${val[@]}" --metrics "$v/cpu.jsonl" >>"$out/val.log" 2>&1 || rc=1
+    grep -E "^validate step|eval step" "$out/val.log" || tail -20 "$out/val.log"
+    python3 - "$v/cuda.jsonl" "$v/cuda-noval.jsonl" "$v/cpu.jsonl" <<'PY' || rc=1
+import json, sys
+def load(p):
+    recs = list(map(json.loads, open(p)))
+    return ({r["step"]: r["loss"] for r in recs if "loss" in r}, {r["step"]: r["validation_metrics/loss"] for r in recs if "validation_metrics/loss" in r})
+(gt, gv), (nt, _), (ct, cv) = load(sys.argv[1]), load(sys.argv[2]), load(sys.argv[3])
+assert sorted(gv) == [1, 2, 4, 6] and sorted(gv) == sorted(cv), (sorted(gv), sorted(cv))
+unchanged = all(gt[s] == nt[s] for s in nt) and sorted(gt) == sorted(nt)
+worst = max(abs(gv[s] - cv[s]) / (2e-2 * max(1.0, abs(cv[s]))) for s in gv)
+print(f"validation on the GPU: {[round(gv[s], 4) for s in sorted(gv)]} vs the CPU backend {[round(cv[s], 4) for s in sorted(cv)]}: worst share of the tolerance 2e-2*max(1,loss) {worst:.3f}; training losses with validation bitwise those without: {unchanged}")
+sys.exit(0 if worst <= 1 and unchanged else 1)
+PY
+    rm -rf "$v"
     if [ -d "$dir/8b4" ]; then
         echo "== kernel times (8B shape, 4 layers)"
         TITAN_CUDA_TIME_ARTIFACT="$dir/8b4" timeout 300 "$dir/cuda-test" --test-threads=1 --nocapture kernel_times >"$out/times.log" 2>&1 || rc=1
@@ -191,6 +211,21 @@ PY
         grep -A 14 "collectives, mean of" "$out/big-profile.log" || tail -20 "$out/big-profile.log"
         grep "\[rank 1\] titan-run: --profile" "$out/big-profile.log" || true
     fi
+    echo "== validation on 2 GPUs (mesh-tp2, --val-data): the CPU simulated mesh's validation losses"
+    v=$(mktemp -d)
+    val=(--steps 4 --val-data examples/data/tiny_corpus.txt --val-every 2 --val-steps 2)
+    timeout 180 "$dir/titan-run" "$dir/mesh-tp2" --backend cuda --nproc-per-node 2 "${val[@]}" --metrics "$v/gpu.jsonl" >"$out/mesh-val.log" 2>&1 || rc=1
+    timeout 180 "$dir/titan-run" "$dir/mesh-tp2" --backend cpu "${val[@]}" --metrics "$v/cpu.jsonl" >>"$out/mesh-val.log" 2>&1 || rc=1
+    python3 - "$v/gpu.jsonl" "$v/cpu.jsonl" <<'PY' || { rc=1; tail -20 "$out/mesh-val.log"; }
+import json, sys
+load = lambda p: {r["step"]: r["validation_metrics/loss"] for r in map(json.loads, open(p)) if "validation_metrics/loss" in r}
+g, c = load(sys.argv[1]), load(sys.argv[2])
+assert sorted(g) == [1, 2, 4] and sorted(g) == sorted(c), (sorted(g), sorted(c))
+worst = max(abs(g[s] - c[s]) / (2e-2 * max(1.0, abs(c[s]))) for s in g)
+print(f"  validation {[round(g[s], 4) for s in sorted(g)]} vs the CPU simulated mesh {[round(c[s], 4) for s in sorted(c)]}: worst share of the tolerance {worst:.3f}")
+sys.exit(0 if worst <= 1 else 1)
+PY
+    rm -rf "$v"
     echo "== a rank killed mid-run: the other rank must exit with an error, not hang"
     a="$dir/mesh-dps2"
     for victim in 1 0; do

@@ -788,6 +788,14 @@ fn cmd_build(a: &BuildArgs) -> Result<Outcome, CliError> {
     opts.loss_parallel = !request.disable_loss_parallel.unwrap_or(false);
     opts.prefetch_next_layer = !request.disable_prefetch_next_layer.unwrap_or(false);
     opts.async_tp = async_tp_mode(a.parallel.async_tp.as_deref())?;
+    // The job config's `enable_async_tensor_parallel = true` is `--async-tp` (auto); like
+    // TorchTitan, it does nothing without tensor parallelism (said once, not refused).
+    let mut async_tp_note = None;
+    if let Some(j) = job.as_ref().filter(|_| opts.async_tp.is_none()) {
+        let (mode, note) = j.async_tp(opts.mesh.size(titan_ir::MeshDim::Tp));
+        opts.async_tp = mode;
+        async_tp_note = note.map(|n| format!("note: {n}\n"));
+    }
     opts.ac = a.ac.policy()?.or(job.as_ref().and_then(|j| j.activation_checkpoint)).unwrap_or(AcPolicy::None);
     if a.ac_pareto.is_some() && !matches!(opts.ac, AcPolicy::Budget(_)) {
         return Err(CliError::Usage(format!("--ac-pareto draws the frontier of a memory budget (`--ac budget=<GiB>`), not of `{}`", opts.ac)));
@@ -820,6 +828,7 @@ fn cmd_build(a: &BuildArgs) -> Result<Outcome, CliError> {
         std::fs::write(path, svg).map_err(|e| CliError::Write { file: path.display().to_string(), message: e.to_string() })?;
         out.stdout.push_str(&format!("wrote the memory plan to {}\n", path.display()));
     }
+    out.stdout.extend(async_tp_note);
     for note in job.iter().flat_map(JobConfig::notes) {
         out.stdout.push_str(&format!("note: {note}\n"));
     }

@@ -506,10 +506,21 @@ impl JobConfig {
 
     /// The lines for the build summary: every "not honored" key (titanc's and titan-run's),
     /// and that titan-run reads the runtime sections of the same file.
+    /// `titanc build --async-tp` as the file asks for it on a mesh of `tp` tensor-parallel
+    /// ranks: `auto` when an `enable_async_tensor_parallel` key is true and `tp > 1`; with
+    /// `tp = 1` no mode and the "not honored" line instead (TorchTitan warns and goes on).
+    pub fn async_tp(&self, tp: u32) -> (Option<titan_passes::async_tp::AsyncTpMode>, Option<String>) {
+        match self.run.async_tp.as_ref().filter(|s| s.on) {
+            None => (None, None),
+            Some(_) if tp > 1 => (Some(titan_passes::async_tp::AsyncTpMode::Auto), None),
+            Some(s) => (None, Some(format!("{}: `{} = true` not honored: async tensor parallelism needs tensor_parallel_degree > 1", self.file, s.key))),
+        }
+    }
+
     pub fn notes(&self) -> Vec<String> {
         let mut notes: Vec<String> = self.not_honored.iter().map(|n| format!("{}: {n}", self.file)).collect();
         notes.push(format!(
-            "{}: titan-run reads the runtime sections ([training] steps, seed and dataset, [checkpoint], [metrics], [profiling], [comm], job.dump_folder): `titan-run DIR --job-config {}`",
+            "{}: titan-run reads the runtime sections ([training] steps, seed and dataset, [checkpoint], [metrics], [profiling], [validation], [comm], job.dump_folder): `titan-run DIR --job-config {}`",
             self.file, self.file
         ));
         notes
@@ -636,7 +647,7 @@ expert_parallel_degree = 1
     #[test]
     fn every_problem_comes_back_at_once() {
         let e = err(
-            "[optimizer]\nlr = \"fast\"\n[training]\nsteps = 0\nglobal_batch_size = 8\n[checkpoint]\ninterval = 0\n[parallelism]\npipeline_parallel_degree = 2\nenable_async_tensor_parallel = true\n",
+            "[optimizer]\nlr = \"fast\"\n[training]\nsteps = 0\nglobal_batch_size = 8\n[checkpoint]\ninterval = 0\n[parallelism]\npipeline_parallel_degree = 2\n[validation]\nsteps = -2\n",
         );
         assert_contains(&e, "job.toml: 5 problems, all listed:");
         for want in [
@@ -644,7 +655,7 @@ expert_parallel_degree = 1
             "`training.steps` must be at least 1, found 0",
             "gradient accumulation (`training.global_batch_size = 8`) is not supported yet; set `training.global_batch_size` to -1",
             "`checkpoint.interval` must be at least 1, found 0",
-            "async tensor parallelism (`parallelism.enable_async_tensor_parallel = true`) is not supported yet",
+            "`validation.steps` must be -1 (the whole validation set) or at least 1, found -2",
         ] {
             assert_contains(&e, want);
         }
@@ -688,11 +699,6 @@ expert_parallel_degree = 1
     fn unbuilt_features_are_rejected_not_ignored() {
         let cases = [
             ("[model]\nconverters = [\"mx\"]\n", "the model converter `model.converters = [\"mx\"]` is not supported yet"),
-            ("[experimental]\nenable_async_tensor_parallel = true\n", "async tensor parallelism"),
-            (
-                "[validation]\nenable = true\nfreq = 10\n",
-                "a validation loss (`validation.enable = true`) is not supported yet; set `validation.enable` to false",
-            ),
             (
                 "[activation_checkpoint]\nmode = \"selective\"\nselective_ac_option = \"2\"\n",
                 "one layer in every 2 (`activation_checkpoint.selective_ac_option = \"2\"`) is not supported yet",
@@ -704,6 +710,25 @@ expert_parallel_degree = 1
         ];
         for (text, expected) in cases {
             assert_contains(&err(text), expected);
+        }
+    }
+
+    #[test]
+    fn async_tp_keys_are_async_tp_with_tensor_parallelism() {
+        use titan_passes::async_tp::AsyncTpMode;
+        assert_eq!(ok("[parallelism]\nenable_async_tensor_parallel = false\n").async_tp(2), (None, None));
+        for section in ["parallelism", "compile", "experimental"] {
+            let j = ok(&format!("[{section}]\nenable_async_tensor_parallel = true\n"));
+            assert_eq!(j.async_tp(2), (Some(AsyncTpMode::Auto), None), "{section}");
+            let (mode, note) = j.async_tp(1);
+            assert_eq!(mode, None);
+            assert_eq!(
+                note.as_deref(),
+                Some(
+                    format!("job.toml: `{section}.enable_async_tensor_parallel = true` not honored: async tensor parallelism needs tensor_parallel_degree > 1")
+                        .as_str()
+                )
+            );
         }
     }
 

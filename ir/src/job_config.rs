@@ -88,7 +88,7 @@ const PP: &str = "pipeline_parallel_degree > 1 (not supported yet)";
 const CP: &str = "context_parallel_degree > 1 (not supported yet)";
 const EP: &str = "expert_parallel_degree > 1 (not supported yet; Llama 3 has no experts)";
 const FT: &str = "fault_tolerance.enable = true (not supported yet)";
-const VALIDATION: &str = "validation.enable = true (not supported yet)";
+const VAL_SHAPE: &str = "titan's eval step runs on the training step's batch and seq_len (the artifact's shape), not on a validation shape of its own";
 const MX: &str = "the \"mx\" converter (not supported yet)";
 const MOE: &str = "MoE grouped GEMMs (Llama 3 has none)";
 const INITIAL_LOAD: &str = "checkpoint.initial_load_path (not supported yet)";
@@ -223,7 +223,7 @@ pub const KEYS: &[(&str, &[(&str, Disposition)])] = &[
             ("tensor_parallel_degree", Read(Build)),
             ("disable_loss_parallel", Read(Build)),
             ("disable_prefetch_next_layer", Read(Build)),
-            ("enable_async_tensor_parallel", Only(Accept::Bool(false), "async tensor parallelism")),
+            ("enable_async_tensor_parallel", Read(Build)),
             ("enable_compiled_autograd", Note(Build, "titan derives the backward ahead of time")),
             ("pipeline_parallel_degree", Read(Build)),
             ("pipeline_parallel_split_points", Inert(PP)),
@@ -289,6 +289,7 @@ pub const KEYS: &[(&str, &[(&str, Disposition)])] = &[
             ("enable", NoteUnless(Build, Accept::Bool(true), COMPILED)),
             ("components", Read(Build)),
             ("backend", Note(Build, "titan generates its own kernels (no inductor)")),
+            ("enable_async_tensor_parallel", Read(Build)),
         ],
     ),
     ("float8", FLOAT8_KEYS),
@@ -337,19 +338,20 @@ pub const KEYS: &[(&str, &[(&str, Disposition)])] = &[
         &[
             ("custom_import", Only(Accept::Str(&[""]), "importing a custom Python module")),
             ("custom_args_module", Only(Accept::Str(&[""]), "a custom Python args module")),
-            ("enable_async_tensor_parallel", Only(Accept::Bool(false), "async tensor parallelism")),
+            ("enable_async_tensor_parallel", Read(Build)),
         ],
     ),
     (
         "validation",
         &[
-            ("enable", Only(Accept::Bool(false), "a validation loss")),
-            ("dataset", Inert(VALIDATION)),
-            ("dataset_path", Inert(VALIDATION)),
-            ("local_batch_size", Inert(VALIDATION)),
-            ("seq_len", Inert(VALIDATION)),
-            ("freq", Inert(VALIDATION)),
-            ("steps", Inert(VALIDATION)),
+            ("enable", Read(Run)),
+            ("enabled", Read(Run)),
+            ("dataset", Read(Run)),
+            ("dataset_path", Read(Run)),
+            ("local_batch_size", Gated(Run, "enable", VAL_SHAPE)),
+            ("seq_len", Gated(Run, "enable", VAL_SHAPE)),
+            ("freq", Read(Run)),
+            ("steps", Read(Run)),
         ],
     ),
     ("validation.dataloader", DATALOADER_KEYS),
@@ -744,6 +746,35 @@ pub struct CheckpointSettings {
     pub export_dtype: ExportDtype,
 }
 
+/// `[validation]` as titan-run honors it (its `--val-data`, `--val-every`, `--val-steps`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct ValidationSettings {
+    /// `enable` (`enabled` in older releases).
+    pub enable: bool,
+    /// `dataset_path`, or `dataset` when it names an existing file or directory.
+    pub data: Option<PathBuf>,
+    /// `dataset` when it is not a path (one of TorchTitan's registered names, e.g. its default
+    /// `"c4_validation"`), which titan-run cannot resolve.
+    pub dataset_name: Option<String>,
+    /// Validate at step 1 and every `freq` steps (TorchTitan's default: 10).
+    pub freq: u64,
+    /// Batches per validation; `None` is TorchTitan's `-1` (its default): the whole validation
+    /// set once.
+    pub steps: Option<u64>,
+}
+
+/// The keys that ask for async tensor parallelism: TorchTitan's `[parallelism]` one, the newer
+/// `[compile]` one and the older `[experimental]` one.
+pub const ASYNC_TP_KEYS: [&str; 3] = ["parallelism", "compile", "experimental"];
+
+/// Async TP as a job config asks for it: the key that set it and its value.
+#[derive(Clone, Debug, PartialEq)]
+pub struct AsyncTpSetting {
+    /// `section.enable_async_tensor_parallel`.
+    pub key: String,
+    pub on: bool,
+}
+
 /// The runtime sections of a job config, as `titan-run --job-config` applies them (its
 /// command-line flags override each).
 #[derive(Clone, Debug, PartialEq)]
@@ -762,6 +793,11 @@ pub struct RunSettings {
     pub profile: bool,
     pub init_timeout_s: Option<u64>,
     pub train_timeout_s: Option<u64>,
+    pub validation: ValidationSettings,
+    /// `enable_async_tensor_parallel` of [`ASYNC_TP_KEYS`] (a build key: `titanc build` maps it
+    /// to `--async-tp`; read here, once, because titan-run's CUDA backend refuses such artifacts
+    /// and names the key).
+    pub async_tp: Option<AsyncTpSetting>,
 }
 
 impl RunSettings {
@@ -787,6 +823,13 @@ impl RunSettings {
                 key: format!("training.dataset = \"{name}\""),
                 tool: Tool::Run,
                 why: "titan-run has no dataset registry; it trains on `training.dataset_path`, `--data` or the bundled corpus".into(),
+            });
+        }
+        if let (true, Some(name)) = (s.validation.enable, &s.validation.dataset_name) {
+            jf.note(NotHonored {
+                key: format!("validation.dataset = \"{name}\""),
+                tool: Tool::Run,
+                why: "titan-run has no dataset registry; it validates on `validation.dataset_path` or `--val-data`".into(),
             });
         }
         s
@@ -836,6 +879,36 @@ impl RunSettings {
             ck.error(ck.invalid("`checkpoint.keep_latest_k = 1` could delete the only good checkpoint while the next one is written (TorchTitan refuses it too); use 0 (keep all) or 2 or more".into()));
         }
         let comm = jf.section("comm");
+        let val = jf.section("validation");
+        let val_path = val.string("dataset_path").map(PathBuf::from);
+        let val_name = val.string("dataset");
+        let validation = ValidationSettings {
+            enable: val.alias(["enable", "enabled"]).and_then(|k| val.bool(k)).unwrap_or(false),
+            data: val_path.clone().or_else(|| val_name.as_ref().map(PathBuf::from).filter(|p| p.exists())),
+            dataset_name: val_name.filter(|n| val_path.is_none() && !Path::new(n).exists()),
+            freq: val.count("freq", 1).unwrap_or(10),
+            steps: match val.int("steps") {
+                None | Some(-1) => None,
+                Some(n) if n >= 1 => Some(n as u64),
+                Some(n) => {
+                    val.error(val.invalid(format!("`validation.steps` must be -1 (the whole validation set) or at least 1, found {n}")));
+                    None
+                }
+            },
+        };
+        let mut async_tp: Option<AsyncTpSetting> = None;
+        for section in ASYNC_TP_KEYS {
+            let sec = jf.section(section);
+            let Some(on) = sec.bool("enable_async_tensor_parallel") else { continue };
+            let key = sec.key("enable_async_tensor_parallel");
+            match &async_tp {
+                Some(first) if first.on != on => {
+                    sec.error(sec.invalid(format!("`{} = {}` and `{key} = {on}` differ; keep one", first.key, first.on)));
+                }
+                Some(_) => {}
+                None => async_tp = Some(AsyncTpSetting { key, on }),
+            }
+        }
         RunSettings {
             description: job.string("description"),
             dump_folder: PathBuf::from(job.string("dump_folder").unwrap_or_else(|| "./outputs".into())),
@@ -847,6 +920,8 @@ impl RunSettings {
             profile: jf.section("profiling").bool("enable_profiling").unwrap_or(false),
             init_timeout_s: comm.count("init_timeout_seconds", 1),
             train_timeout_s: comm.count("train_timeout_seconds", 1),
+            validation,
+            async_tp,
         }
     }
 
@@ -917,8 +992,6 @@ mod tests {
     fn features_titan_lacks_are_refused_only_when_on() {
         run("[parallelism]\npipeline_parallel_schedule = \"Interleaved1F1B\"\nenable_async_tensor_parallel = false\n[fault_tolerance]\nenable = false\nreplica_id = 3\n")
             .unwrap();
-        let e = run("[parallelism]\nenable_async_tensor_parallel = true\n").unwrap_err();
-        assert!(e.contains("async tensor parallelism (`parallelism.enable_async_tensor_parallel = true`) is not supported yet"), "{e}");
         let e = run("[lr_scheduler]\ntotal_steps = 10\n").unwrap_err();
         assert!(e.contains("is not supported yet; remove `lr_scheduler.total_steps`"), "{e}");
         let e = run("[quantize.linear.int4]\nx = 1\n").unwrap_err();
@@ -927,6 +1000,43 @@ mod tests {
         assert!(e.contains("keep_latest_k = 1"), "{e}");
         let e = run("[checkpoint]\nenable = true\nenable_checkpoint = true\n").unwrap_err();
         assert!(e.contains("keep one"), "{e}");
+    }
+
+    #[test]
+    fn async_tp_is_read_from_any_of_its_three_keys() {
+        let on = |t: &str| run(t).unwrap().0.async_tp;
+        assert_eq!(on(""), None);
+        for section in ASYNC_TP_KEYS {
+            let s = on(&format!("[{section}]\nenable_async_tensor_parallel = true\n")).expect("read");
+            assert_eq!((s.key.as_str(), s.on), (format!("{section}.enable_async_tensor_parallel").as_str(), true));
+        }
+        assert_eq!(on("[parallelism]\nenable_async_tensor_parallel = false\n").map(|s| s.on), Some(false));
+        let e = run("[parallelism]\nenable_async_tensor_parallel = false\n[compile]\nenable_async_tensor_parallel = true\n").unwrap_err();
+        assert!(e.contains("`parallelism.enable_async_tensor_parallel = false` and `compile.enable_async_tensor_parallel = true` differ; keep one"), "{e}");
+    }
+
+    #[test]
+    fn validation_is_read_with_torchtitan_defaults() {
+        let (s, notes) = run("[validation]\nenable = true\nlocal_batch_size = 8\n").unwrap();
+        let v = &s.validation;
+        assert_eq!((v.enable, v.freq, v.steps, v.data.as_ref(), v.dataset_name.as_ref()), (true, 10, None, None, None));
+        assert_eq!(notes.len(), 1, "{notes:?}");
+        assert!(notes[0].starts_with("`validation.local_batch_size` not honored: titan's eval step runs on the training step's batch"), "{notes:?}");
+        let (s, notes) = run("[validation]\nenabled = true\ndataset = \"c4_validation\"\nfreq = 4\nsteps = 3\n").unwrap();
+        let v = &s.validation;
+        assert_eq!((v.enable, v.freq, v.steps, v.data.as_ref()), (true, 4, Some(3), None));
+        assert_eq!(v.dataset_name.as_deref(), Some("c4_validation"));
+        assert!(notes.iter().any(|n| n.starts_with("`validation.dataset = \"c4_validation\"` not honored: titan-run has no dataset registry")), "{notes:?}");
+        let (s, _) = run("[validation]\nenable = true\ndataset = \"c4_validation\"\ndataset_path = \"val.txt\"\nsteps = -1\n").unwrap();
+        assert_eq!((s.validation.data, s.validation.dataset_name, s.validation.steps), (Some(PathBuf::from("val.txt")), None, None));
+        // Off, the section's keys are accepted silently (TorchTitan's shipped configs carry them).
+        let (s, notes) = run("[validation]\nenable = false\nlocal_batch_size = 8\nseq_len = 2048\nfreq = 10\n").unwrap();
+        assert!(!s.validation.enable && notes.is_empty(), "{notes:?}");
+        let e = run("[validation]\nsteps = 0\nfreq = 0\n").unwrap_err();
+        assert!(
+            e.contains("`validation.steps` must be -1 (the whole validation set) or at least 1, found 0") && e.contains("`validation.freq` must be at least 1"),
+            "{e}"
+        );
     }
 
     /// Every key the table names is reachable: no section is shadowed by a nested one.

@@ -114,6 +114,11 @@ static PASSES: [PassInfo; 17] = [
         "float8 training (`--float8`): eligible linears become `linear_f8` of the recipe; the report says why others stay bf16",
         run_float8,
     ),
+    PassInfo::new(
+        "float8-forward",
+        "expand each `linear_f8` into its forward quantization and scaled GEMM (the eval step, which has no `autodiff` to do it)",
+        run_float8_forward,
+    ),
     PassInfo::new("autodiff", "differentiate `loss` (each block once); record each gradient output in the gradient map", run_autodiff),
     PassInfo::new(
         "activation-checkpoint",
@@ -166,14 +171,26 @@ pub const SPMD_TRAIN_PIPELINE: [&str; 15] = [
 ];
 
 /// The passes of the eval step (forward and loss only, `titanc lower --to eval`): the same
-/// fp32 masters read through compute-dtype casts as the training step, no autodiff, no
-/// optimizer; `loss` is the only output.
-pub const EVAL_PIPELINE: [&str; 3] = ["master-weights", "cse", "dce"];
+/// fp32 masters read through compute-dtype casts as the training step, the same float8
+/// linears (with `--float8`; their forward expanded as `autodiff` expands it for training), no
+/// autodiff, no optimizer; `loss` is the only output.
+pub const EVAL_PIPELINE: [&str; 5] = ["master-weights", "float8", "float8-forward", "cse", "dce"];
 
 /// The eval lowering of a model whose `meta` names a mesh: partitioned like the training step,
 /// the loss all-reduced over the mesh.
-pub const SPMD_EVAL_PIPELINE: [&str; 9] =
-    ["shard-tp", "shard-dp", "master-weights", "reduce-loss", "cse", "dce", "prefetch-gathers", "prefetch-next-layer", "check-collectives"];
+pub const SPMD_EVAL_PIPELINE: [&str; 11] = [
+    "shard-tp",
+    "shard-dp",
+    "master-weights",
+    "float8",
+    "float8-forward",
+    "reduce-loss",
+    "cse",
+    "dce",
+    "prefetch-gathers",
+    "prefetch-next-layer",
+    "check-collectives",
+];
 
 /// `train` followed by `fuse` (checked at compile time to be one longer).
 const fn then_fuse<const N: usize, const M: usize>(train: [&'static str; N]) -> [&'static str; M] {
@@ -203,10 +220,10 @@ pub fn build_pipeline(model: &Graph) -> Result<&'static [&'static str], PassErro
 }
 
 /// The eval-step passes of `titanc build` (fusion included).
-pub const EVAL_BUILD_PIPELINE: [&str; 4] = then_fuse(EVAL_PIPELINE);
+pub const EVAL_BUILD_PIPELINE: [&str; 6] = then_fuse(EVAL_PIPELINE);
 
 /// The eval-step passes of `titanc build` on a mesh (fusion included).
-pub const SPMD_EVAL_BUILD_PIPELINE: [&str; 10] = then_fuse(SPMD_EVAL_PIPELINE);
+pub const SPMD_EVAL_BUILD_PIPELINE: [&str; 12] = then_fuse(SPMD_EVAL_PIPELINE);
 
 /// The eval lowering of `model` (without fusion): [`SPMD_EVAL_PIPELINE`] on a mesh, else
 /// [`EVAL_PIPELINE`].
@@ -436,6 +453,15 @@ fn run_float8_fsdp_gather(g: &mut Graph, ctx: &PassContext) -> Result<PassStats,
     Ok(PassStats::new().with("fp8_gathers", s.gathers as u64).with("amax_all_reduces", s.all_reduces as u64).with_notes(notes))
 }
 
+fn run_float8_forward(g: &mut Graph, _: &PassContext) -> Result<PassStats, PassDiag> {
+    if crate::train::gradient_map(g)?.is_some() {
+        return Err(PassDiag::precondition(
+            "the graph has a gradient map: `autodiff` has run and expanded its float8 linears; `float8-forward` is for a graph nothing differentiates (the eval step)",
+        ));
+    }
+    Ok(PassStats::new().with("expanded", crate::float8::expand(g)? as u64))
+}
+
 fn run_float8(g: &mut Graph, ctx: &PassContext) -> Result<PassStats, PassDiag> {
     let Some(opts) = &ctx.train.float8 else { return Ok(PassStats::new()) };
     let decisions = crate::float8::float8(g, opts)?;
@@ -621,7 +647,7 @@ mod tests {
         let err = run_pipeline(&mut model(), &passes, &TrainOptions::default(), &opts(false, DumpAfter::Pass("fusion".into()))).expect_err("unknown");
         assert_eq!(
             err.to_string(),
-            "unknown pass `fusion`; valid passes: shard-tp, shard-dp, master-weights, float8, autodiff, activation-checkpoint, sync-grads, reduce-loss, adamw, cse, float8-fsdp-gather, dce, async-tp, prefetch-gathers, prefetch-next-layer, check-collectives, fuse"
+            "unknown pass `fusion`; valid passes: shard-tp, shard-dp, master-weights, float8, float8-forward, autodiff, activation-checkpoint, sync-grads, reduce-loss, adamw, cse, float8-fsdp-gather, dce, async-tp, prefetch-gathers, prefetch-next-layer, check-collectives, fuse"
         );
         let err = run_pipeline(&mut model(), &passes, &TrainOptions::default(), &opts(false, DumpAfter::Pass("fuse".into()))).expect_err("not run");
         assert!(

@@ -152,22 +152,15 @@ pub(crate) fn run_on_copy(
     run_on_copy_as("train", model, opts, passes, popts)
 }
 
-/// Validate `opts`, copy `model` as `<name>_eval` (meta `step = "eval"`) and run `passes` on it.
-/// A float8 build has no eval step yet (its forward needs the float8 expansion that `autodiff`
-/// runs): refused.
+/// Validate `opts`, copy `model` as `<name>_eval` (meta `step = "eval"`) and run `passes` on it
+/// (with `--float8`, the eval pipelines' `float8` and `float8-forward` quantize its linears as the
+/// training step does).
 pub(crate) fn run_eval_on_copy(
     model: &Graph,
     opts: &TrainOptions,
     passes: &[crate::pipeline::PassInfo],
     popts: &crate::pipeline::PipelineOptions,
 ) -> Result<(Graph, crate::pipeline::PipelineReport), PassError> {
-    if opts.float8.is_some() {
-        return Err(PassError::new(
-            "lower-to-eval",
-            crate::PassErrorKind::Precondition,
-            "an eval step of a float8 build is not supported yet; validate a bf16 build of the same model (its checkpoints load)".to_string(),
-        ));
-    }
     run_on_copy_as("eval", model, opts, passes, popts)
 }
 

@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use crate::checkpoint::{self, RunIdentity, TrainerState};
-use crate::data::{Batches, DataSource, PackedBatches, PackedSpec, check_vocab, load_tokens};
+use crate::data::{Batch, Batches, DataSource, PackedBatches, PackedSpec, check_vocab, load_tokens};
 use crate::dist::{DistEnv, ProcessGroup, ProcessMeshTrainer, RendezvousOptions};
 use crate::log::{H200_MEMORY_BYTES, MetricsRecord, MetricsWriter, Progress, format_memory_check, format_startup, memory_summary};
 use crate::nonfinite::{NonFiniteGuard, StepOutcome};
@@ -126,14 +126,15 @@ struct Cli {
     /// Validate at step 1 and every N steps (`[validation] freq`).
     #[arg(long, value_name = "N", default_value_t = 10, requires = "val_data", value_parser = titan_ir::flags::positive::<u64>, allow_negative_numbers = true)]
     val_every: u64,
-    /// Batches per validation; the validation loss is their mean (`[validation] steps`).
-    #[arg(long, value_name = "K", default_value_t = 1, requires = "val_data", value_parser = titan_ir::flags::positive::<u64>, allow_negative_numbers = true)]
-    val_steps: u64,
+    /// Batches per validation, the validation loss being their mean; -1: the whole validation
+    /// set once, read in order (`[validation] steps`, TorchTitan's -1).
+    #[arg(long, value_name = "K", default_value = "1", requires = "val_data", value_parser = val_steps_flag, allow_negative_numbers = true)]
+    val_steps: ValSteps,
     /// Seconds every rank waits for the others at the rendezvous of a multi-process run.
     #[arg(long, value_name = "SECS", default_value_t = 300, value_parser = titan_ir::flags::positive::<u64>, allow_negative_numbers = true)]
     rendezvous_timeout: u64,
     /// A TorchTitan job config (TOML): its runtime sections set the run ([training] steps, seed
-    /// and dataset_path, [checkpoint], [metrics] log_freq, [profiling], [comm] timeouts, with
+    /// and dataset_path, [checkpoint], [metrics] log_freq, [profiling], [validation], [comm] timeouts, with
     /// job.dump_folder the root of the checkpoint folder and of metrics.jsonl); flags given on
     /// the command line override the file.
     #[arg(long, value_name = "TOML")]
@@ -157,6 +158,23 @@ struct Cli {
     /// peak over it (the GPU's measured peak; on the cpu backend, the bytes its arenas allocate).
     #[arg(long, value_name = "FILE.svg")]
     memory_svg: Option<PathBuf>,
+}
+
+/// How much of the validation set one validation reads (`--val-steps`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum ValSteps {
+    /// The first K batches.
+    Batches(u64),
+    /// Every whole batch of the set, once, in order (`--val-steps -1`).
+    All,
+}
+
+/// `--val-steps`: -1 or a count of at least 1.
+fn val_steps_flag(s: &str) -> Result<ValSteps, String> {
+    if s.trim() == "-1" {
+        return Ok(ValSteps::All);
+    }
+    titan_ir::flags::positive::<u64>(s).map(ValSteps::Batches).map_err(|e| format!("{e}, or -1 for the whole validation set"))
 }
 
 /// `--memory-svg`: the plan of `artifact` with `measured` (bytes, what they are) over it.
@@ -231,6 +249,31 @@ fn apply_job_config(mut cli: Cli, given: &dyn Fn(&str) -> bool, announce: bool) 
     if !given("metrics") {
         std::fs::create_dir_all(&job.dump_folder).with_context(|| format!("cannot create job.dump_folder `{}`", job.dump_folder.display()))?;
         cli.metrics = Some(job.metrics_file());
+    }
+    let v = &job.validation;
+    if v.enable {
+        if !given("val_data") {
+            let data = v.data.clone().ok_or_else(|| {
+                anyhow::anyhow!(
+                    "{}: `validation.enable = true` needs a validation set titan-run can read: set `validation.dataset_path` (text or JSONL with --tokenizer, llm.c shards, or a token file) or pass --val-data",
+                    path.display()
+                )
+            })?;
+            cli.val_data = Some(data);
+        }
+        if !given("val_every") {
+            cli.val_every = v.freq;
+        }
+        if !given("val_steps") {
+            cli.val_steps = v.steps.map_or(ValSteps::All, ValSteps::Batches);
+        }
+    }
+    if let Some(a) = job.async_tp.as_ref().filter(|a| a.on && announce && cli.backend == "cuda") {
+        eprintln!(
+            "titan-run: note: {}: `{} = true` not honored on --backend cuda: the CUDA backend does not run async tensor parallelism yet (not supported yet) and refuses an artifact built with it at load; set it to false and rebuild, or run on --backend cpu",
+            path.display(),
+            a.key
+        );
     }
     let ck = &job.checkpoint;
     if ck.enable {
@@ -566,29 +609,21 @@ fn data_source_at(cli: &Cli, data: Option<&Path>) -> Result<DataSource> {
     })
 }
 
-/// `--val-data` runs an artifact's eval step on the cpu backend (one device or the simulated
-/// mesh); refuse it elsewhere before anything starts.
-fn check_val_flags(cli: &Cli, env: &DistEnv) -> Result<()> {
-    if cli.val_data.is_none() {
-        return Ok(());
-    }
-    if is_graph_file(&cli.path) {
+/// `--val-data` runs an artifact's eval step (every backend, one device, the simulated mesh or
+/// one process per rank); a training graph has none: refuse it before anything starts.
+fn check_val_flags(cli: &Cli) -> Result<()> {
+    if cli.val_data.is_some() && is_graph_file(&cli.path) {
         bail!("--val-data runs the eval step of an artifact; graph mode (a training graph .ir) has none: build an artifact with `titanc build` and run that");
-    }
-    if cli.backend == "cuda" {
-        bail!("--val-data with --backend cuda is not supported yet (the CUDA backend does not run the artifact's eval step); validate on --backend cpu");
-    }
-    if cli.nproc_per_node.is_some() || env.is_distributed() {
-        bail!("--val-data in a multi-process run is not supported yet; validate on the simulated mesh (`titan-run DIR` without --nproc-per-node)");
     }
     Ok(())
 }
 
-/// Validation: the eval step on `--val-steps` batches of `--val-data`, from its start.
+/// Validation: the eval step on `--val-steps` batches of `--val-data`, from its start (or on
+/// every whole batch of it, in order, with `--val-steps -1`).
 struct Validator {
     source: DataSource,
     every: u64,
-    steps: u64,
+    steps: ValSteps,
     seed: u64,
 }
 
@@ -602,7 +637,47 @@ struct ValidationRecord {
     perplexity: f64,
     #[serde(rename = "validation_metrics/throughput(tps)")]
     tokens_per_s: f64,
+    /// Batches the loss is the mean of.
+    batches: u64,
     wall_s: f64,
+}
+
+/// The validation batches of one validation: sampled by seed, packed in order, or (the whole
+/// set) consecutive windows read once.
+enum ValBatches {
+    Sampled(Batcher),
+    Packed(Box<PackedBatches>),
+    /// `--val-steps -1` on tokens held in memory: non-overlapping windows of `seq + 1` tokens
+    /// in order, `batch` per batch, the last partial batch dropped.
+    InOrder {
+        tokens: Vec<u32>,
+        batch: usize,
+        seq: usize,
+        next: usize,
+    },
+}
+
+impl ValBatches {
+    fn next(&mut self) -> Result<Option<Batch>> {
+        Ok(match self {
+            ValBatches::Sampled(b) => Some(b.next_batch()),
+            ValBatches::Packed(p) => p.try_next_batch()?,
+            ValBatches::InOrder { tokens, batch, seq, next } => {
+                let w = *seq + 1;
+                if (*next + *batch) * w > tokens.len() {
+                    return Ok(None);
+                }
+                let (mut t, mut y) = (Vec::with_capacity(*batch * *seq), Vec::with_capacity(*batch * *seq));
+                for r in *next..*next + *batch {
+                    let win = &tokens[r * w..(r + 1) * w];
+                    t.extend(win[..*seq].iter().map(|&x| i64::from(x)));
+                    y.extend(win[1..].iter().map(|&x| i64::from(x)));
+                }
+                *next += *batch;
+                Some(Batch { tokens: t, targets: y })
+            }
+        })
+    }
 }
 
 impl Validator {
@@ -611,25 +686,34 @@ impl Validator {
         step == 1 || step.is_multiple_of(self.every)
     }
 
-    /// The mean eval loss over `steps` batches from the start of the data.
+    /// The mean eval loss over the validation batches.
     fn run(&self, trainer: &mut dyn Trainer, step: u64, wall_s: f64) -> Result<ValidationRecord> {
         let started = std::time::Instant::now();
-        let mut batches = match &self.source {
-            DataSource::Sampled(tokens) => {
-                Batches::Sampled(Batcher::new(tokens.clone(), trainer.batch_size(), trainer.seq_len(), self.seed).map_err(anyhow::Error::msg)?)
-            }
-            DataSource::Packed(spec) => {
-                Batches::Packed(Box::new(PackedBatches::open(spec, trainer.batch_size(), trainer.seq_len(), trainer.vocab_size(), &Default::default())?))
-            }
+        let (b, q, v) = (trainer.batch_size(), trainer.seq_len(), trainer.vocab_size());
+        let whole = self.steps == ValSteps::All;
+        let mut batches = match (&self.source, whole) {
+            (DataSource::Sampled(tokens), false) => ValBatches::Sampled(Batcher::new(tokens.clone(), b, q, self.seed).map_err(anyhow::Error::msg)?),
+            (DataSource::Sampled(tokens), true) => ValBatches::InOrder { tokens: tokens.clone(), batch: b, seq: q, next: 0 },
+            (DataSource::Packed(spec), false) => ValBatches::Packed(Box::new(PackedBatches::open(spec, b, q, v, &Default::default())?)),
+            (DataSource::Packed(spec), true) => ValBatches::Packed(Box::new(PackedBatches::open_once(spec, b, q, v)?)),
         };
-        let mut sum = 0.0;
-        for _ in 0..self.steps {
-            let batch = batches.next_batch()?;
+        let (mut sum, mut n) = (0.0, 0u64);
+        loop {
+            if let ValSteps::Batches(k) = self.steps
+                && n >= k
+            {
+                break;
+            }
+            let Some(batch) = batches.next()? else { break };
             sum += trainer.eval_loss(&batch).context("validation")?;
+            n += 1;
         }
-        let loss = sum / self.steps as f64;
-        let tokens = self.steps as f64 * (trainer.batch_size() * trainer.seq_len()) as f64;
-        Ok(ValidationRecord { step, loss, perplexity: loss.exp(), tokens_per_s: tokens / started.elapsed().as_secs_f64().max(1e-9), wall_s })
+        if n == 0 {
+            bail!("--val-data holds less than one batch of {b} x (seq_len {q} + 1) tokens; use a larger validation set");
+        }
+        let loss = sum / n as f64;
+        let tokens = n as f64 * (b * q) as f64;
+        Ok(ValidationRecord { step, loss, perplexity: loss.exp(), tokens_per_s: tokens / started.elapsed().as_secs_f64().max(1e-9), batches: n, wall_s })
     }
 }
 
@@ -648,11 +732,11 @@ fn run(cli: Cli) -> Result<()> {
     check_backend(&cli.backend)?;
     check_checkpoint_flags(&cli)?;
     check_skip_flags(&cli)?;
+    check_val_flags(&cli)?;
     if let Some(n) = cli.nproc_per_node {
         return launch_local(n, &cli);
     }
     let env = DistEnv::from_process_env()?;
-    check_val_flags(&cli, &env)?;
     let data = data_source(&cli)?;
     let data_name = cli.data.as_ref().map_or("bundled corpus".to_string(), |p| p.display().to_string());
     if env.is_distributed() {

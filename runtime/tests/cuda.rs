@@ -12,7 +12,8 @@
 //!     and skipped.
 //!   - `TITAN_CUDA_STEP_ARTIFACT` (an artifact whose every kernel has GPU code): initial state
 //!     bit-for-bit equal to the CPU backend's, losses of several steps close to the CPU
-//!     backend's, the CUDA-graph replay equal to eager execution.
+//!     backend's, the CUDA-graph replay equal to eager execution; its eval step's losses close
+//!     to the CPU backend's, and training with validation bitwise training without it.
 //!   - `TITAN_CUDA_TIME_ARTIFACT`: prints the median time of each kernel (a record, no check).
 //!
 //! Tolerances (per output dtype; attention kernels: every element within 5% of the reference rms
@@ -337,6 +338,48 @@ fn training_steps_match_the_cpu_backend_and_graph_replay_matches_eager() {
         assert!((g - e).abs() <= 1e-5 * e.abs(), "step {}: graph replay loss {g}, eager loss {e}", i + 1);
     }
     assert!(g[steps - 1] < g[0], "the loss goes down: {g:?}");
+}
+
+/// Validation on the GPU: the eval step (loaded at the first validation, run eagerly between
+/// training steps, the later ones replayed from the captured graph) gives the CPU backend's
+/// validation losses within the training tolerance, and training with it is bit for bit
+/// training without it.
+#[test]
+#[cfg_attr(titan_no_cuda, ignore = "skipped: no CUDA device")]
+fn the_eval_step_matches_the_cpu_backend_and_leaves_training_unchanged() {
+    if !have_gpu() {
+        return;
+    }
+    let Some(a) = artifact_from("TITAN_CUDA_STEP_ARTIFACT", "an artifact whose every kernel has GPU code") else { return };
+    if a.manifest.eval.is_none() {
+        eprintln!("skipped: the artifact has no eval step; rebuild it with this titanc");
+        return;
+    }
+    let steps = 6;
+    // Training losses, and after steps 1, 2, 4 and 6 the mean eval loss over two fixed batches.
+    let run = |t: &mut dyn Trainer, validate: bool| -> (Vec<f64>, Vec<f64>) {
+        let mut batcher = Batcher::new(byte_tokens(BUNDLED_CORPUS.as_bytes()), t.batch_size(), t.seq_len(), 5).expect("batcher");
+        let mut held = Batcher::new(byte_tokens(BUNDLED_CORPUS.as_bytes()), t.batch_size(), t.seq_len(), 9).expect("batcher");
+        let val = [held.next_batch(), held.next_batch()];
+        let (mut train, mut evals) = (Vec::new(), Vec::new());
+        for s in 1..=steps {
+            train.push(t.step(&batcher.next_batch()).expect("step").loss);
+            if validate && (s == 1 || s % 2 == 0) {
+                evals.push(val.iter().map(|b| t.eval_loss(b).expect("eval")).sum::<f64>() / 2.0);
+            }
+        }
+        (train, evals)
+    };
+    let mut gpu = CudaArtifactTrainer::new(&a, 5).expect("cuda trainer");
+    let (g_train, g_eval) = run(&mut gpu, true);
+    assert!(gpu.replaying(), "the training steps after the warm-up replay the captured graph");
+    let (n_train, _) = run(&mut CudaArtifactTrainer::new(&a, 5).expect("cuda trainer"), false);
+    let (_, c_eval) = run(&mut CpuArtifactTrainer::new(&a, 5).expect("cpu trainer"), true);
+    eprintln!("validation losses cpu {c_eval:?}\nvalidation losses cuda {g_eval:?}");
+    assert!(g_train.iter().map(|l| l.to_bits()).eq(n_train.iter().map(|l| l.to_bits())), "validation changed training: {g_train:?} vs {n_train:?}");
+    for (i, (g, c)) in g_eval.iter().zip(&c_eval).enumerate() {
+        assert!(g.is_finite() && (g - c).abs() <= 2e-2 * c.abs(), "validation {i}: cuda {g}, cpu {c}");
+    }
 }
 
 /// The rank path of the CUDA backend (NCCL communicators from a rendezvous, states initialized

@@ -98,10 +98,8 @@ impl BuildOptions {
             format!("format_version = {FORMAT_VERSION}"),
             format!("pipeline = {}", pipeline.join(",")),
         ];
-        if self.train.float8.is_none() {
-            let eval: &[&str] = if spmd { &SPMD_EVAL_BUILD_PIPELINE } else { &EVAL_BUILD_PIPELINE };
-            lines.push(format!("eval_pipeline = {}", eval.join(",")));
-        }
+        let eval: &[&str] = if spmd { &SPMD_EVAL_BUILD_PIPELINE } else { &EVAL_BUILD_PIPELINE };
+        lines.push(format!("eval_pipeline = {}", eval.join(",")));
         lines.extend(self.train.canonical_lines().into_iter().map(|(k, v)| format!("train.{k} = {v}")));
         if let Some(f8) = &self.train.float8 {
             lines.extend(f8.canonical_lines());
@@ -719,15 +717,9 @@ pub(crate) fn compile(
     phases.plan = t.elapsed();
 
     // The eval step, bound to the training plan (it may grow the activations arena, so before
-    // the mesh report). A float8 build has none yet.
+    // the mesh report).
     let t = Instant::now();
-    let mut eval = match opts.train.float8 {
-        Some(_) => {
-            notes.push("no eval step: validation of a float8 build is not supported yet (titan-run --val-data refuses this artifact)".to_string());
-            None
-        }
-        None => Some(eval::plan_eval(model, opts, &plan.storage.buffers, &mut plan.memory)?),
-    };
+    let mut eval = Some(eval::plan_eval(model, opts, &plan.storage.buffers, &mut plan.memory)?);
     phases.eval = t.elapsed();
 
     let t = Instant::now();

@@ -687,7 +687,7 @@ impl<'a> CpuArtifactTrainer<'a> {
 /// Why `--val-data` cannot run on an artifact without an eval step.
 pub(crate) fn no_eval_step() -> RuntimeError {
     RuntimeError::Backend(
-        "the artifact has no eval step (built before format version 6, or a float8 build, whose validation is not supported yet); rebuild it with this titanc, or drop --val-data".into(),
+        "the artifact has no eval step (built before format version 6, or a float8 build of a titanc before its eval step); rebuild it with this titanc, or drop --val-data".into(),
     )
 }
 

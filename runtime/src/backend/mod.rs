@@ -46,8 +46,7 @@ pub trait Trainer {
     fn eval_loss(&mut self, batch: &Batch) -> Result<f64, RuntimeError> {
         let _ = batch;
         Err(RuntimeError::Backend(
-            "validation (--val-data) is not supported yet on this backend; it runs an artifact's eval step on --backend cpu (one device or the simulated mesh)"
-                .into(),
+            "validation (--val-data) runs an artifact's eval step; this trainer has none (graph mode: build an artifact with `titanc build`)".into(),
         ))
     }
     fn batch_size(&self) -> usize;

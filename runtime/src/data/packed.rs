@@ -63,10 +63,20 @@ impl PackedBatches {
     /// Batches of `batch` rows of `seq` tokens from `start` (the stream's beginning, or the
     /// position a checkpoint recorded); every token must be below `vocab`.
     pub fn open(spec: &PackedSpec, batch: usize, seq: usize, vocab: usize, start: &StreamPosition) -> Result<PackedBatches, DataError> {
+        PackedBatches::open_with(spec, batch, seq, vocab, start, true)
+    }
+
+    /// Batches of the stream read once from its start: [`PackedBatches::try_next_batch`] ends
+    /// where the data does (`--val-steps -1`).
+    pub fn open_once(spec: &PackedSpec, batch: usize, seq: usize, vocab: usize) -> Result<PackedBatches, DataError> {
+        PackedBatches::open_with(spec, batch, seq, vocab, &StreamPosition::default(), false)
+    }
+
+    fn open_with(spec: &PackedSpec, batch: usize, seq: usize, vocab: usize, start: &StreamPosition, wrap: bool) -> Result<PackedBatches, DataError> {
         spec.check_vocab(vocab)?;
         let source: Box<dyn TokenSource> = match spec {
-            PackedSpec::Text { corpus, tokenizer } => Box::new(TextStream::new(corpus.clone(), Arc::clone(tokenizer), start, true).map_err(from_data)?),
-            PackedSpec::Shards { path } => Box::new(ShardStream::open(path, start, true).map_err(from_data)?),
+            PackedSpec::Text { corpus, tokenizer } => Box::new(TextStream::new(corpus.clone(), Arc::clone(tokenizer), start, wrap).map_err(from_data)?),
+            PackedSpec::Shards { path } => Box::new(ShardStream::open(path, start, wrap).map_err(from_data)?),
         };
         Ok(PackedBatches { packer: Packer::new(source, seq + 1), batch, seq, vocab })
     }
@@ -87,10 +97,17 @@ impl PackedBatches {
     }
 
     pub fn next_batch(&mut self) -> Result<Batch, DataError> {
+        self.try_next_batch()?.ok_or_else(|| DataError::Batch("invariant: a wrapping stream never ends".into()))
+    }
+
+    /// The next whole batch; `None` when a stream opened with [`PackedBatches::open_once`] has
+    /// fewer windows left than a batch has rows (they are dropped, as TorchTitan's validation
+    /// loader drops its last partial batch).
+    pub fn try_next_batch(&mut self) -> Result<Option<Batch>, DataError> {
         let mut tokens = Vec::with_capacity(self.batch * self.seq);
         let mut targets = Vec::with_capacity(self.batch * self.seq);
         for _ in 0..self.batch {
-            let w = self.packer.next_window().map_err(from_data)?.ok_or_else(|| DataError::Batch("invariant: a wrapping stream never ends".into()))?;
+            let Some(w) = self.packer.next_window().map_err(from_data)? else { return Ok(None) };
             if let Some(i) = w.tokens.iter().position(|&t| t as usize >= self.vocab) {
                 return Err(DataError::Format(format!(
                     "token id {} at {} (token {} of the window) is outside the model's vocabulary of {} entries; tokenize with the model's tokenizer or build the model with a larger --vocab-size",
@@ -100,6 +117,6 @@ impl PackedBatches {
             tokens.extend(w.tokens[..self.seq].iter().map(|&t| i64::from(t)));
             targets.extend(w.tokens[1..].iter().map(|&t| i64::from(t)));
         }
-        Ok(Batch { tokens, targets })
+        Ok(Some(Batch { tokens, targets }))
     }
 }

@@ -120,6 +120,18 @@ impl Trainer for ProcessMeshTrainer<'_> {
         ProcessMeshTrainer::step(self, batch)
     }
 
+    /// This rank's part of `batch` through the eval step, whose loss is all-reduced over the
+    /// mesh inside it (every rank returns the same value). A failure is reported to the other
+    /// ranks, as in [`ProcessMeshTrainer::step`].
+    fn eval_loss(&mut self, batch: &Batch) -> Result<f64, RuntimeError> {
+        let out = rank_batch(self.mesh, self.coords, batch, self.local_batch, self.trainer.seq_len(), self.seq_parallel)
+            .and_then(|local| self.trainer.eval_loss(&local));
+        if let Err(e) = &out {
+            self.group.abort(&e.to_string());
+        }
+        out
+    }
+
     fn batch_size(&self) -> usize {
         self.local_batch * self.mesh.dp() as usize
     }

@@ -136,8 +136,8 @@ fn torchtitan_8b_configs_build_as_shipped() {
     }
 }
 
-/// 70B (tp 8) and 405B (tp 8, float8 with fp8 all-gathers, async TP) read in full: the keys
-/// titan does not build are listed together (fp8 all-gathers build since `float8-fsdp-gather`).
+/// 70B (tp 8) and 405B (tp 8, float8 with fp8 all-gathers, async TP) read in full and accepted
+/// as shipped (async TP is `--async-tp`; fp8 all-gathers are `float8-fsdp-gather`).
 #[test]
 fn torchtitan_70b_and_405b_configs_are_read_in_one_run() {
     let model = |preset: &str, batch: u64| {
@@ -151,29 +151,26 @@ fn torchtitan_70b_and_405b_configs_are_read_in_one_run() {
         j.check_model(&model("70b", 8)).unwrap_or_else(|e| panic!("{release}: {e}"));
         assert_eq!(j.parallelism.tp, Some(8));
         assert_eq!(j.activation_checkpoint, Some(titan_passes::activation_checkpoint::AcPolicy::Full));
-        // 405B: refused, every reason at once.
+        // 405B: accepted as shipped, async TP and fp8 all-gathers on.
         let cfg = config(release, "llama3_405b");
-        let err = titan_compiler::JobConfig::load(&cfg).expect_err("405B").to_string();
-        assert_eq!(
-            problems(&err, &cfg),
-            [
-                "async tensor parallelism (`parallelism.enable_async_tensor_parallel = true`) is not supported yet; set `parallelism.enable_async_tensor_parallel` to false".to_string(),
-            ],
-            "{release}: {err}"
-        );
+        let async_tp = titan_ir::job_config::RunSettings::load(&cfg).map(|(s, _)| s.async_tp).unwrap_or_else(|e| panic!("{release}: {e}"));
+        assert_eq!(async_tp.map(|a| (a.key, a.on)), Some(("parallelism.enable_async_tensor_parallel".to_string(), true)), "{release}");
+        let j = titan_compiler::JobConfig::load(&cfg).unwrap_or_else(|e| panic!("{release}: {e}"));
+        j.check_model(&model("405b", 2)).unwrap_or_else(|e| panic!("{release}: {e}"));
+        assert_eq!(j.parallelism.tp, Some(8));
+        assert_eq!(j.async_tp(8).0, Some(titan_passes::async_tp::AsyncTpMode::Auto), "{release}");
+        assert!(j.float8.as_ref().is_some_and(|f| f.fsdp_all_gather), "{release}");
     }
 }
 
 /// TorchTitan's 405B float8 section (both releases) turns on fp8 FSDP all-gathers with the
 /// tensorwise default recipe and the head filtered; the precomputed scale is listed once as not
-/// honored by `titanc build` (it all-reduces the amaxes per weight). Read with async TP off, the
-/// one other key of the file titan refuses.
+/// honored by `titanc build` (it all-reduces the amaxes per weight).
 #[test]
 fn torchtitan_405b_float8_section_turns_on_fp8_all_gathers() {
     for release in ["v0.1.0", "v0.2.2"] {
         let cfg = config(release, "llama3_405b");
-        let text = std::fs::read_to_string(&cfg).expect("read").replace("enable_async_tensor_parallel = true", "enable_async_tensor_parallel = false");
-        let j = titan_compiler::JobConfig::parse(&cfg.display().to_string(), &text).unwrap_or_else(|e| panic!("{release}: {e}"));
+        let j = titan_compiler::JobConfig::load(&cfg).unwrap_or_else(|e| panic!("{release}: {e}"));
         let f8 = j.float8.clone().expect("float8 on");
         assert_eq!((f8.recipe, f8.fsdp_all_gather, f8.precompute_scale), (titan_ir::Float8Recipe::Tensorwise, true, true), "{release}");
         assert_eq!(f8.filter, vec!["output".to_string()], "{release}");
@@ -345,4 +342,22 @@ fn the_memory_plan_is_drawn_with_its_peak() {
     let text = std::fs::read_to_string(&overlay).expect("overlay");
     assert_eq!(svg_attr(&text, "measured", "data-bytes"), Some(peak), "the cpu backend allocates the plan's arenas");
     assert!(text.contains("bytes the cpu backend allocated for the arenas"), "{text}");
+}
+
+/// `enable_async_tensor_parallel = true` (here the newer `[compile]` key) is `titanc build
+/// --async-tp`: with tp 2 the build runs the `async-tp` pass and prints its decisions (tp 1, a
+/// "not honored" line instead, is `JobConfig::async_tp`'s unit test).
+#[test]
+fn the_async_tp_key_is_titanc_build_async_tp() {
+    let dir = scratch("job_config", "async-tp");
+    std::fs::create_dir_all(&dir).expect("scratch");
+    let model = dir.join("debug.ir");
+    std::fs::write(&model, titan_ir::print::print_graph(&debug_f32())).expect("write");
+    let job = dir.join("tp2.toml");
+    std::fs::write(&job, "[parallelism]\ntensor_parallel_degree = 2\n[compile]\nenable_async_tensor_parallel = true\n").expect("write");
+    let out = dir.join("tp2");
+    let stdout = titanc(&["build", model.to_str().expect("utf-8"), "-o", out.to_str().expect("utf-8"), "--job-config", job.to_str().expect("utf-8")])
+        .expect("tp 2 with async TP builds");
+    assert!(stdout.contains("async-tp:\n") && stdout.contains("synchronous: chunk of"), "{stdout}");
+    assert!(!stdout.contains("not honored: async"), "{stdout}");
 }

@@ -159,6 +159,30 @@ fn two_processes_run_an_spmd_artifact_like_the_simulated_mesh() {
     }
     assert!(stderr.contains("on 2 cpu processes") && stderr.contains("collectives per step per rank"), "{stderr}");
     assert!(sim_stderr.contains("on a simulated cpu mesh of 2 ranks (tp 2)"), "{sim_stderr}");
+    // --val-data: every process runs the eval step on its part of the validation batches, the
+    // loss all-reduced inside it; rank 0 logs it, bit for bit the simulated mesh's.
+    let corpus = format!("{}/../examples/data/tiny_corpus.txt", env!("CARGO_MANIFEST_DIR"));
+    let val = |tag: &str, extra: &[&str]| {
+        let metrics = dir.with_file_name(format!("{tag}.jsonl"));
+        let mut args = vec![p(&dir), "--steps", "2", "--val-data", corpus.as_str(), "--val-every", "2", "--val-steps", "2", "--metrics", p(&metrics)];
+        args.extend_from_slice(extra);
+        let out = titan_run(&args);
+        assert!(out.status.success(), "{tag}: {}", text(&out.stderr));
+        let records: Vec<(u64, f64)> = std::fs::read_to_string(&metrics)
+            .expect("metrics")
+            .lines()
+            .map(|l| serde_json::from_str::<serde_json::Value>(l).expect("json"))
+            .filter_map(|v| Some((v["step"].as_u64()?, v["validation_metrics/loss"].as_f64()?)))
+            .collect();
+        (records, text(&out.stdout))
+    };
+    let (procs_val, procs_out) = val("val-procs", &["--nproc-per-node", "2"]);
+    let (sim_val, _) = val("val-sim", &[]);
+    println!("validation: 2 processes {procs_val:?}; simulated mesh {sim_val:?}");
+    assert_eq!(procs_val.iter().map(|r| r.0).collect::<Vec<_>>(), [1, 2], "{procs_out}");
+    assert!(procs_val.iter().all(|r| r.1.is_finite() && r.1 > 0.0), "{procs_val:?}");
+    assert_eq!(procs_val, sim_val, "the processes' validation losses vs the simulated mesh's");
+    assert_eq!(procs_out.lines().filter(|l| l.starts_with("validate step:")).count(), 2, "rank 0 alone prints validation:\n{procs_out}");
     // --profile: rank 0 prints its kernel table, the other rank one line.
     let out = titan_run(&[p(&dir), "--steps", "3", "--nproc-per-node", "2", "--profile"]);
     let e = text(&out.stderr);

@@ -8,6 +8,12 @@
 //!   (`titan_passes::lower_to_eval`) on the masters the artifact holds at that step.
 //! - Validation does not change training: the training losses of that run are bitwise those of
 //!   the same run without `--val-data`.
+//! - `titan-run --job-config` with `[validation] enable, dataset_path, freq, steps` validates
+//!   exactly as those flags do; `--val-steps -1` (TorchTitan's `steps = -1`) reads the whole
+//!   validation set once, in order, and logs the mean over its whole batches.
+//! - A float8 build (`--float8 rowwise`) has an eval step too: its loss equals, bit for bit, the
+//!   interpreter on the unfused float8 eval graph (the forward of each `linear_f8` expanded by
+//!   `float8-forward`), and differs from the bf16 eval graph's.
 //! - On the simulated mesh (dp_shard 2 x tp 2, f32 debug model) the eval step's loss equals the
 //!   single-rank artifact's within 1e-5 after the same training steps (summation order only, as
 //!   `artifact_mesh.rs`).
@@ -122,10 +128,42 @@ fn validation_loss_equals_the_unfused_eval_graph_and_leaves_training_unchanged()
         ["--val-data".into(), s(&val), "--val-every".into(), VAL_EVERY.to_string(), "--val-steps".into(), VAL_STEPS.to_string()].to_vec();
     let printed = run(&val_args, &dir.join("with.jsonl"));
     run(&[], &dir.join("without.jsonl"));
+    // The same validation from a job config (its metrics go to `<dump_folder>/metrics.jsonl`).
+    let job = dir.join("job.toml");
+    let dump = dir.join("job-out");
+    std::fs::write(
+        &job,
+        format!(
+            "[job]\ndump_folder = \"{}\"\n[validation]\nenable = true\ndataset_path = \"{}\"\nfreq = {VAL_EVERY}\nsteps = {VAL_STEPS}\nlocal_batch_size = 8\n",
+            s(&dump),
+            s(&val)
+        ),
+    )
+    .expect("write the job config");
+    let mut args: Vec<String> = base.to_vec();
+    args.extend(["--job-config".to_string(), s(&job)]);
+    let out = Command::new(TITAN_RUN).args(&args).output().expect("run titan-run-e2e");
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "{text}");
+    assert!(text.contains("`validation.local_batch_size` not honored: titan's eval step runs on the training step's batch"), "{text}");
+    let (_, from_job) = logged(&dump.join("metrics.jsonl"));
+    // The whole of a validation set once, after the first step (the training corpus, to have
+    // several batches).
+    let whole = dir.join("whole.jsonl");
+    let mut args: Vec<String> = base[..5].to_vec();
+    args.extend(["--steps".into(), "1".into(), "--val-data".into(), s(&corpus), "--val-steps".into(), "-1".into(), "--metrics".into(), s(&whole)]);
+    let out = Command::new(TITAN_RUN).args(&args).output().expect("run titan-run-e2e");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let whole_record: serde_json::Value = std::fs::read_to_string(&whole)
+        .expect("metrics")
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("json"))
+        .find(|v: &serde_json::Value| v["batches"].is_u64())
+        .expect("a validation record");
+    let bits = |v: &[(u64, f64)]| v.iter().map(|&(s, l)| (s, l.to_bits())).collect::<Vec<_>>();
     let (train_with, val_logged) = logged(&dir.join("with.jsonl"));
     let (train_without, none) = logged(&dir.join("without.jsonl"));
     assert!(none.is_empty());
-    let bits = |v: &[(u64, f64)]| v.iter().map(|&(s, l)| (s, l.to_bits())).collect::<Vec<_>>();
     assert_eq!(bits(&train_with), bits(&train_without), "validation changed the training losses");
     assert_eq!(val_logged.iter().map(|&(s, _)| s).collect::<Vec<_>>(), [1, 2, 4], "TorchTitan validates at step 1 and every --val-every steps");
     for (step, loss) in &val_logged {
@@ -142,10 +180,23 @@ fn validation_loss_equals_the_unfused_eval_graph_and_leaves_training_unchanged()
     let mut val_data = PackedBatches::open(&PackedSpec::text(&val, &tok, "text").expect("spec"), b, q, v, &Default::default()).expect("val data");
     let val_batches: Vec<Batch> = (0..VAL_STEPS).map(|_| val_data.next_batch().expect("val batch")).collect();
     let eval = titan_passes::lower_to_eval(&model, &TrainOptions { lr: 3e-3, warmup_steps: 2, decay_steps: 2, ..TrainOptions::default() }).expect("eval graph");
+    assert_eq!(bits(&from_job), bits(&val_logged), "the job config's [validation] vs the same flags");
     let mut checked = 0;
     for step in 1..=STEPS {
         let m = t.step(&train.next_batch().expect("batch")).expect("step");
         assert_eq!(m.loss.to_bits(), train_with[step as usize - 1].1.to_bits(), "step {step}");
+        if step == 1 {
+            let mut once = PackedBatches::open_once(&PackedSpec::text(&corpus, &tok, "text").expect("spec"), b, q, v).expect("val data");
+            let (mut sum, mut n) = (0.0, 0u64);
+            while let Some(vb) = once.try_next_batch().expect("val batch") {
+                sum += t.eval_loss(&vb).expect("eval");
+                n += 1;
+            }
+            println!("the whole validation set: {n} batches, mean loss {}", sum / n as f64);
+            assert!(n > VAL_STEPS as u64, "the validation set is longer than --val-steps {VAL_STEPS}: {n} batches");
+            assert_eq!(whole_record["batches"].as_u64(), Some(n), "{whole_record}");
+            assert_eq!(whole_record["validation_metrics/loss"].as_f64().map(f64::to_bits), Some((sum / n as f64).to_bits()), "{whole_record}");
+        }
         let Some(&(_, logged)) = val_logged.iter().find(|(s, _)| *s == step) else { continue };
         let reference = val_batches.iter().map(|vb| reference_loss(&eval, &t, vb)).sum::<f64>() / VAL_STEPS as f64;
         let compiled = val_batches.iter().map(|vb| t.eval_loss(vb).expect("eval")).sum::<f64>() / VAL_STEPS as f64;
@@ -197,4 +248,33 @@ fn an_eval_step_reading_a_master_elsewhere_is_refused(dir: &Path) {
     std::fs::write(&path, serde_json::to_string_pretty(&m).expect("json")).expect("write");
     let err = Artifact::load(dir).expect_err("a param at another offset").to_string();
     assert!(err.contains(&format!("eval.buffers[{i}].offset")) && err.contains("the training buffer"), "{err}");
+}
+
+/// A float8 build's eval step: the debug model (bf16) with `--float8 rowwise`, after a training
+/// step, against the interpreter on the unfused float8 eval graph, bit for bit; the bf16 eval
+/// graph's loss on the same masters differs (the linears are quantized) but stays close.
+#[test]
+fn float8_eval_step_equals_the_unfused_float8_eval_graph() {
+    use titan_ir::Float8Recipe;
+    use titan_passes::float8::Float8Options;
+    let model = build_llama3(&LlamaConfig::preset(Preset::Debug), "llama3_debug").expect("debug model");
+    let train = TrainOptions { float8: Some(Float8Options::new(Float8Recipe::Rowwise)), ..train_options() };
+    let dir = scratch("validation", "float8");
+    let summary =
+        build_artifact(&model, &titan_ir::print::print_graph(&model), &BuildOptions { train: train.clone(), ..BuildOptions::default() }, dir.as_ref())
+            .expect("build");
+    assert!(summary.eval.as_ref().is_some_and(|e| e.kernels > 0), "{summary}");
+    let artifact = Artifact::load(&dir).expect("load");
+    let mut t = CpuArtifactTrainer::new(&artifact, 0).expect("trainer");
+    let mut batcher = Batcher::new(byte_tokens(BUNDLED_CORPUS.as_bytes()), t.batch_size(), t.seq_len(), 7).expect("batcher");
+    let val = batcher.next_batch();
+    t.step(&batcher.next_batch()).expect("step");
+    let compiled = t.eval_loss(&val).expect("eval");
+    let eval = titan_passes::lower_to_eval(&model, &train).expect("float8 eval graph");
+    assert!(titan_ir::print::print_graph(&eval).contains("scaled_matmul"), "the eval graph's linears are float8");
+    let reference = reference_loss(&eval, &t, &val);
+    let bf16 = reference_loss(&titan_passes::lower_to_eval(&model, &train_options()).expect("bf16 eval graph"), &t, &val);
+    println!("float8 eval loss {compiled} (eval step), {reference} (interpreter, unfused); bf16 eval graph {bf16}");
+    assert_eq!(compiled.to_bits(), reference.to_bits(), "the float8 eval step vs the unfused float8 eval graph");
+    assert!(compiled != bf16 && (compiled - bf16).abs() < 0.05, "float8 {compiled} vs bf16 {bf16}");
 }

@@ -11,7 +11,6 @@ use super::gemm::pow2_align;
 use super::module::{Loaded, LoadedCode};
 use super::unroll::{Arenas, Frame};
 use crate::RuntimeError;
-use crate::artifact::Artifact;
 
 /// The GEMM algorithm cache of device `name`: `$TITAN_CACHE_DIR`, else `$XDG_CACHE_HOME/titan`,
 /// else `~/.cache/titan`; `gemm-<device>.json` (`None` without any of them).
@@ -131,7 +130,6 @@ pub(super) fn check_gemm_extent(k: &Kernel, g: &titan_ir::artifact::GemmDesc, bo
 /// Walk the schedule's GEMM launches: check their extents and record the smallest
 /// power-of-two alignment of each operand.
 pub(super) fn gemm_operands(
-    artifact: &Artifact,
     arenas: &Arenas<'_>,
     steps: &[Step],
     frame: Option<Frame<'_>>,
@@ -141,8 +139,8 @@ pub(super) fn gemm_operands(
     for step in steps {
         match step {
             Step::Launch { kernel, inputs, outputs, .. } => {
-                let Some(pos) = artifact.kernel_pos(*kernel) else { continue };
-                let k = &artifact.manifest.kernels[pos];
+                let Some(pos) = arenas.kernel_pos(*kernel) else { continue };
+                let k = &arenas.kernels()[pos];
                 let Some(g) = k.gemm.as_ref().filter(|_| k.kind == KernelKind::Gemm) else { continue };
                 let refs = [inputs.first(), inputs.get(1).or(inputs.first()), outputs.first()];
                 let mut bound = [0u64; 3];
@@ -167,7 +165,7 @@ pub(super) fn gemm_operands(
             Step::Loop { count, reverse, carries, body, prefetch } => {
                 for run in titan_ir::artifact::loop_runs(*count, *reverse, !prefetch.is_empty()) {
                     let steps = if run.prefetch { prefetch } else { body };
-                    gemm_operands(artifact, arenas, steps, Some(Frame { layer: run.layer, t: run.t, carries }), align, first)?;
+                    gemm_operands(arenas, steps, Some(Frame { layer: run.layer, t: run.t, carries }), align, first)?;
                 }
             }
             _ => {}

@@ -48,7 +48,7 @@ impl<'a> KernelRunner<'a> {
     /// [`KernelRunner::has_gpu_code`]).
     pub fn new(artifact: &'a Artifact) -> Result<KernelRunner<'a>, RuntimeError> {
         let gpu = Gpu::open()?;
-        let code = LoadedCode::load(&gpu, artifact, &|_| [256; 3], true)?;
+        let code = LoadedCode::load(&gpu, artifact, &artifact.manifest.kernels, &|_| [256; 3], true)?;
         Ok(KernelRunner { artifact, code, gpu })
     }
 
@@ -135,7 +135,7 @@ impl<'a> KernelRunner<'a> {
             // A scratch workspace may hold anything: poison it so a read before write shows.
             self.gpu.memset(w.ptr, fill, w.bytes as usize, || format!("poisoning the workspace of kernel `{name}`"))?;
         }
-        self.code.launch(&self.gpu, self.artifact, pos, &ip, &op, &|| "differential test".into())?;
+        self.code.launch(&self.gpu, &self.artifact.manifest.kernels, pos, &ip, &op, &|| "differential test".into())?;
         self.gpu.sync(|| format!("running kernel `{name}`"))?;
         let mut outputs = Vec::new();
         for (i, (b, o)) in dout.iter().zip(&outs).enumerate() {
@@ -183,13 +183,13 @@ impl<'a> KernelRunner<'a> {
         let ip: Vec<u64> = din.iter().map(|b| b.ptr).collect();
         let op: Vec<u64> = dout.iter().map(|b| b.ptr).collect();
         let at = || "timing".to_string();
-        self.code.launch(&self.gpu, self.artifact, pos, &ip, &op, &at)?;
+        self.code.launch(&self.gpu, &self.artifact.manifest.kernels, pos, &ip, &op, &at)?;
         self.gpu.sync(|| format!("warming up kernel `{name}`"))?;
         let (e0, e1) = (Event::new()?, Event::new()?);
         let mut ms = Vec::with_capacity(iters.max(1));
         for _ in 0..iters.max(1) {
             self.gpu.record(&e0)?;
-            self.code.launch(&self.gpu, self.artifact, pos, &ip, &op, &at)?;
+            self.code.launch(&self.gpu, &self.artifact.manifest.kernels, pos, &ip, &op, &at)?;
             self.gpu.record(&e1)?;
             ms.push(f64::from(e0.elapsed_ms(&e1)?));
         }

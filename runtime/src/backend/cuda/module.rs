@@ -69,19 +69,26 @@ pub(super) struct LoadedCode {
 }
 
 impl LoadedCode {
-    /// Load every kernel of `artifact`; `gemm_align(pos)` gives the operand alignment of GEMM
+    /// Load every kernel of `kernels_of` (the training step's or the eval step's table of
+    /// `artifact`, whose directory holds their files); `gemm_align(pos)` gives the operand alignment of GEMM
     /// kernel `pos`. With `allow_missing`, kernels without GPU code are kept as `Missing`. A
     /// kernel with a cubin loads it when the artifact targets sm_90a and the device is compute
     /// capability 9.0 (no JIT); otherwise, or if the cubin fails to load (with a one-line
     /// warning), its PTX loads and the driver compiles it. Modules load on several threads.
-    pub(super) fn load(gpu: &Gpu, artifact: &Artifact, gemm_align: &dyn Fn(usize) -> [u64; 3], allow_missing: bool) -> Result<LoadedCode, RuntimeError> {
+    pub(super) fn load(
+        gpu: &Gpu,
+        artifact: &Artifact,
+        kernels_of: &[Kernel],
+        gemm_align: &dyn Fn(usize) -> [u64; 3],
+        allow_missing: bool,
+    ) -> Result<LoadedCode, RuntimeError> {
         let blas = Blas::new()?;
         let blas_workspace = gpu.alloc(gemm::WORKSPACE_BYTES, 0, "the cuBLASLt workspace")?;
         let mut kernels: Vec<Option<Loaded>> = Vec::new();
         let mut plans: Vec<GemmPlan> = Vec::new();
         let mut plan_keys: Vec<(String, [u64; 3])> = Vec::new();
         let mut ptx_jobs = Vec::new();
-        for (pos, k) in artifact.manifest.kernels.iter().enumerate() {
+        for (pos, k) in kernels_of.iter().enumerate() {
             let code = match gpu_code(k) {
                 Ok(c) => c,
                 Err(_) if allow_missing && k.ptx.is_none() && k.kind != KernelKind::Gemm => {
@@ -200,8 +207,9 @@ impl LoadedCode {
     }
 
     /// Enqueue kernel `pos` with its input and output pointers.
-    pub(super) fn launch(&self, gpu: &Gpu, artifact: &Artifact, pos: usize, ins: &[u64], outs: &[u64], at: &dyn Fn() -> String) -> Result<(), CudaError> {
-        let name = &artifact.manifest.kernels[pos].name;
+    /// `kernels` is the table the code was loaded from.
+    pub(super) fn launch(&self, gpu: &Gpu, kernels: &[Kernel], pos: usize, ins: &[u64], outs: &[u64], at: &dyn Fn() -> String) -> Result<(), CudaError> {
+        let name = kernels.get(pos).map_or("?", |k| k.name.as_str());
         match &self.kernels[pos] {
             Loaded::Ptx { func, launch, prologue, workspace, .. } => {
                 let mut ptrs: Vec<u64> = Vec::with_capacity(ins.len() + outs.len() + 1);

@@ -6,14 +6,14 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Instant;
 
 use titan_ir::DType;
-use titan_ir::artifact::{Arena, Buffer, BufferClass};
+use titan_ir::artifact::{Arena, Buffer, BufferClass, Kernel};
 use titan_ir::interp::Tensor;
 
 use super::autotune::gemm_operands;
 use super::collective::{self, Action, Loc};
 use super::driver::{CudaError, DeviceBuffer, Event, Gpu, Graph};
 use super::module::{LoadedCode, check_gpu_code};
-use super::unroll::{Arenas, Op};
+use super::unroll::{Arenas, Op, Table};
 use super::{ARENAS, WARMUP_STEPS, bad, comm_profile, slot};
 use crate::RuntimeError;
 use crate::artifact::{Artifact, StepFeeds, arena_name};
@@ -85,6 +85,8 @@ pub struct CudaArtifactTrainer<'a> {
     mem_baseline: u64,
     /// The largest used-bytes delta read so far.
     measured_peak: u64,
+    /// The eval step (`--val-data`), loaded at its first use.
+    eval: Option<EvalCode<'a>>,
     code: LoadedCode,
     _memory: Vec<DeviceBuffer>,
     gpu: Gpu,
@@ -98,6 +100,30 @@ struct CommEvents {
     fork: Event,
     done: Vec<Event>,
     joins: collective::Joins,
+}
+
+/// The artifact's eval step on this GPU: its kernels loaded like the training step's, its
+/// schedule unrolled over the same arenas (its params are the training masters, its inputs the
+/// training `tokens`/`targets`, its activations in the `activations` arena, which holds nothing
+/// live between training steps), run eagerly between training steps.
+struct EvalCode<'a> {
+    ops: Vec<Op>,
+    comm_events: Option<CommEvents>,
+    /// Staging for its collectives along inner dims.
+    staging: Option<DeviceBuffer>,
+    loss: &'a Buffer,
+    code: LoadedCode,
+}
+
+/// One unrolled schedule to enqueue: the training step's or the eval step's.
+struct Sched<'s> {
+    ops: &'s [Op],
+    code: &'s LoadedCode,
+    kernels: &'s [Kernel],
+    comm_events: Option<&'s CommEvents>,
+    staging: Option<&'s DeviceBuffer>,
+    /// Timing events (`--profile`, the training step only).
+    profile: Option<&'s Profile>,
 }
 
 /// Per-op timing events and the accumulated time per kernel.
@@ -232,31 +258,19 @@ impl<'a> CudaArtifactTrainer<'a> {
             bytes[slot(a)] = n;
             memory.push(buf);
         }
-        let arenas = Arenas { artifact, base, bytes, coords };
+        let arenas = Arenas { artifact, base, bytes, coords, table: Table::Train };
         startup.alloc_s = t.elapsed().as_secs_f64();
         let t = Instant::now();
         let (mut ops, mut ext) = (Vec::new(), Vec::new());
         arenas.unroll(&m.ranks[0].steps, None, &mut Vec::new(), &mut ops, &mut ext)?;
-        let comm: Vec<bool> = ops.iter().map(|o| matches!(o, Op::Collective { plan, .. } if plan.communicates)).collect();
-        let joins = collective::join_points(&comm, &ext);
-        let staging_bytes = ops.iter().map(|o| if let Op::Collective { plan, .. } = o { plan.staging_bytes } else { 0 }).max().unwrap_or(0);
-        let staging = if staging_bytes > 0 { Some(gpu.alloc(staging_bytes, 0, "the collectives' staging buffer")?) } else { None };
-        let has_collectives = ops.iter().any(|o| matches!(o, Op::Collective { plan, .. } if plan.communicates));
-        if has_collectives && nccl.is_none() {
-            return Err(RuntimeError::Backend("the schedule has collectives but this process has no NCCL communicators".into()));
-        }
-        let comm_events = if has_collectives {
-            Some(CommEvents { fork: Event::new()?, done: comm.iter().filter(|&&c| c).map(|_| Event::new()).collect::<Result<Vec<_>, _>>()?, joins })
-        } else {
-            None
-        };
+        let (staging, comm_events) = collective_setup(&gpu, &ops, &ext, nccl.is_some(), "the collectives' staging buffer")?;
         // Per GEMM kernel: the alignment of its operands over every launch, and their extents.
         let mut align = vec![[256u64; 3]; m.kernels.len()];
         let mut first = vec![None; m.kernels.len()];
-        gemm_operands(artifact, &arenas, &m.ranks[0].steps, None, &mut align, &mut first)?;
+        gemm_operands(&arenas, &m.ranks[0].steps, None, &mut align, &mut first)?;
         startup.plan_s = t.elapsed().as_secs_f64();
         let t = Instant::now();
-        let mut code = LoadedCode::load(&gpu, artifact, &|pos| align[pos], false)?;
+        let mut code = LoadedCode::load(&gpu, artifact, &m.kernels, &|pos| align[pos], false)?;
         startup.load_s += t.elapsed().as_secs_f64();
         eprintln!("titan-run: loaded {} kernels from cubins and {} from PTX (JIT) in {:.1} s", code.from_cubin, code.from_ptx, t.elapsed().as_secs_f64());
         let t = Instant::now();
@@ -295,6 +309,7 @@ impl<'a> CudaArtifactTrainer<'a> {
             comm_events,
             mem_baseline,
             measured_peak: 0,
+            eval: None,
             code,
             _memory: memory,
             gpu,
@@ -478,15 +493,33 @@ impl<'a> CudaArtifactTrainer<'a> {
         &self.gpu.name
     }
 
+    /// The training step as a [`Sched`].
+    fn train_sched(&self) -> Sched<'_> {
+        Sched {
+            ops: &self.ops,
+            code: &self.code,
+            kernels: &self.artifact.manifest.kernels,
+            comm_events: self.comm_events.as_ref(),
+            staging: self.staging.as_ref(),
+            profile: self.profile.as_ref(),
+        }
+    }
+
     fn enqueue_ops(&self) -> Result<(), CudaError> {
-        let events = self.profile.as_ref().map(|p| &p.events);
-        let before_waits = self.profile.as_ref().and_then(|p| p.comm.as_ref()).map(|c| &c.before_waits);
+        self.enqueue(&self.train_sched())
+    }
+
+    /// Enqueue every op of `s` on the compute stream (its collectives on the collectives'
+    /// stream, ordered by its events).
+    fn enqueue(&self, s: &Sched<'_>) -> Result<(), CudaError> {
+        let events = s.profile.map(|p| &p.events);
+        let before_waits = s.profile.and_then(|p| p.comm.as_ref()).map(|c| &c.before_waits);
         let mut nth_collective = 0;
-        for (i, op) in self.ops.iter().enumerate() {
+        for (i, op) in s.ops.iter().enumerate() {
             if let Some(ev) = before_waits {
                 self.gpu.record(&ev[i])?;
             }
-            if let Some(ce) = &self.comm_events {
+            if let Some(ce) = s.comm_events {
                 for &c in &ce.joins.before[i] {
                     self.gpu.wait_for(&ce.done[c])?;
                 }
@@ -495,25 +528,25 @@ impl<'a> CudaArtifactTrainer<'a> {
                 self.gpu.record(&ev[i])?;
             }
             match op {
-                Op::Launch { kernel, ins, outs, at } => self.code.launch(&self.gpu, self.artifact, *kernel, ins, outs, &|| at.clone())?,
+                Op::Launch { kernel, ins, outs, at } => s.code.launch(&self.gpu, s.kernels, *kernel, ins, outs, &|| at.clone())?,
                 Op::Copy { dst, src, bytes, at } => self.gpu.copy(*dst, *src, *bytes, || format!("copy of {bytes} bytes ({at})"))?,
                 Op::Memset { dst, bytes, at } => self.gpu.memset(*dst, 0, *bytes, || format!("memset of {bytes} bytes ({at})"))?,
                 Op::Collective { plan, input, output, mesh_dim, dtype, at, .. } => {
-                    self.enqueue_collective(plan, *input, *output, *mesh_dim, *dtype, nth_collective, at)?;
+                    self.enqueue_collective(s, plan, *input, *output, *mesh_dim, *dtype, nth_collective, at)?;
                     nth_collective += usize::from(plan.communicates);
                 }
             }
         }
         if let Some(ev) = before_waits {
-            self.gpu.record(&ev[self.ops.len()])?;
+            self.gpu.record(&ev[s.ops.len()])?;
         }
-        if let Some(ce) = &self.comm_events {
+        if let Some(ce) = s.comm_events {
             for &c in &ce.joins.at_end {
                 self.gpu.wait_for(&ce.done[c])?;
             }
         }
         if let Some(ev) = events {
-            self.gpu.record(&ev[self.ops.len()])?;
+            self.gpu.record(&ev[s.ops.len()])?;
         }
         Ok(())
     }
@@ -524,6 +557,7 @@ impl<'a> CudaArtifactTrainer<'a> {
     #[allow(clippy::too_many_arguments)]
     fn enqueue_collective(
         &self,
+        s: &Sched<'_>,
         plan: &collective::Plan,
         input: u64,
         output: u64,
@@ -532,17 +566,17 @@ impl<'a> CudaArtifactTrainer<'a> {
         nth: usize,
         at: &str,
     ) -> Result<(), CudaError> {
-        let staging = self.staging.as_ref().map_or(0, |b| b.ptr);
+        let staging = s.staging.map_or(0, |b| b.ptr);
         let addr = |l: Loc| match l {
             Loc::Input(o) => input + o,
             Loc::Output(o) => output + o,
             Loc::Staging(o) => staging + o,
         };
         let stream = self.gpu.stream_for(plan.communicates);
-        let events = self.comm_events.as_ref().filter(|_| plan.communicates);
+        let events = s.comm_events.filter(|_| plan.communicates);
         if let Some(ce) = events {
             self.gpu.fork_to_comm(&ce.fork)?;
-            if let Some(c) = self.profile.as_ref().and_then(|p| p.comm.as_ref()) {
+            if let Some(c) = s.profile.and_then(|p| p.comm.as_ref()) {
                 self.gpu.record_on_comm(&c.start[nth])?;
             }
         }
@@ -761,6 +795,71 @@ impl<'a> CudaArtifactTrainer<'a> {
         })
     }
 
+    /// Load the eval step: unroll its schedule over the arenas (its buffer ids are
+    /// `manifest.eval`'s), check its GEMMs' operands and load its kernels (their cubins or PTX,
+    /// files of the artifact like the training kernels'; GEMMs keep the heuristic's first
+    /// algorithm, untimed).
+    fn load_eval(&self) -> Result<EvalCode<'a>, RuntimeError> {
+        let artifact = self.artifact;
+        let e = artifact.manifest.eval.as_ref().ok_or_else(crate::backend::cpu_artifact::no_eval_step)?;
+        let loss = e.buffers.iter().find(|b| b.output.as_deref() == Some("loss")).ok_or_else(|| bad("the eval step has no `loss` buffer".into()))?;
+        let t = Instant::now();
+        let arenas = self.arenas.with_table(Table::Eval);
+        let (mut ops, mut ext) = (Vec::new(), Vec::new());
+        arenas.unroll(&e.steps, None, &mut Vec::new(), &mut ops, &mut ext)?;
+        let (staging, comm_events) = collective_setup(&self.gpu, &ops, &ext, self.nccl.is_some(), "the eval step's collective staging buffer")?;
+        let mut align = vec![[256u64; 3]; e.kernels.len()];
+        let mut first = vec![None; e.kernels.len()];
+        gemm_operands(&arenas, &e.steps, None, &mut align, &mut first)?;
+        let code = LoadedCode::load(&self.gpu, artifact, &e.kernels, &|pos| align[pos], false)?;
+        eprintln!(
+            "titan-run: loaded the eval step ({} kernels: {} from cubins, {} from PTX; {} operations) in {:.1} s",
+            e.kernels.len(),
+            code.from_cubin,
+            code.from_ptx,
+            ops.len(),
+            t.elapsed().as_secs_f64()
+        );
+        Ok(EvalCode { ops, comm_events, staging, loss, code })
+    }
+
+    /// Run the artifact's eval step (forward and loss, no update) on `batch`, eagerly on the
+    /// compute stream between training steps, and return its loss. It reads the masters in place
+    /// and writes only the `activations` arena (and the fed `tokens`/`targets`, which every
+    /// training step overwrites first), so training continues as it would without it.
+    pub fn eval_loss(&mut self, batch: &Batch) -> Result<f64, RuntimeError> {
+        check_rank_batch(batch, self.batch, self.seq, self.tokens_len, self.vocab)?;
+        self.gpu.bind()?;
+        if self.eval.is_none() {
+            self.eval = Some(self.load_eval()?);
+        }
+        encode_ints(&batch.tokens, self.tokens.1.dtype, &mut self.feed_tokens).map_err(|e| RuntimeError::Data(format!("feeding validation tokens: {e}")))?;
+        encode_ints(&batch.targets, self.targets.1.dtype, &mut self.feed_targets)
+            .map_err(|e| RuntimeError::Data(format!("feeding validation targets: {e}")))?;
+        self.gpu.upload(self.tokens.0, &self.feed_tokens, || "validation: copying the tokens to the GPU".into())?;
+        self.gpu.upload(self.targets.0, &self.feed_targets, || "validation: copying the targets to the GPU".into())?;
+        let e = self.eval.as_ref().expect("invariant: the eval step was loaded above");
+        let sched = Sched {
+            ops: &e.ops,
+            code: &e.code,
+            kernels: self.arenas.with_table(Table::Eval).kernels(),
+            comm_events: e.comm_events.as_ref(),
+            staging: e.staging.as_ref(),
+            profile: None,
+        };
+        if let Some(w) = &self.watchdog {
+            w.step_started();
+        }
+        self.enqueue(&sched).map_err(in_validation)?;
+        self.gpu.sync(|| "validation: waiting for the eval step to finish (an asynchronous error from an earlier kernel shows here; rerun with CUDA_LAUNCH_BLOCKING=1 to find it)".into())?;
+        if let Some(w) = &self.watchdog {
+            w.step_done();
+        }
+        let loss = e.loss;
+        self.measure_memory()?;
+        Ok(self.read(loss)?.to_f64_vec().first().copied().unwrap_or(f64::NAN))
+    }
+
     /// Every state buffer by checkpoint name, in manifest order (read back from the GPU).
     pub fn states(&self) -> Result<Vec<(String, Tensor<f32>)>, RuntimeError> {
         self.gpu.bind()?;
@@ -800,6 +899,36 @@ impl<'a> CudaArtifactTrainer<'a> {
     }
 }
 
+/// The staging buffer and the stream-ordering events of the collectives of `ops` (`ext`: the
+/// byte ranges each op touches); `None`s for a schedule without communicating collectives.
+fn collective_setup(
+    gpu: &Gpu,
+    ops: &[Op],
+    ext: &[Vec<(u64, u64)>],
+    has_nccl: bool,
+    what: &str,
+) -> Result<(Option<DeviceBuffer>, Option<CommEvents>), RuntimeError> {
+    let comm: Vec<bool> = ops.iter().map(|o| matches!(o, Op::Collective { plan, .. } if plan.communicates)).collect();
+    let staging_bytes = ops.iter().map(|o| if let Op::Collective { plan, .. } = o { plan.staging_bytes } else { 0 }).max().unwrap_or(0);
+    let staging = if staging_bytes > 0 { Some(gpu.alloc(staging_bytes, 0, what)?) } else { None };
+    if !comm.iter().any(|&c| c) {
+        return Ok((staging, None));
+    }
+    if !has_nccl {
+        return Err(RuntimeError::Backend("the schedule has collectives but this process has no NCCL communicators".into()));
+    }
+    let joins = collective::join_points(&comm, ext);
+    let done = comm.iter().filter(|&&c| c).map(|_| Event::new()).collect::<Result<Vec<_>, _>>()?;
+    Ok((staging, Some(CommEvents { fork: Event::new()?, done, joins })))
+}
+
+fn in_validation(e: CudaError) -> CudaError {
+    match e {
+        CudaError::Call { what, message } => CudaError::Call { what: format!("validation: {what}"), message },
+        other => other,
+    }
+}
+
 fn with_step(e: CudaError, n: u64) -> CudaError {
     match e {
         CudaError::Call { what, message } => CudaError::Call { what: format!("step {n}: {what}"), message },
@@ -824,6 +953,10 @@ impl Trainer for CudaArtifactTrainer<'_> {
 
     fn step(&mut self, batch: &Batch) -> Result<StepMetrics, RuntimeError> {
         CudaArtifactTrainer::step(self, batch)
+    }
+
+    fn eval_loss(&mut self, batch: &Batch) -> Result<f64, RuntimeError> {
+        CudaArtifactTrainer::eval_loss(self, batch)
     }
 
     fn batch_size(&self) -> usize {

@@ -3,7 +3,7 @@
 //! list of launches, copies, memsets and collective steps.
 
 use titan_ir::DType;
-use titan_ir::artifact::{BufRef, Buffer, Step};
+use titan_ir::artifact::{BufRef, Buffer, Kernel, Step};
 
 use super::{bad, collective, comm_profile, slot};
 use crate::RuntimeError;
@@ -59,6 +59,15 @@ pub(super) struct Frame<'s> {
     pub(super) carries: &'s [[u32; 2]],
 }
 
+/// Which tables a schedule's buffer and kernel ids index: the training step's
+/// (`manifest.buffers`, `manifest.kernels`) or the eval step's (`manifest.eval`), whose
+/// buffers lie in the same arenas.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Table {
+    Train,
+    Eval,
+}
+
 /// Device addresses of the arenas, resolving buffer references like the CPU backend.
 pub(super) struct Arenas<'a> {
     pub(super) artifact: &'a Artifact,
@@ -66,9 +75,39 @@ pub(super) struct Arenas<'a> {
     pub(super) bytes: [u64; 4],
     /// This rank's coordinates in the mesh (zeros on one GPU).
     pub(super) coords: [usize; 3],
+    /// The schedule whose ids [`Arenas::view`] and [`Arenas::unroll`] resolve.
+    pub(super) table: Table,
 }
 
-impl Arenas<'_> {
+impl<'a> Arenas<'a> {
+    /// The same arenas, resolving the ids of `table`'s schedule.
+    pub(super) fn with_table(&self, table: Table) -> Arenas<'a> {
+        Arenas { artifact: self.artifact, base: self.base, bytes: self.bytes, coords: self.coords, table }
+    }
+
+    /// The kernels of this table (empty for an eval table of an artifact without an eval step).
+    pub(super) fn kernels(&self) -> &'a [Kernel] {
+        match self.table {
+            Table::Train => &self.artifact.manifest.kernels,
+            Table::Eval => self.artifact.manifest.eval.as_ref().map_or(&[], |e| &e.kernels),
+        }
+    }
+
+    /// The position in [`Arenas::kernels`] of kernel `id` (an eval kernel's id is its position).
+    pub(super) fn kernel_pos(&self, id: u32) -> Option<usize> {
+        match self.table {
+            Table::Train => self.artifact.kernel_pos(id),
+            Table::Eval => Some(id as usize).filter(|&i| i < self.kernels().len()),
+        }
+    }
+
+    fn buffer(&self, id: u32) -> Option<&'a Buffer> {
+        match self.table {
+            Table::Train => self.artifact.buffer(id),
+            Table::Eval => self.artifact.eval_buffer(id),
+        }
+    }
+
     /// `(address, bytes)` of the whole of buffer `b`.
     pub(super) fn whole(&self, b: &Buffer) -> Result<(u64, u64), RuntimeError> {
         let a = slot(b.arena);
@@ -79,7 +118,7 @@ impl Arenas<'_> {
     }
 
     pub(super) fn view(&self, r: &BufRef, frame: Option<Frame<'_>>) -> Result<(u64, u64), RuntimeError> {
-        let buffer = |id: u32| self.artifact.buffer(id).ok_or_else(|| bad(format!("buffer {id} does not exist")));
+        let buffer = |id: u32| self.buffer(id).ok_or_else(|| bad(format!("buffer {id} does not exist")));
         match *r {
             BufRef::Buffer { buffer: id, layer: false } => self.whole(buffer(id)?),
             BufRef::Buffer { buffer: id, layer: true } => {
@@ -116,7 +155,7 @@ impl Arenas<'_> {
             let at = loc(path, frame.map(|f| f.layer));
             match step {
                 Step::Launch { kernel, inputs, outputs, .. } => {
-                    let pos = self.artifact.kernel_pos(*kernel).ok_or_else(|| bad(format!("{at}: kernel {kernel} does not exist")))?;
+                    let pos = self.kernel_pos(*kernel).ok_or_else(|| bad(format!("{at}: kernel {kernel} does not exist")))?;
                     let ins = inputs.iter().map(|r| self.view(r, frame)).collect::<Result<Vec<_>, _>>()?;
                     let outs = outputs.iter().map(|r| self.view(r, frame)).collect::<Result<Vec<_>, _>>()?;
                     ext.push(ins.iter().chain(&outs).copied().collect());
