@@ -105,7 +105,7 @@ impl PassInfo {
     }
 }
 
-static PASSES: [PassInfo; 17] = [
+static PASSES: [PassInfo; 18] = [
     PassInfo::new("shard-tp", "tensor parallelism: column/row-parallel block weights, vocab-parallel embedding and output", run_shard_tp),
     PassInfo::new("shard-dp", "split the batch over data-parallel ranks; FSDP-shard parameters on dp_shard", run_shard_dp),
     PassInfo::new("master-weights", "make every parameter an fp32 master `state` read through a compute-dtype cast", run_master_weights),
