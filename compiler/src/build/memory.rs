@@ -384,7 +384,8 @@ impl Builder<'_> {
 /// Give every value of the kernel graph `g` its storage (see the module documentation).
 pub fn assign_storage(g: &Graph) -> Result<Storage, BuildError> {
     let main = &g.main;
-    let mut b = Builder { g, grads: grad_values(g), s: Storage::default(), names: ValueNames::new(main), claim: HashMap::new(), concat_buffers: HashSet::new() };
+    let mut b =
+        Builder { g, grads: grad_values(g), s: Storage::default(), names: ValueNames::new(main), claim: HashMap::new(), concat_buffers: HashSet::new() };
     b.s.main = vec![None; main.values.len()];
 
     // Positions in main's order; outputs and updates read at the end.

@@ -101,7 +101,9 @@ pub fn is_view_step(op: &Op) -> bool {
 /// Whether a region is already a kernel region: only kernels, views, collectives and repeats.
 fn is_kernel_region(r: &Region) -> bool {
     r.order.iter().all(|n| {
-        r.nodes.get(n.index()).is_some_and(|node| matches!(node.op, Op::Kernel { .. } | Op::Repeat { .. }) || is_view_step(&node.op) || is_collective_step(&node.op))
+        r.nodes
+            .get(n.index())
+            .is_some_and(|node| matches!(node.op, Op::Kernel { .. } | Op::Repeat { .. }) || is_view_step(&node.op) || is_collective_step(&node.op))
     })
 }
 

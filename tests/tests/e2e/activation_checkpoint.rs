@@ -195,8 +195,11 @@ fn artifact_run(model: &Graph, policy: AcPolicy, mesh: Mesh, name: &str) -> Run 
     let opts = BuildOptions { train: train_options(), ac: policy, mesh, ..BuildOptions::default() };
     build_artifact(model, &text, &opts, &dir).unwrap_or_else(|e| panic!("building {name}, {policy}: {e}"));
     let a = Artifact::load(&dir).expect("load artifact");
-    let mut t: Box<dyn Trainer> =
-        if mesh.world_size() > 1 { Box::new(ArtifactMeshTrainer::new(&a, 0).expect("mesh trainer")) } else { Box::new(CpuArtifactTrainer::new(&a, 0).expect("trainer")) };
+    let mut t: Box<dyn Trainer> = if mesh.world_size() > 1 {
+        Box::new(ArtifactMeshTrainer::new(&a, 0).expect("mesh trainer"))
+    } else {
+        Box::new(CpuArtifactTrainer::new(&a, 0).expect("trainer"))
+    };
     let (batch, seq) = (t.batch_size(), t.seq_len());
     let (losses, grad_norms) = metric_bits(t.as_mut(), batch, seq);
     Run { losses, grad_norms, states: bits(t.states().expect("states")) }

@@ -57,7 +57,8 @@ fn torchtitan_debug_configs_build_as_shipped() {
     let model = dir.join("debug2048.ir");
     titanc(&["new", "llama3", "--preset", "debug", "--seq-len", "2048", "-o", model.to_str().expect("utf-8")]).expect("new");
     let colors = "`metrics.disable_color_printing = false` not honored: titan-run prints no colors";
-    let dataset = "`training.dataset = \"c4_test\"` not honored: titan-run has no dataset registry; it trains on `training.dataset_path`, `--data` or the bundled corpus";
+    let dataset =
+        "`training.dataset = \"c4_test\"` not honored: titan-run has no dataset registry; it trains on `training.dataset_path`, `--data` or the bundled corpus";
     let expected: [(&str, Vec<&str>); 2] = [
         (
             "v0.1.0",
