@@ -187,10 +187,7 @@ fn build_errors_say_what_to_change() {
     let cases: &[(&[&str], &str)] = &[
         (&["build", &model, "-o", o, "--target", "sm_80"], "unsupported --target `sm_80`"),
         (&["build", &model, "-o", o, "--dump-after", "fusion"], "unknown pass `fusion`"),
-        (
-            &["build", &model, "-o", o, "--job-config", job.to_str().unwrap()],
-            "option `0` is neither `op` nor a positive number of layers",
-        ),
+        (&["build", &model, "-o", o, "--job-config", job.to_str().unwrap()], "option `0` is neither `op` nor a positive number of layers"),
         (&["build", &model, "-o", o, "--job-config", &j8b], "regenerate the model with `titanc new ... --batch-size 1`"),
         (&["build", &model, "-o", o, "--job-config", "no/such/job.toml"], "cannot read `no/such/job.toml`"),
         (&["build", "no/such/model.ir", "-o", o], "cannot read `no/such/model.ir`"),

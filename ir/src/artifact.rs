@@ -765,6 +765,28 @@ pub fn loop_runs(count: u32, reverse: bool, prefetch: bool) -> Vec<LoopRun> {
 mod tests {
     use super::*;
 
+    /// Views resolve like the layer slices they generalize, serialize with all four fields (and
+    /// plain references unchanged), and a range past the buffer is an error, not a panic.
+    #[test]
+    fn offset_views_resolve_and_round_trip() {
+        let layer = BufRef::Buffer { buffer: 3, layer: true };
+        let view = BufRef::View { buffer: 3, offset: 8, bytes: 4, stride: 16 };
+        assert_eq!(layer.range_in(48, 3, Some(2)), Ok((32, 16)));
+        assert_eq!(view.range_in(48, 3, Some(2)), Ok((40, 4)));
+        assert!(view.range_in(48, 3, None).is_err_and(|e| e.contains("outside any loop")));
+        let fixed = BufRef::View { buffer: 3, offset: 40, bytes: 8, stride: 0 };
+        assert_eq!(fixed.range_in(48, 3, None), Ok((40, 8)));
+        assert!(BufRef::View { buffer: 3, offset: 44, bytes: 8, stride: 0 }.range_in(48, 3, None).is_err_and(|e| e.contains("ends past its 48 bytes")));
+        assert!(BufRef::View { buffer: 3, offset: 0, bytes: 8, stride: u64::MAX }.range_in(48, 3, Some(2)).is_err());
+        for r in [layer, view, BufRef::Buffer { buffer: 1, layer: false }, BufRef::Carry { carry: 0, out: true }] {
+            let json = serde_json::to_string(&r).expect("json");
+            assert_eq!(serde_json::from_str::<BufRef>(&json).expect("back"), r, "{json}");
+        }
+        assert_eq!(serde_json::to_string(&view).expect("json"), r#"{"buffer":3,"offset":8,"bytes":4,"stride":16}"#);
+        assert_eq!(view.buffer_id(), Some(3));
+        assert!(view.per_layer() && !fixed.per_layer());
+    }
+
     /// Forward and reverse, with and without prefetch: the prologue fetches the first layer into
     /// slot 0, iteration `t` fetches layer `t + 1`'s into slot `(t + 1) % 2` (none in the last),
     /// and each layer is fetched exactly once.
