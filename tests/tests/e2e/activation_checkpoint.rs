@@ -323,11 +323,8 @@ fn titanc_build_takes_ac_flags_and_the_job_config() {
     assert!(err.contains("--ac-pareto draws the frontier of a memory budget"), "{err}");
     let err = build(&["--ac", "budget=0"]).expect_err("infeasible");
     assert!(err.contains("raise the budget to at least"), "{err}");
-    // Every N-th layer: the group blocks replace the layer blocks (2 layers: one group).
-    let text = build(&["--ac", "selective", "--ac-selective-option", "2"]).expect("every-N");
-    assert!(text.contains("@layer_x2: saves %") && text.contains("recomputed @layer_bwd_x2: "), "{text}");
-    let graph = std::fs::read_to_string(out.join("graph.ir")).expect("graph.ir");
-    assert!(graph.contains("block @layer_x2(") && !graph.contains("block @layer("), "the unused layer blocks are removed");
+    // Every N-th layer builds (the artifact tests above and `job_config.rs`, whose TorchTitan
+    // debug configs set it, build it; one build fewer here): the flag reaches the pass.
     let lowered = titan_compiler::cli::run_args(["titanc", "lower", model.as_str(), "--to", "train", "--ac", "selective", "--ac-selective-option", "2"])
         .map(|o| o.stdout)
         .expect("every-N lowers in graph mode");

@@ -87,6 +87,8 @@ fn torchtitan_debug_configs_build_as_shipped() {
         let stdout = titanc(&["build", model.to_str().expect("utf-8"), "-o", out.to_str().expect("utf-8"), "--job-config", cfg.to_str().expect("utf-8")])
             .unwrap_or_else(|e| panic!("{release}: {e}"));
         assert!(stdout.contains("@layer_x2: saves %"), "{release}: every second layer is recomputed:\n{stdout}");
+        let graph = std::fs::read_to_string(out.join("graph.ir")).expect("graph.ir");
+        assert!(graph.contains("block @layer_x2(") && !graph.contains("block @layer("), "{release}: the unused layer blocks are removed");
         let mut got = notes(&stdout, &cfg);
         assert!(got.pop().is_some_and(|l| l.starts_with("titan-run reads the runtime sections")), "{release}");
         assert_eq!(got, want, "{release}");
