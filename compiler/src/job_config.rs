@@ -323,13 +323,6 @@ impl JobConfig {
                     Some("none") => Some(AcPolicy::None),
                     Some("full") => Some(AcPolicy::Full),
                     Some("selective") => match AcPolicy::selective(option.as_deref().unwrap_or("op")) {
-                        Ok(AcPolicy::SelectiveEvery(n)) => {
-                            ac.error(ac.unsupported(
-                                format!("full recompute of one layer in every {n} (`activation_checkpoint.selective_ac_option = \"{n}\"`)"),
-                                "use \"op\", or mode \"full\" or \"memory_budget\"",
-                            ));
-                            None
-                        }
                         Ok(p) => Some(p),
                         Err(e) => {
                             ac.error(ac.invalid(format!("`activation_checkpoint.selective_ac_option`: {e}")));
@@ -686,6 +679,7 @@ expert_parallel_degree = 1
             use titan_passes::activation_checkpoint::{AcPolicy, Budget};
             let ac = |text: &str| ok(&format!("[activation_checkpoint]\n{text}")).activation_checkpoint;
             assert_eq!(ac("mode = \"selective\"\nselective_ac_option = \"op\"\n"), Some(AcPolicy::SelectiveOp));
+            assert_eq!(ac("mode = \"selective\"\nselective_ac_option = \"2\"\n"), Some(AcPolicy::SelectiveEvery(2)));
             assert_eq!(ac("mode = \"full\"\n"), Some(AcPolicy::Full));
             assert_eq!(ac("mode = \"memory_budget\"\nmemory_budget = 0.5\n"), Some(AcPolicy::Budget(Budget::Fraction(0.5))));
             assert_eq!(ac("selective_ac_option = \"op\"\n"), None);
@@ -699,10 +693,6 @@ expert_parallel_degree = 1
     fn unbuilt_features_are_rejected_not_ignored() {
         let cases = [
             ("[model]\nconverters = [\"mx\"]\n", "the model converter `model.converters = [\"mx\"]` is not supported yet"),
-            (
-                "[activation_checkpoint]\nmode = \"selective\"\nselective_ac_option = \"2\"\n",
-                "one layer in every 2 (`activation_checkpoint.selective_ac_option = \"2\"`) is not supported yet",
-            ),
             ("[model]\nflavor = \"8B_flex_attn\"\n", "the flex-attention flavor `model.flavor = \"8B_flex_attn\"` (document masking) is not supported yet"),
             ("[compile]\ncomponents = [\"model\"]\n", "leaving \"loss\" out of `compile.components` is not supported yet"),
             ("[optimizer]\nname = \"Adam\"\n", "`optimizer.name = \"Adam\"` is not supported yet; use \"AdamW\""),

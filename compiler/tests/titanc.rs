@@ -180,17 +180,14 @@ fn build_errors_say_what_to_change() {
     let o = dir.join("out");
     let o = o.to_str().unwrap();
     let job = dir.join("job.toml");
-    std::fs::write(&job, "[activation_checkpoint]\nmode = \"selective\"\nselective_ac_option = \"2\"\n").unwrap();
+    std::fs::write(&job, "[activation_checkpoint]\nmode = \"selective\"\nselective_ac_option = \"0\"\n").unwrap();
     let j8b = workspace_file("examples/job/llama3_8b.toml");
     let par = dir.join("par.toml");
     std::fs::write(&par, "[parallelism]\npipeline_parallel_degree = 2\n").unwrap();
     let cases: &[(&[&str], &str)] = &[
         (&["build", &model, "-o", o, "--target", "sm_80"], "unsupported --target `sm_80`"),
         (&["build", &model, "-o", o, "--dump-after", "fusion"], "unknown pass `fusion`"),
-        (
-            &["build", &model, "-o", o, "--job-config", job.to_str().unwrap()],
-            "full recompute of one layer in every 2 (`activation_checkpoint.selective_ac_option = \"2\"`) is not supported yet",
-        ),
+        (&["build", &model, "-o", o, "--job-config", job.to_str().unwrap()], "option `0` is neither `op` nor a positive number of layers"),
         (&["build", &model, "-o", o, "--job-config", &j8b], "regenerate the model with `titanc new ... --batch-size 1`"),
         (&["build", &model, "-o", o, "--job-config", "no/such/job.toml"], "cannot read `no/such/job.toml`"),
         (&["build", "no/such/model.ir", "-o", o], "cannot read `no/such/model.ir`"),

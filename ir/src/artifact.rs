@@ -31,9 +31,13 @@ pub mod workspace;
 /// it and refuse `--val-data`. Version 7 dropped the `grads` arena: gradients are planned with
 /// the activations in one arena (both are dead between steps), so an older manifest names an
 /// arena this reader does not have, and an older reader would size the arenas wrongly.
-pub const FORMAT_VERSION: u32 = 7;
+///
+/// Version 8 added the offset view [`BufRef::View`] (a leading-axis `slice` of a buffer, one
+/// operand's place in a `concat`, every-N-th layer checkpointing): an older reader would fail on
+/// it or, worse, bind the whole buffer.
+pub const FORMAT_VERSION: u32 = 8;
 /// The oldest format version this reader reads.
-pub const MIN_FORMAT_VERSION: u32 = 7;
+pub const MIN_FORMAT_VERSION: u32 = 8;
 pub const MANIFEST_FILE: &str = "manifest.json";
 /// The fused training graph; each kernel's `body` names one of its blocks.
 pub const GRAPH_FILE: &str = "graph.ir";
@@ -298,6 +302,12 @@ pub enum BufRef {
     /// Slot `carry` of the enclosing loop: its input buffer this iteration (`out = false`) or
     /// the buffer the next iteration reads (`out = true`).
     Carry { carry: u32, out: bool },
+    /// Bytes `offset + i * stride .. offset + i * stride + bytes` of `buffer`, `i` the enclosing
+    /// loop's layer index (`stride = 0`: the same bytes in every iteration, and outside loops):
+    /// a leading-axis `slice` of a buffer or of a layer slice, or the place one operand of a
+    /// `concat` is written to. Listed before `Buffer` so the untagged form picks it when all
+    /// four fields are present.
+    View { buffer: u32, offset: u64, bytes: u64, stride: u64 },
     /// Slice `i` along dim 0 of `buffer`, `i` the enclosing loop's layer index (`layer = true`),
     /// or the whole buffer.
     Buffer {
@@ -305,6 +315,56 @@ pub enum BufRef {
         #[serde(default, skip_serializing_if = "is_false")]
         layer: bool,
     },
+}
+
+impl BufRef {
+    /// The buffer a `Buffer` or `View` reference addresses (`None` for a carry).
+    pub fn buffer_id(&self) -> Option<u32> {
+        match *self {
+            BufRef::Buffer { buffer, .. } | BufRef::View { buffer, .. } => Some(buffer),
+            BufRef::Carry { .. } => None,
+        }
+    }
+
+    /// Whether what the reference addresses depends on the loop iteration.
+    pub fn per_layer(&self) -> bool {
+        match *self {
+            BufRef::Buffer { layer, .. } => layer,
+            BufRef::View { stride, .. } => stride != 0,
+            BufRef::Carry { .. } => false,
+        }
+    }
+
+    /// The bytes `(start, len)` a `Buffer` or `View` reference addresses, relative to the start
+    /// of its buffer of `bytes` bytes whose dim 0 is `lead`, in loop iteration `layer` (`None`
+    /// outside loops). Every range is checked against the buffer; a carry is an error (the
+    /// caller resolves carries through its loop's slots).
+    pub fn range_in(&self, bytes: u64, lead: u64, layer: Option<usize>) -> Result<(u64, u64), String> {
+        match *self {
+            BufRef::Buffer { layer: false, .. } => Ok((0, bytes)),
+            BufRef::Buffer { buffer, layer: true } => {
+                let i = layer.ok_or_else(|| format!("a layer slice of buffer {buffer} outside any loop"))? as u64;
+                if i >= lead {
+                    return Err(format!("layer {i} of buffer {buffer}, which has {lead}"));
+                }
+                let per = bytes / lead;
+                Ok((i * per, per))
+            }
+            BufRef::View { buffer, offset, bytes: len, stride } => {
+                let i = match (stride, layer) {
+                    (0, _) => 0,
+                    (_, Some(i)) => i as u64,
+                    (_, None) => return Err(format!("a per-layer view of buffer {buffer} outside any loop")),
+                };
+                let start = i.checked_mul(stride).and_then(|x| x.checked_add(offset));
+                match start.and_then(|s| s.checked_add(len)) {
+                    Some(end) if end <= bytes => Ok((end - len, len)),
+                    _ => Err(format!("the view of bytes {offset} + {i} * {stride} .. + {len} of buffer {buffer} ends past its {bytes} bytes")),
+                }
+            }
+            BufRef::Carry { carry, .. } => Err(format!("carry {carry} is not a buffer range")),
+        }
+    }
 }
 
 fn is_zero(x: &u64) -> bool {
@@ -704,6 +764,28 @@ pub fn loop_runs(count: u32, reverse: bool, prefetch: bool) -> Vec<LoopRun> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Views resolve like the layer slices they generalize, serialize with all four fields (and
+    /// plain references unchanged), and a range past the buffer is an error, not a panic.
+    #[test]
+    fn offset_views_resolve_and_round_trip() {
+        let layer = BufRef::Buffer { buffer: 3, layer: true };
+        let view = BufRef::View { buffer: 3, offset: 8, bytes: 4, stride: 16 };
+        assert_eq!(layer.range_in(48, 3, Some(2)), Ok((32, 16)));
+        assert_eq!(view.range_in(48, 3, Some(2)), Ok((40, 4)));
+        assert!(view.range_in(48, 3, None).is_err_and(|e| e.contains("outside any loop")));
+        let fixed = BufRef::View { buffer: 3, offset: 40, bytes: 8, stride: 0 };
+        assert_eq!(fixed.range_in(48, 3, None), Ok((40, 8)));
+        assert!(BufRef::View { buffer: 3, offset: 44, bytes: 8, stride: 0 }.range_in(48, 3, None).is_err_and(|e| e.contains("ends past its 48 bytes")));
+        assert!(BufRef::View { buffer: 3, offset: 0, bytes: 8, stride: u64::MAX }.range_in(48, 3, Some(2)).is_err());
+        for r in [layer, view, BufRef::Buffer { buffer: 1, layer: false }, BufRef::Carry { carry: 0, out: true }] {
+            let json = serde_json::to_string(&r).expect("json");
+            assert_eq!(serde_json::from_str::<BufRef>(&json).expect("back"), r, "{json}");
+        }
+        assert_eq!(serde_json::to_string(&view).expect("json"), r#"{"buffer":3,"offset":8,"bytes":4,"stride":16}"#);
+        assert_eq!(view.buffer_id(), Some(3));
+        assert!(view.per_layer() && !fixed.per_layer());
+    }
 
     /// Forward and reverse, with and without prefetch: the prologue fetches the first layer into
     /// slot 0, iteration `t` fetches layer `t + 1`'s into slot `(t + 1) % 2` (none in the last),

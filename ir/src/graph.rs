@@ -337,6 +337,54 @@ impl Graph {
         self.blocks.iter().position(|r| r.name == name).map(|i| BlockId(i as u32))
     }
 
+    /// Remove the blocks that no live node of `main` reaches (through `repeat` and `kernel`, also
+    /// from inside blocks) and renumber the block ids of the rest; returns how many were removed.
+    pub fn drop_unused_blocks(&mut self) -> usize {
+        fn block_of(op: &Op) -> Option<BlockId> {
+            match *op {
+                Op::Repeat { block, .. } => Some(block),
+                Op::Kernel { body, .. } => Some(body),
+                _ => None,
+            }
+        }
+        let live_blocks = |r: &Region| -> Vec<BlockId> { r.order.iter().filter_map(|n| r.nodes.get(n.index())).filter_map(|n| block_of(&n.op)).collect() };
+        let mut used = vec![false; self.blocks.len()];
+        let mut work = live_blocks(&self.main);
+        while let Some(b) = work.pop() {
+            match used.get_mut(b.index()) {
+                Some(u) if !*u => {
+                    *u = true;
+                    work.extend(live_blocks(&self.blocks[b.index()]));
+                }
+                _ => {}
+            }
+        }
+        let removed = used.iter().filter(|u| !**u).count();
+        if removed == 0 {
+            return 0;
+        }
+        let mut new_id = vec![None; self.blocks.len()];
+        let mut next = 0u32;
+        for (i, &u) in used.iter().enumerate() {
+            if u {
+                new_id[i] = Some(BlockId(next));
+                next += 1;
+            }
+        }
+        let blocks = std::mem::take(&mut self.blocks);
+        self.blocks = blocks.into_iter().zip(&used).filter(|(_, u)| **u).map(|(b, _)| b).collect();
+        for r in std::iter::once(&mut self.main).chain(self.blocks.iter_mut()) {
+            for n in &mut r.nodes {
+                match &mut n.op {
+                    // A dead node may name a removed block: it keeps an id nothing resolves.
+                    Op::Repeat { block: b, .. } | Op::Kernel { body: b, .. } => *b = new_id.get(b.index()).copied().flatten().unwrap_or(BlockId(u32::MAX)),
+                    _ => {}
+                }
+            }
+        }
+        removed
+    }
+
     pub fn add_block(&mut self, region: Region) -> BlockId {
         self.blocks.push(region);
         BlockId(self.blocks.len() as u32 - 1)

@@ -230,6 +230,9 @@ pub struct AcStats {
     pub pareto: Vec<(u64, f64)>,
     /// Which forward values are saved and which are recomputed, by name (`%xn`), per block.
     pub decisions: Vec<String>,
+    /// Blocks no `repeat` runs any more (`selective(N)` with `L % N = 0` replaces the original
+    /// layer blocks by the group blocks), removed from the graph.
+    pub blocks_removed: usize,
 }
 
 impl AcStats {
@@ -534,6 +537,7 @@ pub fn activation_checkpoint(g: &mut Graph) -> Result<AcStats, PassDiag> {
     }
     if stats.blocks > 0 {
         g.canonicalize();
+        stats.blocks_removed = g.drop_unused_blocks();
     }
     Ok(stats)
 }

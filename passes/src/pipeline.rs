@@ -487,6 +487,7 @@ fn run_activation_checkpoint(g: &mut Graph, _: &PassContext) -> Result<PassStats
         .with("saved_bytes_per_layer_after", s.saved_bytes_after)
         .with("saved_bytes_total_before", s.total_saved_bytes_before)
         .with("saved_bytes_total_after", s.total_saved_bytes_after)
+        .with("blocks_removed", s.blocks_removed as u64)
         .with("recompute_flops", s.recompute_flops)
         .with_notes(s.report_lines());
     if !s.pareto.is_empty() {

@@ -577,6 +577,26 @@ impl Artifact {
                 let bytes = tensor_bytes(b.dtype, &shape).unwrap_or(0);
                 Ok(RefView { dtype: b.dtype, shape, bytes })
             }
+            BufRef::View { buffer, offset, stride, .. } => {
+                let b = self.buffer(buffer).ok_or_else(|| invalid(format!("{at}: buffer {buffer} does not exist")))?;
+                let lead = b.shape.first().copied().unwrap_or(0);
+                // Check the first and the last iteration's range (the range grows with the layer).
+                let last = match (stride, scopes.last()) {
+                    (0, _) => None,
+                    (_, Some(scope)) => Some(scope.count.saturating_sub(1) as usize),
+                    (_, None) => return Err(invalid(format!("{at}: a per-layer view of buffer {buffer} (`{}`) outside any loop", b.name))),
+                };
+                let (_, bytes) = r.range_in(b.bytes, lead, last.map(|_| 0)).map_err(|e| invalid(format!("{at}: {e} (`{}`)", b.name)))?;
+                r.range_in(b.bytes, lead, last).map_err(|e| invalid(format!("{at}: {e} (`{}`)", b.name)))?;
+                let elem = b.dtype.size_bytes() as u64;
+                if bytes % elem != 0 || offset % elem != 0 || stride % elem != 0 {
+                    return Err(invalid(format!(
+                        "{at}: the view (offset {offset}, {bytes} bytes, stride {stride}) of buffer {buffer} (`{}`) does not fall on {} elements",
+                        b.name, b.dtype
+                    )));
+                }
+                Ok(RefView { dtype: b.dtype, shape: vec![bytes / elem], bytes })
+            }
             BufRef::Carry { carry, .. } => {
                 let scope = scopes.last().ok_or_else(|| invalid(format!("{at}: carry {carry} outside any loop")))?;
                 let ids =

@@ -203,7 +203,7 @@ pub fn verify_eval(m: &Manifest, eval_graph: &Graph, dir: &Path) -> Check {
 fn check_eval_steps(e: &titan_ir::artifact::EvalStep, steps: &[Step], at: &str, carries: &[[u32; 2]]) -> Check {
     let buffers = |r: &BufRef, carries: &[[u32; 2]]| -> Result<Vec<u32>, ArtifactError> {
         match *r {
-            BufRef::Buffer { buffer, .. } => Ok(vec![buffer]),
+            BufRef::Buffer { buffer, .. } | BufRef::View { buffer, .. } => Ok(vec![buffer]),
             BufRef::Carry { carry, .. } => {
                 carries.get(carry as usize).map(|c| c.to_vec()).ok_or_else(|| fail(at, format!("carry {carry} outside a loop that has it")))
             }
@@ -875,7 +875,7 @@ fn check_steps(m: &Manifest, steps: &[Step], at: &str, n_layers: Option<u64>, de
             Step::Launch { inputs, outputs, .. } => {
                 // A launch writes an operand it also reads only to update state in place.
                 let persistent = |r: &BufRef| match r {
-                    BufRef::Buffer { buffer, .. } => {
+                    BufRef::Buffer { buffer, .. } | BufRef::View { buffer, .. } => {
                         m.buffers.get(*buffer as usize).is_some_and(|b| matches!(b.class, BufferClass::Param | BufferClass::OptimizerState))
                     }
                     BufRef::Carry { .. } => false,
@@ -932,10 +932,15 @@ fn check_steps(m: &Manifest, steps: &[Step], at: &str, n_layers: Option<u64>, de
                 if *count == 0 {
                     return Err(fail(format!("{at}.count"), "is 0"));
                 }
+                // Once per layer, or once per group of N layers (every-N-th layer checkpointing:
+                // a loop over the groups and one over the `L % N` layers after them).
                 if let Some(n) = n_layers
-                    && u64::from(*count) != n
+                    && u64::from(*count) > n
                 {
-                    return Err(fail(format!("{at}.count"), format!("{count}, but model.n_layers is {n}; a loop runs once per layer")));
+                    return Err(fail(
+                        format!("{at}.count"),
+                        format!("{count}, but model.n_layers is {n}; a loop runs once per layer or per group of layers, at most n_layers times"),
+                    ));
                 }
                 for (c, [a, b]) in carries.iter().enumerate() {
                     if a == b {

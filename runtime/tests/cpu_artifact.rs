@@ -100,6 +100,52 @@ fn the_loop_uses_carries_and_layer_slices_as_documented() {
     assert_eq!(layer0, want);
 }
 
+/// Rewrite the loop body's layer slices of `l` as offset views (format 8) made by `view(buffer,
+/// bytes per layer)`.
+fn with_views(l: &mut common::Looped, view: impl Fn(u32, u64) -> BufRef) {
+    let per = |id: u32| {
+        let b = &l.fixture.buffers[id as usize];
+        b.bytes / b.shape[0]
+    };
+    let sizes: Vec<(u32, u64)> = l.fixture.buffers.iter().filter(|b| b.shape.first() == Some(&3)).map(|b| (b.id, per(b.id))).collect();
+    for s in &mut l.fixture.steps {
+        let Step::Loop { body, .. } = s else { continue };
+        for bs in body.iter_mut() {
+            let Step::Launch { inputs, outputs, .. } = bs else { continue };
+            for r in inputs.iter_mut().chain(outputs.iter_mut()) {
+                if let BufRef::Buffer { buffer, layer: true } = *r
+                    && let Some(&(_, bytes)) = sizes.iter().find(|(id, _)| *id == buffer)
+                {
+                    *r = view(buffer, bytes);
+                }
+            }
+        }
+    }
+}
+
+/// An offset view with the layer's stride addresses exactly what a layer slice does; one whose
+/// last iteration would end past its buffer, or that cuts an element, is refused at load.
+#[test]
+fn offset_views_address_layer_slices_and_are_checked_at_load() {
+    let ir = looped_ir("f32");
+    let mut l = looped(DType::F32);
+    with_views(&mut l, |buffer, bytes| BufRef::View { buffer, offset: 0, bytes, stride: bytes });
+    let dir = write("views", &l.fixture, &ir);
+    assert_eq!(artifact_mode(&dir, 2, 1), graph_mode(&ir, 2, 1), "views equal layer slices");
+
+    let mut l = looped(DType::F32);
+    with_views(&mut l, |buffer, bytes| BufRef::View { buffer, offset: 4, bytes, stride: bytes });
+    let dir = write("views-past", &l.fixture, &ir);
+    let e = Artifact::load(&dir).expect_err("a view past its buffer").to_string();
+    assert!(e.contains("ends past its"), "{e}");
+
+    let mut l = looped(DType::F32);
+    with_views(&mut l, |buffer, bytes| BufRef::View { buffer, offset: 2, bytes: bytes - 4, stride: bytes });
+    let dir = write("views-cut", &l.fixture, &ir);
+    let e = Artifact::load(&dir).expect_err("a view cutting an element").to_string();
+    assert!(e.contains("does not fall on f32 elements"), "{e}");
+}
+
 /// Two buffers live at the same time on the same bytes (the second carry slot on top of the
 /// stacked output, as a broken planner might place them) corrupted the result; the loader now
 /// refuses the plan, naming the buffer.

@@ -106,6 +106,8 @@ pub struct Storage {
     pub loops: HashMap<NodeId, LoopStorage>,
     /// Copies at the end of the step (updates and outputs that could not be placed in place).
     pub final_copies: Vec<CopyOp>,
+    /// Copies at a `concat` node of `main`: its operands that could not be computed in place.
+    pub concat_copies: HashMap<NodeId, Vec<CopyOp>>,
 }
 
 pub(crate) fn internal(message: impl Into<String>) -> BuildError {
@@ -139,8 +141,61 @@ fn layer_bytes(b: &Buffer) -> u64 {
 pub fn ref_bytes(buffers: &[Buffer], carries: &[[u32; 2]], r: BufRef) -> u64 {
     match r {
         BufRef::Buffer { buffer, layer } => buffers.get(buffer as usize).map_or(0, |b| if layer { layer_bytes(b) } else { b.bytes }),
+        BufRef::View { bytes, .. } => bytes,
         BufRef::Carry { carry, .. } => carries.get(carry as usize).and_then(|c| buffers.get(c[0] as usize)).map_or(0, |b| b.bytes),
     }
+}
+
+/// The view of bytes `offset .. offset + bytes` of what `r` addresses (a whole buffer, a layer
+/// slice or a view); a loop carry has no fixed bytes to cut.
+pub fn sub_view(buffers: &[Buffer], r: BufRef, offset: u64, bytes: u64) -> Result<BufRef, BuildError> {
+    match r {
+        BufRef::Buffer { buffer, layer: false } => Ok(BufRef::View { buffer, offset, bytes, stride: 0 }),
+        BufRef::Buffer { buffer, layer: true } => {
+            let stride = buffers.get(buffer as usize).map_or(0, layer_bytes);
+            Ok(BufRef::View { buffer, offset, bytes, stride })
+        }
+        BufRef::View { buffer, offset: o, stride, .. } => Ok(BufRef::View { buffer, offset: o + offset, bytes, stride }),
+        BufRef::Carry { .. } => Err(BuildError::Invalid(
+            "a `slice` or `concat` of a value carried between loop iterations is not supported yet (only of stacked or loop-invariant values)".into(),
+        )),
+    }
+}
+
+/// Iteration `i`'s share of `r` (a `main` value with the leading `count` dimension) inside a
+/// loop of `count` iterations.
+fn layer_view(r: BufRef, count: u32) -> Result<BufRef, BuildError> {
+    match r {
+        BufRef::Buffer { buffer, layer: false } => Ok(BufRef::Buffer { buffer, layer: true }),
+        BufRef::View { buffer, offset, bytes, stride: 0 } if count > 0 => {
+            let per = bytes / u64::from(count);
+            Ok(BufRef::View { buffer, offset, bytes: per, stride: per })
+        }
+        other => Err(internal(format!("a stacked loop operand with storage {other:?}, which has no layer slices"))),
+    }
+}
+
+/// Byte offset and length of a leading-axis `slice {axis, start, len}` of a value of `shape`
+/// (the dims before `axis` are 1: `fuse` refuses other slices).
+fn slice_range(dtype: DType, shape: &[u64], axis: u32, start: u64, len: u64) -> Result<(u64, u64), BuildError> {
+    let a = axis as usize;
+    if a >= shape.len() || shape[..a].iter().any(|&d| d != 1) || start + len > shape[a] {
+        return Err(internal(format!("`slice` {{axis = {axis}, start = {start}, len = {len}}} of {shape:?} is not a leading-axis slice")));
+    }
+    let row = bytes_of(dtype, &shape[a + 1..]);
+    Ok((start * row, len * row))
+}
+
+/// For each operand of a `concat` node of `r`: its byte offset and length in the result.
+fn concat_parts(g: &Graph, r: &Region, node: &titan_ir::Node) -> Result<Vec<(u64, u64)>, BuildError> {
+    let mut off = 0;
+    let mut parts = Vec::new();
+    for &v in &node.inputs {
+        let n = bytes_of(r.ty(v).dtype, &shape_of(g, r, v)?);
+        parts.push((off, n));
+        off += n;
+    }
+    Ok(parts)
 }
 
 /// Follows `reshape` chains to the value that owns the bytes.
@@ -218,6 +273,8 @@ pub fn grad_values(g: &Graph) -> HashSet<Value> {
         let n = main.node(node);
         match n.op {
             Op::Reshape => work.extend(n.inputs.first().copied()),
+            // Per-layer gradients concatenated (every-N-th layer checkpointing).
+            Op::Concat { .. } => work.extend(n.inputs.iter().copied()),
             // A gradient reduced (or scattered) across ranks: its operand is the rank's partial gradient.
             ref op if is_collective_step(op) => work.extend(n.inputs.first().copied()),
             Op::Kernel { body, kind: KernelKind::Fused } => {
@@ -285,6 +342,10 @@ struct Builder<'g> {
     grads: HashSet<Value>,
     s: Storage,
     names: ValueNames,
+    /// `main` values computed straight into their place in a `concat` result.
+    claim: HashMap<Value, BufRef>,
+    /// Buffers of `concat` results of `main` (never reused as a loop's carry slot).
+    concat_buffers: HashSet<u32>,
 }
 
 impl Builder<'_> {
@@ -323,7 +384,8 @@ impl Builder<'_> {
 /// Give every value of the kernel graph `g` its storage (see the module documentation).
 pub fn assign_storage(g: &Graph) -> Result<Storage, BuildError> {
     let main = &g.main;
-    let mut b = Builder { g, grads: grad_values(g), s: Storage::default(), names: ValueNames::new(main) };
+    let mut b =
+        Builder { g, grads: grad_values(g), s: Storage::default(), names: ValueNames::new(main), claim: HashMap::new(), concat_buffers: HashSet::new() };
     b.s.main = vec![None; main.values.len()];
 
     // Positions in main's order; outputs and updates read at the end.
@@ -336,7 +398,7 @@ pub fn assign_storage(g: &Graph) -> Result<Storage, BuildError> {
     for n in &main.order {
         let node = main.node(*n);
         match &node.op {
-            Op::Reshape => {
+            Op::Reshape | Op::Slice { .. } => {
                 if let (Some(&src), Some(&dst)) = (node.inputs.first(), node.results.first()) {
                     groups.union(src.index(), dst.index());
                 }
@@ -395,6 +457,37 @@ pub fn assign_storage(g: &Graph) -> Result<Storage, BuildError> {
         b.s.main[v.index()] = Some(BufRef::Buffer { buffer: id, layer: false });
     }
 
+    // Concatenations, outermost first: each result gets a buffer (or its place in an enclosing
+    // concat's), and an operand computed by a kernel or a loop, read by nothing else of the
+    // concat, is written straight into its place there; the others are copied at the concat.
+    let updated: HashSet<Value> = main.updates.iter().map(|u| u.value).collect();
+    let outputs: HashSet<Value> = main.outputs.iter().map(|o| o.value).collect();
+    let mut concat_dst: HashMap<Value, BufRef> = HashMap::new();
+    for n in main.order.iter().rev() {
+        let node = main.node(*n);
+        if !matches!(node.op, Op::Concat { .. }) {
+            continue;
+        }
+        let &res = node.results.first().ok_or_else(|| internal("`concat` without a result"))?;
+        let dst = match b.claim.get(&res) {
+            Some(&d) => d,
+            None => {
+                let id = b.add_value(res, None)?;
+                b.concat_buffers.insert(id);
+                BufRef::Buffer { buffer: id, layer: false }
+            }
+        };
+        concat_dst.insert(res, dst);
+        for (k, (&v, (off, len))) in node.inputs.iter().zip(concat_parts(g, main, node)?).enumerate() {
+            let r = root(main, v);
+            let twice = node.inputs.iter().enumerate().any(|(j, &w)| j != k && root(main, w) == r);
+            if !twice && !b.claim.contains_key(&r) && !updated.contains(&r) && !outputs.contains(&r) && computed_in_place(g, r) {
+                let part = sub_view(&b.s.buffers, dst, off, len)?;
+                b.claim.insert(r, part);
+            }
+        }
+    }
+
     // In-place updates: `%v` is written into `%p`'s buffer when `%v` is a kernel result and
     // nothing reads `%p` after that kernel.
     let mut in_place: HashMap<Value, Value> = HashMap::new();
@@ -431,12 +524,33 @@ pub fn assign_storage(g: &Graph) -> Result<Storage, BuildError> {
             }
             Op::Kernel { .. } => {
                 for &r in &node.results {
-                    let rf = match in_place.get(&r) {
-                        Some(&state) => b.main_ref(state)?,
-                        None => BufRef::Buffer { buffer: b.add_value(r, None)?, layer: false },
+                    let rf = match (in_place.get(&r), b.claim.get(&r)) {
+                        (Some(&state), _) => b.main_ref(state)?,
+                        (None, Some(&part)) => part,
+                        (None, None) => BufRef::Buffer { buffer: b.add_value(r, None)?, layer: false },
                     };
                     b.s.main[r.index()] = Some(rf);
                 }
+            }
+            Op::Slice { axis, start, len } => {
+                let (Some(&src), Some(&dst)) = (node.inputs.first(), node.results.first()) else {
+                    return Err(internal("`slice` without operand or result"));
+                };
+                let (off, n) = slice_range(main.ty(src).dtype, &shape_of(g, main, src)?, *axis, *start, *len)?;
+                let rf = sub_view(&b.s.buffers, b.main_ref(src)?, off, n)?;
+                b.s.main[dst.index()] = Some(rf);
+            }
+            Op::Concat { .. } => {
+                let &res = node.results.first().ok_or_else(|| internal("`concat` without a result"))?;
+                let dst = *concat_dst.get(&res).ok_or_else(|| internal("`concat` result without a buffer"))?;
+                for (&v, (off, len)) in node.inputs.iter().zip(concat_parts(g, main, node)?) {
+                    let part = sub_view(&b.s.buffers, dst, off, len)?;
+                    let src = b.main_ref(v)?;
+                    if src != part {
+                        b.s.concat_copies.entry(*n).or_default().push(CopyOp { src, dst: part, bytes: len });
+                    }
+                }
+                b.s.main[res.index()] = Some(dst);
             }
             Op::Reshape => {
                 let (Some(&src), Some(&dst)) = (node.inputs.first(), node.results.first()) else {
@@ -477,6 +591,23 @@ pub fn assign_storage(g: &Graph) -> Result<Storage, BuildError> {
         }
     }
     Ok(b.s)
+}
+
+/// Whether `main` value `v` is a result a step computes into a buffer of the plan's choosing: a
+/// kernel result, or a stacked result of a loop that no other stacked result shares.
+fn computed_in_place(g: &Graph, v: Value) -> bool {
+    let main = &g.main;
+    let Some(ValueDef::Result { node, index }) = main.values.get(v.index()).map(|d| d.def) else { return false };
+    let n = main.node(node);
+    match n.op {
+        Op::Kernel { .. } => true,
+        Op::Repeat { carry, .. } => {
+            let shares = shared_stacked(g, n);
+            let j = index as usize;
+            j >= carry as usize && shares.get(j).is_some_and(Option::is_none) && !shares.contains(&Some(j))
+        }
+        _ => false,
+    }
 }
 
 /// The attributes of a `repeat` node.
@@ -529,7 +660,8 @@ fn assign_loop(
                 // The loop must not read the operand any other way: iteration 1 overwrites slot 0.
                 let g_op = groups.find(operand.index());
                 let other_use = node.inputs.iter().enumerate().any(|(i, &v)| i != c && groups.find(v.index()) == g_op);
-                (class_ok && !is_arg && same_size && !other_use && !used_after(groups, operand, p) && claimed_slot0.insert(buffer)).then_some(buffer)
+                let concat = b.concat_buffers.contains(&buffer);
+                (class_ok && !is_arg && !concat && same_size && !other_use && !used_after(groups, operand, p) && claimed_slot0.insert(buffer)).then_some(buffer)
             }
             _ => None,
         };
@@ -571,9 +703,10 @@ fn assign_loop(
     for (j, share) in shares.iter().enumerate().skip(carry) {
         // Result `j` is block output `j + np`.
         let r = node.results[j];
-        let rf = match *share {
-            Some(k) => b.main_ref(node.results[k])?,
-            None => BufRef::Buffer { buffer: b.add_value(r, None)?, layer: false },
+        let rf = match (*share, b.claim.get(&r)) {
+            (Some(k), _) => b.main_ref(node.results[k])?,
+            (None, Some(&part)) => part,
+            (None, None) => BufRef::Buffer { buffer: b.add_value(r, None)?, layer: false },
         };
         b.s.main[r.index()] = Some(rf);
     }
@@ -584,7 +717,7 @@ fn assign_loop(
         let rf = if i < carry + np {
             BufRef::Carry { carry: i as u32, out: false }
         } else if i < carry + np + stacked {
-            BufRef::Buffer { buffer: b.main_buffer(node.inputs[i - np])?, layer: true }
+            layer_view(b.main_ref(node.inputs[i - np])?, count)?
         } else {
             b.main_ref(node.inputs[i - np])?
         };
@@ -597,8 +730,8 @@ fn assign_loop(
             Ok(BufRef::Carry { carry: j as u32, out: true })
         } else {
             match b.s.main[node.results[j - np].index()] {
-                Some(BufRef::Buffer { buffer, .. }) => Ok(BufRef::Buffer { buffer, layer: true }),
-                _ => Err(internal("stacked result without a buffer")),
+                Some(r) => layer_view(r, count),
+                None => Err(internal("stacked result without a buffer")),
             }
         }
     };
@@ -613,7 +746,12 @@ fn assign_loop(
         }
         seen_dst.push(dst);
         let r = root(blk, o.value);
-        let is_arg = matches!(blk.values.get(r.index()).map(|d| d.def), Some(ValueDef::Arg(_)));
+        // An argument, or a slice (a view of other bytes), is copied into the output.
+        let is_arg = match blk.values.get(r.index()).map(|d| d.def) {
+            Some(ValueDef::Arg(_)) => true,
+            Some(ValueDef::Result { node, .. }) => matches!(blk.node(node).op, Op::Slice { .. }),
+            None => false,
+        };
         if !is_arg && !claim.contains_key(&r) {
             claim.insert(r, dst);
         } else {
@@ -622,6 +760,35 @@ fn assign_loop(
     }
 
     let scope = Some(index);
+    // Concatenations of the block, outermost first, as in `main`: a result claimed by an
+    // output is built in the output's slot or slice, else in a temporary of the loop.
+    let mut concat_dst: HashMap<Value, BufRef> = HashMap::new();
+    for n in blk.order.iter().rev() {
+        let bn = blk.node(*n);
+        if !matches!(bn.op, Op::Concat { .. }) {
+            continue;
+        }
+        let &res = bn.results.first().ok_or_else(|| internal("`concat` without a result"))?;
+        let dst = match claim.get(&res) {
+            Some(&d) => d,
+            None => {
+                let name = format!("{}.{}", blk.name, bnames.get(res));
+                BufRef::Buffer { buffer: b.add(name, blk.ty(res).dtype, shape_of(g, blk, res)?, BufferClass::Activation, scope), layer: false }
+            }
+        };
+        concat_dst.insert(res, dst);
+        for (k, (&v, (off, len))) in bn.inputs.iter().zip(concat_parts(g, blk, bn)?).enumerate() {
+            let r = root(blk, v);
+            let twice = bn.inputs.iter().enumerate().any(|(j, &w)| j != k && root(blk, w) == r);
+            let computed = match blk.values.get(r.index()).map(|d| d.def) {
+                Some(ValueDef::Result { node, .. }) => matches!(blk.node(node).op, Op::Kernel { .. }) || is_collective_step(&blk.node(node).op),
+                _ => false,
+            };
+            if computed && !twice && !claim.contains_key(&r) {
+                claim.insert(r, sub_view(&b.s.buffers, dst, off, len)?);
+            }
+        }
+    }
     let mut producer: HashMap<Value, NodeId> = HashMap::new();
     for n in &blk.order {
         let bn = blk.node(*n);
@@ -645,6 +812,30 @@ fn assign_loop(
                     return Err(internal("`reshape` without operand or result"));
                 };
                 ls.values[dst.index()] = ls.values[src.index()];
+            }
+            Op::Slice { axis, start, len } => {
+                let (Some(&src), Some(&dst)) = (bn.inputs.first(), bn.results.first()) else {
+                    return Err(internal("`slice` without operand or result"));
+                };
+                let (off, n) = slice_range(blk.ty(src).dtype, &shape_of(g, blk, src)?, *axis, *start, *len)?;
+                let whole = ls.values[src.index()].ok_or_else(|| internal(format!("a `slice` operand of @{} has no storage", blk.name)))?;
+                ls.values[dst.index()] = Some(sub_view(&b.s.buffers, whole, off, n)?);
+                if let Some(&p) = producer.get(&root(blk, src)) {
+                    producer.insert(dst, p);
+                }
+            }
+            Op::Concat { .. } => {
+                let &res = bn.results.first().ok_or_else(|| internal("`concat` without a result"))?;
+                let dst = *concat_dst.get(&res).ok_or_else(|| internal("`concat` result without storage"))?;
+                for (&v, (off, len)) in bn.inputs.iter().zip(concat_parts(g, blk, bn)?) {
+                    let part = sub_view(&b.s.buffers, dst, off, len)?;
+                    let src = ls.values[v.index()].ok_or_else(|| internal(format!("a `concat` operand of @{} has no storage", blk.name)))?;
+                    if src != part {
+                        ls.copies_after.entry(*n).or_default().push(CopyOp { src, dst: part, bytes: len });
+                    }
+                }
+                ls.values[res.index()] = Some(dst);
+                producer.insert(res, *n);
             }
             other => {
                 return Err(internal(format!("`{}` in @{} of the kernel graph; the fusion pass should have put it into a kernel", other.name(), blk.name)));

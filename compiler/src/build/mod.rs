@@ -413,7 +413,7 @@ pub fn mesh_report(plan: &Plan, mesh: &titan_ir::Mesh) -> MeshReport {
                     let Some(m) = titan_ir::MeshDim::from_name(mesh_dim) else { continue };
                     if *collective == CollectiveOp::AllGather && m == titan_ir::MeshDim::DpShard {
                         match *output {
-                            BufRef::Buffer { buffer, layer } => *gathered.entry(buffer).or_default() |= layer,
+                            BufRef::Buffer { buffer, .. } | BufRef::View { buffer, .. } => *gathered.entry(buffer).or_default() |= output.per_layer(),
                             BufRef::Carry { carry, .. } => {
                                 for &b in carries.get(carry as usize).into_iter().flatten() {
                                     gathered.entry(b).or_default();

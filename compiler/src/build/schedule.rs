@@ -133,7 +133,8 @@ pub fn build_schedule(g: &Graph, storage: &Storage) -> Result<Schedule, BuildErr
                 steps.push(collective(g, &mesh, main, node, &storage.main)?);
                 collectives += 1;
             }
-            Op::Reshape => {}
+            Op::Reshape | Op::Slice { .. } => {}
+            Op::Concat { .. } => steps.extend(storage.concat_copies.get(n).into_iter().flatten().map(copy_step)),
             Op::Repeat { block, count, reverse, carry, stacked, prefetch } => {
                 let ls = storage.loops.get(n).ok_or_else(|| internal(format!("repeat {n} has no loop storage")))?;
                 let blk = g.blocks.get(block.index()).ok_or_else(|| internal(format!("repeat {n} names a missing block")))?;
@@ -159,7 +160,9 @@ pub fn build_schedule(g: &Graph, storage: &Storage) -> Result<Schedule, BuildErr
                             out.push(collective(g, &mesh, blk, bnode, &ls.values)?);
                             body_collectives += 1;
                         }
-                        Op::Reshape => continue,
+                        Op::Reshape | Op::Slice { .. } => continue,
+                        // Its operands that were not computed in place are copied in after it.
+                        Op::Concat { .. } => {}
                         ref other => return Err(internal(format!("`{}` in @{} of the kernel graph", other.name(), blk.name))),
                     }
                     if let Some(copies) = ls.copies_after.get(bn) {

@@ -2,7 +2,7 @@
 //! the schedule that checks every read sees the bytes its producer wrote), the plan summary
 //! snapshot, determinism and the atomic write.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 
@@ -48,61 +48,69 @@ fn shadow_execute(m: &Manifest) -> Vec<String> {
         m: &'m Manifest,
         /// `(arena, start, end, buffer)` of every write, in order.
         log: Vec<(Arena, u64, u64, u32)>,
-        /// Write-log index of the last write of `(buffer, layer)` (`None` = whole buffer).
-        last: HashMap<(u32, Option<u64>), usize>,
         errors: Vec<String>,
     }
+    /// A buffer and a byte range of it (relative to the buffer): a whole buffer, a layer slice
+    /// or an offset view.
+    type Key = (u32, u64, u64);
     impl Sim<'_> {
-        fn resolve(&self, r: BufRef, layer: u64, t: u64, carries: &[[u32; 2]]) -> (u32, Option<u64>) {
-            match r {
-                BufRef::Buffer { buffer, layer: true } => (buffer, Some(layer)),
-                BufRef::Buffer { buffer, layer: false } => (buffer, None),
-                BufRef::Carry { carry, out } => {
-                    let slot = ((t + u64::from(out)) % 2) as usize;
-                    (carries[carry as usize][slot], None)
-                }
-            }
+        fn resolve(&self, r: BufRef, layer: u64, t: u64, carries: &[[u32; 2]]) -> Key {
+            let buffer = match r {
+                BufRef::Carry { carry, out } => carries[carry as usize][((t + u64::from(out)) % 2) as usize],
+                other => other.buffer_id().expect("invariant: not a carry"),
+            };
+            let buf = &self.m.buffers[buffer as usize];
+            let (s, n) = match r {
+                BufRef::Carry { .. } => (0, buf.bytes),
+                other => other.range_in(buf.bytes, buf.shape.first().copied().unwrap_or(0), Some(layer as usize)).unwrap_or_else(|e| panic!("{e}")),
+            };
+            (buffer, s, s + n)
         }
-        fn range(&self, (b, l): (u32, Option<u64>)) -> (Arena, u64, u64) {
+        fn range(&self, (b, s, e): Key) -> (Arena, u64, u64) {
             let buf = &self.m.buffers[b as usize];
-            match l {
-                None => (buf.arena, buf.offset, buf.offset + buf.bytes),
-                Some(i) => {
-                    let per = buf.bytes / buf.shape.first().copied().unwrap_or(1).max(1);
-                    (buf.arena, buf.offset + i * per, buf.offset + (i + 1) * per)
-                }
-            }
+            (buf.arena, buf.offset + s, buf.offset + e)
         }
-        fn write(&mut self, key: (u32, Option<u64>)) {
+        fn write(&mut self, key: Key) {
             let (a, s, e) = self.range(key);
-            self.last.insert(key, self.log.len());
             self.log.push((a, s, e, key.0));
         }
-        fn read(&mut self, key: (u32, Option<u64>), what: &str) {
+        fn read(&mut self, key: Key, what: &str) {
             let buf = &self.m.buffers[key.0 as usize];
             let preset = matches!(buf.class, BufferClass::Input | BufferClass::Param | BufferClass::OptimizerState);
-            // The write this read depends on: of the slice, of the whole buffer, or (for a whole
-            // read) the earliest of all its slices.
-            let since = match key.1 {
-                Some(_) => self.last.get(&key).copied().max(self.last.get(&(key.0, None)).copied()),
-                None => self.last.get(&key).copied().or_else(|| {
-                    let n = buf.shape.first().copied().unwrap_or(0);
-                    let layers: Vec<usize> = (0..n).filter_map(|i| self.last.get(&(key.0, Some(i))).copied()).collect();
-                    (layers.len() as u64 == n && n > 0).then(|| layers.into_iter().min().unwrap_or(0))
-                }),
-            };
+            let (a, s, e) = self.range(key);
+            // The writes this read depends on: the latest writes of this buffer that together
+            // cover the bytes read (scanning back until they do).
+            let mut covered: Vec<(u64, u64)> = Vec::new();
+            let mut since = None;
+            for (i, &(_, ws, we, wb)) in self.log.iter().enumerate().rev() {
+                if wb != key.0 || we <= s || e <= ws {
+                    continue;
+                }
+                covered.push((ws.max(s), we.min(e)));
+                covered.sort_unstable();
+                let mut end = s;
+                for &(cs, ce) in &covered {
+                    if cs > end {
+                        break;
+                    }
+                    end = end.max(ce);
+                }
+                if end >= e {
+                    since = Some(i);
+                    break;
+                }
+            }
             let since = match (since, preset) {
-                (Some(s), _) => s,
+                (Some(i), _) => i,
                 (None, true) => 0,
                 (None, false) => {
-                    self.errors.push(format!("{what} reads {} {:?} before anything wrote it", buf.name, key.1));
+                    self.errors.push(format!("{what} reads {} bytes {}..{} before anything wrote them", buf.name, key.1, key.2));
                     return;
                 }
             };
-            let (a, s, e) = self.range(key);
             for &(wa, ws, we, wb) in &self.log[since..] {
                 if wa == a && wb != key.0 && ws < e && s < we {
-                    self.errors.push(format!("{what} reads {} {:?}, overwritten by {}", buf.name, key.1, self.m.buffers[wb as usize].name));
+                    self.errors.push(format!("{what} reads {} bytes {}..{}, overwritten by {}", buf.name, key.1, key.2, self.m.buffers[wb as usize].name));
                     return;
                 }
             }
@@ -147,11 +155,11 @@ fn shadow_execute(m: &Manifest) -> Vec<String> {
             }
         }
     }
-    let mut sim = Sim { m, log: Vec::new(), last: HashMap::new(), errors: Vec::new() };
+    let mut sim = Sim { m, log: Vec::new(), errors: Vec::new() };
     sim.run(&m.ranks[0].steps, 0, 0, &[]);
     // The step's outputs must still be intact at the end.
     for b in m.buffers.iter().filter(|b| b.output.is_some()) {
-        sim.read((b.id, None), "the step output");
+        sim.read((b.id, 0, b.bytes), "the step output");
     }
     sim.errors
 }
@@ -496,10 +504,10 @@ fn older_manifests_are_refused_with_the_versions_read() {
     let mut v: serde_json::Value = serde_json::from_str(&man.to_json()).unwrap_or_else(|e| panic!("{e}"));
     let back = Manifest::from_json("manifest.json", &v.to_string()).unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(back.format_version, titan_ir::artifact::FORMAT_VERSION);
-    for old in [4, 5, 6] {
+    for old in [4, 5, 6, 7] {
         v["format_version"] = old.into();
         let e = Manifest::from_json("manifest.json", &v.to_string()).err().map(|e| e.to_string()).unwrap_or_default();
-        assert!(e.contains(&format!("format version {old} is not supported")) && e.contains("reads versions 7 to 7"), "{e}");
+        assert!(e.contains(&format!("format version {old} is not supported")) && e.contains("reads versions 8 to 8"), "{e}");
     }
 }
 
@@ -685,4 +693,47 @@ fn a_rank_that_does_not_fit_the_device_warns() {
     assert!(debug.to_string().contains("  library workspaces    32.00 MiB  cuBLASLt 32.00 MiB"), "{debug}");
     assert_eq!(device_memory::parse_gib("141"), Ok(141.0));
     assert!(device_memory::parse_gib("-1").is_err() && device_memory::parse_gib("nan").is_err() && device_memory::parse_gib("0").is_err());
+}
+
+/// Every step of `steps`, loop bodies and prefetches included.
+fn all_steps(steps: &[Step]) -> Vec<&Step> {
+    let mut out = Vec::new();
+    for s in steps {
+        out.push(s);
+        if let Step::Loop { body, prefetch, .. } = s {
+            out.extend(all_steps(prefetch));
+            out.extend(all_steps(body));
+        }
+    }
+    out
+}
+
+/// Every-N-th layer checkpointing on 3 layers (a group of 2 and a remainder layer), on one rank
+/// and at tp 2 x dp_shard 2: the group reads its weights through offset views and its gradients'
+/// concats are computed in place (no copy into a view), every read sees its producer's
+/// bytes, and the loader's lifetimes are the planner's.
+#[test]
+fn every_n_th_layer_plans_use_offset_views_soundly() {
+    use titan_passes::activation_checkpoint::AcPolicy;
+    let m = model(Preset::Debug, Some(3));
+    for mesh in [titan_ir::Mesh::new(1, 1, 1), titan_ir::Mesh::new(1, 2, 2)] {
+        let opts = BuildOptions { mesh, ac: AcPolicy::SelectiveEvery(2), ..BuildOptions::default() };
+        let manifest = compile(&m, "", &opts, false, None).unwrap_or_else(|e| panic!("{mesh:?}: {e}")).0.manifest;
+        let steps = all_steps(&manifest.ranks[0].steps);
+        let views = steps.iter().flat_map(|s| titan_ir::artifact::liveness::step_refs(s)).filter(|r| matches!(r, BufRef::View { .. })).count();
+        assert!(views > 0, "{mesh:?}: the group reads offset views");
+        // A concat operand that is not computed in place is copied into a view of the result.
+        let concat_copies = steps.iter().filter(|s| matches!(s, Step::Copy { dst: BufRef::View { .. }, .. })).count();
+        assert_eq!(concat_copies, 0, "{mesh:?}: the concats are computed in place");
+        let loops: Vec<u32> = steps.iter().filter_map(|s| if let Step::Loop { count, .. } = s { Some(*count) } else { None }).collect();
+        assert_eq!(loops, [1, 1, 1, 1], "{mesh:?}: group and remainder loops, forward and backward");
+        let errors = shadow_execute(&manifest);
+        assert!(errors.is_empty(), "{mesh:?}: {} bad reads, first: {:#?}", errors.len(), &errors[..errors.len().min(10)]);
+        let plan = plan_kernel_graph(&kernel_graph(&with_layout_meta(&m, &opts))).unwrap_or_else(|e| panic!("{e}"));
+        let planner: Vec<Option<(u32, u32)>> = plan.lifetimes.iter().map(|l| l.map(|l| (l.start, l.end))).collect();
+        let derived: Vec<Option<(u32, u32)>> =
+            titan_ir::artifact::liveness::buffer_lifetimes(&manifest, 0).iter().map(|l| l.map(|l| (l.start, l.end))).collect();
+        assert_eq!(derived, planner, "{mesh:?}: lifetimes");
+        assert!(overlapping_buffers(&plan.storage.buffers, &plan.lifetimes).is_empty(), "{mesh:?}");
+    }
 }

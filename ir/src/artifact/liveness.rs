@@ -4,7 +4,7 @@
 //!
 //! The schedule is linearized with each top-level loop's prefetch and body steps once, after a
 //! position of the loop itself. A buffer lives from the first position that touches it to the
-//! last. A *loop temporary* (a buffer referenced only whole, only inside one loop's steps, and
+//! last. A *loop temporary* (a buffer referenced only whole or through fixed views, only inside one loop's steps, and
 //! not one of its carry slots) lives within the positions of the steps that touch it, so every
 //! iteration reuses its bytes; any other buffer a loop touches (layer-sliced operands and results,
 //! invariant operands, carry slots) lives across the whole loop. A buffer holding a step output
@@ -45,7 +45,7 @@ pub fn step_refs(s: &Step) -> Vec<BufRef> {
 /// The buffer ids a reference touches (a carry: both of its slots in `carries`).
 pub fn ref_buffers(r: &BufRef, carries: &[[u32; 2]]) -> Vec<u32> {
     match *r {
-        BufRef::Buffer { buffer, .. } => vec![buffer],
+        BufRef::Buffer { buffer, .. } | BufRef::View { buffer, .. } => vec![buffer],
         BufRef::Carry { carry, .. } => carries.get(carry as usize).map(|c| c.to_vec()).unwrap_or_default(),
     }
 }
@@ -72,9 +72,10 @@ fn scopes(n: usize, steps: &[Step]) -> Vec<Scope> {
                 for bs in prefetch.iter().chain(body) {
                     for r in step_refs(bs) {
                         match r {
-                            BufRef::Buffer { buffer, layer: false } => mark(buffer, Some(loop_index)),
-                            BufRef::Buffer { buffer, layer: true } => mark(buffer, None),
                             BufRef::Carry { .. } => {}
+                            // A view fixed across iterations is referenced like the whole buffer.
+                            BufRef::Buffer { buffer, .. } | BufRef::View { buffer, .. } if !r.per_layer() => mark(buffer, Some(loop_index)),
+                            BufRef::Buffer { buffer, .. } | BufRef::View { buffer, .. } => mark(buffer, None),
                         }
                     }
                     // A loop nested in a loop body is not something the planner writes: its

@@ -91,16 +91,11 @@ impl Unroller<'_> {
 
     fn view(&self, r: &BufRef, frame: Option<Frame<'_>>) -> Result<(u64, u64), String> {
         match *r {
-            BufRef::Buffer { buffer, layer: false } => self.whole(buffer),
-            BufRef::Buffer { buffer, layer: true } => {
-                let f = frame.ok_or_else(|| format!("a layer slice of buffer {buffer} outside any loop"))?;
+            BufRef::Buffer { buffer, .. } | BufRef::View { buffer, .. } => {
                 let (p, len) = self.whole(buffer)?;
-                let layers = self.m.buffers[buffer as usize].shape.first().copied().unwrap_or(0);
-                if f.layer as u64 >= layers {
-                    return Err(format!("layer {} of buffer {buffer}, which has {layers}", f.layer));
-                }
-                let per = len / layers;
-                Ok((p + f.layer as u64 * per, per))
+                let lead = self.m.buffers[buffer as usize].shape.first().copied().unwrap_or(0);
+                let (o, n) = r.range_in(len, lead, frame.map(|f| f.layer))?;
+                Ok((p + o, n))
             }
             BufRef::Carry { carry, out } => {
                 let f = frame.ok_or_else(|| format!("carry {carry} outside any loop"))?;

@@ -50,7 +50,8 @@ impl Space {
 /// What the fusion pass does with one node.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Class {
-    /// Stays a region-level node: `reshape` (a view), `repeat`, an existing `kernel`, a
+    /// Stays a region-level node: `reshape` (a view), a leading-axis `slice` (an offset view) or
+    /// `concat` (operands placed into one buffer), `repeat`, an existing `kernel`, a
     /// collective (`all_gather`, `reduce_scatter`, `all_reduce`) or a rank-local
     /// `take_shard`/`place_shard`.
     Keep,
@@ -98,13 +99,25 @@ pub fn classify(op: &Op, ins: &[&TensorType], outs: &[&TensorType], dims: &DimTa
         | Op::RingShift { .. }
         | Op::RingSlice { .. }
         | Op::RingConcat { .. } => Class::Keep,
-        // A leading-axis slice is a view and a concat a set of copies into one buffer, but the
-        // memory plan has no offset views yet (`docs/notes.md`).
-        Op::Slice { .. } | Op::Concat { .. } => {
-            return Err(format!(
-                "`{}` in a kernel graph is not supported yet (the memory plan has no offset views); graphs with it (e.g. `--ac selective --ac-selective-option <N>`) run in graph mode only",
-                op.name()
-            ));
+        // A slice over the leading axis is an offset view and a concat its operands written into
+        // offsets of one buffer (the memory plan's `View`); cutting an inner axis would need a
+        // strided copy kernel.
+        Op::Slice { axis, .. } | Op::Concat { axis } => {
+            let t = match op {
+                Op::Slice { .. } => in0()?,
+                _ => out0.ok_or_else(|| format!("`{}` has no result", op.name()))?,
+            };
+            let outer = t.shape.iter().take(*axis as usize).map(|d| titan_ir::shape::resolve_dim(d, dims)).collect::<Option<Vec<u64>>>();
+            match outer {
+                Some(o) if o.iter().all(|&d| d == 1) => Class::Keep,
+                Some(_) => {
+                    return Err(format!(
+                        "`{}` along axis {axis} of {t}, an inner axis, is not supported yet in a kernel graph (only along the leading axis or behind dims of size 1)",
+                        op.name()
+                    ));
+                }
+                None => return Err(format!("a dimension of {t} is not bound; bind it in the graph's `dims`")),
+            }
         }
         Op::Linear | Op::Matmul { .. } | Op::ScaledMatmul { .. } => Class::Single(KernelKind::Gemm),
         Op::LinearF8 { .. } => return Err("`linear_f8` reaches fusion unexpanded; `autodiff` expands it (or run the `float8` pass before `autodiff`)".into()),

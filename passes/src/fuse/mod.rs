@@ -98,10 +98,18 @@ pub fn is_collective_step(op: &Op) -> bool {
     op.is_collective() || op.is_rank_local()
 }
 
+/// Whether `op` stays a region-level node of the kernel graph that the memory plan turns into
+/// views: `reshape`, and leading-axis `slice` and `concat` (`fuse` refuses them along inner axes).
+pub fn is_view_step(op: &Op) -> bool {
+    matches!(op, Op::Reshape | Op::Slice { .. } | Op::Concat { .. })
+}
+
 /// Whether a region is already a kernel region: only kernels, views, collectives and repeats.
 fn is_kernel_region(r: &Region) -> bool {
     r.order.iter().all(|n| {
-        r.nodes.get(n.index()).is_some_and(|node| matches!(node.op, Op::Kernel { .. } | Op::Reshape | Op::Repeat { .. }) || is_collective_step(&node.op))
+        r.nodes
+            .get(n.index())
+            .is_some_and(|node| matches!(node.op, Op::Kernel { .. } | Op::Repeat { .. }) || is_view_step(&node.op) || is_collective_step(&node.op))
     })
 }
 
@@ -118,7 +126,7 @@ pub fn kernel_bodies(g: &Graph) -> HashSet<BlockId> {
 }
 
 /// Check the shape of a kernel graph: regions (other than kernel bodies) hold only `kernel`,
-/// `reshape` and collective nodes, plus `repeat` in `main`; bodies hold no `kernel`, `reshape`,
+/// view (`reshape`, `slice`, `concat`) and collective nodes, plus `repeat` in `main`; bodies hold no `kernel`, `reshape`,
 /// `repeat` or collective; a `gemm`, `attention`, `attention_bwd`, `gather` or `scatter_add` kernel holds
 /// exactly its one op. Returns every violation.
 pub fn check_kernel_graph(g: &Graph) -> Vec<String> {
@@ -130,9 +138,9 @@ pub fn check_kernel_graph(g: &Graph) -> Vec<String> {
         for node in r.order.iter().filter_map(|n| r.nodes.get(n.index())) {
             let op = &node.op;
             let allowed = if is_body {
-                !matches!(op, Op::Kernel { .. } | Op::Reshape | Op::Repeat { .. }) && !is_collective_step(op)
+                !matches!(op, Op::Kernel { .. } | Op::Repeat { .. }) && !is_view_step(op) && !is_collective_step(op)
             } else {
-                matches!(op, Op::Kernel { .. } | Op::Reshape) || is_collective_step(op) || (id.is_none() && matches!(op, Op::Repeat { .. }))
+                matches!(op, Op::Kernel { .. }) || is_view_step(op) || is_collective_step(op) || (id.is_none() && matches!(op, Op::Repeat { .. }))
             };
             if !allowed && is_body {
                 errors.push(format!("@{}: a kernel body cannot hold `{}`", r.name, op.name()));

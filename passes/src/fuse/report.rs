@@ -72,7 +72,8 @@ fn value_bytes(g: &Graph, r: &Region, v: Value) -> u64 {
 fn region_bytes(g: &Graph, r: &Region) -> u64 {
     let mut total = 0;
     for node in r.order.iter().filter_map(|n| r.nodes.get(n.index())) {
-        if matches!(node.op, Op::Reshape | Op::Repeat { .. }) {
+        // Views move no bytes (a `concat` does when its operands cannot be placed in it).
+        if matches!(node.op, Op::Reshape | Op::Slice { .. } | Op::Repeat { .. }) {
             continue;
         }
         let mut seen: HashSet<Value> = HashSet::new();

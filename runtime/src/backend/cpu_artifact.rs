@@ -328,17 +328,12 @@ impl<'a> CpuArtifactTrainer<'a> {
             b.ok_or_else(|| bad(format!("buffer {id} does not exist")))
         };
         match *r {
-            BufRef::Buffer { buffer: id, layer: false } => self.whole(buffer(id)?),
-            BufRef::Buffer { buffer: id, layer: true } => {
+            BufRef::Buffer { buffer: id, .. } | BufRef::View { buffer: id, .. } => {
                 let b = buffer(id)?;
-                let f = frame.ok_or_else(|| bad(format!("a layer slice of buffer {id} outside any loop")))?;
                 let v = self.whole(b)?;
-                let layers = b.shape.first().map_or(0, |&d| d as usize);
-                if f.layer >= layers {
-                    return Err(bad(format!("layer {} of buffer {id}, which has {layers}", f.layer)));
-                }
-                let per = v.len / layers;
-                Ok(View { start: v.start + f.layer * per, len: per, ..v })
+                let lead = b.shape.first().copied().unwrap_or(0);
+                let (o, n) = r.range_in(v.len as u64, lead, frame.map(|f| f.layer)).map_err(bad)?;
+                Ok(View { start: v.start + o as usize, len: n as usize, ..v })
             }
             BufRef::Carry { carry, out } => {
                 let f = frame.ok_or_else(|| bad(format!("carry {carry} outside any loop")))?;

@@ -120,17 +120,12 @@ impl<'a> Arenas<'a> {
     pub(super) fn view(&self, r: &BufRef, frame: Option<Frame<'_>>) -> Result<(u64, u64), RuntimeError> {
         let buffer = |id: u32| self.buffer(id).ok_or_else(|| bad(format!("buffer {id} does not exist")));
         match *r {
-            BufRef::Buffer { buffer: id, layer: false } => self.whole(buffer(id)?),
-            BufRef::Buffer { buffer: id, layer: true } => {
+            BufRef::Buffer { buffer: id, .. } | BufRef::View { buffer: id, .. } => {
                 let b = buffer(id)?;
-                let f = frame.ok_or_else(|| bad(format!("a layer slice of buffer {id} outside any loop")))?;
                 let (p, len) = self.whole(b)?;
-                let layers = b.shape.first().copied().unwrap_or(0);
-                if f.layer as u64 >= layers {
-                    return Err(bad(format!("layer {} of buffer {id}, which has {layers}", f.layer)));
-                }
-                let per = len / layers;
-                Ok((p + f.layer as u64 * per, per))
+                let lead = b.shape.first().copied().unwrap_or(0);
+                let (o, n) = r.range_in(len, lead, frame.map(|f| f.layer)).map_err(bad)?;
+                Ok((p + o, n))
             }
             BufRef::Carry { carry, out } => {
                 let f = frame.ok_or_else(|| bad(format!("carry {carry} outside any loop")))?;
