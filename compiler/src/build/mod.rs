@@ -686,19 +686,8 @@ pub(crate) fn compile(
     let spmd = opts.mesh.world_size() > 1;
     let meshed = (spmd || opts.ac != AcPolicy::None).then(|| with_layout_meta(model, opts));
     let model = meshed.as_ref().unwrap_or(model);
-    // fp8 all-gathers' batched amax all-reduce (`precompute_float8_dynamic_scale_for_fsdp`)
-    // packs the amaxes with `concat` and unpacks them with `slice`, which kernel graphs do not
-    // have yet: an artifact all-reduces them one weight at a time (the same scales).
     let mut notes = Vec::new();
-    let unbatched;
-    let train = match &opts.train.float8 {
-        Some(f8) if f8.precompute_scale => {
-            notes.push(PRECOMPUTE_NOTE.to_string());
-            unbatched = TrainOptions { float8: Some(titan_passes::float8::Float8Options { precompute_scale: false, ..f8.clone() }), ..opts.train.clone() };
-            &unbatched
-        }
-        _ => &opts.train,
-    };
+    let train = &opts.train;
     let (fused, pipeline) = compile_train_graph(model, train, &opts.pipeline)?;
     phases.pipeline = t.elapsed();
 
@@ -954,8 +943,6 @@ fn attach_cubins(ptxas: Option<&Path>, kernels: &mut [Kernel], ptx: &[(String, S
 
 /// What `titanc build` says about `precompute_float8_dynamic_scale_for_fsdp` (see
 /// `compile_artifact`).
-pub const PRECOMPUTE_NOTE: &str = "precompute_float8_dynamic_scale_for_fsdp: the artifact all-reduces the fp8 gathers' amaxes one weight at a time (the same scales; one all-reduce per block packs them with `concat`, which kernel graphs do not support yet; `titanc lower --to train` batches them)";
-
 /// Build the artifact of `model` into `out_dir` (see the module documentation). A failed build
 /// leaves `out_dir` as it was.
 pub fn build_artifact(model: &Graph, model_text: &str, opts: &BuildOptions, out_dir: &Path) -> Result<BuildSummary, BuildError> {
