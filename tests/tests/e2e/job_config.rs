@@ -30,17 +30,6 @@ fn notes(stdout: &str, file: &Path) -> Vec<String> {
     stdout.lines().filter_map(|l| l.strip_prefix(&prefix)).map(String::from).collect()
 }
 
-/// The lines of a refusal after its header, without the file name.
-fn problems(err: &str, file: &Path) -> Vec<String> {
-    let prefix = format!("{}: ", file.display());
-    err.lines()
-        .map(|l| l.trim_start_matches("  - "))
-        .filter_map(|l| l.strip_prefix(&prefix))
-        .filter(|l| !l.contains("problems, all listed"))
-        .map(String::from)
-        .collect()
-}
-
 /// The not-honored lines every v0.2.2 config shares with its release's debug config.
 const V022_COMMON: [&str; 2] = [
     "`compile.enable = false` not honored: titan always compiles the whole step ahead of time (fusion does not change the results)",
