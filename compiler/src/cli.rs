@@ -765,9 +765,14 @@ impl BuildArgs {
 
 fn cmd_build(a: &BuildArgs) -> Result<Outcome, CliError> {
     let file = a.file.display().to_string();
+    let job = a.job_config.as_deref().map(JobConfig::load).transpose()?;
+    let request = a.parallel.request().over(job.as_ref().map(|j| j.parallelism).unwrap_or_default());
+    let dims = crate::parallel::ParallelDims::resolve(&request)?;
+    // The job config's `local_batch_size` is per data-parallel rank.
+    let dp = u64::from(dims.dp_replicate) * u64::from(dims.dp_shard);
     let text = match std::fs::read_to_string(&a.file) {
         Ok(text) => text,
-        Err(e) => model_of_preset_name(&file, a.job_config.as_deref())?.ok_or_else(|| FrontendError::Io { file: file.clone(), message: e.to_string() })?,
+        Err(e) => model_of_preset_name(&file, job.as_ref(), dp)?.ok_or_else(|| FrontendError::Io { file: file.clone(), message: e.to_string() })?,
     };
     let (parsed, map) = titan_ir::parse_and_verify_with_map(&file, &text)?;
     let mut model = parsed.clone();
@@ -775,12 +780,9 @@ fn cmd_build(a: &BuildArgs) -> Result<Outcome, CliError> {
     // Pass errors can point into the file when the build's graph kept the parsed ids.
     let map = (model == parsed).then_some(map);
     crate::build::check_model_graph(&model, &format!("`{file}`"))?;
-    let job = a.job_config.as_deref().map(JobConfig::load).transpose()?;
     if let Some(j) = &job {
-        j.check_model(&model)?;
+        j.check_model(&model, dp)?;
     }
-    let request = a.parallel.request().over(job.as_ref().map(|j| j.parallelism).unwrap_or_default());
-    let dims = crate::parallel::ParallelDims::resolve(&request)?;
     dims.check_model(&model)?;
     dims.require_built()?;
     let mut opts = a.build_options(job.as_ref())?;
@@ -883,13 +885,10 @@ fn cmd_simulate(a: &SimulateArgs) -> Result<Outcome, CliError> {
 
 /// `titanc build 8B --job-config ...`: a model file argument that names no file but a flavor or
 /// preset (`debugmodel`, `8B`, `70B`, `405B`, or titanc's preset names) builds that preset with
-/// the job config's batch and sequence length; `None` for any other name.
-fn model_of_preset_name(name: &str, job: Option<&Path>) -> Result<Option<String>, CliError> {
-    if crate::job_config::flavor_preset(name).is_none() {
-        return Ok(None);
-    }
-    let job = job.map(JobConfig::load).transpose()?;
-    let Some(cfg) = JobConfig::preset_model(name, job.as_ref()) else { return Ok(None) };
+/// the job config's sequence length and its batch per data-parallel rank (`dp` ranks); `None`
+/// for any other name.
+fn model_of_preset_name(name: &str, job: Option<&JobConfig>, dp: u64) -> Result<Option<String>, CliError> {
+    let Some(cfg) = JobConfig::preset_model(name, job, dp) else { return Ok(None) };
     let graph_name = format!("llama3_{}", name.to_ascii_lowercase());
     Ok(Some(crate::llama::model_ir(&cfg, &graph_name)?))
 }

@@ -424,8 +424,10 @@ impl JobConfig {
 
     /// Check the keys that describe the model (`model.flavor`, `training.local_batch_size`,
     /// `training.seq_len`, `training.mixed_precision_param`, `model.name`) against the model
-    /// graph; every mismatch is reported at once.
-    pub fn check_model(&self, model: &Graph) -> Result<(), JobConfigError> {
+    /// graph; every mismatch is reported at once. `dp` is the build's data-parallel degree
+    /// (`dp_replicate x dp_shard`): `local_batch_size` is per data-parallel rank, as in
+    /// TorchTitan, so the model's (global) batch is `dp` times it.
+    pub fn check_model(&self, model: &Graph, dp: u64) -> Result<(), JobConfigError> {
         let mut errors = Vec::new();
         let mut invalid = |message: String| errors.push(JobConfigError::Invalid { file: self.file.clone(), message });
         if let Some((flavor, preset)) = self.model_flavor.as_deref().and_then(|f| Some((f, flavor_preset(f)?))) {
@@ -449,12 +451,18 @@ impl JobConfig {
                 Some(_) => {}
             }
         }
-        for (key, value, dim, flag) in
-            [("local_batch_size", self.training.local_batch_size, "batch", "--batch-size"), ("seq_len", self.training.seq_len, "seq", "--seq-len")]
+        let dp = dp.max(1);
+        for (key, value, dim, flag, per) in
+            [("local_batch_size", self.training.local_batch_size, "batch", "--batch-size", dp), ("seq_len", self.training.seq_len, "seq", "--seq-len", 1)]
         {
             let Some(v) = value else { continue };
+            let want = v.saturating_mul(per);
             match model.dims.get(dim) {
-                Some(&d) if d == v => {}
+                Some(&d) if d == want => {}
+                Some(&d) if per > 1 => invalid(format!(
+                    "`training.{key} = {v}` is per data-parallel rank (as in TorchTitan): with dp_replicate x dp_shard = {per} the model's batch is {want}, but it was built with {dim} = {d}; regenerate the model with `titanc new ... {flag} {want}`{}",
+                    if d % per == 0 { format!(" or set `training.{key} = {}`", d / per) } else { String::new() }
+                )),
                 Some(&d) => invalid(format!(
                     "`training.{key} = {v}` does not match the model, which was built with {dim} = {d}; regenerate the model with `titanc new ... {flag} {v}` or set `training.{key} = {d}`"
                 )),
@@ -481,13 +489,14 @@ impl JobConfig {
     }
 
     /// The model a preset name stands for when the model file argument is one (`titanc build
-    /// 8B --job-config ...`): the preset with the file's `training.local_batch_size` and
-    /// `training.seq_len`. `None` when `name` is not a flavor or preset name.
-    pub fn preset_model(name: &str, job: Option<&JobConfig>) -> Option<LlamaConfig> {
+    /// 8B --job-config ...`): the preset with the file's `training.seq_len` and a batch of
+    /// `training.local_batch_size` per data-parallel rank (`dp` of them). `None` when `name`
+    /// is not a flavor or preset name.
+    pub fn preset_model(name: &str, job: Option<&JobConfig>, dp: u64) -> Option<LlamaConfig> {
         let preset = flavor_preset(name)?;
         let mut cfg = LlamaConfig::preset(preset);
         if let Some(j) = job {
-            cfg.batch_size = j.training.local_batch_size.unwrap_or(cfg.batch_size);
+            cfg.batch_size = j.training.local_batch_size.map_or(cfg.batch_size, |b| b.saturating_mul(dp.max(1)));
             cfg.seq_len = j.training.seq_len.unwrap_or(cfg.seq_len);
         }
         Some(cfg)
@@ -772,21 +781,21 @@ expert_parallel_degree = 1
     fn model_keys_must_match_the_model() {
         let cfg = crate::LlamaConfig::preset(crate::Preset::Debug);
         let g = crate::build_llama3(&cfg, "debug").unwrap();
-        ok("[training]\nlocal_batch_size = 8\nseq_len = 64\nmixed_precision_param = \"bfloat16\"\n[model]\nname = \"llama3\"\n").check_model(&g).unwrap();
-        let e = ok("[training]\nseq_len = 128\n").check_model(&g).unwrap_err().to_string();
+        ok("[training]\nlocal_batch_size = 8\nseq_len = 64\nmixed_precision_param = \"bfloat16\"\n[model]\nname = \"llama3\"\n").check_model(&g, 1).unwrap();
+        let e = ok("[training]\nseq_len = 128\n").check_model(&g, 1).unwrap_err().to_string();
         assert_contains(
             &e,
             "`training.seq_len = 128` does not match the model, which was built with seq = 64; regenerate the model with `titanc new ... --seq-len 128`",
         );
-        let e = ok("[training]\nlocal_batch_size = 2\n").check_model(&g).unwrap_err().to_string();
+        let e = ok("[training]\nlocal_batch_size = 2\n").check_model(&g, 1).unwrap_err().to_string();
         assert_contains(&e, "--batch-size 2");
-        let e = ok("[training]\nmixed_precision_param = \"float32\"\n").check_model(&g).unwrap_err().to_string();
+        let e = ok("[training]\nmixed_precision_param = \"float32\"\n").check_model(&g, 1).unwrap_err().to_string();
         assert_contains(&e, "does not match the model's bf16 parameters; regenerate the model with `titanc new ... --dtype f32`");
-        let e = ok("[model]\nname = \"llama4\"\n").check_model(&g).unwrap_err().to_string();
+        let e = ok("[model]\nname = \"llama4\"\n").check_model(&g, 1).unwrap_err().to_string();
         assert_contains(&e, "set `model.name = \"llama3\"`");
-        ok("[model]\nflavor = \"debugmodel\"\n").check_model(&g).unwrap();
-        ok("[model]\nflavor = \"debug\"\n").check_model(&g).unwrap();
-        let e = ok("[model]\nflavor = \"405B\"\n[training]\nseq_len = 128\n").check_model(&g).unwrap_err().to_string();
+        ok("[model]\nflavor = \"debugmodel\"\n").check_model(&g, 1).unwrap();
+        ok("[model]\nflavor = \"debug\"\n").check_model(&g, 1).unwrap();
+        let e = ok("[model]\nflavor = \"405B\"\n[training]\nseq_len = 128\n").check_model(&g, 1).unwrap_err().to_string();
         assert_contains(&e, "2 problems");
         assert_contains(
             &e,
@@ -795,6 +804,14 @@ expert_parallel_degree = 1
         assert_contains(
             &err("[model]\nflavor = \"9B\"\n"),
             "unknown `model.flavor = \"9B\"`; TorchTitan's llama3 flavors are \"debugmodel\", \"8B\", \"70B\", \"405B\"",
+        );
+        // `local_batch_size` is per data-parallel rank: the debug model's batch 8 is 4 per rank
+        // at dp 2.
+        ok("[training]\nlocal_batch_size = 4\n").check_model(&g, 2).unwrap();
+        let e = ok("[training]\nlocal_batch_size = 8\n").check_model(&g, 2).unwrap_err().to_string();
+        assert_contains(
+            &e,
+            "`training.local_batch_size = 8` is per data-parallel rank (as in TorchTitan): with dp_replicate x dp_shard = 2 the model's batch is 16, but it was built with batch = 8; regenerate the model with `titanc new ... --batch-size 16` or set `training.local_batch_size = 4`",
         );
     }
 

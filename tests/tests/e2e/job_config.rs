@@ -66,7 +66,7 @@ fn torchtitan_debug_configs_build_as_shipped() {
         if release == "v0.1.0" {
             let j = titan_compiler::JobConfig::load(&cfg).unwrap_or_else(|e| panic!("{release}: {e}"));
             let m = titan_ir::parse::parse(&std::fs::read_to_string(&model).expect("model")).map_err(|e| format!("{e:?}")).expect("parse").0;
-            j.check_model(&m).unwrap_or_else(|e| panic!("{release}: {e}"));
+            j.check_model(&m, 1).unwrap_or_else(|e| panic!("{release}: {e}"));
             let mut got: Vec<String> = j.notes().iter().map(|n| n.strip_prefix(&format!("{}: ", cfg.display())).unwrap_or(n).to_string()).collect();
             assert!(got.pop().is_some_and(|l| l.starts_with("titan-run reads the runtime sections")), "{release}");
             assert_eq!(got, want, "{release}");
@@ -123,7 +123,7 @@ fn torchtitan_8b_configs_build_as_shipped() {
             // One 8B build per test run: the older file is checked against the model in-process.
             let j = titan_compiler::JobConfig::load(&cfg).unwrap_or_else(|e| panic!("{release}: {e}"));
             let model = titan_compiler::build_llama3(&titan_compiler::LlamaConfig::preset(titan_compiler::Preset::B8), "m").expect("8b");
-            j.check_model(&model).unwrap_or_else(|e| panic!("{release}: {e}"));
+            j.check_model(&model, 1).unwrap_or_else(|e| panic!("{release}: {e}"));
             let mut got: Vec<String> = j.notes().iter().map(|n| n.strip_prefix(&format!("{}: ", cfg.display())).unwrap_or(n).to_string()).collect();
             assert!(got.pop().is_some_and(|l| l.starts_with("titan-run reads the runtime sections")), "{release}");
             assert_eq!(got, want, "{release}");
@@ -161,7 +161,7 @@ fn torchtitan_70b_and_405b_configs_are_read_in_one_run() {
     for release in ["v0.1.0", "v0.2.2"] {
         // 70B: the file is accepted and matches the model; tp 8 over dp_shard -1 is an 8-rank mesh.
         let j = titan_compiler::JobConfig::load(&config(release, "llama3_70b")).unwrap_or_else(|e| panic!("{release}: {e}"));
-        j.check_model(&model("70b", 8)).unwrap_or_else(|e| panic!("{release}: {e}"));
+        j.check_model(&model("70b", 8), 1).unwrap_or_else(|e| panic!("{release}: {e}"));
         assert_eq!(j.parallelism.tp, Some(8));
         assert_eq!(j.activation_checkpoint, Some(titan_passes::activation_checkpoint::AcPolicy::Full));
         // 405B: accepted as shipped, async TP and fp8 all-gathers on.
@@ -169,7 +169,7 @@ fn torchtitan_70b_and_405b_configs_are_read_in_one_run() {
         let async_tp = titan_ir::job_config::RunSettings::load(&cfg).map(|(s, _)| s.async_tp).unwrap_or_else(|e| panic!("{release}: {e}"));
         assert_eq!(async_tp.map(|a| (a.key, a.on)), Some(("parallelism.enable_async_tensor_parallel".to_string(), true)), "{release}");
         let j = titan_compiler::JobConfig::load(&cfg).unwrap_or_else(|e| panic!("{release}: {e}"));
-        j.check_model(&model("405b", 2)).unwrap_or_else(|e| panic!("{release}: {e}"));
+        j.check_model(&model("405b", 2), 1).unwrap_or_else(|e| panic!("{release}: {e}"));
         assert_eq!(j.parallelism.tp, Some(8));
         assert_eq!(j.async_tp(8).0, Some(titan_passes::async_tp::AsyncTpMode::Auto), "{release}");
         assert!(j.float8.as_ref().is_some_and(|f| f.fsdp_all_gather), "{release}");
@@ -190,6 +190,37 @@ fn torchtitan_405b_float8_section_turns_on_fp8_all_gathers() {
         let notes = j.notes();
         assert!(!notes.iter().any(|n| n.contains("precompute_float8_dynamic_scale_for_fsdp")), "{release}: {notes:?}");
     }
+}
+
+/// `training.local_batch_size` is per data-parallel rank, as in TorchTitan: a preset built from
+/// the debug config at dp_shard 2 has twice its batch, and a model file built for one rank is
+/// refused at dp_shard 2 with the batch it needs.
+#[test]
+fn local_batch_size_is_per_data_parallel_rank() {
+    let dir = scratch("job_config", "local_batch");
+    std::fs::create_dir_all(&dir).expect("scratch");
+    let cfg = config("v0.2.2", "debug_model");
+    let cfg = cfg.to_str().expect("utf-8");
+    let out = dir.join("dp2");
+    titanc(&["build", "debugmodel", "-o", out.to_str().expect("utf-8"), "--dp-shard", "2", "--world-size", "2", "--job-config", cfg]).expect("build");
+    let graph = std::fs::read_to_string(out.join("graph.ir")).expect("graph.ir");
+    assert!(graph.contains("batch = 16"), "8 per rank over dp_shard 2: {}", &graph[..graph.len().min(400)]);
+    let model = dir.join("debug2048.ir");
+    titanc(&["new", "llama3", "--preset", "debug", "--seq-len", "2048", "-o", model.to_str().expect("utf-8")]).expect("new");
+    let err = titanc(&[
+        "build",
+        model.to_str().expect("utf-8"),
+        "-o",
+        dir.join("no").to_str().expect("utf-8"),
+        "--dp-shard",
+        "2",
+        "--world-size",
+        "2",
+        "--job-config",
+        cfg,
+    ])
+    .expect_err("batch 8 at dp_shard 2");
+    assert!(err.contains("`training.local_batch_size = 8` is per data-parallel rank (as in TorchTitan): with dp_replicate x dp_shard = 2 the model's batch is 16, but it was built with batch = 8"), "{err}");
 }
 
 /// A flavor that does not match the model is refused naming both.
