@@ -93,20 +93,7 @@ pub(super) fn gen_flat(b: &Body, a: &Analysis, entry: &str) -> GenResult<Generat
         return unsupported(format!("a pointwise kernel of {chunks} chunks exceeds the grid limit"));
     }
     let grid = chunks.clamp(1, FLAT_GRID_CAP);
-    let ws_bytes = workspace_bytes(a, grid, 1);
-    let nparams = b.r.args.len() + b.r.outputs.len() + usize::from(ws_bytes > 0);
-    let mut f = Func::new(nparams);
-    let (args, p) = params(&f, b, ws_bytes > 0);
-    let mut ev = Eval::new(b, a.lay.clone(), args);
-    let tid = f.thread_id();
-    let bid = f.block_id();
-    let zero32 = f.i32c(0);
-    let t0 = f.cmpi(ICmp::Eq, tid, zero32);
-    let b0 = f.cmpi(ICmp::Eq, bid, zero32);
-    let first = f.andi(t0, b0);
-    scalars_at_top(&mut f, &mut ev, b, &p, first)?;
-    let ops: Vec<RedOp> = a.accs.iter().map(|x| x.op).collect();
-    let init: Vec<Val> = identities(&mut f, &ops).into_iter().flatten().collect();
+    let Start { mut f, mut ev, p, tid, bid, init, ws_bytes } = start(b, a, grid)?;
     let tid64 = f.extui(tid, Elem::I64);
     let bid64 = f.extui(bid, Elem::I64);
     let tt = f.i64c(threads as i64);
@@ -151,6 +138,42 @@ pub(super) fn gen_flat(b: &Body, a: &Analysis, entry: &str) -> GenResult<Generat
             })
         })?
     };
+    finish(Start { f, ev, p, tid, bid, init, ws_bytes }, a, parts, entry, threads, grid)
+}
+
+/// What every flat kernel starts with: its function, parameters and evaluator, the scalar
+/// outputs computed once at the top, and the reductions' identity states.
+struct Start<'b, 'g> {
+    f: Func,
+    ev: Eval<'b, 'g>,
+    p: Params,
+    tid: Val,
+    bid: Val,
+    init: Vec<Val>,
+    ws_bytes: u64,
+}
+
+fn start<'b, 'g>(b: &'b Body<'g>, a: &Analysis, grid: u64) -> GenResult<Start<'b, 'g>> {
+    let ws_bytes = workspace_bytes(a, grid, 1);
+    let nparams = b.r.args.len() + b.r.outputs.len() + usize::from(ws_bytes > 0);
+    let mut f = Func::new(nparams);
+    let (args, p) = params(&f, b, ws_bytes > 0);
+    let mut ev = Eval::new(b, a.lay.clone(), args);
+    let tid = f.thread_id();
+    let bid = f.block_id();
+    let zero32 = f.i32c(0);
+    let t0 = f.cmpi(ICmp::Eq, tid, zero32);
+    let b0 = f.cmpi(ICmp::Eq, bid, zero32);
+    let first = f.andi(t0, b0);
+    scalars_at_top(&mut f, &mut ev, b, &p, first)?;
+    let ops: Vec<RedOp> = a.accs.iter().map(|x| x.op).collect();
+    let init: Vec<Val> = identities(&mut f, &ops).into_iter().flatten().collect();
+    Ok(Start { f, ev, p, tid, bid, init, ws_bytes })
+}
+
+/// Finish the cross-block reductions from each thread's partial states and emit the kernel.
+fn finish(k: Start<'_, '_>, a: &Analysis, parts: Vec<Val>, entry: &str, threads: u64, grid: u64) -> GenResult<Generated> {
+    let Start { mut f, mut ev, p, tid, bid, ws_bytes, .. } = k;
     if !a.accs.is_empty() {
         let smem = f.shared_array("titan_red", Elem::F32, red_smem(1));
         let geo = Geometry { threads: threads as u32, grid, d: 1, lanes: 1, col_of: vec![], smem, tid, bid };
@@ -213,18 +236,7 @@ fn gen_tiled(b: &Body, a: &Analysis, entry: &str, dom: &Domain, t: &Tiled) -> Ge
     let (tiles_r, tiles_c) = (t.rows / TILE, t.cols / TILE);
     let tiles = tiles_r * tiles_c;
     let grid = tiles.clamp(1, FLAT_GRID_CAP);
-    let ws_bytes = workspace_bytes(a, grid, 1);
-    let nparams = b.r.args.len() + b.r.outputs.len() + usize::from(ws_bytes > 0);
-    let mut f = Func::new(nparams);
-    let (args, p) = params(&f, b, ws_bytes > 0);
-    let mut ev = Eval::new(b, a.lay.clone(), args);
-    let tid = f.thread_id();
-    let bid = f.block_id();
-    let zero32 = f.i32c(0);
-    let t0 = f.cmpi(ICmp::Eq, tid, zero32);
-    let b0 = f.cmpi(ICmp::Eq, bid, zero32);
-    let first = f.andi(t0, b0);
-    scalars_at_top(&mut f, &mut ev, b, &p, first)?;
+    let Start { mut f, mut ev, p, tid, bid, init, ws_bytes } = start(b, a, grid)?;
     let mut smem = Vec::with_capacity(t.transposed.len());
     for (oi, x) in t.transposed.iter().enumerate() {
         smem.push(match x {
@@ -232,8 +244,6 @@ fn gen_tiled(b: &Body, a: &Analysis, entry: &str, dom: &Domain, t: &Tiled) -> Ge
             None => None,
         });
     }
-    let ops: Vec<RedOp> = a.accs.iter().map(|x| x.op).collect();
-    let init: Vec<Val> = identities(&mut f, &ops).into_iter().flatten().collect();
     let tid64 = f.extui(tid, Elem::I64);
     let bid64 = f.extui(bid, Elem::I64);
     let end = f.i64c(tiles as i64);
@@ -324,11 +334,5 @@ fn gen_tiled(b: &Body, a: &Analysis, entry: &str, dom: &Domain, t: &Tiled) -> Ge
         f.barrier();
         Ok(st)
     })?;
-    if !a.accs.is_empty() {
-        let smem = f.shared_array("titan_red", Elem::F32, red_smem(1));
-        let geo = Geometry { threads: threads as u32, grid, d: 1, lanes: 1, col_of: vec![], smem, tid, bid };
-        let parts = Partials { scalar: parts.into_iter().map(|x| vec![x]).collect(), col: vec![] };
-        finish_accs(&mut f, &mut ev, a, &p, parts, &geo)?;
-    }
-    Ok(Generated::new(f.finish(entry, threads as u32, grid as u32), threads as u32, grid as u32, ws_bytes))
+    finish(Start { f, ev, p, tid, bid, init: Vec::new(), ws_bytes }, a, parts, entry, threads, grid)
 }
