@@ -15,15 +15,14 @@ use std::time::Instant;
 use titan_compiler::build::{BuildOptions, BuildSummary, build_artifact};
 use titan_compiler::{LlamaConfig, Preset, build_llama3};
 use titan_ir::artifact::{CollectiveOp, Manifest, Step};
-use titan_ir::interp::Tensor;
 use titan_ir::{DType, Graph, Mesh};
-use titan_runtime::{Artifact, ArtifactMeshTrainer, BUNDLED_CORPUS, Batch, Batcher, CpuArtifactTrainer, Trainer, byte_tokens};
+use titan_runtime::{Artifact, ArtifactMeshTrainer, CpuArtifactTrainer, Trainer};
 
 const STEPS: usize = 5;
 const LOSS_TOL: f64 = 1e-5;
 const STATE_TOL: f32 = 5e-5;
 
-use crate::common::{Scratch, debug_f32, train_options};
+use crate::common::{Run, Scratch, debug_f32, train_options};
 
 fn build(model: &Graph, mesh: Mesh, name: &str) -> (Scratch, BuildSummary) {
     build_with(model, BuildOptions { train: train_options(), mesh, ..BuildOptions::default() }, name)
@@ -36,22 +35,9 @@ fn build_with(model: &Graph, opts: BuildOptions, name: &str) -> (Scratch, BuildS
     (dir, summary)
 }
 
-struct Run {
-    losses: Vec<f64>,
-    grad_norms: Vec<f64>,
-    states: Vec<(String, Tensor<f32>)>,
-}
-
 fn run(t: &mut dyn Trainer) -> Run {
-    let mut batcher = Batcher::new(byte_tokens(BUNDLED_CORPUS.as_bytes()), t.batch_size(), t.seq_len(), 7).expect("batcher");
-    let batches: Vec<Batch> = (0..STEPS).map(|_| batcher.next_batch()).collect();
-    let (mut losses, mut grad_norms) = (Vec::new(), Vec::new());
-    for b in &batches {
-        let m = t.step(b).expect("step");
-        losses.push(m.loss);
-        grad_norms.push(m.grad_norm);
-    }
-    Run { losses, grad_norms, states: t.states().expect("states") }
+    let (batch, seq) = (t.batch_size(), t.seq_len());
+    Run::train(t, batch, seq, STEPS, |t| t.states().expect("states"))
 }
 
 fn single_rank_artifact(model: &Graph, name: &str) -> Run {
@@ -75,27 +61,7 @@ fn check_model(model: &Graph, mesh: Mesh, name: &str) {
     let mut t = ArtifactMeshTrainer::new(&artifact, 0).expect("mesh trainer");
     assert_eq!(t.global_batch(), 8);
     let got = run(&mut t);
-    let loss_diff = want.losses.iter().zip(&got.losses).map(|(a, b)| (a - b).abs()).fold(0.0, f64::max);
-    let norm_diff = want.grad_norms.iter().zip(&got.grad_norms).map(|(a, b)| (a - b).abs() / a.abs()).fold(0.0, f64::max);
-    assert_eq!(want.states.len(), got.states.len());
-    let (mut state_diff, mut worst) = (0.0f32, String::new());
-    for ((n1, t1), (n2, t2)) in want.states.iter().zip(&got.states) {
-        assert_eq!(n1, n2);
-        assert_eq!(t1.shape, t2.shape, "{n1}");
-        let d = t1.floats().expect("float").iter().zip(t2.floats().expect("float")).map(|(x, y)| (x - y).abs()).fold(0.0f32, f32::max);
-        if d > state_diff {
-            (state_diff, worst) = (d, n1.clone());
-        }
-    }
-    println!(
-        "artifact mesh {:?}: losses {:?}; max |dloss| {loss_diff:.3e}, max rel dgrad_norm {norm_diff:.3e}, max |dstate| {state_diff:.3e} ({worst}); {:.2} s",
-        mesh.sizes,
-        got.losses,
-        start.elapsed().as_secs_f64()
-    );
-    assert!(loss_diff <= LOSS_TOL, "losses differ by {loss_diff}: {:?} vs {:?}", want.losses, got.losses);
-    assert!(norm_diff <= 1e-4, "grad norms differ: {:?} vs {:?}", want.grad_norms, got.grad_norms);
-    assert!(state_diff <= STATE_TOL, "state `{worst}` differs by {state_diff}");
+    want.assert_close(&got, LOSS_TOL, STATE_TOL, &format!("artifact mesh {:?}", mesh.sizes), start);
 }
 
 #[test]

@@ -17,23 +17,16 @@ use std::time::Instant;
 use titan_compiler::build::{BuildOptions, build_artifact};
 use titan_compiler::{LlamaConfig, Preset, build_llama3};
 use titan_ir::artifact::{CollectiveOp, Step};
-use titan_ir::interp::Tensor;
 use titan_ir::{DType, Graph, Mesh};
 use titan_passes::async_tp::{AsyncTpMode, enable_async_tp};
 use titan_passes::lower_to_train;
-use titan_runtime::{Artifact, ArtifactMeshTrainer, BUNDLED_CORPUS, Batch, Batcher, MeshTrainer, Trainer, byte_tokens};
+use titan_runtime::{Artifact, ArtifactMeshTrainer, MeshTrainer, Trainer};
 
-use crate::common::{Scratch, debug_f32, debug_f32_with, train_options};
+use crate::common::{Run, Scratch, debug_f32, debug_f32_with, train_options};
 
 const STEPS: usize = 5;
 const LOSS_TOL: f64 = 1e-5;
 const STATE_TOL: f32 = 5e-5;
-
-struct Run {
-    losses: Vec<f64>,
-    grad_norms: Vec<f64>,
-    states: Vec<(String, Tensor<f32>)>,
-}
 
 fn build(model: &Graph, mesh: Mesh, async_tp: Option<AsyncTpMode>, name: &str) -> (Scratch, titan_compiler::build::BuildSummary) {
     let dir = crate::common::scratch("async-tp", name);
@@ -45,19 +38,8 @@ fn build(model: &Graph, mesh: Mesh, async_tp: Option<AsyncTpMode>, name: &str) -
 fn run(dir: &Scratch) -> Run {
     let artifact = Artifact::load(dir.as_ref()).expect("load");
     let mut t = ArtifactMeshTrainer::new(&artifact, 0).expect("mesh trainer");
-    let batches = batches(&t);
-    let (mut losses, mut grad_norms) = (Vec::new(), Vec::new());
-    for b in &batches {
-        let m = t.step(b).expect("step");
-        losses.push(m.loss);
-        grad_norms.push(m.grad_norm);
-    }
-    Run { losses, grad_norms, states: t.states().expect("states") }
-}
-
-fn batches(t: &dyn Trainer) -> Vec<Batch> {
-    let mut batcher = Batcher::new(byte_tokens(BUNDLED_CORPUS.as_bytes()), t.batch_size(), t.seq_len(), 7).expect("batcher");
-    (0..STEPS).map(|_| batcher.next_batch()).collect()
+    let (batch, seq) = (t.batch_size(), t.seq_len());
+    Run::train(&mut t, batch, seq, STEPS, |t| t.states().expect("states"))
 }
 
 /// The SPMD training graph of `model` on `mesh` (with async TP) run in graph mode.
@@ -71,14 +53,8 @@ fn graph_run(model: &Graph, mesh: Mesh, async_tp: bool) -> (Run, usize) {
     let ops = |r: &titan_ir::Region| r.order.iter().filter(|&&n| matches!(r.node(n).op, titan_ir::Op::RingShift { .. })).count();
     let shifts = ops(&g.main) + g.blocks.iter().map(ops).sum::<usize>();
     let mut t = MeshTrainer::new(&g, 0).expect("mesh trainer");
-    let mut batcher = Batcher::new(byte_tokens(BUNDLED_CORPUS.as_bytes()), t.global_batch(), 64, 7).expect("batcher");
-    let (mut losses, mut grad_norms) = (Vec::new(), Vec::new());
-    for _ in 0..STEPS {
-        let m = t.step(&batcher.next_batch()).expect("step");
-        losses.push(m.loss);
-        grad_norms.push(m.grad_norm);
-    }
-    (Run { losses, grad_norms, states: t.gathered_states().expect("gather") }, shifts)
+    let batch = t.global_batch();
+    (Run::train(&mut t, batch, 64, STEPS, |t| t.gathered_states().expect("gather")), shifts)
 }
 
 /// Collective steps of `op` in a schedule, loops counted once.
@@ -122,26 +98,7 @@ fn check_graph(model: &Graph, mesh: Mesh) {
 }
 
 fn compare(mesh: Mesh, want: &Run, got: &Run, start: Instant) {
-    let loss_diff = want.losses.iter().zip(&got.losses).map(|(a, b)| (a - b).abs()).fold(0.0, f64::max);
-    let norm_diff = want.grad_norms.iter().zip(&got.grad_norms).map(|(a, b)| (a - b).abs() / a.abs()).fold(0.0, f64::max);
-    let (mut state_diff, mut worst) = (0.0f32, String::new());
-    assert_eq!(want.states.len(), got.states.len());
-    for ((n1, t1), (n2, t2)) in want.states.iter().zip(&got.states) {
-        assert_eq!((n1, &t1.shape), (n2, &t2.shape));
-        let d = t1.floats().expect("float").iter().zip(t2.floats().expect("float")).map(|(x, y)| (x - y).abs()).fold(0.0f32, f32::max);
-        if d > state_diff {
-            (state_diff, worst) = (d, n1.clone());
-        }
-    }
-    println!(
-        "async tp {:?}: losses {:?}; vs synchronous: max |dloss| {loss_diff:.3e}, max rel dgrad_norm {norm_diff:.3e}, max |dstate| {state_diff:.3e} ({worst}); {:.2} s",
-        mesh.sizes,
-        got.losses,
-        start.elapsed().as_secs_f64()
-    );
-    assert!(loss_diff <= LOSS_TOL, "losses differ by {loss_diff}: {:?} vs {:?}", want.losses, got.losses);
-    assert!(norm_diff <= 1e-4, "grad norms differ: {:?} vs {:?}", want.grad_norms, got.grad_norms);
-    assert!(state_diff <= STATE_TOL, "state `{worst}` differs by {state_diff}");
+    want.assert_close(got, LOSS_TOL, STATE_TOL, &format!("async tp {:?} vs synchronous", mesh.sizes), start);
 }
 
 #[test]
