@@ -26,16 +26,18 @@ const GRACE: Duration = Duration::from_secs(5);
 fn forward(from: impl Read + Send + 'static, mut to: impl Write + Send + 'static, prefix: String) -> JoinHandle<()> {
     std::thread::spawn(move || {
         let mut r = BufReader::new(from);
-        let mut line = Vec::new();
+        // The prefix and the line go out in one `write_all`: stdout/stderr lock per call, so two
+        // ranks' forwarders never interleave a prefix with the other rank's line.
+        let mut line = prefix.clone().into_bytes();
         loop {
-            line.clear();
+            line.truncate(prefix.len());
             match r.read_until(b'\n', &mut line) {
                 Ok(0) | Err(_) => return,
                 Ok(_) => {
                     if !line.ends_with(b"\n") {
                         line.push(b'\n');
                     }
-                    let _ = to.write_all(prefix.as_bytes()).and_then(|()| to.write_all(&line)).and_then(|()| to.flush());
+                    let _ = to.write_all(&line).and_then(|()| to.flush());
                 }
             }
         }
