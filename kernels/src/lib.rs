@@ -23,7 +23,7 @@ mod values;
 use titan_ir::artifact::{Launch, Prologue};
 use titan_ir::{BlockId, Graph, KernelKind};
 
-pub use ptxas::{PtxasReport, assemble_cubin, assemble_cubin_with, find_ptxas, ptxas_check};
+pub use ptxas::{Assembled, CUBIN_FLAGS, PtxasReport, assemble_cubin, assemble_cubin_with, find_ptxas, ptxas_check};
 
 /// A generated kernel.
 #[derive(Clone, Debug, PartialEq)]

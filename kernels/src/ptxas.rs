@@ -75,23 +75,47 @@ pub fn ptxas_check(ptx: &str, entry: &str) -> Result<PtxasReport, KernelError> {
     parse_report(&text, entry).ok_or_else(|| KernelError::Ptxas(format!("no `-v` report for entry `{entry}` in ptxas output:\n{text}")))
 }
 
-/// Assemble `ptx` into an sm_90a cubin (`ptxas -arch=sm_90a -O3`) with the `ptxas` that
-/// [`find_ptxas`] finds. `entry` names the kernel in errors, which carry ptxas's output.
-pub fn assemble_cubin(ptx: &str, entry: &str) -> Result<Vec<u8>, KernelError> {
+/// The flags [`assemble_cubin_with`] passes (cubin caches key on them).
+pub const CUBIN_FLAGS: [&str; 3] = ["-arch=sm_90a", "-O3", "-v"];
+
+/// A cubin and what ptxas reported on its entry while assembling it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Assembled {
+    pub cubin: Vec<u8>,
+    pub report: PtxasReport,
+}
+
+impl PtxasReport {
+    /// The report on `entry` in ptxas's `-v` output, if it has one.
+    pub fn parse(text: &str, entry: &str) -> Option<PtxasReport> {
+        parse_report(text, entry)
+    }
+
+    /// Whether the kernel spills registers to local memory.
+    pub fn spills(&self) -> bool {
+        self.spill_stores > 0 || self.spill_loads > 0
+    }
+}
+
+/// Assemble `ptx` into an sm_90a cubin ([`CUBIN_FLAGS`]) with the `ptxas` that [`find_ptxas`]
+/// finds. `entry` names the kernel in errors, which carry ptxas's output.
+pub fn assemble_cubin(ptx: &str, entry: &str) -> Result<Assembled, KernelError> {
     let ptxas = find_ptxas().ok_or_else(|| KernelError::Ptxas(format!("ptxas not found; {INSTALL_HINT}")))?;
     assemble_cubin_with(&ptxas, ptx, entry)
 }
 
 /// [`assemble_cubin`] with a given `ptxas` binary (callers assembling many kernels find it once).
 /// The cubin is an ELF image that `cuModuleLoadData` loads as it loads PTX; for the same PTX and
-/// ptxas it is byte-identical across runs (ptxas embeds no paths or timestamps).
-pub fn assemble_cubin_with(ptxas: &Path, ptx: &str, entry: &str) -> Result<Vec<u8>, KernelError> {
+/// ptxas it is byte-identical across runs (ptxas embeds no paths or timestamps). The report
+/// (registers, spills, shared memory) comes from the same run (`-v`), so a build learns about
+/// spills without assembling twice.
+pub fn assemble_cubin_with(ptxas: &Path, ptx: &str, entry: &str) -> Result<Assembled, KernelError> {
     let dir = std::env::temp_dir();
     let unique = unique_stem(entry);
     let src = dir.join(format!("{unique}.ptx"));
     let obj = dir.join(format!("{unique}.cubin"));
     std::fs::write(&src, ptx).map_err(|e| KernelError::Ptxas(format!("cannot write `{}`: {e}", src.display())))?;
-    let out = Command::new(ptxas).arg("-arch=sm_90a").arg("-O3").arg(&src).arg("-o").arg(&obj).output();
+    let out = Command::new(ptxas).args(CUBIN_FLAGS).arg(&src).arg("-o").arg(&obj).output();
     let _ = std::fs::remove_file(&src);
     let cubin = std::fs::read(&obj);
     let _ = std::fs::remove_file(&obj);
@@ -104,7 +128,8 @@ pub fn assemble_cubin_with(ptxas: &Path, ptx: &str, entry: &str) -> Result<Vec<u
     if !cubin.starts_with(b"\x7fELF") {
         return Err(KernelError::Ptxas(format!("ptxas wrote a cubin for `{entry}` that is not an ELF image:\n{text}")));
     }
-    Ok(cubin)
+    let report = parse_report(&text, entry).ok_or_else(|| KernelError::Ptxas(format!("no `-v` report for entry `{entry}` in ptxas output:\n{text}")))?;
+    Ok(Assembled { cubin, report })
 }
 
 /// The first number before `what` in `line` (`"0 bytes spill stores"` -> 0).
@@ -166,8 +191,9 @@ ptxas info    : Used 14 registers, used 1 barriers, 256 bytes smem\n";
         };
         let a = assemble_cubin_with(&ptxas, TINY, "tiny").unwrap_or_else(|e| panic!("{e}"));
         let b = assemble_cubin_with(&ptxas, TINY, "tiny").unwrap_or_else(|e| panic!("{e}"));
-        assert!(a.starts_with(b"\x7fELF"));
+        assert!(a.cubin.starts_with(b"\x7fELF"));
         assert_eq!(a, b, "ptxas output differs between two runs");
+        assert_eq!(Ok(&a.report), ptxas_check(TINY, "tiny").as_ref().map_err(ToString::to_string), "the same report as a separate check");
         let err = assemble_cubin_with(&ptxas, "not ptx", "broken").expect_err("bad PTX is rejected");
         assert!(err.to_string().contains("`broken`"), "{err}");
         let missing = assemble_cubin_with(Path::new("/nonexistent/ptxas"), TINY, "tiny").expect_err("no such ptxas");

@@ -12,6 +12,7 @@
 //! Building is deterministic: the same model text, options and target give byte-identical
 //! files, and `content_hash` (hex SHA-256 of the three) identifies them.
 
+mod cubin_cache;
 pub mod device_memory;
 pub mod emit;
 pub mod eval;
@@ -34,7 +35,7 @@ use titan_ir::artifact::{
 };
 use titan_ir::attr::fmt_float;
 use titan_ir::{AttrValue, BlockId, Graph, KernelKind};
-use titan_kernels::KernelError;
+use titan_kernels::{Assembled, KernelError, PtxasReport};
 use titan_passes::activation_checkpoint::AcPolicy;
 use titan_passes::fuse::FusionReport;
 use titan_passes::pipeline::{BUILD_PIPELINE, EVAL_BUILD_PIPELINE, SPMD_BUILD_PIPELINE, SPMD_EVAL_BUILD_PIPELINE};
@@ -182,6 +183,9 @@ pub struct BuildSummary {
     pub ptx_files: usize,
     /// Cubins written next to the PTX (0 without `ptxas`).
     pub cubin_files: usize,
+    /// What ptxas reported on each assembled kernel (training step, then eval step): registers,
+    /// spills, shared memory.
+    pub ptxas_reports: Vec<(String, PtxasReport)>,
     pub launches_per_step: u64,
     pub buffers: usize,
     pub arenas: Vec<ArenaPlan>,
@@ -246,6 +250,15 @@ impl fmt::Display for BuildSummary {
             self.cubin_files,
             self.launches_per_step
         )?;
+        if let Some(regs) = self.ptxas_reports.iter().map(|(_, r)| r.registers).max() {
+            let spilling: Vec<&str> = self.ptxas_reports.iter().filter(|(_, r)| r.spills()).map(|(k, _)| k.as_str()).collect();
+            let smem = self.ptxas_reports.iter().map(|(_, r)| r.shared_bytes).max().unwrap_or(0);
+            let spills = match spilling.as_slice() {
+                [] => "no register spills".to_string(),
+                ks => format!("warning: {} kernel(s) spill registers to local memory: {}", ks.len(), ks.join(", ")),
+            };
+            writeln!(f, "ptxas:        at most {regs} registers and {} of shared memory per kernel; {spills}", human_bytes(smem))?;
+        }
         writeln!(f, "memory plan:  {} buffers", self.buffers)?;
         for a in &self.arenas {
             writeln!(f, "  {:<16} {:>12}", memory::arena_name(a.arena), human_bytes(a.bytes))?;
@@ -595,18 +608,25 @@ fn codegen(fused: &Graph, bodies: &[(BlockId, KernelKind, String)], notes: &mut 
 /// four threads (each call is a separate `ptxas` process), longest PTX first. A kernel ptxas
 /// rejects keeps its PTX only, with a note: the loader then JIT-compiles the PTX, which reports
 /// the problem on the GPU. If every kernel fails (a `ptxas` that cannot run), one note says so.
-fn assemble_cubins(ptxas: &Path, jobs: &[(usize, &str, &str, &str)], notes: &mut Vec<String>) -> Vec<Option<Vec<u8>>> {
+fn assemble_cubins(ptxas: &Path, jobs: &[(usize, &str, &str, &str)], notes: &mut Vec<String>) -> Vec<Option<Assembled>> {
     if jobs.is_empty() {
         return Vec::new();
     }
-    let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).clamp(1, 4).min(jobs.len());
+    let mut results: Vec<Option<Result<Assembled, KernelError>>> = (0..jobs.len()).map(|_| None).collect();
+    // Cubins of PTX assembled before (this model or another: most kernels of a rebuild
+    // with other flags are unchanged) come from the cache; ptxas runs on the rest.
+    let cache = cubin_cache::cache_dir().and_then(|d| cubin_cache::CubinCache::open(d, ptxas));
+    if let Some(cache) = &cache {
+        for (r, &(_, _, ptx, _)) in results.iter_mut().zip(jobs) {
+            *r = cache.get(ptx).map(Ok);
+        }
+    }
     // Longest PTX first, so one slow kernel (the optimizer's) does not start last.
-    let mut order: Vec<usize> = (0..jobs.len()).collect();
+    let mut order: Vec<usize> = (0..jobs.len()).filter(|&i| results[i].is_none()).collect();
     order.sort_by_key(|&i| std::cmp::Reverse(jobs[i].2.len()));
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).clamp(1, 4).min(order.len().max(1));
     let next = std::sync::atomic::AtomicUsize::new(0);
-    type Assembled = Result<Vec<u8>, KernelError>;
-    let mut results: Vec<Option<Assembled>> = (0..jobs.len()).map(|_| None).collect();
-    let parts: Vec<Vec<(usize, Assembled)>> = std::thread::scope(|s| {
+    let parts: Vec<Vec<(usize, Result<Assembled, KernelError>)>> = std::thread::scope(|s| {
         let workers: Vec<_> = (0..threads)
             .map(|_| {
                 let (next, order) = (&next, &order);
@@ -623,6 +643,9 @@ fn assemble_cubins(ptxas: &Path, jobs: &[(usize, &str, &str, &str)], notes: &mut
         workers.into_iter().map(|w| w.join().unwrap_or_else(|p| std::panic::resume_unwind(p))).collect()
     });
     for (i, r) in parts.into_iter().flatten() {
+        if let (Some(cache), Ok(a)) = (&cache, &r) {
+            cache.put(jobs[i].2, a);
+        }
         results[i] = Some(r);
     }
     if results.iter().all(|r| matches!(r, Some(Err(_)))) {
@@ -636,7 +659,7 @@ fn assemble_cubins(ptxas: &Path, jobs: &[(usize, &str, &str, &str)], notes: &mut
         .into_iter()
         .zip(jobs)
         .map(|(r, &(_, path, _, _))| match r {
-            Some(Ok(cubin)) => Some(cubin),
+            Some(Ok(a)) => Some(a),
             Some(Err(e)) => {
                 notes.push(format!("no cubin for `{path}` (the runtime JIT-compiles its PTX): {e}"));
                 None
@@ -722,7 +745,8 @@ pub(crate) fn compile(
     phases.codegen = t.elapsed();
 
     let t = Instant::now();
-    let mut cubins = attach_cubins(ptxas, &mut kernels, &ptx, &mut notes);
+    let mut ptxas_reports = Vec::new();
+    let mut cubins = attach_cubins(ptxas, &mut kernels, &ptx, &mut notes, &mut ptxas_reports);
     phases.ptxas = t.elapsed();
 
     // The eval kernels: the same code generator and ptxas, files next to the training ones.
@@ -731,7 +755,7 @@ pub(crate) fn compile(
         let mut eval_notes = Vec::new();
         let code = if generate_code { codegen(&e.fused, &e.bodies, &mut eval_notes)? } else { e.bodies.iter().map(|_| None).collect() };
         let eval_ptx = attach_code(&mut e.step.kernels, code);
-        cubins.extend(attach_cubins(ptxas, &mut e.step.kernels, &eval_ptx, &mut eval_notes));
+        cubins.extend(attach_cubins(ptxas, &mut e.step.kernels, &eval_ptx, &mut eval_notes, &mut ptxas_reports));
         ptx.extend(eval_ptx);
         // A note the training kernels already gave (no ptxas) is said once.
         for n in eval_notes {
@@ -780,6 +804,7 @@ pub(crate) fn compile(
         kernels: manifest.kernels.len(),
         ptx_files: ptx.len(),
         cubin_files: cubins.len(),
+        ptxas_reports,
         launches_per_step: plan.schedule.launches_per_step,
         buffers: manifest.buffers.len(),
         arenas: plan.memory.arenas.clone(),
@@ -911,7 +936,13 @@ fn attach_code(kernels: &mut [Kernel], code: Vec<Option<Code>>) -> Vec<(String, 
 
 /// Assemble every kernel's PTX into a cubin with `ptxas` (`None`: a note says the artifact ships
 /// PTX only) and record it in the kernel's entry; returns the cubin files, `(path, image)`.
-fn attach_cubins(ptxas: Option<&Path>, kernels: &mut [Kernel], ptx: &[(String, String)], notes: &mut Vec<String>) -> Vec<(String, Vec<u8>)> {
+fn attach_cubins(
+    ptxas: Option<&Path>,
+    kernels: &mut [Kernel],
+    ptx: &[(String, String)],
+    notes: &mut Vec<String>,
+    reports: &mut Vec<(String, PtxasReport)>,
+) -> Vec<(String, Vec<u8>)> {
     let mut cubins = Vec::new();
     match ptxas {
         Some(ptxas) => {
@@ -924,11 +955,12 @@ fn attach_cubins(ptxas: Option<&Path>, kernels: &mut [Kernel], ptx: &[(String, S
                 }
             }
             let assembled = assemble_cubins(ptxas, &jobs, notes);
-            let done: Vec<(usize, Vec<u8>)> = jobs.iter().zip(assembled).filter_map(|(&(i, ..), c)| c.map(|c| (i, c))).collect();
-            for (i, cubin) in done {
+            let done: Vec<(usize, Assembled)> = jobs.iter().zip(assembled).filter_map(|(&(i, ..), c)| c.map(|c| (i, c))).collect();
+            for (i, a) in done {
                 let path = format!("{KERNEL_DIR}/{}.cubin", kernels[i].name);
                 kernels[i].cubin = Some(path.clone());
-                cubins.push((path, cubin));
+                cubins.push((path, a.cubin));
+                reports.push((kernels[i].name.clone(), a.report));
             }
         }
         None if !ptx.is_empty() => notes.push(
