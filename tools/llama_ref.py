@@ -168,6 +168,20 @@ class Llama(nn.Module):
         return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten().long())
 
 
+def float8_convert(model, recipe, filter_fqns):
+    """torchao's float8 training on the model's linears, as TorchTitan's `[float8]` converter
+    applies it (before compile): `recipe` is torchao's recipe name, `filter_fqns` the
+    fully-qualified-name substrings that stay high precision (TorchTitan's `filter_fqns`)."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    config = Float8LinearConfig.from_recipe_name(recipe)
+
+    def keep(mod, fqn):
+        return isinstance(mod, torch.nn.Linear) and mod.in_features % 16 == 0 and mod.out_features % 16 == 0 and not any(f in fqn for f in filter_fqns)
+
+    return convert_to_float8_training(model, module_filter_fn=keep, config=config)
+
+
 def hf_name(name):
     """This model's parameter name (`layers.0.wq.weight`) -> the Hugging Face name titan-run's
     checkpoints use (`model.layers.0.self_attn.q_proj.weight`)."""

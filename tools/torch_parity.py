@@ -32,7 +32,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from llama_ref import Llama, LlamaConfig, hf_name, init_like_titan, rope_tables  # noqa: E402
+from llama_ref import Llama, LlamaConfig, float8_convert, hf_name, init_like_titan, rope_tables  # noqa: E402
 
 
 class ParityError(Exception):
@@ -145,6 +145,10 @@ def cmd_compare(a):
     with torch.device(dev):
         model = Llama(c)
     load_init(model, a.init)
+    if a.float8:
+        # torchao's float8 training with the recipe titan was built with (`--float8`): the
+        # reference of a `titanc build --float8 RECIPE` run.
+        model = float8_convert(model, a.float8, tuple(f for f in a.float8_filter.split(",") if f))
     params = list(model.parameters())
     opt = torch.optim.AdamW(params, lr=lr_at(a, 1), betas=(a.beta1, a.beta2), eps=a.eps, weight_decay=a.weight_decay, foreach=False, fused=False)
     cos, sin = rope_tables(c.seq_len, c.head_dim, c.rope_theta, dev)
@@ -222,6 +226,8 @@ def main(argv=None):
     c.add_argument("--metrics", required=True, help="titan-run --metrics FILE.jsonl")
     c.add_argument("--steps", type=int, default=20)
     c.add_argument("--tolerance", type=float, default=2e-2, help="allowed |Δloss| per step, times max(1, loss)")
+    c.add_argument("--float8", choices=["rowwise", "rowwise_with_gw_hp", "tensorwise"], help="train the reference with torchao's float8 recipe (titanc build --float8)")
+    c.add_argument("--float8-filter", default="", help="comma-separated fqn substrings kept high precision (titanc build --float8-filter)")
     c.add_argument("--label", default="model")
     c.add_argument("--table-out", help="also write the table (markdown) to this file")
     # titanc build's training flags, with its defaults.

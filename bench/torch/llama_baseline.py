@@ -28,7 +28,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tools"))
-from llama_ref import Llama, LlamaConfig, rope_tables  # noqa: E402  (the model lives in tools/llama_ref.py)
+from llama_ref import Llama, LlamaConfig, float8_convert, rope_tables  # noqa: E402  (the model lives in tools/llama_ref.py)
 
 PEAK_FLOPS = 989e12
 
@@ -105,12 +105,14 @@ def checkpointed(block, mode):
     return checkpoint_wrapper(block, context_fn=_ac_context_fn, preserve_rng_state=False)
 
 
-def run_torch(a, compile_blocks, bf16_params, profile=False, ac="none"):
+def run_torch(a, compile_blocks, bf16_params, profile=False, ac="none", float8=None, filter_fqns=()):
     torch.manual_seed(0)
     dev = torch.device("cuda")
     model = Llama(ref_config(a)).to(dev)
     if bf16_params:
         model = model.to(torch.bfloat16)
+    if float8:
+        model = float8_convert(model, float8, filter_fqns)
     if ac != "none":
         for i, blk in enumerate(model.layers):
             model.layers[i] = checkpointed(blk, ac)
@@ -227,11 +229,16 @@ def main():
     ap.add_argument("--titan-run")
     ap.add_argument("--artifact")
     ap.add_argument("--only", default="all", help="all | torch | titan")
+    ap.add_argument("--float8-artifacts", help="float8 side by side: LABEL=DIR,... where LABEL is bf16 or RECIPE[:FILTER] "
+                    "(e.g. rowwise, rowwise:output); each titan artifact against torch.compile per block + torchao "
+                    "convert_to_float8_training with that recipe and filter_fqns (fp32 params + bf16 autocast)")
     ap.add_argument("--ac-artifacts", help="activation checkpointing side by side: MODE=DIR,... (none, selective, full) "
                     "titan artifacts, each against torch.compile per block with TorchTitan's policy of that mode")
     a = ap.parse_args()
     if a.ac_artifacts:
         return ac_side_by_side(a)
+    if a.float8_artifacts:
+        return float8_side_by_side(a)
     print(f"# {torch.cuda.get_device_name()} torch {torch.__version__}; flops/token {flops_per_token(a):.4g}")
     results = {}
     if a.only in ("all", "titan") and a.titan_run and a.artifact:
@@ -263,6 +270,49 @@ def main():
         for name, ms, count in ks[:10]:
             print(f"  {ms:>10.3f} {100 * ms / total:>5.1f}% {count:>8}  {name[:110]}")
         print_groups("torch.compile", [(name, ms) for name, ms, _ in ks])
+
+
+def float8_side_by_side(a):
+    """titan-run with each float8 artifact and torch.compile per block + torchao with the same
+    recipe and filter (TorchTitan's single-GPU policy: fp32 params + bf16 autocast): tok/s, MFU,
+    peak memory; then titan-run's profile of the float8 kernels of each artifact."""
+    print(f"# {torch.cuda.get_device_name()} torch {torch.__version__}; float8 side by side")
+    rows = []
+    for item in a.float8_artifacts.split(","):
+        label, path = item.split("=", 1)
+        recipe, _, filt = label.partition(":")
+        filters = tuple(f for f in filt.split("+") if f)
+        a.artifact = path
+        what = "bf16" if recipe == "bf16" else f"float8 {recipe}, filter [{', '.join(filters)}]"
+        rows.append((f"titan-run {what}", run_titan(a)))
+        f8 = None if recipe == "bf16" else recipe
+        try:
+            r = run_torch(a, True, False, float8=f8, filter_fqns=filters)
+        except Exception as e:  # a recipe torchao cannot run here is reported, not fatal
+            print(f"torch.compile + torchao {what}: {type(e).__name__}: {str(e)[:300]}")
+            r = None
+        rows.append((f"torch.compile{'' if f8 is None else ' + torchao'} {what}", r))
+    base = {k: r for k, r in rows if r is not None}
+    tb = base.get("titan-run bf16")
+    print(f"{'variant':<62} {'tok/s':>10} {'vs titan bf16':>13} {'MFU':>7} {'peak GiB':>9} {'loss':>8}")
+    for k, r in rows:
+        if r is None:
+            print(f"{k:<62} failed")
+            continue
+        rel = f"{r['tps'] / tb['tps']:>13.3f}" if tb else f"{'-':>13}"
+        print(f"{k:<62} {r['tps']:>10.0f} {rel} {100 * r['mfu']:>6.1f}% {r['peak'] / 2**30:>9.2f} {r['loss']:>8.4f}")
+    for item in a.float8_artifacts.split(","):
+        label, path = item.split("=", 1)
+        if label == "bf16":
+            continue
+        a.artifact = path
+        prof = titan_profile(a)
+        if prof:
+            kernels = [r for r in prof if r[1] is not None]
+            print(f"\n# titan-run --profile, {label}: top 12 kernels")
+            for line, _, _, _ in [r for r in prof if r[1] is None][:2] + kernels[:12]:
+                print(line)
+            print_groups(f"titan-run {label}", [(f"{name} {kind}", ms) for _, name, kind, ms in kernels])
 
 
 def ac_side_by_side(a):
