@@ -583,7 +583,8 @@ fn run_fuse(g: &mut Graph, ctx: &PassContext) -> Result<PassStats, PassDiag> {
         .with("kernels", s.kernels as u64)
         .with("fused_kernels", s.fused_kernels as u64)
         .with("ops_outlined", s.ops_outlined as u64)
-        .with("constants_copied", s.constants_copied as u64))
+        .with("constants_copied", s.constants_copied as u64)
+        .with("recomputed", s.recomputed as u64))
 }
 
 #[cfg(test)]

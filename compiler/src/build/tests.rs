@@ -186,6 +186,45 @@ fn live_buffers_never_share_bytes_debug_and_8b() {
     }
 }
 
+/// `fuse`'s rule 10 on the training step: the grad-norm kernels write only their partial sums
+/// (no fp32 copy of a gradient) and the optimizer kernel reads every gradient as the backward
+/// produced it, in bf16, casting and clipping it itself.
+#[test]
+fn the_optimizer_reads_the_bf16_gradients_and_norm_kernels_write_no_copies() {
+    for (p, layers) in [(Preset::Debug, None), (Preset::B8, Some(2))] {
+        let g = kernel_graph(&model(p, layers));
+        let main = &g.main;
+        let kernels: Vec<(KernelKind, &titan_ir::Node)> = main
+            .order
+            .iter()
+            .map(|&n| main.node(n))
+            .filter_map(|node| match node.op {
+                titan_ir::Op::Kernel { kind, .. } => Some((kind, node)),
+                _ => None,
+            })
+            .collect();
+        let opt = kernels.iter().find(|(k, _)| *k == KernelKind::Optimizer).map(|(_, n)| *n).expect("an optimizer kernel");
+        let grads: Vec<&titan_ir::TensorType> = opt
+            .inputs
+            .iter()
+            .filter(|&&v| matches!(main.value(v).def, titan_ir::ValueDef::Result { .. }))
+            .map(|&v| main.ty(v))
+            .filter(|t| t.rank() > 0)
+            .collect();
+        assert_eq!(grads.len(), main.args.iter().filter(|a| matches!(a.kind, titan_ir::ArgKind::State(_))).count() / 3, "{p}: one gradient per parameter");
+        assert!(grads.iter().all(|t| t.dtype == titan_ir::DType::BF16), "{p}: {grads:?}");
+        let is_norm = |n: &titan_ir::Node| {
+            let titan_ir::Op::Kernel { body, .. } = n.op else { return false };
+            g.block(body).order.iter().any(|&m| matches!(g.block(body).node(m).op, titan_ir::Op::Unary(titan_ir::UnaryOp::Square)))
+        };
+        let norms: Vec<&titan_ir::Node> = kernels.iter().filter(|(k, n)| *k == KernelKind::Fused && is_norm(n)).map(|(_, n)| *n).collect();
+        assert_eq!(norms.len(), grads.len(), "{p}");
+        for n in norms {
+            assert!(n.results.iter().all(|&r| main.ty(r).rank() == 0), "{p}: a grad-norm kernel writes a tensor");
+        }
+    }
+}
+
 #[test]
 fn shadow_execution_reads_what_was_written() {
     for (p, layers) in [(Preset::Debug, None), (Preset::B8, Some(3))] {

@@ -210,14 +210,15 @@ struct Grouper<'r> {
     /// Whether a value reduces across rows ([`grid_reduced_results`]).
     grid_reduced: Vec<bool>,
     class: Vec<Option<Class>>,
-    /// Whether a node is a `broadcast` to more elements than it reads (rule 9).
-    expands: Vec<bool>,
+    /// Whether a node joins the consumer that reads it rather than its producer: a `broadcast`
+    /// to more elements than it reads (rule 9), or a recomputed clone (rule 10).
+    pulled: Vec<bool>,
     groups: Vec<Option<Group>>,
     group_of: Vec<Option<usize>>,
 }
 
 impl<'r> Grouper<'r> {
-    fn new(region: &'r Region, dims: &DimTable) -> Result<Grouper<'r>, String> {
+    fn new(region: &'r Region, dims: &DimTable, recomputed: &HashSet<NodeId>) -> Result<Grouper<'r>, String> {
         let nv = region.values.len();
         let nn = region.nodes.len();
         let mut g = Grouper {
@@ -228,7 +229,7 @@ impl<'r> Grouper<'r> {
             escapes: vec![false; nv],
             grid_reduced: vec![false; nv],
             class: vec![None; nn],
-            expands: vec![false; nn],
+            pulled: vec![false; nn],
             groups: Vec::new(),
             group_of: vec![None; nn],
         };
@@ -254,7 +255,10 @@ impl<'r> Grouper<'r> {
             }
             g.class[n.index()] = Some(classify(&node.op, &ins, &outs, dims).map_err(|e| format!("@{}, node {n} (`{}`): {e}", region.name, node.op.name()))?);
             if let (Op::Broadcast { .. }, [i], [o]) = (&node.op, ins.as_slice(), outs.as_slice()) {
-                g.expands[n.index()] = numel(o, dims)? > numel(i, dims)?;
+                g.pulled[n.index()] = numel(o, dims)? > numel(i, dims)?;
+            }
+            if recomputed.contains(&n) {
+                g.pulled[n.index()] = true;
             }
         }
         for v in region.outputs.iter().map(|o| o.value).chain(region.updates.iter().map(|u| u.value)) {
@@ -428,15 +432,16 @@ impl<'r> Grouper<'r> {
             }
             let node = &region.nodes[n.index()];
             // Rule 9: an expanding `broadcast` waits for its consumers, so a small tensor (a row
-            // scale) is expanded inside the kernel that reads it rather than written out wide.
-            if self.expands[n.index()] {
+            // scale) is expanded inside the kernel that reads it rather than written out wide;
+            // rule 10: so does a recomputed clone.
+            if self.pulled[n.index()] {
                 deferred.push(n);
                 continue;
             }
-            // Broadcasts waiting for this consumer (rule 9) come first, so that joining their
-            // producers' groups below stays convex.
+            // Broadcasts and clones waiting for this consumer (rules 9, 10) come first, so that
+            // joining their producers' groups below stays convex.
             for &v in &node.inputs {
-                let Some(p) = self.producer[v.index()].filter(|p| self.expands[p.index()]) else { continue };
+                let Some(p) = self.producer[v.index()].filter(|p| self.pulled[p.index()]) else { continue };
                 let Some(g) = self.group_of[p.index()].filter(|&g| g != cur && self.group(g).members.len() == 1) else { continue };
                 if let Some(s) = self.can_merge(cur, g) {
                     self.merge(cur, g, s);
@@ -595,7 +600,13 @@ impl<'r> Grouper<'r> {
 
 /// Group the nodes of `region` into kernels.
 pub fn group_region(region: &Region, dims: &DimTable) -> Result<Grouping, PassDiag> {
-    let mut g = Grouper::new(region, dims)?;
+    group_region_with(region, dims, &HashSet::new())
+}
+
+/// Group the nodes of `region` into kernels, `recomputed` being the clones of rule 10 (each
+/// joins the kernel of the consumer that reads it).
+pub fn group_region_with(region: &Region, dims: &DimTable, recomputed: &HashSet<NodeId>) -> Result<Grouping, PassDiag> {
+    let mut g = Grouper::new(region, dims, recomputed)?;
     g.optimizer_group()?;
     g.fuse_pointwise();
     g.single_kernels();

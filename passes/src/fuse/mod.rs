@@ -13,7 +13,8 @@
 //!   `gather`: one `embedding` or `gather`. `scatter_add`: one `scatter_add`.
 //! - `optimizer`: every `adamw` and `lr_schedule` of the region in one multi-tensor kernel,
 //!   plus the pointwise producers of each `adamw` gradient operand whose results nothing else
-//!   reads (the clip multiply `g * clip_coef`), so the gradient is read once, by the optimizer.
+//!   reads (the clip multiply `g * clip_coef`, and by rule 10 the fp32 cast of a bf16
+//!   gradient), so the optimizer reads each gradient as the backward produced it.
 //! - `fused`: connected groups of the fusible ops: unary, binary, `cast`, `broadcast`,
 //!   `transpose`, `constant`, `reduce_*`, `rmsnorm`, `rmsnorm_bwd`, `rope`, `cross_entropy`,
 //!   `cross_entropy_bwd`.
@@ -61,12 +62,28 @@
 //!    have had it). Without this, the float8 GEMMs' row scales were written out as full f32
 //!    tensors by the kernel that computed them.
 //!
+//! 10. **Cheap producers are recomputed, not written out.** After grouping, a node that is a
+//!     cast to a dtype at least as wide as its operand, or `add`/`sub`/`mul`/`div`/`min`/`max`
+//!     of one tensor with scalars keeping the tensor's dtype, whose operands are made outside
+//!     its kernel (so they are in memory anyway) and whose result kernels other than its own
+//!     read, all of them `fused` or `optimizer` kernels, is cloned into each of those kernels
+//!     (`recompute.rs`; stat `recomputed`). Each consumer then reads the operand (no more bytes
+//!     than the result) and the result is never written: the grad-norm kernel reads a bf16
+//!     gradient and writes only its partial sum, and the optimizer reads the same bf16 gradient
+//!     and casts it itself, instead of an fp32 copy written by the one for the other. The
+//!     region is grouped again with the clones, which join their consumer (as rule 9's
+//!     broadcasts do); a node whose clones do not all land in their consumers' kernels stays
+//!     materialized. A result read by a GEMM, a collective or a view is written anyway, and a
+//!     narrowing cast (f32 -> bf16 read twice) would read more bytes than it saves, so neither
+//!     is recomputed. Recomputing is exact: a clone is the same op on the same operands.
+//!
 //! Kernels are scheduled in a topological order, earliest first op first. The interpreter runs
 //! a kernel's body op by op, so the fused graph computes bit-identical results.
 //! Fusing a graph whose regions hold only kernels, views and repeats changes nothing.
 
 mod group;
 mod outline;
+mod recompute;
 mod report;
 
 use std::collections::HashSet;
@@ -90,6 +107,8 @@ pub struct FuseStats {
     pub ops_outlined: usize,
     /// Rank-0 constants copied into kernel bodies.
     pub constants_copied: usize,
+    /// Pointwise nodes computed again inside a consumer kernel instead of read back (rule 10).
+    pub recomputed: usize,
 }
 
 /// Whether `op` stays a region-level step of the kernel graph besides kernels, views and
@@ -189,7 +208,9 @@ pub fn fuse(g: &mut Graph) -> Result<FuseStats, PassDiag> {
             continue;
         }
         let grouping = group::group_region(region, &g.dims)?;
-        let o = outline::outline(region, &grouping, base + new_blocks.len() as u32)?;
+        let rc = recompute::recompute(region, grouping, &g.dims)?;
+        let o = outline::outline(rc.region.as_ref().unwrap_or(region), &rc.grouping, base + new_blocks.len() as u32)?;
+        stats.recomputed += rc.clones;
         stats.regions += 1;
         stats.kernels += o.bodies.len();
         stats.fused_kernels += o.region.nodes.iter().filter(|n| matches!(n.op, Op::Kernel { kind: KernelKind::Fused, .. })).count();

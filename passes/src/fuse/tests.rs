@@ -258,3 +258,69 @@ fn the_kernel_graph_check_reports_leftover_ops() {
     f.main.nodes[exp_kernel.index()].op = Op::Kernel { body, kind: Gemm };
     assert_eq!(check_kernel_graph(&f), ["@main.k1 is a `gemm` kernel but holds exp"]);
 }
+
+/// `c = cast(gemm) : f32`, read by the norm kernel `reduce_sum(square(c))` and by a kernel that
+/// scales it by the norm (rule 5 keeps them apart). With `widen` the cast is bf16 -> f32, which
+/// rule 10 computes again in the second kernel; a narrowing cast stays written out once.
+fn norm_then_scale(widen: bool, also_gemm: bool) -> Graph {
+    graph(2, |b, x| {
+        let (narrow, wide) = if widen { (DType::BF16, DType::F32) } else { (DType::F32, DType::BF16) };
+        let (h, w) = if widen {
+            (b.push_typed(Op::Cast, &[x[0]], TensorType::fixed(narrow, &[8, 8]))?, b.push_typed(Op::Cast, &[x[1]], TensorType::fixed(narrow, &[8, 8]))?)
+        } else {
+            (x[0], x[1])
+        };
+        let m = matmul(b, h, w)?;
+        let c = b.push_typed(Op::Cast, &[m], TensorType::fixed(wide, &[8, 8]))?;
+        let sq = unary(b, UnaryOp::Square, c)?;
+        let s = b.push1(Op::Reduce { kind: ReduceKind::Sum, axes: vec![0, 1] }, &[sq])?;
+        let r = unary(b, UnaryOp::Rsqrt, s)?;
+        let y = binary(b, BinaryOp::Mul, c, r)?;
+        let mut outs = vec![s, y];
+        if also_gemm {
+            outs.push(matmul(b, c, c)?);
+        }
+        Ok(outs)
+    })
+}
+
+/// The dtypes of the non-scalar operands of `main`'s kernel whose body ends in `mul`.
+fn scaling_kernel_inputs(g: &Graph) -> Vec<DType> {
+    let is_scaling = |body: titan_ir::BlockId| g.block(body).order.last().is_some_and(|&m| matches!(g.block(body).node(m).op, Op::Binary(BinaryOp::Mul)));
+    let k = g.main.order.iter().map(|&k| g.main.node(k)).find(|k| matches!(k.op, Op::Kernel { body, .. } if is_scaling(body))).expect("the scaling kernel");
+    k.inputs.iter().map(|&v| g.main.ty(v)).filter(|t| t.rank() > 0).map(|t| t.dtype).collect()
+}
+
+#[test]
+fn a_widening_cast_read_by_two_kernels_is_recomputed_in_each() {
+    let (f, stats) = fused(&norm_then_scale(true, false));
+    assert_eq!(
+        kernels(&f),
+        vec![
+            (Fused, vec!["cast"]),
+            (Fused, vec!["cast"]),
+            (Gemm, vec!["matmul"]),
+            (Fused, vec!["cast", "square", "reduce_sum"]),
+            (Fused, vec!["rsqrt", "cast", "mul"])
+        ]
+    );
+    assert_eq!(stats.recomputed, 1);
+    // The norm kernel writes only the scalar; the scaling kernel reads the bf16 GEMM result.
+    let norm = f.main.order.iter().map(|&k| f.main.node(k)).filter(|k| matches!(k.op, Op::Kernel { .. })).nth(3).expect("norm kernel");
+    assert_eq!(norm.results.iter().map(|&r| f.main.ty(r).rank()).collect::<Vec<_>>(), vec![0]);
+    assert_eq!(scaling_kernel_inputs(&f), vec![DType::BF16]);
+}
+
+#[test]
+fn a_narrowing_cast_or_one_a_gemm_reads_is_written_once() {
+    // f32 -> bf16: reading the f32 operand twice would move more bytes than the bf16 copy.
+    let (f, stats) = fused(&norm_then_scale(false, false));
+    assert_eq!(stats.recomputed, 0);
+    assert!(kernels(&f).contains(&(Fused, vec!["rsqrt", "mul"])));
+    assert_eq!(scaling_kernel_inputs(&f), vec![DType::BF16]);
+    // A GEMM reads the f32 copy anyway, so the kernels share it.
+    let (f, stats) = fused(&norm_then_scale(true, true));
+    assert_eq!(stats.recomputed, 0);
+    assert!(kernels(&f).contains(&(Fused, vec!["rsqrt", "mul"])));
+    assert_eq!(scaling_kernel_inputs(&f), vec![DType::F32]);
+}
