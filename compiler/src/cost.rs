@@ -291,7 +291,8 @@ pub fn simulate(m: &Manifest, rank: usize, c: &CostModel) -> Result<Simulation, 
 fn lay_out(m: &Manifest, ops: &[UnrolledOp], durations: &[f64], peak_tflops: f64) -> Simulation {
     let stream: Vec<Option<usize>> = ops.iter().map(UnrolledOp::comm_stream).collect();
     let ranges: Vec<Vec<(u64, u64)>> = ops.iter().map(|o| o.ranges.clone()).collect();
-    let joins = join_points(&stream, &ranges);
+    let reads: Vec<usize> = ops.iter().map(|o| o.reads).collect();
+    let joins = join_points(&stream, &ranges, &reads);
     let (mut compute_t, mut busy) = (0.0f64, 0.0f64);
     let mut comm_t = [0.0f64; timeline::COMM_STREAMS];
     // Per collective: (end, mesh dim, stream).

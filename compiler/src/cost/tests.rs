@@ -116,7 +116,7 @@ fn tp_collectives_run_beside_the_data_parallel_ones() {
     // ones of the other stream it must wait for.
     let ops = timeline::unroll(&m, 0).unwrap_or_else(|e| panic!("{e}"));
     let stream: Vec<Option<usize>> = ops.iter().map(UnrolledOp::comm_stream).collect();
-    let joins = join_points(&stream, &ops.iter().map(|o| o.ranges.clone()).collect::<Vec<_>>());
+    let joins = join_points(&stream, &ops.iter().map(|o| o.ranges.clone()).collect::<Vec<_>>(), &ops.iter().map(|o| o.reads).collect::<Vec<_>>());
     let comm: Vec<&Span> = sim.spans.iter().filter(|s| s.stream.starts_with("comm")).collect();
     assert_eq!(comm.len(), joins.comm_waits.len());
     for (c, waits) in joins.comm_waits.iter().enumerate() {

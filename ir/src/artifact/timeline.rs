@@ -55,8 +55,9 @@ pub struct UnrolledOp {
     pub name: String,
     /// Where it comes from: `schedule step 4.2, layer 1`.
     pub at: String,
-    /// The byte ranges `(start, len)` it reads or writes.
+    /// The byte ranges `(start, len)` it reads (the first `reads`) and writes (the rest).
     pub ranges: Vec<(u64, u64)>,
+    pub reads: usize,
 }
 
 impl UnrolledOp {
@@ -150,21 +151,27 @@ impl Unroller<'_> {
                 Step::Launch { kernel, inputs, outputs, .. } => {
                     let k = self.m.kernels.get(*kernel as usize).ok_or_else(|| format!("{at}: kernel {kernel} does not exist"))?;
                     let mut ranges = views(inputs)?;
+                    let reads = ranges.len();
                     ranges.extend(views(outputs)?);
-                    ops.push(UnrolledOp { kind: OpKind::Launch { kernel: *kernel as usize }, name: k.name.clone(), at, ranges });
+                    ops.push(UnrolledOp { kind: OpKind::Launch { kernel: *kernel as usize }, name: k.name.clone(), at, ranges, reads });
                 }
                 Step::Copy { src, dst, bytes, .. } => {
                     let ranges = vec![(self.view(src, frame)?.0, *bytes), (self.view(dst, frame)?.0, *bytes)];
-                    ops.push(UnrolledOp { kind: OpKind::Copy { bytes: *bytes }, name: "copy".into(), at, ranges });
+                    ops.push(UnrolledOp { kind: OpKind::Copy { bytes: *bytes }, name: "copy".into(), at, ranges, reads: 1 });
                 }
                 Step::Memset { dst, bytes, .. } => {
                     let ranges = vec![(self.view(dst, frame)?.0, *bytes)];
-                    ops.push(UnrolledOp { kind: OpKind::Memset { bytes: *bytes }, name: "memset".into(), at, ranges });
+                    ops.push(UnrolledOp { kind: OpKind::Memset { bytes: *bytes }, name: "memset".into(), at, ranges, reads: 0 });
                 }
-                Step::Collective { collective, mesh_dim, group, dtype, in_shape, out_shape, input, output, send_bytes, .. } => {
+                Step::Collective { collective, mesh_dim, group, dtype, in_shape, out_shape, input, more_inputs, output, send_bytes, .. } => {
                     let e = dtype.size_bytes() as u64;
                     let (ni, no) = (in_shape.iter().product::<u64>() * e, out_shape.iter().product::<u64>() * e);
-                    let ranges = vec![(self.view(input, frame)?.0, ni), (self.view(output, frame)?.0, no)];
+                    let mut ranges = vec![(self.view(input, frame)?.0, ni)];
+                    for r in more_inputs {
+                        ranges.push((self.view(r, frame)?.0, ni));
+                    }
+                    let reads = ranges.len();
+                    ranges.push((self.view(output, frame)?.0, no));
                     let communicates = *group > 1
                         && matches!(collective, CollectiveOp::AllGather | CollectiveOp::ReduceScatter | CollectiveOp::AllReduce | CollectiveOp::RingShift);
                     let kind = OpKind::Collective {
@@ -175,7 +182,7 @@ impl Unroller<'_> {
                         bytes: ni.max(no),
                         communicates,
                     };
-                    ops.push(UnrolledOp { kind, name: format!("{}({mesh_dim})", collective.name()), at, ranges });
+                    ops.push(UnrolledOp { kind, name: format!("{}({mesh_dim})", collective.name()), at, ranges, reads });
                 }
                 Step::Loop { count, reverse, carries, body, prefetch } => {
                     for run in loop_runs(*count, *reverse, !prefetch.is_empty()) {
@@ -223,22 +230,31 @@ fn touches(a: &[(u64, u64)], b: &[(u64, u64)]) -> bool {
     a.iter().any(|x| b.iter().any(|y| overlap(*x, *y)))
 }
 
+/// Whether op `b`, after op `a`, must wait for it: it touches what `a` writes, or writes what
+/// `a` reads (two reads of the same bytes need no order).
+fn conflicts(ranges: &[Vec<(u64, u64)>], reads: &[usize], a: usize, b: usize) -> bool {
+    let (ar, aw) = ranges[a].split_at(reads[a].min(ranges[a].len()));
+    let bw = &ranges[b][reads[b].min(ranges[b].len())..];
+    touches(aw, &ranges[b]) || touches(ar, bw)
+}
+
 /// For ops in schedule order, `stream[j]` the collectives stream op `j` runs on (`None`: the
-/// compute stream) and `ranges[j]` the byte ranges it reads or writes: each collective is
-/// joined before the first later compute op whose ranges overlap the collective's (it reads the
-/// result, or reuses the operand's or the result's memory). Later collectives of the same
+/// compute stream), `ranges[j]` the byte ranges it touches and `reads[j]` how many of them
+/// (the first) it only reads: each collective is joined before the first later compute op
+/// that conflicts with it (reads or writes its result, or overwrites its operand's memory; a
+/// compute op that only reads the collective's operand too needs no join, which lets async
+/// TP's chunk GEMM run beside the ring shift of the same chunk). Later collectives of the same
 /// stream need no join: a stream runs its collectives in order, and each starts after the
-/// compute enqueued before it. A collective whose ranges overlap an earlier collective's on
+/// compute enqueued before it. A collective that conflicts with an earlier collective of
 /// another stream waits for it (`comm_waits`) unless the compute stream joined that one before
 /// the later collective was enqueued (then the order is already implied).
-pub fn join_points(stream: &[Option<usize>], ranges: &[Vec<(u64, u64)>]) -> Joins {
+pub fn join_points(stream: &[Option<usize>], ranges: &[Vec<(u64, u64)>], reads: &[usize]) -> Joins {
     let mut j = Joins { before: vec![Vec::new(); stream.len()], at_end: Vec::new(), comm_waits: Vec::new() };
     // (op index, stream, joined before op) of each collective so far.
     let mut seen: Vec<(usize, usize, usize)> = Vec::new();
     for (i, s) in stream.iter().enumerate() {
         let Some(s) = *s else { continue };
-        let mine = &ranges[i];
-        let first = (i + 1..stream.len()).find(|&k| stream[k].is_none() && touches(mine, &ranges[k]));
+        let first = (i + 1..stream.len()).find(|&k| stream[k].is_none() && conflicts(ranges, reads, i, k));
         match first {
             Some(k) => j.before[k].push(seen.len()),
             None => j.at_end.push(seen.len()),
@@ -246,7 +262,7 @@ pub fn join_points(stream: &[Option<usize>], ranges: &[Vec<(u64, u64)>]) -> Join
         let waits = seen
             .iter()
             .enumerate()
-            .filter(|&(_, &(p, ps, joined))| ps != s && joined > i && touches(mine, &ranges[p]))
+            .filter(|&(_, &(p, ps, joined))| ps != s && joined > i && conflicts(ranges, reads, p, i))
             .map(|(c, _)| c)
             .collect();
         j.comm_waits.push(waits);
@@ -336,12 +352,12 @@ mod tests {
         // op 3 reads [104, 2): the gather is joined before op 3.
         let comm = [None, Some(DATA_STREAM), None, None];
         let ranges = vec![vec![(0, 8)], vec![(0, 8), (100, 8)], vec![(50, 4)], vec![(104, 2)]];
-        let j = join_points(&comm, &ranges);
+        let j = join_points(&comm, &ranges, &[0, 1, 0, 1]);
         assert_eq!(j.before, vec![vec![], vec![], vec![], vec![0]]);
         assert!(j.at_end.is_empty());
         assert_eq!(j.comm_waits, vec![Vec::<usize>::new()]);
         // Nobody touches it: joined at the end.
-        let j = join_points(&comm[..3], &ranges[..3]);
+        let j = join_points(&comm[..3], &ranges[..3], &[0, 1, 0]);
         assert_eq!(j.at_end, vec![0]);
     }
 
@@ -353,7 +369,7 @@ mod tests {
         // unrelated bytes: no wait between the streams; compute reads each result.
         let s = [Some(DATA_STREAM), Some(TP_STREAM), None, None];
         let ranges = vec![vec![(0, 8), (100, 8)], vec![(200, 8), (300, 8)], vec![(300, 8)], vec![(100, 8)]];
-        let j = join_points(&s, &ranges);
+        let j = join_points(&s, &ranges, &[1; 4]);
         assert_eq!(j.comm_waits, vec![Vec::<usize>::new(), vec![]]);
         assert_eq!(j.before, vec![vec![], vec![], vec![1], vec![0]]);
     }
@@ -364,17 +380,33 @@ mod tests {
         // joined the gather: it waits on its stream for collective 0.
         let s = [Some(DATA_STREAM), Some(TP_STREAM), None];
         let ranges = vec![vec![(0, 8), (100, 8)], vec![(100, 8), (300, 8)], vec![(300, 8)]];
-        let j = join_points(&s, &ranges);
+        let j = join_points(&s, &ranges, &[1; 3]);
         assert_eq!(j.comm_waits, vec![vec![], vec![0]]);
         // The same stream needs no wait: it runs its collectives in order.
-        let j = join_points(&[Some(TP_STREAM), Some(TP_STREAM), None], &ranges);
+        let j = join_points(&[Some(TP_STREAM), Some(TP_STREAM), None], &ranges, &[1; 3]);
         assert_eq!(j.comm_waits, vec![Vec::<usize>::new(), vec![]]);
         // Joined by compute (op 1 reads it) before the tp collective is enqueued: implied.
         let s = [Some(DATA_STREAM), None, Some(TP_STREAM), None];
         let ranges = vec![vec![(0, 8), (100, 8)], vec![(100, 8)], vec![(100, 8), (300, 8)], vec![(300, 8)]];
-        let j = join_points(&s, &ranges);
+        let j = join_points(&s, &ranges, &[1; 4]);
         assert_eq!(j.comm_waits, vec![Vec::<usize>::new(), vec![]]);
         assert_eq!(j.before[1], vec![0]);
+        // Two collectives of different streams that only read the same bytes: no wait.
+        let j = join_points(&[Some(DATA_STREAM), Some(TP_STREAM)], &[vec![(0, 8), (100, 8)], vec![(0, 8), (300, 8)]], &[1, 1]);
+        assert_eq!(j.comm_waits, vec![Vec::<usize>::new(), vec![]]);
+    }
+
+    #[test]
+    fn reading_a_collectives_operand_needs_no_join_overwriting_it_does() {
+        // A ring shift reads chunk [0, 8) into [100, 8); the chunk's GEMM reads [0, 8) too
+        // (into [200, 8)): no join, they run side by side. The next GEMM reads [100, 8): joined
+        // there.
+        let s = [Some(TP_STREAM), None, None];
+        let ranges = vec![vec![(0, 8), (100, 8)], vec![(0, 8), (200, 8)], vec![(100, 8), (300, 8)]];
+        assert_eq!(join_points(&s, &ranges, &[1; 3]).before, vec![vec![], vec![], vec![0]]);
+        // An op that overwrites the chunk must wait for the shift to have read it.
+        let ranges = vec![vec![(0, 8), (100, 8)], vec![(0, 8)], vec![(500, 8)]];
+        assert_eq!(join_points(&s, &ranges, &[1, 0, 1]).before, vec![vec![], vec![0], vec![]]);
     }
 
     #[test]

@@ -918,7 +918,7 @@ impl<'a> CudaArtifactTrainer<'a> {
 fn collective_setup(
     gpu: &Gpu,
     ops: &[Op],
-    ext: &[Vec<(u64, u64)>],
+    ext: &[(Vec<(u64, u64)>, usize)],
     has_nccl: bool,
     what: &str,
 ) -> Result<(Option<DeviceBuffer>, Option<CommEvents>), RuntimeError> {
@@ -952,7 +952,9 @@ fn collective_setup(
     if !has_nccl {
         return Err(RuntimeError::Backend("the schedule has collectives but this process has no NCCL communicators".into()));
     }
-    let joins = collective::join_points(&stream, ext);
+    let ranges: Vec<Vec<(u64, u64)>> = ext.iter().map(|e| e.0.clone()).collect();
+    let reads: Vec<usize> = ext.iter().map(|e| e.1).collect();
+    let joins = collective::join_points(&stream, &ranges, &reads);
     let done = stream.iter().flatten().map(|_| Event::new()).collect::<Result<Vec<_>, _>>()?;
     let stream = stream.into_iter().flatten().collect();
     Ok((staging, Some(CommEvents { fork: Event::new()?, done, joins, stream, staging_offset })))
