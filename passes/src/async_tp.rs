@@ -124,12 +124,15 @@ pub struct AsyncTpStats {
     pub decisions: Vec<String>,
 }
 
-/// A GEMM that consumes (or produces) a value along a row dim: `linear(x, w)` or
-/// `matmul(x, w)` without `transpose_a`, with `x` the value and `w` a matrix.
+/// A GEMM that consumes (or produces) a value along a row dim: `linear(x, w)`, or
+/// `matmul(x, w)` / `scaled_matmul(x, w, sa, sb)` without `transpose_a`, with `x` the value
+/// and `w` a matrix (and, scaled, one scalar scale for `x`: a per-row one would need slicing
+/// too). Its chunk GEMMs are the same op with `x` replaced by a chunk of rows.
 fn row_gemm(region: &Region, node: &titan_ir::Node, x: Value, dim: usize) -> Result<(), String> {
     let ok_op = match node.op {
         Op::Linear => true,
         Op::Matmul { transpose_a, .. } => !transpose_a && region.ty(node.inputs[1]).rank() == 2,
+        Op::ScaledMatmul { transpose_a, .. } => !transpose_a && region.ty(node.inputs[1]).rank() == 2 && region.ty(node.inputs[2]).rank() == 0,
         _ => false,
     };
     if !ok_op {
@@ -142,6 +145,13 @@ fn row_gemm(region: &Region, node: &titan_ir::Node, x: Value, dim: usize) -> Res
         return Err(format!("`{}` contracts over dim {dim}", node.op.name()));
     }
     Ok(())
+}
+
+/// A row GEMM's operands with its rows operand (the first) replaced by `rows`.
+fn with_rows(inputs: &[Value], rows: Value) -> Vec<Value> {
+    let mut v = inputs.to_vec();
+    v[0] = rows;
+    v
 }
 
 fn numel(ty: &TensorType, dims: &DimTable) -> Result<u64, String> {
@@ -168,6 +178,29 @@ fn human(b: u64) -> String {
 
 fn name_of(region: &Region, v: Value) -> String {
     region.value(v).name.as_ref().map_or_else(|| format!("{v}"), |n| format!("%{n}"))
+}
+
+/// A GEMM's weight operand by name; a quantized weight by its high-precision name.
+fn weight_name(region: &Region, v: Value) -> String {
+    match region.value(v).def {
+        titan_ir::ValueDef::Result { node, .. } => match_quantize(region, node).map_or_else(|| name_of(region, v), |m| name_of(region, m.tensor.x)),
+        titan_ir::ValueDef::Arg(_) => name_of(region, v),
+    }
+}
+
+/// Whether `v` is a scaled GEMM's result through its epilogue (`cast`s and `mul`s by the
+/// broadcast row and column scales of the rowwise recipes).
+fn scaled_gemm_epilogue(region: &Region, mut v: Value) -> bool {
+    for _ in 0..5 {
+        let titan_ir::ValueDef::Result { node, .. } = region.value(v).def else { return false };
+        let n = region.node(node);
+        match n.op {
+            Op::ScaledMatmul { .. } => return true,
+            Op::Cast | Op::Binary(BinaryOp::Mul) => v = n.inputs[0],
+            _ => return false,
+        }
+    }
+    false
 }
 
 /// Nodes of `region` (in order) that read `v`, and whether a region output or update does.
@@ -313,7 +346,7 @@ fn all_gather_pair(region: &mut Region, ag: NodeId, ctx: &Ctx, stats: &mut Async
         for (c, gn) in gemm_nodes.iter().enumerate() {
             let ty = divided(e.region.ty(gn.results[0]), d, n, ctx.dims)?;
             let name = e.region.value(gn.results[0]).name.as_ref().map(|b| format!("{b}.chunk{s}"));
-            chunks[c].push(e.push(gn.op.clone(), vec![cur, gn.inputs[1]], ty, name));
+            chunks[c].push(e.push(gn.op.clone(), with_rows(&gn.inputs, cur), ty, name));
             stats.chunk_gemms += 1;
         }
     }
@@ -420,12 +453,7 @@ fn float8_gather_pair(region: &mut Region, ag: NodeId, ctx: &Ctx, stats: &mut As
     for &u in &q_users {
         flops += 2 * numel(region.ty(region.node(u).results[0]), ctx.dims)? / u64::from(n) * k;
     }
-    // The weight by its high-precision name (the GEMM reads its quantized copy).
-    let weight = |v: Value| match region.value(v).def {
-        titan_ir::ValueDef::Result { node, .. } => match_quantize(region, node).map_or_else(|| name_of(region, v), |m| name_of(region, m.tensor.x)),
-        titan_ir::ValueDef::Arg(_) => name_of(region, v),
-    };
-    let names: Vec<String> = q_users.iter().map(|&u| format!("scaled_matmul({})", weight(region.node(u).inputs[1]))).collect();
+    let names: Vec<String> = q_users.iter().map(|&u| format!("scaled_matmul({})", weight_name(region, region.node(u).inputs[1]))).collect();
     if let Err(e) = ctx.threshold(chunk_bytes, flops) {
         return sync(format!("{} ({e})", names.join(", ")));
     }
@@ -471,9 +499,7 @@ fn float8_gather_pair(region: &mut Region, ag: NodeId, ctx: &Ctx, stats: &mut As
         for (c, gn) in gemm_nodes.iter().enumerate() {
             let ty = divided(e.region.ty(gn.results[0]), d, n, ctx.dims)?;
             let name = e.region.value(gn.results[0]).name.as_ref().map(|b| format!("{b}.chunk{s}"));
-            let mut inputs = gn.inputs.clone();
-            inputs[0] = cur;
-            chunks[c].push(e.push(gn.op.clone(), inputs, ty, name));
+            chunks[c].push(e.push(gn.op.clone(), with_rows(&gn.inputs, cur), ty, name));
             stats.chunk_gemms += 1;
         }
     }
@@ -531,6 +557,11 @@ fn reduce_scatter_pair(region: &mut Region, rs: NodeId, ctx: &Ctx, stats: &mut A
         None => Err(format!("`{}` has no operand", pn.op.name())),
     };
     if let Err(e) = shape_ok {
+        if pn.op != Op::Cast && scaled_gemm_epilogue(region, p) {
+            return Ok(format!(
+                "{head}: synchronous: the producer is the row and column scaling after a float8 scaled GEMM (rowwise); splitting it with its epilogue is not supported yet"
+            ));
+        }
         return Ok(format!("{head}: synchronous: the producer is not a GEMM over the scattered rows ({e})"));
     }
     let h = h.ok_or("invariant: a GEMM operand")?;
@@ -538,7 +569,7 @@ fn reduce_scatter_pair(region: &mut Region, rs: NodeId, ctx: &Ctx, stats: &mut A
     if users.len() != 1 || used_outside {
         return Ok(format!("{head}: synchronous: the GEMM's full partial result has other readers"));
     }
-    let wname = name_of(region, pn.inputs[1]);
+    let wname = weight_name(region, pn.inputs[1]);
     let n = size;
     let out_ty = region.ty(out).clone();
     let chunk_bytes = bytes(&out_ty, ctx.dims)?;
@@ -557,7 +588,7 @@ fn reduce_scatter_pair(region: &mut Region, rs: NodeId, ctx: &Ctx, stats: &mut A
     for s in (1..n).chain([0]) {
         let name = hname.as_ref().map(|b| format!("{b}.rows{s}"));
         let hs = e.push(Op::RingSlice { mesh_dim: MeshDim::Tp, dim, size: n, shift: s }, vec![h], h_chunk.clone(), name);
-        let ps = e.push(pn.op.clone(), vec![hs, pn.inputs[1]], part_ty.clone(), pname.as_ref().map(|b| format!("{b}.chunk{s}")));
+        let ps = e.push(pn.op.clone(), with_rows(&pn.inputs, hs), part_ty.clone(), pname.as_ref().map(|b| format!("{b}.chunk{s}")));
         stats.chunk_gemms += 1;
         if s == 0 {
             received.push(ps);
