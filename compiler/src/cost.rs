@@ -307,46 +307,47 @@ fn lay_out(m: &Manifest, ops: &[UnrolledOp], durations: &[f64], peak_tflops: f64
     // exposes their time, not its own); where that stream is idle in it (the collective waits
     // for one of the other stream), of what the other stream runs; the rest of the collective
     // waited for.
-    let mut wait = |compute_t: &mut f64, which: &[usize], ends: &[(f64, String, usize)], busy_comm: &[Vec<(f64, f64, String)>], spans: &mut Vec<Span>, at: &str| {
-        if let Some((end, dim, s)) = which.iter().map(|&c| &ends[c]).max_by(|a, b| a.0.total_cmp(&b.0))
-            && *end > *compute_t
-        {
-            let (t0, t1) = (*compute_t, *end);
-            spans.push(Span { name: format!("wait for {dim}"), class: "wait".into(), stream: "wait".into(), start_s: t0, dur_s: t1 - t0, at: at.into() });
-            // The idle gaps of stream `s` in [t0, t1].
-            let mut gaps = Vec::new();
-            let mut from = t0;
-            for (b, e, d) in &busy_comm[*s] {
-                let o = e.min(t1) - b.max(t0);
-                if o > 0.0 {
-                    *exposed_s.entry(d.clone()).or_default() += o;
-                    if *b > from {
-                        gaps.push((from, *b));
-                    }
-                    from = from.max(*e);
-                }
-            }
-            if t1 > from {
-                gaps.push((from, t1));
-            }
-            let mut rest = 0.0;
-            for (g0, g1) in gaps {
-                let mut covered = 0.0;
-                for (b, e, d) in busy_comm.iter().enumerate().filter(|(k, _)| k != s).flat_map(|(_, v)| v) {
-                    let o = e.min(g1) - b.max(g0);
+    let mut wait =
+        |compute_t: &mut f64, which: &[usize], ends: &[(f64, String, usize)], busy_comm: &[Vec<(f64, f64, String)>], spans: &mut Vec<Span>, at: &str| {
+            if let Some((end, dim, s)) = which.iter().map(|&c| &ends[c]).max_by(|a, b| a.0.total_cmp(&b.0))
+                && *end > *compute_t
+            {
+                let (t0, t1) = (*compute_t, *end);
+                spans.push(Span { name: format!("wait for {dim}"), class: "wait".into(), stream: "wait".into(), start_s: t0, dur_s: t1 - t0, at: at.into() });
+                // The idle gaps of stream `s` in [t0, t1].
+                let mut gaps = Vec::new();
+                let mut from = t0;
+                for (b, e, d) in &busy_comm[*s] {
+                    let o = e.min(t1) - b.max(t0);
                     if o > 0.0 {
                         *exposed_s.entry(d.clone()).or_default() += o;
-                        covered += o;
+                        if *b > from {
+                            gaps.push((from, *b));
+                        }
+                        from = from.max(*e);
                     }
                 }
-                rest += (g1 - g0 - covered).max(0.0);
+                if t1 > from {
+                    gaps.push((from, t1));
+                }
+                let mut rest = 0.0;
+                for (g0, g1) in gaps {
+                    let mut covered = 0.0;
+                    for (b, e, d) in busy_comm.iter().enumerate().filter(|(k, _)| k != s).flat_map(|(_, v)| v) {
+                        let o = e.min(g1) - b.max(g0);
+                        if o > 0.0 {
+                            *exposed_s.entry(d.clone()).or_default() += o;
+                            covered += o;
+                        }
+                    }
+                    rest += (g1 - g0 - covered).max(0.0);
+                }
+                if rest > 0.0 {
+                    *exposed_s.entry(dim.clone()).or_default() += rest;
+                }
+                *compute_t = t1;
             }
-            if rest > 0.0 {
-                *exposed_s.entry(dim.clone()).or_default() += rest;
-            }
-            *compute_t = t1;
-        }
-    };
+        };
     for (j, op) in ops.iter().enumerate() {
         let class = timeline::op_class(m, op).to_string();
         let d = durations[j];
@@ -361,14 +362,7 @@ fn lay_out(m: &Manifest, ops: &[UnrolledOp], durations: &[f64], peak_tflops: f64
             *comm_s.entry(dim.clone()).or_default() += d;
             busy_comm[s].push((start, comm_t[s], dim.clone()));
             ends.push((comm_t[s], dim, s));
-            spans.push(Span {
-                name: op.name.clone(),
-                class,
-                stream: timeline::comm_stream_name(s).into(),
-                start_s: start,
-                dur_s: d,
-                at: op.at.clone(),
-            });
+            spans.push(Span { name: op.name.clone(), class, stream: timeline::comm_stream_name(s).into(), start_s: start, dur_s: d, at: op.at.clone() });
         } else {
             wait(&mut compute_t, &joins.before[j], &ends, &busy_comm, &mut spans, &op.at);
             spans.push(Span { name: op.name.clone(), class, stream: "compute".into(), start_s: compute_t, dur_s: d, at: op.at.clone() });

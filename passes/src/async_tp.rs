@@ -31,7 +31,7 @@ use std::collections::{BinaryHeap, HashMap};
 
 use titan_ir::float8::{MatchedQuantize, Scaling, match_quantize};
 use titan_ir::shape::resolve_dim;
-use titan_ir::{UnaryOp, BinaryOp, CollectiveReduce, DType, Dim, DimTable, Graph, Mesh, MeshDim, NodeId, Op, Region, TensorType, Value};
+use titan_ir::{BinaryOp, CollectiveReduce, DType, Dim, DimTable, Graph, Mesh, MeshDim, NodeId, Op, Region, TensorType, UnaryOp, Value};
 
 use crate::PassDiag;
 use crate::util::replace_uses;
@@ -404,11 +404,14 @@ fn float8_gather_pair(region: &mut Region, ag: NodeId, ctx: &Ctx, stats: &mut As
     let rowwise = match quant.scaling {
         Scaling::Tensor => false,
         Scaling::Over(a) if a + 1 == rank && a != d => true,
-        Scaling::Over(a) => return sync(format!("its scales are taken over axis {a}, not the features (only rowwise and tensorwise scales travel with their chunks)")),
+        Scaling::Over(a) => {
+            return sync(format!("its scales are taken over axis {a}, not the features (only rowwise and tensorwise scales travel with their chunks)"));
+        }
     };
     let chain: Vec<NodeId> = quant.nodes.clone();
     let (scale, q) = (quant.tensor.scale, quant.tensor.q);
-    let recips: Vec<NodeId> = region.order.iter().copied().filter(|&m| region.node(m).op == Op::Unary(UnaryOp::Recip) && region.node(m).inputs == [scale]).collect();
+    let recips: Vec<NodeId> =
+        region.order.iter().copied().filter(|&m| region.node(m).op == Op::Unary(UnaryOp::Recip) && region.node(m).inputs == [scale]).collect();
     let [recip] = recips[..] else { return sync(format!("its scale has {} reciprocals (expected the one the GEMM epilogue reads)", recips.len())) };
     let inv = region.node(recip).results[0];
     // Nothing but the chain may read the gathered value or the chain's intermediates.

@@ -110,7 +110,8 @@ fn tp_collectives_run_beside_the_data_parallel_ones() {
     let shifts: Vec<&Span> = sim.spans.iter().filter(|s| s.name == "ring_shift(tp)").collect();
     assert!(!shifts.is_empty() && shifts.iter().all(|s| s.stream == "comm_tp" && s.class == "collective"), "ring shifts communicate on tp's stream");
     let dp: Vec<&Span> = sim.spans.iter().filter(|s| s.stream == "comm").collect();
-    let beside = sim.spans.iter().filter(|s| s.stream == "comm_tp").filter(|t| dp.iter().any(|d| d.start_s < t.start_s && t.start_s < d.start_s + d.dur_s)).count();
+    let beside =
+        sim.spans.iter().filter(|s| s.stream == "comm_tp").filter(|t| dp.iter().any(|d| d.start_s < t.start_s && t.start_s < d.start_s + d.dur_s)).count();
     assert!(beside > 0, "some tp collective starts while a dp_shard collective runs");
     // The stream rule the runtime uses gives the same order: each collective starts after the
     // ones of the other stream it must wait for.

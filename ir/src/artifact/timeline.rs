@@ -259,12 +259,7 @@ pub fn join_points(stream: &[Option<usize>], ranges: &[Vec<(u64, u64)>], reads: 
             Some(k) => j.before[k].push(seen.len()),
             None => j.at_end.push(seen.len()),
         }
-        let waits = seen
-            .iter()
-            .enumerate()
-            .filter(|&(_, &(p, ps, joined))| ps != s && joined > i && conflicts(ranges, reads, p, i))
-            .map(|(c, _)| c)
-            .collect();
+        let waits = seen.iter().enumerate().filter(|&(_, &(p, ps, joined))| ps != s && joined > i && conflicts(ranges, reads, p, i)).map(|(c, _)| c).collect();
         j.comm_waits.push(waits);
         seen.push((i, s, first.unwrap_or(usize::MAX)));
     }

@@ -115,7 +115,9 @@ impl Gpu {
         // SAFETY: valid event and streams.
         unsafe {
             check(result::event::record(e.0, self.stream), || "recording an event before a collective".into())?;
-            check(result::stream::wait_event(self.comm[s], e.0, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT), || "ordering a collective after compute".into())
+            check(result::stream::wait_event(self.comm[s], e.0, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT), || {
+                "ordering a collective after compute".into()
+            })
         }
     }
 

@@ -609,9 +609,7 @@ impl<'a> CudaArtifactTrainer<'a> {
                         .map_err(|e| CudaError::Call { what: at.to_string(), message: e.to_string() })?;
                 }
                 Action::Copy2d { dst, dst_pitch, src, src_pitch, width, height } => {
-                    self.gpu.copy_2d(comm, addr(dst), dst_pitch, addr(src), src_pitch, width, height, || {
-                        format!("a strided copy of a collective ({at})")
-                    })?
+                    self.gpu.copy_2d(comm, addr(dst), dst_pitch, addr(src), src_pitch, width, height, || format!("a strided copy of a collective ({at})"))?
                 }
                 Action::Zero { dst, bytes } => {
                     let n = usize::try_from(bytes).map_err(|_| CudaError::Call { what: at.to_string(), message: "memset too large".into() })?;
@@ -925,9 +923,7 @@ fn collective_setup(
     let stream: Vec<Option<usize>> = ops
         .iter()
         .map(|o| match o {
-            Op::Collective { plan, mesh_dim, .. } if plan.communicates => {
-                Some(comm_stream(titan_ir::MeshDim::ALL.get(*mesh_dim).map_or("?", |d| d.name())))
-            }
+            Op::Collective { plan, mesh_dim, .. } if plan.communicates => Some(comm_stream(titan_ir::MeshDim::ALL.get(*mesh_dim).map_or("?", |d| d.name()))),
             _ => None,
         })
         .collect();
