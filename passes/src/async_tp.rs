@@ -297,6 +297,57 @@ impl Ctx<'_> {
     }
 }
 
+/// The ring loop of a split all-gather: rank `r` starts from its shard `start.0` (and a
+/// companion that travels with it, `start.1`: rowwise float8's row scales), multiplies each
+/// shard it holds by every GEMM of `gemm_nodes` (at their rows operand) while the next one is
+/// shifted in from rank `r + 1`, and puts each GEMM's chunks back in rank order
+/// (`ring_concat`), which replaces the GEMM's result. Returns the shards and the companions, in
+/// ring order (the companions empty without one).
+#[allow(clippy::too_many_arguments)]
+fn ring_gather_gemms(
+    e: &mut Emit<'_>,
+    start: (Value, Option<Value>),
+    gemm_nodes: &[titan_ir::Node],
+    dim: u32,
+    n: u32,
+    ctx: &Ctx,
+    name: Option<&str>,
+    stats: &mut AsyncTpStats,
+) -> Result<(Vec<Value>, Vec<Value>), String> {
+    let d = dim as usize;
+    let mut shards = vec![start.0];
+    let mut companions: Vec<Value> = start.1.into_iter().collect();
+    let mut chunks: Vec<Vec<Value>> = vec![Vec::new(); gemm_nodes.len()];
+    for s in 0..n as usize {
+        let cur = shards[s];
+        if s + 1 < n as usize {
+            let shift = Op::RingShift { mesh_dim: MeshDim::Tp, size: n, shift: 1 };
+            let ty = e.region.ty(cur).clone();
+            shards.push(e.push(shift.clone(), vec![cur], ty, name.map(|b| format!("{b}.ring{}", s + 1))));
+            stats.ring_shifts += 1;
+            if let Some(&c) = companions.get(s) {
+                let ty = e.region.ty(c).clone();
+                companions.push(e.push(shift, vec![c], ty, None));
+                stats.ring_shifts += 1;
+            }
+        }
+        for (c, gn) in gemm_nodes.iter().enumerate() {
+            let ty = divided(e.region.ty(gn.results[0]), d, n, ctx.dims)?;
+            let name = e.region.value(gn.results[0]).name.as_ref().map(|b| format!("{b}.chunk{s}"));
+            chunks[c].push(e.push(gn.op.clone(), with_rows(&gn.inputs, cur), ty, name));
+            stats.chunk_gemms += 1;
+        }
+    }
+    for (c, gn) in gemm_nodes.iter().enumerate() {
+        let y = gn.results[0];
+        let ty = e.region.ty(y).clone();
+        let name = e.region.value(y).name.clone();
+        let assembled = e.push(Op::RingConcat { mesh_dim: MeshDim::Tp, dim, size: n }, chunks[c].clone(), ty, name);
+        replace_uses(e.region, y, assembled, None);
+    }
+    Ok((shards, companions))
+}
+
 /// Decide and (maybe) split the all-gather `ag`; returns the report line.
 fn all_gather_pair(region: &mut Region, ag: NodeId, ctx: &Ctx, stats: &mut AsyncTpStats) -> Result<String, String> {
     let node = region.node(ag).clone();
@@ -333,32 +384,9 @@ fn all_gather_pair(region: &mut Region, ag: NodeId, ctx: &Ctx, stats: &mut Async
     let gemm_nodes: Vec<titan_ir::Node> = gemms.iter().map(|&u| region.node(u).clone()).collect();
     let at = *gemms.last().ok_or("invariant: a GEMM")?;
     let mut e = Emit { region, new: Vec::new() };
-    let mut shards = vec![x];
-    let mut chunks: Vec<Vec<Value>> = vec![Vec::new(); gemm_nodes.len()];
-    for s in 0..n {
-        let cur = shards[s as usize];
-        if s + 1 < n {
-            let ty = e.region.ty(cur).clone();
-            let next = e.push(Op::RingShift { mesh_dim: MeshDim::Tp, size: n, shift: 1 }, vec![cur], ty, xname.as_ref().map(|b| format!("{b}.ring{}", s + 1)));
-            shards.push(next);
-            stats.ring_shifts += 1;
-        }
-        for (c, gn) in gemm_nodes.iter().enumerate() {
-            let ty = divided(e.region.ty(gn.results[0]), d, n, ctx.dims)?;
-            let name = e.region.value(gn.results[0]).name.as_ref().map(|b| format!("{b}.chunk{s}"));
-            chunks[c].push(e.push(gn.op.clone(), with_rows(&gn.inputs, cur), ty, name));
-            stats.chunk_gemms += 1;
-        }
-    }
+    let (shards, _) = ring_gather_gemms(&mut e, (x, None), &gemm_nodes, dim, n, ctx, xname.as_deref(), stats)?;
     let mut gone = vec![ag];
-    for (c, gn) in gemm_nodes.iter().enumerate() {
-        let y = gn.results[0];
-        let ty = e.region.ty(y).clone();
-        let name = e.region.value(y).name.clone();
-        let assembled = e.push(Op::RingConcat { mesh_dim: MeshDim::Tp, dim, size: n }, chunks[c].clone(), ty, name);
-        replace_uses(e.region, y, assembled, None);
-        gone.push(gemms[c]);
-    }
+    gone.extend(&gemms);
     let byproduct = users.len() > gemms.len() || used_outside;
     if byproduct {
         let ty = e.region.ty(g).clone();
@@ -483,39 +511,10 @@ fn float8_gather_pair(region: &mut Region, ag: NodeId, ctx: &Ctx, stats: &mut As
     }
     let (q_s, inv_s) = (map[&q], map[&inv]);
     let qname = e.region.value(q).name.clone().or_else(|| e.region.value(x).name.as_ref().map(|b| format!("{b}.fp8")));
-    let mut shards = vec![q_s];
-    let mut scales = vec![inv_s];
-    let mut chunks: Vec<Vec<Value>> = vec![Vec::new(); gemm_nodes.len()];
-    for s in 0..n {
-        let cur = shards[s as usize];
-        if s + 1 < n {
-            let shift = Op::RingShift { mesh_dim: MeshDim::Tp, size: n, shift: 1 };
-            let next = e.push(shift.clone(), vec![cur], fp8_chunk.clone(), qname.as_ref().map(|b| format!("{b}.ring{}", s + 1)));
-            shards.push(next);
-            stats.ring_shifts += 1;
-            if let Some(t) = &inv_chunk {
-                let sc = e.push(shift, vec![scales[s as usize]], t.clone(), None);
-                scales.push(sc);
-                stats.ring_shifts += 1;
-            }
-        }
-        for (c, gn) in gemm_nodes.iter().enumerate() {
-            let ty = divided(e.region.ty(gn.results[0]), d, n, ctx.dims)?;
-            let name = e.region.value(gn.results[0]).name.as_ref().map(|b| format!("{b}.chunk{s}"));
-            chunks[c].push(e.push(gn.op.clone(), with_rows(&gn.inputs, cur), ty, name));
-            stats.chunk_gemms += 1;
-        }
-    }
+    let (_, scales) = ring_gather_gemms(&mut e, (q_s, inv_chunk.is_some().then_some(inv_s)), &gemm_nodes, dim, n, ctx, qname.as_deref(), stats)?;
     let mut gone = vec![ag];
     gone.extend(&own);
-    for (c, gn) in gemm_nodes.iter().enumerate() {
-        let y = gn.results[0];
-        let ty = e.region.ty(y).clone();
-        let name = e.region.value(y).name.clone();
-        let assembled = e.push(Op::RingConcat { mesh_dim: MeshDim::Tp, dim, size: n }, chunks[c].clone(), ty, name);
-        replace_uses(e.region, y, assembled, None);
-        gone.push(q_users[c]);
-    }
+    gone.extend(&q_users);
     let inv_full = if rowwise {
         let ty = e.region.ty(inv).clone();
         e.push(Op::RingConcat { mesh_dim: MeshDim::Tp, dim, size: n }, scales, ty, None)
