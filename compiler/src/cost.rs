@@ -5,11 +5,14 @@
 //! attention by its causal FLOPs at the attention kernels' rates, everything memory-bound
 //! (fused kernels, gathers, the optimizer, copies) by its bytes at an effective bandwidth,
 //! collectives by the bytes a ring sends over the link their mesh dim runs on plus a latency
-//! per ring hop; each launch adds a fixed overhead. [`simulate`] then lays the operations on two
-//! streams with the CUDA backend's rule ([`join_points`]): collectives run in order on the
-//! collectives' stream, each after the compute enqueued before it, and the compute stream
-//! waits for one just before the first later operation that touches its bytes. What the compute
-//! stream waits is the exposed communication; the rest is hidden behind compute.
+//! per ring hop (a `ring_shift` is one hop); each launch adds a fixed overhead. [`simulate`]
+//! then lays the operations on the compute stream and the collectives streams with the CUDA
+//! backend's rule ([`join_points`]): collectives run in order on their mesh dim's stream (`tp`
+//! apart from the data-parallel dims, [`timeline::comm_stream`]), each after the compute
+//! enqueued before it, and the compute stream waits for one just before the first later
+//! operation that touches its bytes. What the compute stream waits is the exposed
+//! communication; the rest is hidden behind compute. The two collectives streams do not share
+//! a link in the model: `tp` runs inside a node, the data-parallel dims beyond it.
 //!
 //! Parameters are a versioned JSON file (`compiler/cost/*.json`; `h100` and `h200` built in,
 //! with the rates measured on our H200 and H100 numbers scaled from the datasheets, each file
@@ -204,7 +207,12 @@ fn work(m: &Manifest, op: &UnrolledOp, gpus_per_node: u32) -> Work {
         OpKind::Memset { bytes } => Work::Memory { bytes: *bytes as f64 },
         OpKind::Collective { communicates: false, bytes, .. } => Work::Memory { bytes: 2.0 * *bytes as f64 },
         OpKind::Collective { collective, mesh_dim, group, send_bytes, .. } => {
-            let hops = f64::from(group.saturating_sub(1)) * if matches!(collective, titan_ir::artifact::CollectiveOp::AllReduce) { 2.0 } else { 1.0 };
+            use titan_ir::artifact::CollectiveOp;
+            let hops = match collective {
+                CollectiveOp::RingShift => 1.0,
+                CollectiveOp::AllReduce => 2.0 * f64::from(group.saturating_sub(1)),
+                _ => f64::from(group.saturating_sub(1)),
+            };
             Work::Comm { bytes: *send_bytes as f64, hops, network: crosses_nodes(m, mesh_dim, gpus_per_node) }
         }
     }
@@ -232,7 +240,7 @@ pub struct Simulation {
     pub step_s: f64,
     /// Busy time of the compute stream (without waits).
     pub compute_s: f64,
-    /// Seconds each mesh dim's collectives keep the collectives' stream busy.
+    /// Seconds each mesh dim's collectives keep their collectives stream busy.
     pub comm_s: BTreeMap<String, f64>,
     /// Of those, the seconds the compute stream waits for them.
     pub exposed_s: BTreeMap<String, f64>,
@@ -278,55 +286,83 @@ pub fn simulate(m: &Manifest, rank: usize, c: &CostModel) -> Result<Simulation, 
     Ok(lay_out(m, &ops, &durations, c.peak_bf16_tflops))
 }
 
-/// Place `ops` with the given durations on the two streams (see the module documentation).
+/// Place `ops` with the given durations on the compute stream and the collectives streams
+/// (see the module documentation).
 fn lay_out(m: &Manifest, ops: &[UnrolledOp], durations: &[f64], peak_tflops: f64) -> Simulation {
-    let comm: Vec<bool> = ops.iter().map(UnrolledOp::on_comm_stream).collect();
+    let stream: Vec<Option<usize>> = ops.iter().map(UnrolledOp::comm_stream).collect();
     let ranges: Vec<Vec<(u64, u64)>> = ops.iter().map(|o| o.ranges.clone()).collect();
-    let joins = join_points(&comm, &ranges);
-    let (mut compute_t, mut comm_t, mut busy) = (0.0f64, 0.0f64, 0.0f64);
-    let mut ends: Vec<(f64, String)> = Vec::new();
+    let reads: Vec<usize> = ops.iter().map(|o| o.reads).collect();
+    let joins = join_points(&stream, &ranges, &reads);
+    let (mut compute_t, mut busy) = (0.0f64, 0.0f64);
+    let mut comm_t = [0.0f64; timeline::COMM_STREAMS];
+    // Per collective: (end, mesh dim, stream).
+    let mut ends: Vec<(f64, String, usize)> = Vec::new();
     let mut spans = Vec::with_capacity(ops.len());
     let mut comm_s = BTreeMap::new();
     let mut exposed_s: BTreeMap<String, f64> = BTreeMap::new();
-    // The collectives' stream as (start, end, mesh dim), in order.
-    let mut busy_comm: Vec<(f64, f64, String)> = Vec::new();
+    // Each collectives stream as (start, end, mesh dim), in order.
+    let mut busy_comm: [Vec<(f64, f64, String)>; timeline::COMM_STREAMS] = Default::default();
     // Wait for the latest of `which`. The waited interval is exposed communication of whatever
-    // the collectives' stream runs in it (a tp collective queued behind FSDP gathers exposes
-    // the gathers' time, not its own), the rest of it of the collective waited for.
-    let mut wait = |compute_t: &mut f64, which: &[usize], ends: &[(f64, String)], busy_comm: &[(f64, f64, String)], spans: &mut Vec<Span>, at: &str| {
-        if let Some((end, dim)) = which.iter().map(|&c| &ends[c]).max_by(|a, b| a.0.total_cmp(&b.0))
-            && *end > *compute_t
-        {
-            let (t0, t1) = (*compute_t, *end);
-            spans.push(Span { name: format!("wait for {dim}"), class: "wait".into(), stream: "wait".into(), start_s: t0, dur_s: t1 - t0, at: at.into() });
-            let mut covered = 0.0;
-            for (s, e, d) in busy_comm {
-                let o = e.min(t1) - s.max(t0);
-                if o > 0.0 {
-                    *exposed_s.entry(d.clone()).or_default() += o;
-                    covered += o;
+    // that collective's stream runs in it (a collective queued behind others of its stream
+    // exposes their time, not its own); where that stream is idle in it (the collective waits
+    // for one of the other stream), of what the other stream runs; the rest of the collective
+    // waited for.
+    let mut wait =
+        |compute_t: &mut f64, which: &[usize], ends: &[(f64, String, usize)], busy_comm: &[Vec<(f64, f64, String)>], spans: &mut Vec<Span>, at: &str| {
+            if let Some((end, dim, s)) = which.iter().map(|&c| &ends[c]).max_by(|a, b| a.0.total_cmp(&b.0))
+                && *end > *compute_t
+            {
+                let (t0, t1) = (*compute_t, *end);
+                spans.push(Span { name: format!("wait for {dim}"), class: "wait".into(), stream: "wait".into(), start_s: t0, dur_s: t1 - t0, at: at.into() });
+                // The idle gaps of stream `s` in [t0, t1].
+                let mut gaps = Vec::new();
+                let mut from = t0;
+                for (b, e, d) in &busy_comm[*s] {
+                    let o = e.min(t1) - b.max(t0);
+                    if o > 0.0 {
+                        *exposed_s.entry(d.clone()).or_default() += o;
+                        if *b > from {
+                            gaps.push((from, *b));
+                        }
+                        from = from.max(*e);
+                    }
                 }
+                if t1 > from {
+                    gaps.push((from, t1));
+                }
+                let mut rest = 0.0;
+                for (g0, g1) in gaps {
+                    let mut covered = 0.0;
+                    for (b, e, d) in busy_comm.iter().enumerate().filter(|(k, _)| k != s).flat_map(|(_, v)| v) {
+                        let o = e.min(g1) - b.max(g0);
+                        if o > 0.0 {
+                            *exposed_s.entry(d.clone()).or_default() += o;
+                            covered += o;
+                        }
+                    }
+                    rest += (g1 - g0 - covered).max(0.0);
+                }
+                if rest > 0.0 {
+                    *exposed_s.entry(dim.clone()).or_default() += rest;
+                }
+                *compute_t = t1;
             }
-            if t1 - t0 - covered > 0.0 {
-                *exposed_s.entry(dim.clone()).or_default() += t1 - t0 - covered;
-            }
-            *compute_t = t1;
-        }
-    };
+        };
     for (j, op) in ops.iter().enumerate() {
         let class = timeline::op_class(m, op).to_string();
         let d = durations[j];
-        if comm[j] {
-            let start = comm_t.max(compute_t);
-            comm_t = start + d;
+        if let Some(s) = stream[j] {
+            let after_others = joins.comm_waits[ends.len()].iter().map(|&c| ends[c].0).fold(0.0, f64::max);
+            let start = comm_t[s].max(compute_t).max(after_others);
+            comm_t[s] = start + d;
             let dim = match &op.kind {
                 OpKind::Collective { mesh_dim, .. } => mesh_dim.clone(),
                 _ => String::new(),
             };
             *comm_s.entry(dim.clone()).or_default() += d;
-            busy_comm.push((start, comm_t, dim.clone()));
-            ends.push((comm_t, dim));
-            spans.push(Span { name: op.name.clone(), class, stream: "comm".into(), start_s: start, dur_s: d, at: op.at.clone() });
+            busy_comm[s].push((start, comm_t[s], dim.clone()));
+            ends.push((comm_t[s], dim, s));
+            spans.push(Span { name: op.name.clone(), class, stream: timeline::comm_stream_name(s).into(), start_s: start, dur_s: d, at: op.at.clone() });
         } else {
             wait(&mut compute_t, &joins.before[j], &ends, &busy_comm, &mut spans, &op.at);
             spans.push(Span { name: op.name.clone(), class, stream: "compute".into(), start_s: compute_t, dur_s: d, at: op.at.clone() });
@@ -338,7 +374,7 @@ fn lay_out(m: &Manifest, ops: &[UnrolledOp], durations: &[f64], peak_tflops: f64
     let world = f64::from(m.mesh.world_size.max(1));
     Simulation {
         spans,
-        step_s: compute_t.max(comm_t),
+        step_s: comm_t.iter().fold(compute_t, |a, &b| a.max(b)),
         compute_s: busy,
         comm_s,
         exposed_s,
@@ -374,15 +410,23 @@ impl std::fmt::Display for Comparison {
 /// The measured trace's compute and collective spans, checked to be the artifact's operations
 /// in order (a trace of another artifact is refused).
 fn measured_ops<'a>(ops: &[UnrolledOp], measured: &'a [Span]) -> Result<Vec<&'a Span>, CostError> {
-    let spans: Vec<&Span> = measured.iter().filter(|s| s.stream != "wait").collect();
-    let mut by_stream: [Vec<&Span>; 2] = [Vec::new(), Vec::new()];
-    for s in spans {
-        by_stream[usize::from(s.stream == "comm")].push(s);
+    // Compute spans, then each collectives stream's.
+    let lane = |stream: &str| match stream {
+        "compute" => Some(0),
+        "comm" => Some(1 + timeline::DATA_STREAM),
+        "comm_tp" => Some(1 + timeline::TP_STREAM),
+        _ => None,
+    };
+    let mut by_stream: Vec<Vec<&Span>> = vec![Vec::new(); 1 + timeline::COMM_STREAMS];
+    for s in measured {
+        if let Some(k) = lane(&s.stream) {
+            by_stream[k].push(s);
+        }
     }
-    let mut next = [0usize; 2];
+    let mut next = vec![0usize; by_stream.len()];
     let mut out = Vec::with_capacity(ops.len());
     for (j, op) in ops.iter().enumerate() {
-        let k = usize::from(op.on_comm_stream());
+        let k = op.comm_stream().map_or(0, |s| 1 + s);
         let s =
             by_stream[k].get(next[k]).ok_or_else(|| CostError::Schedule(format!("the measured trace ends before operation {j} ({} at {})", op.name, op.at)))?;
         if s.name != op.name {

@@ -137,10 +137,28 @@ pub struct TensorQuantize {
     pub dtype: DType,
 }
 
+/// Any quantization as [`quantize`] emits it, found by [`match_quantize`]: the tensor-scaled
+/// fields, the scaling, and every node of the chain from `x` to `q` in order (`abs`,
+/// `reduce_max`, `fp8_scale`, the `cast` of `x` to f32 unless `x` is f32, the `broadcast` of
+/// the scale unless tensor-scaled, `mul`, `max`, `min`, `cast`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MatchedQuantize {
+    pub tensor: TensorQuantize,
+    pub scaling: Scaling,
+    pub nodes: Vec<NodeId>,
+}
+
 /// Whether `cast_node` ends a tensor-scaled quantization of the exact shape [`quantize`] emits
 /// (what `float8-fsdp-gather` rewrites; keeping the matcher next to the emitter keeps them in
 /// step, and a test checks that every tensor-scaled `quantize` is matched).
 pub fn match_tensor_quantize(r: &Region, cast_node: NodeId) -> Option<TensorQuantize> {
+    match_quantize(r, cast_node).filter(|m| m.scaling == Scaling::Tensor).map(|m| m.tensor)
+}
+
+/// Whether `cast_node` ends a quantization of the exact shape [`quantize`] emits, tensor-scaled
+/// or along one axis (what `async-tp` moves before a tp all-gather; a test checks that every
+/// `quantize` is matched).
+pub fn match_quantize(r: &Region, cast_node: NodeId) -> Option<MatchedQuantize> {
     let def = |v: Value| match r.value(v).def {
         ValueDef::Result { node, index: 0 } => Some((node, r.node(node))),
         _ => None,
@@ -152,8 +170,8 @@ pub fn match_tensor_quantize(r: &Region, cast_node: NodeId) -> Option<TensorQuan
     let q = q_node.results[0];
     let dtype = r.ty(q).dtype;
     crate::fp8::fp8_max(dtype)?;
-    let (_, min) = def(q_node.inputs[0])?;
-    let (_, max) = def(min.inputs.first().copied()?)?;
+    let (min_node, min) = def(q_node.inputs[0])?;
+    let (max_node, max) = def(min.inputs.first().copied()?)?;
     if min.op != Op::Binary(BinaryOp::Min) || max.op != Op::Binary(BinaryOp::Max) {
         return None;
     }
@@ -162,31 +180,48 @@ pub fn match_tensor_quantize(r: &Region, cast_node: NodeId) -> Option<TensorQuan
     if !is_const(hi) || !is_const(lo) {
         return None;
     }
-    let (_, mul) = def(max.inputs[0])?;
+    let (mul_node, mul) = def(max.inputs[0])?;
     if mul.op != Op::Binary(BinaryOp::Mul) {
         return None;
     }
-    let (xf, scale) = (mul.inputs[0], mul.inputs[1]);
-    let (_, sc) = def(scale)?;
+    let (xf, wide) = (mul.inputs[0], mul.inputs[1]);
+    // The scale itself (tensor-scaled), or broadcast along every axis but one.
+    let (broadcast_node, scale) = match def(wide) {
+        Some((n, b)) if matches!(b.op, Op::Broadcast { .. }) => (Some(n), b.inputs[0]),
+        _ => (None, wide),
+    };
+    let (scale_node, sc) = def(scale)?;
     if !matches!(sc.op, Op::Fp8Scale { dtype: d, .. } if d == dtype) {
         return None;
     }
     let amax = sc.inputs[0];
     let (amax_node, red) = def(amax)?;
-    let (_, abs) = def(red.inputs[0])?;
+    let (abs_node, abs) = def(red.inputs[0])?;
     if abs.op != Op::Unary(UnaryOp::Abs) {
         return None;
     }
     let x = abs.inputs[0];
     let rank = r.ty(x).rank();
-    if red.op != (Op::Reduce { kind: ReduceKind::Max, axes: (0..rank).collect() }) {
+    let scaling = match (&red.op, broadcast_node.map(|n| &r.node(n).op)) {
+        (Op::Reduce { kind: ReduceKind::Max, axes }, None) if *axes == (0..rank).collect::<Vec<_>>() => Scaling::Tensor,
+        (Op::Reduce { kind: ReduceKind::Max, axes }, Some(Op::Broadcast { dims })) if axes.len() == 1 && axes[0] < rank => {
+            let a = axes[0];
+            if *dims != (0..rank).filter(|&d| d != a).collect::<Vec<_>>() {
+                return None;
+            }
+            Scaling::Over(a)
+        }
+        _ => return None,
+    };
+    let cast_of_x = def(xf).filter(|(_, n)| n.op == Op::Cast && n.inputs[0] == x).map(|(n, _)| n);
+    if !(xf == x && r.ty(x).dtype == DType::F32 || cast_of_x.is_some()) {
         return None;
     }
-    let f32_of_x = xf == x && r.ty(x).dtype == DType::F32 || def(xf).is_some_and(|(_, n)| n.op == Op::Cast && n.inputs[0] == x);
-    if !f32_of_x {
-        return None;
-    }
-    Some(TensorQuantize { x, amax_node, amax, scale, lo, hi, cast_node, q, dtype })
+    let mut nodes = vec![abs_node, amax_node, scale_node];
+    nodes.extend(cast_of_x);
+    nodes.extend(broadcast_node);
+    nodes.extend([mul_node, max_node, min_node, cast_node]);
+    Some(MatchedQuantize { tensor: TensorQuantize { x, amax_node, amax, scale, lo, hi, cast_node, q, dtype }, scaling, nodes })
 }
 
 /// `q`'s fp8 values transposed (2-D): the K-major copy a TN GEMM reads.
@@ -320,6 +355,12 @@ mod tests {
         let ValueDef::Result { node: recip, .. } = r.value(tw.inv_scale).def else { unreachable!("recip is a node") };
         assert_eq!(r.node(recip).inputs[0], m.scale);
         assert_eq!(match_tensor_quantize(&r, cast_of(&r, rw.q)), None, "a per-row quantize is not tensor-scaled");
+        let m = match_quantize(&r, cast_of(&r, rw.q)).expect("the per-row quantize matches");
+        assert_eq!((m.tensor.x, m.tensor.q, m.scaling), (x, rw.q, Scaling::Over(1)));
+        // abs, reduce_max, fp8_scale, cast to f32, broadcast, mul, max, min, cast.
+        assert_eq!(m.nodes.len(), 9);
+        assert_eq!(m.nodes.last(), Some(&cast_of(&r, rw.q)));
+        assert_eq!(match_quantize(&r, cast_of(&r, tw.q)).map(|m| (m.scaling, m.nodes.len())), Some((Scaling::Tensor, 8)));
     }
 
     #[test]

@@ -29,8 +29,9 @@
 use std::cmp::Reverse;
 use std::collections::{BinaryHeap, HashMap};
 
+use titan_ir::float8::{MatchedQuantize, Scaling, match_quantize};
 use titan_ir::shape::resolve_dim;
-use titan_ir::{BinaryOp, CollectiveReduce, DType, Dim, DimTable, Graph, Mesh, MeshDim, NodeId, Op, Region, TensorType, Value};
+use titan_ir::{BinaryOp, CollectiveReduce, DType, Dim, DimTable, Graph, Mesh, MeshDim, NodeId, Op, Region, TensorType, UnaryOp, Value};
 
 use crate::PassDiag;
 use crate::util::replace_uses;
@@ -123,12 +124,15 @@ pub struct AsyncTpStats {
     pub decisions: Vec<String>,
 }
 
-/// A GEMM that consumes (or produces) a value along a row dim: `linear(x, w)` or
-/// `matmul(x, w)` without `transpose_a`, with `x` the value and `w` a matrix.
+/// A GEMM that consumes (or produces) a value along a row dim: `linear(x, w)`, or
+/// `matmul(x, w)` / `scaled_matmul(x, w, sa, sb)` without `transpose_a`, with `x` the value
+/// and `w` a matrix (and, scaled, one scalar scale for `x`: a per-row one would need slicing
+/// too). Its chunk GEMMs are the same op with `x` replaced by a chunk of rows.
 fn row_gemm(region: &Region, node: &titan_ir::Node, x: Value, dim: usize) -> Result<(), String> {
     let ok_op = match node.op {
         Op::Linear => true,
         Op::Matmul { transpose_a, .. } => !transpose_a && region.ty(node.inputs[1]).rank() == 2,
+        Op::ScaledMatmul { transpose_a, .. } => !transpose_a && region.ty(node.inputs[1]).rank() == 2 && region.ty(node.inputs[2]).rank() == 0,
         _ => false,
     };
     if !ok_op {
@@ -141,6 +145,13 @@ fn row_gemm(region: &Region, node: &titan_ir::Node, x: Value, dim: usize) -> Res
         return Err(format!("`{}` contracts over dim {dim}", node.op.name()));
     }
     Ok(())
+}
+
+/// A row GEMM's operands with its rows operand (the first) replaced by `rows`.
+fn with_rows(inputs: &[Value], rows: Value) -> Vec<Value> {
+    let mut v = inputs.to_vec();
+    v[0] = rows;
+    v
 }
 
 fn numel(ty: &TensorType, dims: &DimTable) -> Result<u64, String> {
@@ -167,6 +178,29 @@ fn human(b: u64) -> String {
 
 fn name_of(region: &Region, v: Value) -> String {
     region.value(v).name.as_ref().map_or_else(|| format!("{v}"), |n| format!("%{n}"))
+}
+
+/// A GEMM's weight operand by name; a quantized weight by its high-precision name.
+fn weight_name(region: &Region, v: Value) -> String {
+    match region.value(v).def {
+        titan_ir::ValueDef::Result { node, .. } => match_quantize(region, node).map_or_else(|| name_of(region, v), |m| name_of(region, m.tensor.x)),
+        titan_ir::ValueDef::Arg(_) => name_of(region, v),
+    }
+}
+
+/// Whether `v` is a scaled GEMM's result through its epilogue (`cast`s and `mul`s by the
+/// broadcast row and column scales of the rowwise recipes).
+fn scaled_gemm_epilogue(region: &Region, mut v: Value) -> bool {
+    for _ in 0..5 {
+        let titan_ir::ValueDef::Result { node, .. } = region.value(v).def else { return false };
+        let n = region.node(node);
+        match n.op {
+            Op::ScaledMatmul { .. } => return true,
+            Op::Cast | Op::Binary(BinaryOp::Mul) => v = n.inputs[0],
+            _ => return false,
+        }
+    }
+    false
 }
 
 /// Nodes of `region` (in order) that read `v`, and whether a region output or update does.
@@ -263,6 +297,57 @@ impl Ctx<'_> {
     }
 }
 
+/// The ring loop of a split all-gather: rank `r` starts from its shard `start.0` (and a
+/// companion that travels with it, `start.1`: rowwise float8's row scales), multiplies each
+/// shard it holds by every GEMM of `gemm_nodes` (at their rows operand) while the next one is
+/// shifted in from rank `r + 1`, and puts each GEMM's chunks back in rank order
+/// (`ring_concat`), which replaces the GEMM's result. Returns the shards and the companions, in
+/// ring order (the companions empty without one).
+#[allow(clippy::too_many_arguments)]
+fn ring_gather_gemms(
+    e: &mut Emit<'_>,
+    start: (Value, Option<Value>),
+    gemm_nodes: &[titan_ir::Node],
+    dim: u32,
+    n: u32,
+    ctx: &Ctx,
+    name: Option<&str>,
+    stats: &mut AsyncTpStats,
+) -> Result<(Vec<Value>, Vec<Value>), String> {
+    let d = dim as usize;
+    let mut shards = vec![start.0];
+    let mut companions: Vec<Value> = start.1.into_iter().collect();
+    let mut chunks: Vec<Vec<Value>> = vec![Vec::new(); gemm_nodes.len()];
+    for s in 0..n as usize {
+        let cur = shards[s];
+        if s + 1 < n as usize {
+            let shift = Op::RingShift { mesh_dim: MeshDim::Tp, size: n, shift: 1 };
+            let ty = e.region.ty(cur).clone();
+            shards.push(e.push(shift.clone(), vec![cur], ty, name.map(|b| format!("{b}.ring{}", s + 1))));
+            stats.ring_shifts += 1;
+            if let Some(&c) = companions.get(s) {
+                let ty = e.region.ty(c).clone();
+                companions.push(e.push(shift, vec![c], ty, None));
+                stats.ring_shifts += 1;
+            }
+        }
+        for (c, gn) in gemm_nodes.iter().enumerate() {
+            let ty = divided(e.region.ty(gn.results[0]), d, n, ctx.dims)?;
+            let name = e.region.value(gn.results[0]).name.as_ref().map(|b| format!("{b}.chunk{s}"));
+            chunks[c].push(e.push(gn.op.clone(), with_rows(&gn.inputs, cur), ty, name));
+            stats.chunk_gemms += 1;
+        }
+    }
+    for (c, gn) in gemm_nodes.iter().enumerate() {
+        let y = gn.results[0];
+        let ty = e.region.ty(y).clone();
+        let name = e.region.value(y).name.clone();
+        let assembled = e.push(Op::RingConcat { mesh_dim: MeshDim::Tp, dim, size: n }, chunks[c].clone(), ty, name);
+        replace_uses(e.region, y, assembled, None);
+    }
+    Ok((shards, companions))
+}
+
 /// Decide and (maybe) split the all-gather `ag`; returns the report line.
 fn all_gather_pair(region: &mut Region, ag: NodeId, ctx: &Ctx, stats: &mut AsyncTpStats) -> Result<String, String> {
     let node = region.node(ag).clone();
@@ -299,32 +384,9 @@ fn all_gather_pair(region: &mut Region, ag: NodeId, ctx: &Ctx, stats: &mut Async
     let gemm_nodes: Vec<titan_ir::Node> = gemms.iter().map(|&u| region.node(u).clone()).collect();
     let at = *gemms.last().ok_or("invariant: a GEMM")?;
     let mut e = Emit { region, new: Vec::new() };
-    let mut shards = vec![x];
-    let mut chunks: Vec<Vec<Value>> = vec![Vec::new(); gemm_nodes.len()];
-    for s in 0..n {
-        let cur = shards[s as usize];
-        if s + 1 < n {
-            let ty = e.region.ty(cur).clone();
-            let next = e.push(Op::RingShift { mesh_dim: MeshDim::Tp, size: n, shift: 1 }, vec![cur], ty, xname.as_ref().map(|b| format!("{b}.ring{}", s + 1)));
-            shards.push(next);
-            stats.ring_shifts += 1;
-        }
-        for (c, gn) in gemm_nodes.iter().enumerate() {
-            let ty = divided(e.region.ty(gn.results[0]), d, n, ctx.dims)?;
-            let name = e.region.value(gn.results[0]).name.as_ref().map(|b| format!("{b}.chunk{s}"));
-            chunks[c].push(e.push(gn.op.clone(), vec![cur, gn.inputs[1]], ty, name));
-            stats.chunk_gemms += 1;
-        }
-    }
+    let (shards, _) = ring_gather_gemms(&mut e, (x, None), &gemm_nodes, dim, n, ctx, xname.as_deref(), stats)?;
     let mut gone = vec![ag];
-    for (c, gn) in gemm_nodes.iter().enumerate() {
-        let y = gn.results[0];
-        let ty = e.region.ty(y).clone();
-        let name = e.region.value(y).name.clone();
-        let assembled = e.push(Op::RingConcat { mesh_dim: MeshDim::Tp, dim, size: n }, chunks[c].clone(), ty, name);
-        replace_uses(e.region, y, assembled, None);
-        gone.push(gemms[c]);
-    }
+    gone.extend(&gemms);
     let byproduct = users.len() > gemms.len() || used_outside;
     if byproduct {
         let ty = e.region.ty(g).clone();
@@ -342,6 +404,138 @@ fn all_gather_pair(region: &mut Region, ag: NodeId, ctx: &Ctx, stats: &mut Async
         human(chunk_bytes),
         if byproduct { format!("; the gathered value is assembled for its other readers ({})", why_not.join("; ")) } else { String::new() }
     ))
+}
+
+/// The all-gather `ag` of a value that is quantized to fp8 (float8 training; `None` when it is
+/// not: the bf16 rule applies). The quantization moves before the gather, onto the rank's
+/// shard: rowwise (one scale per row, the amax over the features, local to a row) the shard's
+/// fp8 values and row scales are the gathered tensor's rows; tensorwise the shard is quantized
+/// with the tp-wide amax (one scalar max `all_reduce`, exact), so every rank's fp8 values are
+/// the gathered tensor's. The ring then moves fp8 chunks and, rowwise, their row scales with
+/// them (`ring_shift` of both per micro-step; the scales are put back in rank order by
+/// `ring_concat` for the GEMMs' epilogue, which multiplies them in after the GEMM); each
+/// `scaled_matmul` reading the fp8 tensor is split into chunk GEMMs. Bit for bit the
+/// synchronous float8 step: the same fp8 values, scales and per-row products.
+fn float8_gather_pair(region: &mut Region, ag: NodeId, ctx: &Ctx, stats: &mut AsyncTpStats) -> Result<Option<String>, String> {
+    let node = region.node(ag).clone();
+    let Op::AllGather { dim, size, .. } = node.op else { return Err("invariant: an all_gather".into()) };
+    let (x, g) = (node.inputs[0], node.results[0]);
+    let d = dim as usize;
+    let quants: Vec<MatchedQuantize> = region.order.iter().filter_map(|&m| match_quantize(region, m)).filter(|q| q.tensor.x == g).collect();
+    let Some(quant) = quants.first() else { return Ok(None) };
+    let head = format!("@{}: all_gather({}) {{dim = {d}}} -> float8 quantization", region.name, name_of(region, x));
+    let sync = |why: String| Ok(Some(format!("{head}: synchronous: {why}")));
+    if quants.len() > 1 {
+        return sync(format!("the gathered value is quantized {} ways; not supported yet", quants.len()));
+    }
+    let rank = region.ty(g).rank();
+    let rowwise = match quant.scaling {
+        Scaling::Tensor => false,
+        Scaling::Over(a) if a + 1 == rank && a != d => true,
+        Scaling::Over(a) => {
+            return sync(format!("its scales are taken over axis {a}, not the features (only rowwise and tensorwise scales travel with their chunks)"));
+        }
+    };
+    let chain: Vec<NodeId> = quant.nodes.clone();
+    let (scale, q) = (quant.tensor.scale, quant.tensor.q);
+    let recips: Vec<NodeId> =
+        region.order.iter().copied().filter(|&m| region.node(m).op == Op::Unary(UnaryOp::Recip) && region.node(m).inputs == [scale]).collect();
+    let [recip] = recips[..] else { return sync(format!("its scale has {} reciprocals (expected the one the GEMM epilogue reads)", recips.len())) };
+    let inv = region.node(recip).results[0];
+    // Nothing but the chain may read the gathered value or the chain's intermediates.
+    let mut own: Vec<NodeId> = chain.clone();
+    own.push(recip);
+    let (g_users, g_out) = readers(region, g);
+    if g_out || g_users.iter().any(|u| !own.contains(u)) {
+        let other: Vec<String> = g_users.iter().filter(|u| !own.contains(u)).map(|&u| format!("`{}`", region.node(u).op.name())).collect();
+        return sync(format!(
+            "the gathered value is also read outside its quantization ({}); not supported yet",
+            if other.is_empty() { "a region output".to_string() } else { other.join(", ") }
+        ));
+    }
+    for &m in &chain {
+        let v = region.node(m).results[0];
+        if v == q {
+            continue;
+        }
+        let (us, out) = readers(region, v);
+        if out || us.iter().any(|u| !own.contains(u)) {
+            return sync("a value inside its quantization has other readers; not supported yet".into());
+        }
+    }
+    let (q_users, q_out) = readers(region, q);
+    let gemm_ok = |u: NodeId| {
+        let n = region.node(u);
+        matches!(n.op, Op::ScaledMatmul { transpose_a: false, .. })
+            && n.inputs[0] == q
+            && n.inputs[1] != q
+            && region.ty(n.inputs[1]).rank() == 2
+            && region.ty(n.inputs[2]).rank() == 0
+    };
+    if q_out || q_users.is_empty() || !q_users.iter().all(|&u| gemm_ok(u)) {
+        return sync("its fp8 values are read by something other than a scaled GEMM over their rows with a scalar row scale".into());
+    }
+    let n = size;
+    let fp8_chunk = divided(region.ty(q), d, n, ctx.dims)?;
+    let inv_chunk = if rowwise { Some(divided(region.ty(inv), d, n, ctx.dims)?) } else { None };
+    let chunk_bytes = bytes(&fp8_chunk, ctx.dims)? + inv_chunk.as_ref().map_or(Ok(0), |t| bytes(t, ctx.dims))?;
+    let k = resolve_dim(region.ty(q).shape.last().ok_or("a scalar quantized")?, ctx.dims).ok_or("unbound contraction dim")?;
+    let mut flops = 0;
+    for &u in &q_users {
+        flops += 2 * numel(region.ty(region.node(u).results[0]), ctx.dims)? / u64::from(n) * k;
+    }
+    let names: Vec<String> = q_users.iter().map(|&u| format!("scaled_matmul({})", weight_name(region, region.node(u).inputs[1]))).collect();
+    if let Err(e) = ctx.threshold(chunk_bytes, flops) {
+        return sync(format!("{} ({e})", names.join(", ")));
+    }
+    // The quantization, cloned onto the shard (in chain order; `recip` last).
+    let gemm_nodes: Vec<titan_ir::Node> = q_users.iter().map(|&u| region.node(u).clone()).collect();
+    let at = *q_users.iter().max_by_key(|&&u| region.order.iter().position(|&m| m == u)).ok_or("invariant: a GEMM")?;
+    let amax_node = quant.tensor.amax_node;
+    let mut e = Emit { region, new: Vec::new() };
+    let mut map: HashMap<Value, Value> = HashMap::from([(g, x)]);
+    for &m in &own {
+        let orig = e.region.node(m).clone();
+        let r = orig.results[0];
+        let ty = e.region.ty(r).clone();
+        let ty = if ty.rank() > d { divided(&ty, d, n, ctx.dims)? } else { ty };
+        let inputs = orig.inputs.iter().map(|v| map.get(v).copied().unwrap_or(*v)).collect();
+        let name = e.region.value(r).name.clone();
+        let mut v = e.push(orig.op.clone(), inputs, ty.clone(), name);
+        if m == amax_node && !rowwise {
+            // Tensorwise: the tp-wide amax, so every shard is quantized with the gathered
+            // tensor's scale.
+            v = e.push(Op::AllReduce { mesh_dim: MeshDim::Tp, reduce: CollectiveReduce::Max }, vec![v], ty, None);
+        }
+        map.insert(r, v);
+    }
+    let (q_s, inv_s) = (map[&q], map[&inv]);
+    let qname = e.region.value(q).name.clone().or_else(|| e.region.value(x).name.as_ref().map(|b| format!("{b}.fp8")));
+    let (_, scales) = ring_gather_gemms(&mut e, (q_s, inv_chunk.is_some().then_some(inv_s)), &gemm_nodes, dim, n, ctx, qname.as_deref(), stats)?;
+    let mut gone = vec![ag];
+    gone.extend(&own);
+    gone.extend(&q_users);
+    let inv_full = if rowwise {
+        let ty = e.region.ty(inv).clone();
+        e.push(Op::RingConcat { mesh_dim: MeshDim::Tp, dim, size: n }, scales, ty, None)
+    } else {
+        inv_s
+    };
+    replace_uses(e.region, inv, inv_full, None);
+    let new = std::mem::take(&mut e.new);
+    splice(region, &gone, at, &new)?;
+    stats.gathers_split += 1;
+    let fp8_bytes = bytes(&fp8_chunk, ctx.dims)?;
+    let moved = match &inv_chunk {
+        Some(_) => format!("each ring-shifting a {} fp8 chunk and its {} of row scales", human(fp8_bytes), human(chunk_bytes - fp8_bytes)),
+        None => format!("each ring-shifting a {} fp8 chunk; the scale comes from a tp max all_reduce of the amax", human(fp8_bytes)),
+    };
+    Ok(Some(format!(
+        "{head} -> {}: quantized before the gather ({}), split into {n} micro-steps ({} transfers, {moved})",
+        names.join(", "),
+        if rowwise { "rowwise" } else { "tensorwise" },
+        n - 1
+    )))
 }
 
 /// Decide and (maybe) split the reduce-scatter `rs`; returns the report line.
@@ -365,6 +559,11 @@ fn reduce_scatter_pair(region: &mut Region, rs: NodeId, ctx: &Ctx, stats: &mut A
         None => Err(format!("`{}` has no operand", pn.op.name())),
     };
     if let Err(e) = shape_ok {
+        if pn.op != Op::Cast && scaled_gemm_epilogue(region, p) {
+            return Ok(format!(
+                "{head}: synchronous: the producer is the row and column scaling after a float8 scaled GEMM (rowwise); splitting it with its epilogue is not supported yet"
+            ));
+        }
         return Ok(format!("{head}: synchronous: the producer is not a GEMM over the scattered rows ({e})"));
     }
     let h = h.ok_or("invariant: a GEMM operand")?;
@@ -372,7 +571,7 @@ fn reduce_scatter_pair(region: &mut Region, rs: NodeId, ctx: &Ctx, stats: &mut A
     if users.len() != 1 || used_outside {
         return Ok(format!("{head}: synchronous: the GEMM's full partial result has other readers"));
     }
-    let wname = name_of(region, pn.inputs[1]);
+    let wname = weight_name(region, pn.inputs[1]);
     let n = size;
     let out_ty = region.ty(out).clone();
     let chunk_bytes = bytes(&out_ty, ctx.dims)?;
@@ -391,7 +590,7 @@ fn reduce_scatter_pair(region: &mut Region, rs: NodeId, ctx: &Ctx, stats: &mut A
     for s in (1..n).chain([0]) {
         let name = hname.as_ref().map(|b| format!("{b}.rows{s}"));
         let hs = e.push(Op::RingSlice { mesh_dim: MeshDim::Tp, dim, size: n, shift: s }, vec![h], h_chunk.clone(), name);
-        let ps = e.push(pn.op.clone(), vec![hs, pn.inputs[1]], part_ty.clone(), pname.as_ref().map(|b| format!("{b}.chunk{s}")));
+        let ps = e.push(pn.op.clone(), with_rows(&pn.inputs, hs), part_ty.clone(), pname.as_ref().map(|b| format!("{b}.chunk{s}")));
         stats.chunk_gemms += 1;
         if s == 0 {
             received.push(ps);
@@ -436,7 +635,10 @@ fn rewrite_region(region: &mut Region, ctx: &Ctx, stats: &mut AsyncTpStats) -> R
         .collect();
     for c in candidates {
         let line = if matches!(region.node(c).op, Op::AllGather { .. }) {
-            all_gather_pair(region, c, ctx, stats)?
+            match float8_gather_pair(region, c, ctx, stats)? {
+                Some(line) => line,
+                None => all_gather_pair(region, c, ctx, stats)?,
+            }
         } else {
             reduce_scatter_pair(region, c, ctx, stats)?
         };

@@ -532,7 +532,7 @@ fn collective_plans_and_a_one_rank_nccl_communicator_run_on_the_gpu() {
                         gpu.upload_sync(addr(r, recv), &all, || "gathered".into()).expect("upload");
                     }
                     Action::Copy2d { dst, dst_pitch, src, src_pitch, width, height } => {
-                        gpu.copy_2d(false, addr(r, dst), dst_pitch, addr(r, src), src_pitch, width, height, || "copy".into()).expect("copy_2d");
+                        gpu.copy_2d(None, addr(r, dst), dst_pitch, addr(r, src), src_pitch, width, height, || "copy".into()).expect("copy_2d");
                         gpu.sync(|| "copy".into()).expect("sync");
                     }
                     other => panic!("unexpected action {other:?}"),
@@ -569,7 +569,7 @@ fn collective_plans_and_a_one_rank_nccl_communicator_run_on_the_gpu() {
             let count = 4 * 4096 / dtype.size_bytes();
             let dst = gpu.alloc(4 * 4096, 0xAB, "recv").expect("alloc");
             // SAFETY: both buffers hold `count` elements of `dtype` and outlive the sync below.
-            unsafe { mesh.world.run(kind, src.ptr, dst.ptr, count, dtype, reduce, gpu.comm) }.expect("nccl");
+            unsafe { mesh.world.run(kind, src.ptr, dst.ptr, count, dtype, reduce, gpu.comm[0]) }.expect("nccl");
             gpu.sync_all(|| "waiting for NCCL".into()).expect("sync");
             assert_eq!(down(dst.ptr, 4 * 4096), bytes(&x), "{kind:?} {dtype:?} {reduce:?} over one rank is the identity");
         }

@@ -61,19 +61,23 @@ fn a_single_rank_step_is_its_operations_back_to_back() {
     assert!(sim.mfu() > 0.0 && sim.mfu() < 1.0, "{}", sim.mfu());
 }
 
-/// On a mesh, collectives run on their own stream in order, never before the compute enqueued
-/// before them, and what the compute stream waits for them is the exposed time; slowing the
-/// links down can only expose more.
+/// On a mesh, collectives run in order on their mesh dim's stream (tp's apart from dp_shard's),
+/// never before the compute enqueued before them, and what the compute stream waits for them
+/// is the exposed time; slowing the links down can only expose more.
 #[test]
 fn collectives_overlap_compute_and_expose_only_what_is_waited_for() {
     let m = manifest(titan_ir::Mesh::new(1, 2, 2));
     let c = h200();
     let sim = simulate(&m, 0, &c).unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(sim.comm_s.keys().cloned().collect::<Vec<_>>(), vec!["dp_shard".to_string(), "tp".to_string()]);
-    let comm: Vec<&Span> = sim.spans.iter().filter(|s| s.stream == "comm").collect();
-    assert!(comm.windows(2).all(|w| w[1].start_s >= w[0].start_s + w[0].dur_s - 1e-15), "the collectives' stream runs them in order");
-    let compute: Vec<&Span> = sim.spans.iter().filter(|s| s.stream != "comm").collect();
-    assert!(compute.windows(2).all(|w| w[1].start_s >= w[0].start_s + w[0].dur_s - 1e-15), "the compute stream runs one thing at a time");
+    let in_order = |spans: &[&Span]| spans.windows(2).all(|w| w[1].start_s >= w[0].start_s + w[0].dur_s - 1e-15);
+    for (stream, dim) in [("comm", "dp_shard"), ("comm_tp", "tp")] {
+        let comm: Vec<&Span> = sim.spans.iter().filter(|s| s.stream == stream).collect();
+        assert!(!comm.is_empty() && comm.iter().all(|s| s.name.ends_with(&format!("({dim})"))), "{stream} runs the {dim} collectives");
+        assert!(in_order(&comm), "{stream} runs them in order");
+    }
+    let compute: Vec<&Span> = sim.spans.iter().filter(|s| s.stream == "compute" || s.stream == "wait").collect();
+    assert!(in_order(&compute), "the compute stream runs one thing at a time");
     let waited: f64 = sim.spans.iter().filter(|s| s.stream == "wait").map(|s| s.dur_s).sum();
     let exposed: f64 = sim.exposed_s.values().sum();
     assert!((waited - exposed).abs() < 1e-12);
@@ -88,6 +92,39 @@ fn collectives_overlap_compute_and_expose_only_what_is_waited_for() {
     let tiny_nodes = CostModel { gpus_per_node: 1, ..c.clone() };
     let sim3 = simulate(&m, 0, &tiny_nodes).unwrap_or_else(|e| panic!("{e}"));
     assert!(sim3.comm_s["tp"] > sim.comm_s["tp"]);
+}
+
+/// tp collectives do not queue behind the data-parallel ones: with dp_shard over a network
+/// 1000x slower than NVLink, the FSDP gathers back up on their stream while tp's collectives
+/// (async TP's ring shifts among them, one hop each) start as soon as the compute before them
+/// is enqueued, during a dp_shard collective issued before them; a collective waits for one of
+/// the other stream only where it touches its bytes (`join_points`' `comm_waits`).
+#[test]
+fn tp_collectives_run_beside_the_data_parallel_ones() {
+    let model = build_llama3(&LlamaConfig::preset(Preset::Debug), "debug").unwrap_or_else(|e| panic!("{e}"));
+    let opts = BuildOptions { mesh: titan_ir::Mesh::new(1, 2, 2), async_tp: Some(titan_passes::async_tp::AsyncTpMode::All), ..BuildOptions::default() };
+    let m = compile(&model, "", &opts, false, None).unwrap_or_else(|e| panic!("{e}")).0.manifest;
+    let c = h200();
+    let slow = CostModel { gpus_per_node: 2, network: Link { gbps: c.nvlink.gbps / 1000.0, latency_us: c.network.latency_us }, ..c.clone() };
+    let sim = simulate(&m, 0, &slow).unwrap_or_else(|e| panic!("{e}"));
+    let shifts: Vec<&Span> = sim.spans.iter().filter(|s| s.name == "ring_shift(tp)").collect();
+    assert!(!shifts.is_empty() && shifts.iter().all(|s| s.stream == "comm_tp" && s.class == "collective"), "ring shifts communicate on tp's stream");
+    let dp: Vec<&Span> = sim.spans.iter().filter(|s| s.stream == "comm").collect();
+    let beside =
+        sim.spans.iter().filter(|s| s.stream == "comm_tp").filter(|t| dp.iter().any(|d| d.start_s < t.start_s && t.start_s < d.start_s + d.dur_s)).count();
+    assert!(beside > 0, "some tp collective starts while a dp_shard collective runs");
+    // The stream rule the runtime uses gives the same order: each collective starts after the
+    // ones of the other stream it must wait for.
+    let ops = timeline::unroll(&m, 0).unwrap_or_else(|e| panic!("{e}"));
+    let stream: Vec<Option<usize>> = ops.iter().map(UnrolledOp::comm_stream).collect();
+    let joins = join_points(&stream, &ops.iter().map(|o| o.ranges.clone()).collect::<Vec<_>>(), &ops.iter().map(|o| o.reads).collect::<Vec<_>>());
+    let comm: Vec<&Span> = sim.spans.iter().filter(|s| s.stream.starts_with("comm")).collect();
+    assert_eq!(comm.len(), joins.comm_waits.len());
+    for (c, waits) in joins.comm_waits.iter().enumerate() {
+        for &w in waits {
+            assert!(comm[c].start_s >= comm[w].start_s + comm[w].dur_s - 1e-15, "collective {c} starts after {w}");
+        }
+    }
 }
 
 /// A trace produced by one model calibrates another into it: every rate the step exercises is

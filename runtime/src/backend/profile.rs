@@ -82,7 +82,7 @@ pub fn measured_spans(artifact: &Artifact, rank: usize, times: &[(f64, f64)]) ->
         .map(|(op, &(start_s, dur_s))| Span {
             name: op.name.clone(),
             class: op_class(m, op).into(),
-            stream: if op.on_comm_stream() { "comm" } else { "compute" }.into(),
+            stream: op.comm_stream().map_or("compute", titan_ir::artifact::timeline::comm_stream_name).into(),
             start_s,
             dur_s,
             at: op.at.clone(),

@@ -466,47 +466,65 @@ fn the_launcher_fails_when_a_rank_dies() {
 /// `async_tp.rs`).
 #[test]
 fn async_tp_over_processes_matches_the_simulated_mesh_and_the_synchronous_run() {
+    for (mesh, n_heads) in [(Mesh::new(1, 1, 2), 4), (Mesh::new(1, 2, 2), 4), (Mesh::new(1, 1, 4), 4), (Mesh::new(1, 1, 8), 8)] {
+        async_tp_over_processes(mesh, n_heads, &train_options(), "bf16", LOSS_TOL);
+    }
+}
+
+/// float8 rowwise with async TP as processes, tp 2 and dp_shard 2 x tp 2: the fp8 chunks and
+/// their row scales cross the process group; the losses equal the simulated mesh's and the
+/// synchronous float8 run's bit for bit (`async_tp.rs` says why).
+#[test]
+fn float8_async_tp_over_processes_matches_the_synchronous_run_bitwise() {
+    let train = TrainOptions { float8: Some(titan_passes::float8::Float8Options::new(titan_ir::Float8Recipe::Rowwise)), ..train_options() };
+    for mesh in [Mesh::new(1, 1, 2), Mesh::new(1, 2, 2)] {
+        async_tp_over_processes(mesh, 4, &train, "f8", 0.0);
+    }
+}
+
+/// The debug model (f32, `n_heads`) on `mesh` with `--async-tp=all`: as processes, on the
+/// simulated mesh (the same bits and checkpoint bytes), and synchronous on the simulated mesh
+/// (losses within `tol`).
+fn async_tp_over_processes(mesh: Mesh, n_heads: u64, train: &TrainOptions, tag: &str, tol: f64) {
     let dir = std::env::temp_dir().join(format!("titan-e2e-launch-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("temp dir");
-    for (mesh, n_heads) in [(Mesh::new(1, 1, 2), 4), (Mesh::new(1, 2, 2), 4), (Mesh::new(1, 1, 4), 4), (Mesh::new(1, 1, 8), 8)] {
-        let [_, d, t] = mesh.sizes;
-        let name = format!("async-tp-dp{d}-tp{t}");
-        let file = |async_tp: bool| {
-            let cfg = LlamaConfig { dtype: DType::F32, n_heads, ..LlamaConfig::preset(Preset::Debug) };
-            let mut m: Graph = build_llama3(&cfg, "llama3_debug").expect("debug model");
-            mesh.write_meta(&mut m);
-            if async_tp {
-                titan_passes::async_tp::enable_async_tp(&mut m, titan_passes::async_tp::AsyncTpMode::All);
-            }
-            let g = lower_to_train(&m, &train_options()).expect("lowering");
-            let path = dir.join(format!("{name}-{async_tp}.ir"));
-            std::fs::write(&path, titan_ir::print::print_graph(&g)).expect("write graph");
-            path
-        };
-        let (asynchronous, synchronous) = (file(true), file(false));
-        let run = |graph: &Path, tag: &str, extra: &[&str]| {
-            let (metrics, ckpt) = (dir.join(format!("{name}-{tag}.jsonl")), dir.join(format!("{name}-{tag}-ckpt")));
-            let _ = std::fs::remove_file(&metrics);
-            let _ = std::fs::remove_dir_all(&ckpt);
-            let mut args = vec![p(graph), "--steps", "5", "--metrics", p(&metrics), "--checkpoint-dir", p(&ckpt)];
-            args.extend_from_slice(extra);
-            let out = titan_run(&args);
-            assert!(out.status.success(), "titan-run {args:?} failed:\n{}", text(&out.stderr));
-            let model = std::fs::read(ckpt.join("step-5").join("model.safetensors")).expect("checkpoint");
-            let _ = std::fs::remove_dir_all(&ckpt);
-            (losses(&metrics), model)
-        };
-        let n = mesh.world_size().to_string();
-        let started = Instant::now();
-        let (procs, procs_model) = run(&asynchronous, "procs", &["--nproc-per-node", &n]);
-        let procs_s = started.elapsed().as_secs_f64();
-        let (sim, sim_model) = run(&asynchronous, "sim", &[]);
-        let (sync, _) = run(&synchronous, "sync", &[]);
-        let diff = sim.iter().zip(&sync).map(|(a, b)| (a - b).abs()).fold(0.0, f64::max);
-        println!("{name}: {n} processes {procs:?} ({procs_s:.2} s); simulated mesh identical: {}; vs synchronous max |dloss| {diff:.3e}", procs == sim);
-        assert_eq!(procs.len(), 5);
-        assert_eq!(procs, sim, "{name}: the processes and the simulated mesh differ");
-        assert!(procs_model == sim_model, "{name}: the processes' parameters differ from the simulated mesh's");
-        assert!(diff <= LOSS_TOL, "{name}: async {sim:?} vs synchronous {sync:?}");
-    }
+    let [_, d, t] = mesh.sizes;
+    let name = format!("async-tp-{tag}-dp{d}-tp{t}");
+    let file = |async_tp: bool| {
+        let cfg = LlamaConfig { dtype: DType::F32, n_heads, ..LlamaConfig::preset(Preset::Debug) };
+        let mut m: Graph = build_llama3(&cfg, "llama3_debug").expect("debug model");
+        mesh.write_meta(&mut m);
+        if async_tp {
+            titan_passes::async_tp::enable_async_tp(&mut m, titan_passes::async_tp::AsyncTpMode::All);
+        }
+        let g = lower_to_train(&m, train).expect("lowering");
+        let path = dir.join(format!("{name}-{async_tp}.ir"));
+        std::fs::write(&path, titan_ir::print::print_graph(&g)).expect("write graph");
+        path
+    };
+    let (asynchronous, synchronous) = (file(true), file(false));
+    let run = |graph: &Path, tag: &str, extra: &[&str]| {
+        let (metrics, ckpt) = (dir.join(format!("{name}-{tag}.jsonl")), dir.join(format!("{name}-{tag}-ckpt")));
+        let _ = std::fs::remove_file(&metrics);
+        let _ = std::fs::remove_dir_all(&ckpt);
+        let mut args = vec![p(graph), "--steps", "5", "--metrics", p(&metrics), "--checkpoint-dir", p(&ckpt)];
+        args.extend_from_slice(extra);
+        let out = titan_run(&args);
+        assert!(out.status.success(), "titan-run {args:?} failed:\n{}", text(&out.stderr));
+        let model = std::fs::read(ckpt.join("step-5").join("model.safetensors")).expect("checkpoint");
+        let _ = std::fs::remove_dir_all(&ckpt);
+        (losses(&metrics), model)
+    };
+    let n = mesh.world_size().to_string();
+    let started = Instant::now();
+    let (procs, procs_model) = run(&asynchronous, "procs", &["--nproc-per-node", &n]);
+    let procs_s = started.elapsed().as_secs_f64();
+    let (sim, sim_model) = run(&asynchronous, "sim", &[]);
+    let (sync, _) = run(&synchronous, "sync", &[]);
+    let diff = sim.iter().zip(&sync).map(|(a, b)| (a - b).abs()).fold(0.0, f64::max);
+    println!("{name}: {n} processes {procs:?} ({procs_s:.2} s); simulated mesh identical: {}; vs synchronous max |dloss| {diff:.3e}", procs == sim);
+    assert_eq!(procs.len(), 5);
+    assert_eq!(procs, sim, "{name}: the processes and the simulated mesh differ");
+    assert!(procs_model == sim_model, "{name}: the processes' parameters differ from the simulated mesh's");
+    assert!(diff <= tol, "{name}: async {sim:?} vs synchronous {sync:?}");
 }

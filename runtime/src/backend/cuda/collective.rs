@@ -367,6 +367,16 @@ mod tests {
         }
     }
 
+    /// Ops that read their first range and write the rest (a single range: written).
+    fn reads(ranges: &[Vec<(u64, u64)>]) -> Vec<usize> {
+        ranges.iter().map(|r| usize::from(r.len() > 1)).collect()
+    }
+
+    /// One collectives stream for the `true`s.
+    fn streams(comm: &[bool]) -> Vec<Option<usize>> {
+        comm.iter().map(|&c| c.then_some(0)).collect()
+    }
+
     #[test]
     fn collectives_are_joined_before_the_first_op_touching_their_buffers() {
         // op 0: compute; 1: gather A -> [100, 110); 2: gather B -> [200, 210); 3: compute on
@@ -382,15 +392,15 @@ mod tests {
             vec![(95, 6)],
             vec![(500, 8), (600, 8)],
         ];
-        let j = join_points(&comm, &ranges);
+        let j = join_points(&streams(&comm), &ranges, &reads(&ranges));
         assert_eq!(j.before, vec![vec![], vec![], vec![], vec![], vec![1], vec![0], vec![]]);
         assert_eq!(j.at_end, vec![2]);
         // Adjacent ranges do not overlap; empty ones never do.
-        assert_eq!(join_points(&[true, false], &[vec![(0, 10)], vec![(10, 5)]]).at_end, vec![0]);
-        assert_eq!(join_points(&[true, false], &[vec![(0, 11)], vec![(10, 5)]]).before[1], vec![0]);
-        assert_eq!(join_points(&[true, false], &[vec![(0, 0)], vec![(0, 5)]]).at_end, vec![0]);
+        assert_eq!(join_points(&streams(&[true, false]), &[vec![(0, 10)], vec![(10, 5)]], &[1, 0]).at_end, vec![0]);
+        assert_eq!(join_points(&streams(&[true, false]), &[vec![(0, 11)], vec![(10, 5)]], &[1, 0]).before[1], vec![0]);
+        assert_eq!(join_points(&streams(&[true, false]), &[vec![(0, 0)], vec![(0, 5)]], &[1, 0]).at_end, vec![0]);
         // A collective's operand being overwritten later also forces the join.
-        let j = join_points(&[true, false], &[vec![(0, 8), (100, 8)], vec![(4, 1)]]);
+        let j = join_points(&streams(&[true, false]), &[vec![(0, 8), (100, 8)], vec![(4, 1)]], &[1, 0]);
         assert_eq!(j.before, vec![vec![], vec![0]]);
     }
 
@@ -417,7 +427,7 @@ mod tests {
             }
         }
         assert_eq!(what, ["gather layer 0", "gather layer 1", "compute layer 0", "gather layer 2", "compute layer 1", "compute layer 2"]);
-        let j = join_points(&comm, &ranges);
+        let j = join_points(&streams(&comm), &ranges, &reads(&ranges));
         assert_eq!(j.before, vec![vec![], vec![], vec![0], vec![], vec![1], vec![2]]);
         assert!(j.at_end.is_empty());
     }

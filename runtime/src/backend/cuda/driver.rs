@@ -8,6 +8,7 @@ use std::ffi::{CString, c_void};
 
 use cudarc::driver::result;
 use cudarc::driver::sys;
+use titan_ir::artifact::timeline::COMM_STREAMS;
 
 /// A failed CUDA driver or cuBLASLt call, or a machine without a usable GPU.
 #[derive(Debug, thiserror::Error)]
@@ -53,9 +54,13 @@ pub struct Gpu {
     ctx: sys::CUcontext,
     dev: sys::CUdevice,
     pub stream: sys::CUstream,
-    /// The stream collectives run on, ordered against `stream` by events
-    /// ([`Gpu::fork_to_comm`], [`Gpu::record_on_comm`], [`Gpu::wait_for`]).
-    pub comm: sys::CUstream,
+    /// The streams collectives run on, one per [`comm_stream`] (`tp` apart from the
+    /// data-parallel dims), ordered against `stream` and each other by events
+    /// ([`Gpu::fork_to_comm`], [`Gpu::record_on_comm`], [`Gpu::wait_for`],
+    /// [`Gpu::comm_wait_for`]).
+    ///
+    /// [`comm_stream`]: titan_ir::artifact::timeline::comm_stream
+    pub comm: [sys::CUstream; COMM_STREAMS],
     pub name: String,
 }
 
@@ -73,7 +78,7 @@ impl Gpu {
     }
 
     /// Open device `ordinal` (a multi-process run's `LOCAL_RANK`), its primary context, a
-    /// non-blocking compute stream and a non-blocking stream for collectives.
+    /// non-blocking compute stream and the non-blocking collectives streams.
     pub fn open_device(ordinal: usize) -> Result<Gpu, CudaError> {
         if !driver_present() {
             return Err(CudaError::NoDevice(
@@ -96,25 +101,39 @@ impl Gpu {
         // SAFETY: `ctx` was just retained.
         check(unsafe { result::ctx::set_current(ctx) }, || "making the context current".into())?;
         let stream = check(result::stream::create(result::stream::StreamKind::NonBlocking), || "creating a stream".into())?;
-        let comm = check(result::stream::create(result::stream::StreamKind::NonBlocking), || "creating the collectives' stream".into())?;
+        let mut comm = [std::ptr::null_mut(); COMM_STREAMS];
+        for (i, c) in comm.iter_mut().enumerate() {
+            *c = check(result::stream::create(result::stream::StreamKind::NonBlocking), || format!("creating collectives stream {i}"))?;
+        }
         let name = result::device::get_name(dev).unwrap_or_else(|_| "unknown GPU".into());
         Ok(Gpu { ctx, dev, stream, comm, name })
     }
 
-    /// Make the collectives' stream wait for the work enqueued on the compute stream so far
+    /// Make collectives stream `s` wait for the work enqueued on the compute stream so far
     /// (`e` is recorded on the compute stream).
-    pub fn fork_to_comm(&self, e: &Event) -> Result<(), CudaError> {
+    pub fn fork_to_comm(&self, s: usize, e: &Event) -> Result<(), CudaError> {
         // SAFETY: valid event and streams.
         unsafe {
             check(result::event::record(e.0, self.stream), || "recording an event before a collective".into())?;
-            check(result::stream::wait_event(self.comm, e.0, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT), || "ordering a collective after compute".into())
+            check(result::stream::wait_event(self.comm[s], e.0, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT), || {
+                "ordering a collective after compute".into()
+            })
         }
     }
 
-    /// Record `e` on the collectives' stream (a collective's end).
-    pub fn record_on_comm(&self, e: &Event) -> Result<(), CudaError> {
+    /// Record `e` on collectives stream `s` (a collective's start or end).
+    pub fn record_on_comm(&self, s: usize, e: &Event) -> Result<(), CudaError> {
         // SAFETY: valid event and stream.
-        check(unsafe { result::event::record(e.0, self.comm) }, || "recording the end of a collective".into())
+        check(unsafe { result::event::record(e.0, self.comm[s]) }, || "recording the end of a collective".into())
+    }
+
+    /// Make collectives stream `s` wait for `e` (recorded on another collectives stream: a
+    /// collective of another mesh dim whose bytes this one touches).
+    pub fn comm_wait_for(&self, s: usize, e: &Event) -> Result<(), CudaError> {
+        // SAFETY: valid event and stream.
+        check(unsafe { result::stream::wait_event(self.comm[s], e.0, sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT) }, || {
+            "ordering a collective after one of another stream".into()
+        })
     }
 
     /// Make the compute stream wait for `e` (recorded on the collectives' stream).
@@ -125,18 +144,18 @@ impl Gpu {
         })
     }
 
-    /// The compute stream, or the collectives' stream.
-    pub fn stream_for(&self, comm: bool) -> sys::CUstream {
-        if comm { self.comm } else { self.stream }
+    /// The compute stream (`None`), or collectives stream `s`.
+    pub fn stream_for(&self, comm: Option<usize>) -> sys::CUstream {
+        comm.map_or(self.stream, |s| self.comm[s])
     }
 
     /// Copy `height` rows of `width` bytes from `src` (rows `src_pitch` bytes apart) to `dst`
-    /// (rows `dst_pitch` apart), device to device, on the collectives' stream (`comm`) or the
+    /// (rows `dst_pitch` apart), device to device, on collectives stream `comm` or (`None`) the
     /// compute stream.
     #[allow(clippy::too_many_arguments)]
     pub fn copy_2d(
         &self,
-        comm: bool,
+        comm: Option<usize>,
         dst: u64,
         dst_pitch: u64,
         src: u64,
@@ -167,8 +186,9 @@ impl Gpu {
         check(unsafe { sys::cuMemcpy2DAsync_v2(&c, self.stream_for(comm)).result() }, what)
     }
 
-    /// Fill `bytes` at `dst` with `value` on the collectives' stream (`comm`) or the compute stream.
-    pub fn memset_on(&self, comm: bool, dst: u64, value: u8, bytes: usize, what: impl FnOnce() -> String) -> Result<(), CudaError> {
+    /// Fill `bytes` at `dst` with `value` on collectives stream `comm` or (`None`) the compute
+    /// stream.
+    pub fn memset_on(&self, comm: Option<usize>, dst: u64, value: u8, bytes: usize, what: impl FnOnce() -> String) -> Result<(), CudaError> {
         // SAFETY: the range was checked against its buffer when the schedule was planned.
         check(unsafe { result::memset_d8_async(dst, value, bytes, self.stream_for(comm)) }, what)
     }
@@ -355,9 +375,13 @@ impl Drop for Gpu {
         unsafe {
             let _ = result::ctx::set_current(self.ctx);
             let _ = result::stream::synchronize(self.stream);
-            let _ = result::stream::synchronize(self.comm);
+            for &c in &self.comm {
+                let _ = result::stream::synchronize(c);
+            }
             let _ = result::stream::destroy(self.stream);
-            let _ = result::stream::destroy(self.comm);
+            for &c in &self.comm {
+                let _ = result::stream::destroy(c);
+            }
             let _ = result::primary_ctx::release(self.dev);
         }
     }

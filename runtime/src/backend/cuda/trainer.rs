@@ -6,6 +6,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Instant;
 
 use titan_ir::DType;
+use titan_ir::artifact::timeline::{COMM_STREAMS, comm_stream};
 use titan_ir::artifact::{Arena, Buffer, BufferClass, Kernel};
 use titan_ir::interp::Tensor;
 
@@ -92,14 +93,20 @@ pub struct CudaArtifactTrainer<'a> {
     gpu: Gpu,
 }
 
-/// Ordering of the collectives' stream against the compute stream: each collective starts
-/// after the compute enqueued before it (`fork`), records `done[c]` when it ends, and the
-/// compute stream waits for it only before the first later op that touches its buffers
+/// Ordering of the collectives streams against the compute stream: each collective runs on
+/// its mesh dim's stream (`stream[c]`, `tp` apart from the data-parallel dims) and starts after
+/// the compute enqueued before it (`fork`) and after the collectives of the other stream it
+/// touches the bytes of (`joins.comm_waits`), records `done[c]` when it ends, and the compute
+/// stream waits for it only before the first later op that touches its buffers
 /// ([`collective::join_points`]), so a prefetched gather overlaps the compute in between.
+/// Each stream stages its collectives in its own part of the staging buffer
+/// (`staging_offset[s]`), since two streams' collectives may run at once.
 struct CommEvents {
     fork: Event,
     done: Vec<Event>,
     joins: collective::Joins,
+    stream: Vec<usize>,
+    staging_offset: [u64; COMM_STREAMS],
 }
 
 /// The artifact's eval step on this GPU: its kernels loaded like the training step's, its
@@ -566,18 +573,25 @@ impl<'a> CudaArtifactTrainer<'a> {
         nth: usize,
         at: &str,
     ) -> Result<(), CudaError> {
-        let staging = s.staging.map_or(0, |b| b.ptr);
+        let events = s.comm_events.filter(|_| plan.communicates);
+        let comm = events.map(|ce| ce.stream[nth]);
+        let staging = s.staging.map_or(0, |b| b.ptr) + events.zip(comm).map_or(0, |(ce, c)| ce.staging_offset[c]);
         let addr = |l: Loc| match l {
             Loc::Input(o) => input + o,
             Loc::Output(o) => output + o,
             Loc::Staging(o) => staging + o,
         };
-        let stream = self.gpu.stream_for(plan.communicates);
-        let events = s.comm_events.filter(|_| plan.communicates);
-        if let Some(ce) = events {
-            self.gpu.fork_to_comm(&ce.fork)?;
-            if let Some(c) = s.profile.and_then(|p| p.comm.as_ref()) {
-                self.gpu.record_on_comm(&c.start[nth])?;
+        if plan.communicates && comm.is_none() {
+            return Err(CudaError::Call { what: at.to_string(), message: "a collective without stream-ordering events".into() });
+        }
+        let stream = self.gpu.stream_for(comm);
+        if let (Some(ce), Some(c)) = (events, comm) {
+            self.gpu.fork_to_comm(c, &ce.fork)?;
+            for &d in &ce.joins.comm_waits[nth] {
+                self.gpu.comm_wait_for(c, &ce.done[d])?;
+            }
+            if let Some(t) = s.profile.and_then(|p| p.comm.as_ref()) {
+                self.gpu.record_on_comm(c, &t.start[nth])?;
             }
         }
         for a in &plan.actions {
@@ -595,18 +609,16 @@ impl<'a> CudaArtifactTrainer<'a> {
                         .map_err(|e| CudaError::Call { what: at.to_string(), message: e.to_string() })?;
                 }
                 Action::Copy2d { dst, dst_pitch, src, src_pitch, width, height } => {
-                    self.gpu.copy_2d(plan.communicates, addr(dst), dst_pitch, addr(src), src_pitch, width, height, || {
-                        format!("a strided copy of a collective ({at})")
-                    })?
+                    self.gpu.copy_2d(comm, addr(dst), dst_pitch, addr(src), src_pitch, width, height, || format!("a strided copy of a collective ({at})"))?
                 }
                 Action::Zero { dst, bytes } => {
                     let n = usize::try_from(bytes).map_err(|_| CudaError::Call { what: at.to_string(), message: "memset too large".into() })?;
-                    self.gpu.memset_on(plan.communicates, addr(dst), 0, n, || format!("zeroing the output of a collective ({at})"))?
+                    self.gpu.memset_on(comm, addr(dst), 0, n, || format!("zeroing the output of a collective ({at})"))?
                 }
             }
         }
-        if let Some(ce) = events {
-            self.gpu.record_on_comm(&ce.done[nth])?;
+        if let (Some(ce), Some(c)) = (events, comm) {
+            self.gpu.record_on_comm(c, &ce.done[nth])?;
         }
         Ok(())
     }
@@ -904,22 +916,44 @@ impl<'a> CudaArtifactTrainer<'a> {
 fn collective_setup(
     gpu: &Gpu,
     ops: &[Op],
-    ext: &[Vec<(u64, u64)>],
+    ext: &[(Vec<(u64, u64)>, usize)],
     has_nccl: bool,
     what: &str,
 ) -> Result<(Option<DeviceBuffer>, Option<CommEvents>), RuntimeError> {
-    let comm: Vec<bool> = ops.iter().map(|o| matches!(o, Op::Collective { plan, .. } if plan.communicates)).collect();
-    let staging_bytes = ops.iter().map(|o| if let Op::Collective { plan, .. } = o { plan.staging_bytes } else { 0 }).max().unwrap_or(0);
+    let stream: Vec<Option<usize>> = ops
+        .iter()
+        .map(|o| match o {
+            Op::Collective { plan, mesh_dim, .. } if plan.communicates => Some(comm_stream(titan_ir::MeshDim::ALL.get(*mesh_dim).map_or("?", |d| d.name()))),
+            _ => None,
+        })
+        .collect();
+    // Per stream, the largest staging one of its collectives needs (rank-local steps stage
+    // nothing); the streams' parts lie one after the other.
+    let mut need = [0u64; COMM_STREAMS];
+    for (o, s) in ops.iter().zip(&stream) {
+        if let Op::Collective { plan, .. } = o {
+            let k = s.unwrap_or(0);
+            need[k] = need[k].max(plan.staging_bytes);
+        }
+    }
+    let mut staging_offset = [0u64; COMM_STREAMS];
+    for k in 1..COMM_STREAMS {
+        staging_offset[k] = staging_offset[k - 1] + need[k - 1];
+    }
+    let staging_bytes = staging_offset[COMM_STREAMS - 1] + need[COMM_STREAMS - 1];
     let staging = if staging_bytes > 0 { Some(gpu.alloc(staging_bytes, 0, what)?) } else { None };
-    if !comm.iter().any(|&c| c) {
+    if stream.iter().all(Option::is_none) {
         return Ok((staging, None));
     }
     if !has_nccl {
         return Err(RuntimeError::Backend("the schedule has collectives but this process has no NCCL communicators".into()));
     }
-    let joins = collective::join_points(&comm, ext);
-    let done = comm.iter().filter(|&&c| c).map(|_| Event::new()).collect::<Result<Vec<_>, _>>()?;
-    Ok((staging, Some(CommEvents { fork: Event::new()?, done, joins })))
+    let ranges: Vec<Vec<(u64, u64)>> = ext.iter().map(|e| e.0.clone()).collect();
+    let reads: Vec<usize> = ext.iter().map(|e| e.1).collect();
+    let joins = collective::join_points(&stream, &ranges, &reads);
+    let done = stream.iter().flatten().map(|_| Event::new()).collect::<Result<Vec<_>, _>>()?;
+    let stream = stream.into_iter().flatten().collect();
+    Ok((staging, Some(CommEvents { fork: Event::new()?, done, joins, stream, staging_offset })))
 }
 
 fn in_validation(e: CudaError) -> CudaError {

@@ -136,14 +136,15 @@ impl<'a> Arenas<'a> {
     }
 
     /// Unroll `steps` into `ops`.
-    /// `ext` gets, per op, the byte ranges it reads or writes (for ordering collectives).
+    /// `ext` gets, per op, the byte ranges it touches and how many of them (the first) it only
+    /// reads (for ordering collectives, `join_points`).
     pub(super) fn unroll(
         &self,
         steps: &[Step],
         frame: Option<Frame<'_>>,
         path: &mut Vec<usize>,
         ops: &mut Vec<Op>,
-        ext: &mut Vec<Vec<(u64, u64)>>,
+        ext: &mut Vec<(Vec<(u64, u64)>, usize)>,
     ) -> Result<(), RuntimeError> {
         for (i, step) in steps.iter().enumerate() {
             path.push(i);
@@ -153,7 +154,7 @@ impl<'a> Arenas<'a> {
                     let pos = self.kernel_pos(*kernel).ok_or_else(|| bad(format!("{at}: kernel {kernel} does not exist")))?;
                     let ins = inputs.iter().map(|r| self.view(r, frame)).collect::<Result<Vec<_>, _>>()?;
                     let outs = outputs.iter().map(|r| self.view(r, frame)).collect::<Result<Vec<_>, _>>()?;
-                    ext.push(ins.iter().chain(&outs).copied().collect());
+                    ext.push((ins.iter().chain(&outs).copied().collect(), ins.len()));
                     ops.push(Op::Launch { kernel: pos, ins: ins.iter().map(|v| v.0).collect(), outs: outs.iter().map(|v| v.0).collect(), at });
                 }
                 Step::Copy { src, dst, bytes, .. } => {
@@ -163,7 +164,7 @@ impl<'a> Arenas<'a> {
                     }
                     let bytes = usize::try_from(*bytes).map_err(|_| bad(format!("{at}: copy too large")))?;
                     if bytes > 0 {
-                        ext.push(vec![(s.0, bytes as u64), (d.0, bytes as u64)]);
+                        ext.push((vec![(s.0, bytes as u64), (d.0, bytes as u64)], 1));
                         ops.push(Op::Copy { dst: d.0, src: s.0, bytes, at });
                     }
                 }
@@ -174,7 +175,7 @@ impl<'a> Arenas<'a> {
                     }
                     let bytes = usize::try_from(*bytes).map_err(|_| bad(format!("{at}: memset too large")))?;
                     if bytes > 0 {
-                        ext.push(vec![(d.0, bytes as u64)]);
+                        ext.push((vec![(d.0, bytes as u64)], 0));
                         ops.push(Op::Memset { dst: d.0, bytes, at });
                     }
                 }
@@ -197,7 +198,7 @@ impl<'a> Arenas<'a> {
                     if ni > i.1 || no > o.1 {
                         return Err(bad(format!("{at}: `{}` reads {ni} and writes {no} bytes, its buffers hold {} and {}", collective.name(), i.1, o.1)));
                     }
-                    ext.push(vec![(i.0, ni), (o.0, no)]);
+                    ext.push((vec![(i.0, ni), (o.0, no)], 1));
                     let dim_name = titan_ir::MeshDim::from_name(mesh_dim).map_or("?", titan_ir::MeshDim::name);
                     let info = comm_profile::CollectiveInfo { op: collective.name(), dim: dim_name, bytes: ni.max(no), at: at.clone() };
                     ops.push(Op::Collective { plan, input: i.0, output: o.0, mesh_dim: m, dtype: *dtype, at, info });
