@@ -532,7 +532,10 @@ pub(super) fn gen_rows(b: &Body, a: &Analysis, entry: &str) -> GenResult<Generat
     let geo = row_geometry(a)?;
     let has_cacc = a.accs.iter().any(|x| x.col);
     if has_cacc && !geo.unrolled {
-        return unsupported(format!("column sums over rows of {} elements; rows longer than 32768 elements support only per-row and scalar results", a.d));
+        return unsupported(format!(
+            "column sums over rows of {} elements next to row reductions; such rows longer than 32768 elements support only per-row and scalar results (a column reduction alone is a column kernel of any width)",
+            a.d
+        ));
     }
     if a.rows > i32::MAX as u64 {
         return unsupported(format!("{} rows exceed the grid limit", a.rows));
