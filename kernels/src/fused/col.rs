@@ -17,9 +17,9 @@
 
 use super::analyze::{AccSrc, Analysis, RedOp};
 use super::cross_block::arrive;
-use super::reduce::{lanes_dividing, params, scalars_at_top, store_output};
+use super::reduce::{Top, kernel_top, lanes_dividing, store_output};
 use crate::emit::{Elem, Func, ICmp, Ty, Val};
-use crate::values::{Body, Eval, Lay, storage};
+use crate::values::{Body, Lay, storage};
 use crate::{GenResult, Generated, math, unsupported};
 
 /// Threads of a column kernel.
@@ -145,22 +145,11 @@ pub(super) fn gen_cols(b: &Body, a: &Analysis, entry: &str) -> GenResult<Generat
     let ops: Vec<RedOp> = accs.iter().map(|x| x.op).collect();
     let (parts_at, words) = ws_words(&geo, accs.len() as u64, a.d);
     let ws_bytes = 4 * words;
-    let nparams = b.r.args.len() + b.r.outputs.len() + 1;
-    let mut f = Func::new(nparams);
-    let (args, p) = params(&f, b, true);
+    let Top { mut f, mut ev, p, tid, bid, is_t0 } = kernel_top(b, a, true)?;
     let Some(ws) = p.ws else {
         return unsupported("column kernel without a workspace");
     };
-    let mut ev = Eval::new(b, a.lay.clone(), args);
-    ev.row_len = a.d;
-    ev.rows = a.rows;
-    let tid = f.thread_id();
-    let bid = f.block_id();
     let zero32 = f.i32c(0);
-    let is_t0 = f.cmpi(ICmp::Eq, tid, zero32);
-    let b0 = f.cmpi(ICmp::Eq, bid, zero32);
-    let first = f.andi(is_t0, b0);
-    scalars_at_top(&mut f, &mut ev, b, &p, first)?;
     let lanes = geo.lanes;
     let vt = Ty::lanes_of(Elem::F32, lanes);
     let align = (lanes * 4).min(16);

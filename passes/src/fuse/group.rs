@@ -162,7 +162,7 @@ pub fn classify(op: &Op, ins: &[&TensorType], outs: &[&TensorType], dims: &DimTa
                 for dim in &x.shape[..axes.len()] {
                     rows *= titan_ir::shape::resolve_dim(dim, dims).ok_or_else(|| format!("dimension `{dim}` is not bound; bind it in the graph's `dims`"))?;
                 }
-                if rows == 0 { Class::Fusible(Space::Alone) } else { Class::Fusible(Space::Cols { elems, d: elems / rows }) }
+                Class::Fusible(elems.checked_div(rows).map_or(Space::Alone, |d| Space::Cols { elems, d }))
             } else {
                 Class::Fusible(Space::Alone)
             }
