@@ -365,6 +365,15 @@ impl<'r> Grouper<'r> {
         crosses(a, b) || crosses(b, a)
     }
 
+    /// Whether group `g` holds a `reduce` whose result crosses rows (to a scalar or over the
+    /// leading axes).
+    fn reduces_across_rows(&self, g: usize) -> bool {
+        self.group(g).members.iter().any(|&m| {
+            let node = &self.region.nodes[m.index()];
+            matches!(node.op, Op::Reduce { .. }) && node.results.iter().any(|r| self.grid_reduced[r.index()])
+        })
+    }
+
     /// The space of `a` and `b` merged, if they may merge.
     fn can_merge(&self, a: usize, b: usize) -> Option<Space> {
         let (ga, gb) = (self.group(a), self.group(b));
@@ -497,10 +506,11 @@ impl<'r> Grouper<'r> {
                     }
                 }
             }
-            // A column kernel takes no siblings: the other readers of its operand (float8's
-            // quantizing cast) need the column result, so they run after it and read the operand
-            // again instead of having the column kernel write out a copy for them.
-            siblings.retain(|&g| !matches!(self.group(g).space, Space::Cols { .. }));
+            // A group reducing across rows (a column or full `reduce`: float8's amax) takes no
+            // siblings: the other readers of its operand (float8's quantizing cast) need the
+            // reduced value, so they run after it and read the operand again instead of having
+            // the amax kernel write out a copy for them.
+            siblings.retain(|&g| !self.reduces_across_rows(g));
             for g in siblings {
                 if let Some(s) = self.can_merge(g, cur) {
                     self.merge(g, cur, s);

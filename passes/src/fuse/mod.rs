@@ -30,10 +30,10 @@
 //!    order), merging those groups, when the merge keeps the rules below.
 //! 2. **Siblings.** If it joined no producer, it may join one group that already reads one of
 //!    its non-scalar operands, so the shared tensor is read once (SwiGLU backward's two
-//!    multiplies of `dy`; `cross_entropy` and `cross_entropy_bwd` of the logits). A column
-//!    reduction's group (rule 3) takes no siblings: the other readers of its operand (float8's
-//!    quantizing cast) need the column result, so they run after it anyway and would only make
-//!    it write out a copy of the operand for them.
+//!    multiplies of `dy`; `cross_entropy` and `cross_entropy_bwd` of the logits). A group with
+//!    a `reduce` across rows (to a scalar, or over the leading axes, rule 3) takes no siblings:
+//!    the other readers of its operand (float8's quantizing cast) need the reduced value, so
+//!    they run after it anyway and would only make it write out a copy of the operand for them.
 //! 3. **Compatible spaces.** Two groups merge only if their element counts are equal and their
 //!    row lengths (where both have one) are equal, or if one has a row length `r` and the
 //!    other (without rows) has `1/r` of its elements: per-row values such as a row amax and

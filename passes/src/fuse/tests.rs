@@ -186,18 +186,23 @@ fn a_full_reduction_is_not_read_in_its_own_kernel() {
 /// column kernel, the per-column scale a small kernel, and the op quantizing `x` (here a `neg`
 /// standing in for the widening cast) reads `x` again after them: it needs the finished amax,
 /// so as a sibling of the amax kernel it would only make that kernel write a copy of `x` for
-/// it. A row reduction and a column reduction of the same values stay in two kernels.
+/// it. Tensorwise's amax over every element likewise. A row reduction and a column reduction
+/// of the same values stay in two kernels.
 #[test]
-fn a_column_reduction_fuses_with_its_producers_not_its_siblings() {
-    let g = graph(1, |b, x| {
-        let a = unary(b, UnaryOp::Abs, x[0])?;
-        let m = b.push1(Op::Reduce { kind: ReduceKind::Max, axes: vec![0] }, &[a])?;
-        let s = unary(b, UnaryOp::Recip, m)?;
-        let c = unary(b, UnaryOp::Neg, x[0])?;
-        let wide = b.push_typed(Op::Broadcast { dims: vec![1] }, &[s], f32s(&[8, 8]))?;
-        Ok(vec![binary(b, BinaryOp::Mul, c, wide)?, m])
-    });
-    assert_eq!(kernels(&fused(&g).0), vec![(Fused, vec!["abs", "reduce_max"]), (Fused, vec!["recip"]), (Fused, vec!["neg", "broadcast", "mul"])]);
+fn an_amax_fuses_with_its_producers_not_its_siblings() {
+    // Rowwise's column amax (over axis 0, scale broadcast along the rows) and tensorwise's
+    // amax over every element.
+    for (axes, dims) in [(vec![0], vec![1]), (vec![0, 1], vec![])] {
+        let g = graph(1, |b, x| {
+            let a = unary(b, UnaryOp::Abs, x[0])?;
+            let m = b.push1(Op::Reduce { kind: ReduceKind::Max, axes }, &[a])?;
+            let s = unary(b, UnaryOp::Recip, m)?;
+            let c = unary(b, UnaryOp::Neg, x[0])?;
+            let wide = b.push_typed(Op::Broadcast { dims }, &[s], f32s(&[8, 8]))?;
+            Ok(vec![binary(b, BinaryOp::Mul, c, wide)?, m])
+        });
+        assert_eq!(kernels(&fused(&g).0), vec![(Fused, vec!["abs", "reduce_max"]), (Fused, vec!["recip"]), (Fused, vec!["neg", "broadcast", "mul"])]);
+    }
 
     let g = graph(1, |b, x| {
         let a = unary(b, UnaryOp::Exp, x[0])?;
