@@ -121,6 +121,23 @@ fn unsupported_bodies_are_reported() {
     assert!(err.to_string().contains("`attention` cannot be part of a fused kernel"), "{err}");
 }
 
+/// A column reduction of any width is a column kernel: the output head's `[8192, 128256]`
+/// column amax (refused before: rows longer than 32768 elements) gets a grid of 501 column
+/// tiles x 17 row chunks and a workspace of one counter per tile and the chunks' partials,
+/// instead of one partial row per CTA.
+#[test]
+fn column_amax_of_any_width_is_a_column_kernel() {
+    let mut g = graph();
+    let id = colmax_body(&mut g, "head_colmax", &[8192, 128256], false);
+    let k = compile(&g, id, KernelKind::Fused, "main.k23_reduce_max");
+    assert_eq!((k.launch.grid, k.launch.block), ([501 * 17, 1, 1], [256, 1, 1]));
+    assert_eq!(k.workspace_bytes, 4 * (504 + 17 * 128256));
+    let id = colmax_body(&mut g, "wo_colmax", &[8192, 4096], false);
+    let k = compile(&g, id, KernelKind::Fused, "layer_bwd.k9_reduce_max");
+    assert_eq!(k.launch.grid, [16 * 128, 1, 1]);
+    assert_eq!(k.workspace_bytes, 4 * (16 + 128 * 4096));
+}
+
 /// All the hand-built bodies, one per pattern the generators support.
 /// `quantize`'s scaling and cast of float8 training (`titan_ir::float8::quantize`) as fusion
 /// outlines it: `x [rows, cols] * broadcast(scale)` clamped to ±max, cast to `dtype`, stored
@@ -173,9 +190,49 @@ fn fp8_cases(g: &mut Graph) -> Vec<(&'static str, BlockId, (f64, f64))> {
     ]
 }
 
+/// float8's per-column amax over the tokens (the grad_weight operands' column scales) as a
+/// column kernel: `abs -> reduce_max over the rows -> fp8_scale, recip` of a bf16 `[rows..., d]`,
+/// the amax and both per-column results as outputs. With `elem`, the kernel also stores a
+/// per-element value (`cast` of the input to f32) as it reads the rows.
+fn colmax_body(g: &mut Graph, name: &str, shape: &[u64], elem: bool) -> BlockId {
+    let axes: Vec<usize> = (0..shape.len() - 1).collect();
+    body(g, name, &[bf16(shape)], |b, a| {
+        let x = push(b, Op::Unary(UnaryOp::Abs), &[a[0]]);
+        let m = push(b, Op::Reduce { kind: ReduceKind::Max, axes }, &[x]);
+        let s = b.push_typed(Op::Fp8Scale { dtype: DType::F8E4M3, pow2: true }, &[m], f32t(&[shape[shape.len() - 1]])).expect("fp8_scale");
+        let r = push(b, Op::Unary(UnaryOp::Recip), &[s]);
+        let mut outs = vec![m, s, r];
+        if elem {
+            outs.insert(0, b.push_typed(Op::Cast, &[a[0]], f32t(shape)).expect("cast"));
+        }
+        outs
+    })
+}
+
+/// Column-amax kernels at small odd shapes (a partial column tile, one column per lane, a
+/// partial last chunk), leading dims folded into the rows, a stored per-element value, and a
+/// head-like row of 128256 columns; the float input range of each.
+fn colmax_cases(g: &mut Graph) -> Vec<(&'static str, BlockId, (f64, f64))> {
+    vec![
+        ("colmax_96x40", colmax_body(g, "colmax_96x40", &[96, 40], false), (-4.0, 4.0)),
+        ("colmax_1000x77", colmax_body(g, "colmax_1000x77", &[1000, 77], false), (-300.0, 300.0)),
+        ("colmax_3d_2x300x136", colmax_body(g, "colmax_3d", &[2, 300, 136], false), (-1e-3, 1e-3)),
+        ("colmax_elem_200x264", colmax_body(g, "colmax_elem", &[200, 264], true), (-8.0, 8.0)),
+        ("colmax_head_48x128256", colmax_body(g, "colmax_head", &[48, 128256], false), (-2.0, 2.0)),
+        (
+            "colmax_plain_4100x24",
+            body(g, "colmax_plain", &[bf16(&[4100, 24])], |b, a| vec![push(b, Op::Reduce { kind: ReduceKind::Max, axes: vec![0] }, &[a[0]])]),
+            (-5.0, 5.0),
+        ),
+    ]
+}
+
 fn cases(g: &mut Graph) -> Vec<(&'static str, BlockId, KernelKind)> {
     let mut v = Vec::new();
     for (name, id, _) in fp8_cases(g) {
+        v.push((name, id, KernelKind::Fused));
+    }
+    for (name, id, _) in colmax_cases(g) {
         v.push((name, id, KernelKind::Fused));
     }
     v.push(("rmsnorm_fwd", rmsnorm_body(g), KernelKind::Fused));
@@ -1025,6 +1082,10 @@ fn gpu_reference_dump() {
     for (name, id, range) in fp8_cases(&mut g) {
         cases.push((name, id, KernelKind::Fused, range, 1, 1.0, 0.0));
     }
+    // Column amaxes (and their scales) are exact too, whatever the split into chunks.
+    for (name, id, range) in colmax_cases(&mut g) {
+        cases.push((name, id, KernelKind::Fused, range, 1, 1.0, 0.0));
+    }
     let mut rng = Rng(0x5EED);
     let mut manifest = Vec::new();
     for (name, id, kind, range, int_hi, min_within1, max_rel) in cases {
@@ -1224,6 +1285,16 @@ fn perf_manifest(dir: &std::path::Path) -> String {
         // shared memory, and at a width that is not a multiple of 64 (one scattered byte per store).
         ("perf_fp8_quantize_cols_transposed", quantize_body(&mut g, "p_q_cols_t", &[8192, d], false, DType::F8E4M3, true), KernelKind::Fused, 1),
         ("perf_fp8_quantize_cols_transposed_untiled", quantize_body(&mut g, "p_q_cols_tu", &[8192, d + 4], false, DType::F8E4M3, true), KernelKind::Fused, 1),
+        // float8's per-column amax over the tokens with its scales (grad_weight's operands, the
+        // output head's dy), and a plain column max at the FFN width.
+        ("perf_colmax_8192x4096", colmax_body(&mut g, "p_colmax_d", &[8192, d], false), KernelKind::Fused, 1),
+        ("perf_colmax_8192x128256", colmax_body(&mut g, "p_colmax_v", &[8192, v], false), KernelKind::Fused, 1),
+        (
+            "perf_colmax_plain_8192x14336",
+            body(&mut g, "p_colmax_ffn", &[bf16(&[8192, ffn])], |b, a| vec![push(b, Op::Reduce { kind: ReduceKind::Max, axes: vec![0] }, &[a[0]])]),
+            KernelKind::Fused,
+            1,
+        ),
         ("perf_attention_fwd_causal", attention_body(&mut g, [1, 8192, 32, 8, 128], true), KernelKind::Attention, 1),
         ("perf_attention_bwd_causal", attention_bwd_body(&mut g, [1, 8192, 32, 8, 128], true), KernelKind::AttentionBwd, 1),
     ];

@@ -623,6 +623,24 @@ fn float8_rowwise_debug_build_has_gpu_code_and_tn_gemms() {
     }
 }
 
+/// With Llama 3's vocabulary the output head's grad_weight needs the column amax of `dy` over
+/// rows of 128256 logits; it is a column kernel with GPU code, so `--float8 rowwise` with the
+/// head in fp8 (TorchTitan's default, no filter) runs on the GPU.
+#[test]
+fn float8_rowwise_head_with_the_llama3_vocabulary_has_gpu_code() {
+    let cfg = LlamaConfig { vocab_size: 128256, n_layers: 1, ..LlamaConfig::preset(Preset::Debug) };
+    let m = build_llama3(&cfg, "debug_f8_vocab").expect("model");
+    let text = titan_ir::print::print_graph(&m);
+    let train = TrainOptions { float8: Some(titan_passes::float8::Float8Options::new(titan_ir::Float8Recipe::Rowwise)), ..TrainOptions::default() };
+    let opts = BuildOptions { train, ..BuildOptions::default() };
+    // PTX only (no ptxas): the kernels' assembly is `titan-kernels`' test.
+    let (artifact, summary) = compile(&m, &text, &opts, true, None).unwrap_or_else(|e| panic!("{e}"));
+    let without: Vec<&str> = artifact.manifest.kernels.iter().filter(|k| k.ptx.is_none() && k.kind != KernelKind::Gemm).map(|k| k.name.as_str()).collect();
+    assert!(without.is_empty(), "kernels without GPU code: {without:?}\n{summary}");
+    let head_amax = artifact.manifest.kernels.iter().filter(|k| k.name.starts_with("main.") && k.name.ends_with("_abs_reduce_max")).count();
+    assert!(head_amax >= 1, "the head's column amax is a kernel of `main`\n{summary}");
+}
+
 /// With `ptxas`, every PTX kernel of the debug model also ships an sm_90a cubin (an ELF image),
 /// listed in the manifest, written next to the PTX, and read back from the manifest.
 #[test]

@@ -72,7 +72,7 @@ pub(super) fn workspace_bytes(a: &Analysis, grid: u64, d: u64) -> u64 {
 
 /// Thread 0 bumps counter `idx` and publishes in shared slot `slot` whether it was the
 /// `expected`-th (last) arrival; returns that flag (i1) in every thread.
-fn arrive(f: &mut Func, ws: Val, idx: Val, expected: Val, slot: i64, is_t0: Val) -> Val {
+pub(super) fn arrive(f: &mut Func, ws: Val, idx: Val, expected: Val, slot: i64, is_t0: Val) -> Val {
     let flag = f.shared_array("titan_last", Elem::I32, 2);
     let s = f.i64c(slot);
     f.fence();

@@ -5,7 +5,7 @@ use titan_ir::Op;
 
 use super::analyze::{AccSrc, Analysis, RedOp};
 use super::cross_block::{Geometry, Partials, finish_accs, workspace_bytes};
-use super::reduce::{Params, identities, lanes_dividing, params, red_smem, scalars_at_top, store_output, update};
+use super::reduce::{Params, Top, identities, kernel_top, lanes_dividing, red_smem, store_output, update};
 use crate::emit::{Elem, Func, ICmp, Ty, Val};
 use crate::values::{Body, Eval, Lay, narrow, storage};
 use crate::{GenResult, Generated, invalid, unsupported};
@@ -155,17 +155,7 @@ struct Start<'b, 'g> {
 
 fn start<'b, 'g>(b: &'b Body<'g>, a: &Analysis, grid: u64) -> GenResult<Start<'b, 'g>> {
     let ws_bytes = workspace_bytes(a, grid, 1);
-    let nparams = b.r.args.len() + b.r.outputs.len() + usize::from(ws_bytes > 0);
-    let mut f = Func::new(nparams);
-    let (args, p) = params(&f, b, ws_bytes > 0);
-    let mut ev = Eval::new(b, a.lay.clone(), args);
-    let tid = f.thread_id();
-    let bid = f.block_id();
-    let zero32 = f.i32c(0);
-    let t0 = f.cmpi(ICmp::Eq, tid, zero32);
-    let b0 = f.cmpi(ICmp::Eq, bid, zero32);
-    let first = f.andi(t0, b0);
-    scalars_at_top(&mut f, &mut ev, b, &p, first)?;
+    let Top { mut f, ev, p, tid, bid, .. } = kernel_top(b, a, ws_bytes > 0)?;
     let ops: Vec<RedOp> = a.accs.iter().map(|x| x.op).collect();
     let init: Vec<Val> = identities(&mut f, &ops).into_iter().flatten().collect();
     Ok(Start { f, ev, p, tid, bid, init, ws_bytes })

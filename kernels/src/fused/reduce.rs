@@ -4,7 +4,7 @@
 
 use titan_ir::{Op, Value};
 
-use super::analyze::RedOp;
+use super::analyze::{Analysis, RedOp};
 use crate::emit::{Elem, FCmp, Func, ICmp, Ty, Val};
 use crate::values::{Body, Eval, Lay, Pos, narrow, storage, vec_align};
 use crate::{GenResult, invalid, math};
@@ -169,6 +169,38 @@ pub(super) fn block_reduce(f: &mut Func, ops: &[RedOp], states: Vec<Vec<Val>>, t
 /// Identity states of reductions.
 pub(super) fn identities(f: &mut Func, ops: &[RedOp]) -> Vec<Vec<Val>> {
     ops.iter().map(|op| op.identity().into_iter().map(|x| f.f32c(x as f32)).collect()).collect()
+}
+
+/// What every fused kernel starts with: the function and its parameters (args, outputs, the
+/// workspace when there is one), the evaluator, the thread and block index, whether this is
+/// thread 0 (i1), and the scalars evaluated at the top (Scalar outputs stored by thread 0 of
+/// block 0).
+pub(super) struct Top<'b, 'g> {
+    pub(super) f: Func,
+    pub(super) ev: Eval<'b, 'g>,
+    pub(super) p: Params,
+    pub(super) tid: Val,
+    pub(super) bid: Val,
+    pub(super) is_t0: Val,
+}
+
+pub(super) fn kernel_top<'b, 'g>(b: &'b Body<'g>, a: &Analysis, ws: bool) -> GenResult<Top<'b, 'g>> {
+    let nparams = b.r.args.len() + b.r.outputs.len() + usize::from(ws);
+    let mut f = Func::new(nparams);
+    let (args, p) = params(&f, b, ws);
+    let mut ev = Eval::new(b, a.lay.clone(), args);
+    if !a.flat {
+        ev.row_len = a.d;
+        ev.rows = a.rows;
+    }
+    let tid = f.thread_id();
+    let bid = f.block_id();
+    let zero32 = f.i32c(0);
+    let is_t0 = f.cmpi(ICmp::Eq, tid, zero32);
+    let b0 = f.cmpi(ICmp::Eq, bid, zero32);
+    let first = f.andi(is_t0, b0);
+    scalars_at_top(&mut f, &mut ev, b, &p, first)?;
+    Ok(Top { f, ev, p, tid, bid, is_t0 })
 }
 
 /// Kernel parameters: args, outputs, then the workspace.

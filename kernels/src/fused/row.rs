@@ -6,7 +6,7 @@ use titan_ir::{Op, ReduceKind, RopeLayout, Value};
 
 use super::analyze::{AccSrc, Analysis, Contrib, RedOp};
 use super::cross_block::{Geometry, Partials, finish_accs, workspace_bytes};
-use super::reduce::{Params, block_reduce, identities, lanes_dividing, params, red_smem, scalars_at_top, store_output, store_uniform, update};
+use super::reduce::{Params, Top, block_reduce, identities, kernel_top, lanes_dividing, red_smem, store_output, store_uniform, update};
 use crate::emit::{Elem, FCmp, Func, ICmp, Ty, Val};
 use crate::values::{Body, Eval, Lay, Pos, RopeRow, RowKey, rope_freqs, storage};
 use crate::{GenResult, Generated, invalid, math, unsupported};
@@ -532,7 +532,10 @@ pub(super) fn gen_rows(b: &Body, a: &Analysis, entry: &str) -> GenResult<Generat
     let geo = row_geometry(a)?;
     let has_cacc = a.accs.iter().any(|x| x.col);
     if has_cacc && !geo.unrolled {
-        return unsupported(format!("column sums over rows of {} elements; rows longer than 32768 elements support only per-row and scalar results", a.d));
+        return unsupported(format!(
+            "column sums over rows of {} elements next to row reductions; such rows longer than 32768 elements support only per-row and scalar results (a column reduction alone is a column kernel of any width)",
+            a.d
+        ));
     }
     if a.rows > i32::MAX as u64 {
         return unsupported(format!("{} rows exceed the grid limit", a.rows));
@@ -541,19 +544,7 @@ pub(super) fn gen_rows(b: &Body, a: &Analysis, entry: &str) -> GenResult<Generat
     let cap = if geo.unrolled { ACC_GRID_CAP } else { ACC_GRID_CAP / 4 };
     let grid = if a.accs.is_empty() { a.rows } else { a.rows.min(cap) };
     let ws_bytes = workspace_bytes(a, grid, a.d);
-    let nparams = b.r.args.len() + b.r.outputs.len() + usize::from(ws_bytes > 0);
-    let mut f = Func::new(nparams);
-    let (args, p) = params(&f, b, ws_bytes > 0);
-    let mut ev = Eval::new(b, a.lay.clone(), args);
-    ev.row_len = a.d;
-    ev.rows = a.rows;
-    let tid = f.thread_id();
-    let bid = f.block_id();
-    let zero32 = f.i32c(0);
-    let is_t0 = f.cmpi(ICmp::Eq, tid, zero32);
-    let b0 = f.cmpi(ICmp::Eq, bid, zero32);
-    let first = f.andi(is_t0, b0);
-    scalars_at_top(&mut f, &mut ev, b, &p, first)?;
+    let Top { mut f, ev, p, tid, bid, is_t0 } = kernel_top(b, a, ws_bytes > 0)?;
     let max_comps = a.reds.iter().map(|r| r.op.identity().len()).sum::<usize>().max(a.accs.len());
     let smem = f.shared_array("titan_red", Elem::F32, red_smem(max_comps));
     let tid64 = f.extui(tid, Elem::I64);

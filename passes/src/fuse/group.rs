@@ -16,6 +16,11 @@ pub enum Space {
     /// `elems` elements; `row` is the row length when a row op (rmsnorm, rope, cross
     /// entropy, last-axis reduction) is part of the group.
     Elems { elems: u64, row: Option<u64> },
+    /// A reduction over the leading axes of an `elems`-element operand with rows of `d` (one
+    /// result per column: float8's per-column amax over the tokens) and the pointwise ops
+    /// producing its operand: a column kernel, which reads the rows at bandwidth for any `d`.
+    /// Row ops never join it (their cross-block column sums are the slow row-kernel path).
+    Cols { elems: u64, d: u64 },
     /// Never shares a kernel (non-scalar constants, reductions over inner axes).
     Alone,
 }
@@ -26,6 +31,10 @@ impl Space {
         match (self, other) {
             (Space::Alone, _) | (_, Space::Alone) => None,
             (Space::Scalar, s) | (s, Space::Scalar) => Some(s),
+            (Space::Cols { elems: a, d: x }, Space::Cols { elems: b, d: y }) => (a == b && x == y).then_some(self),
+            (c @ Space::Cols { elems: a, .. }, Space::Elems { elems: b, row: None })
+            | (Space::Elems { elems: b, row: None }, c @ Space::Cols { elems: a, .. }) => (a == b).then_some(c),
+            (Space::Cols { .. }, Space::Elems { .. }) | (Space::Elems { .. }, Space::Cols { .. }) => None,
             (Space::Elems { elems: a, row: ra }, Space::Elems { elems: b, row: rb }) => {
                 let rows_agree = match (ra, rb) {
                     (Some(x), Some(y)) => x == y,
@@ -147,6 +156,13 @@ pub fn classify(op: &Op, ins: &[&TensorType], outs: &[&TensorType], dims: &DimTa
                 Class::Fusible(Space::Elems { elems: numel(x, dims)?, row: None })
             } else if axes.as_slice() == [x.rank().saturating_sub(1)] {
                 rows_of(x)?
+            } else if is_leading(axes, x.rank()) {
+                let elems = numel(x, dims)?;
+                let mut rows = 1u64;
+                for dim in &x.shape[..axes.len()] {
+                    rows *= titan_ir::shape::resolve_dim(dim, dims).ok_or_else(|| format!("dimension `{dim}` is not bound; bind it in the graph's `dims`"))?;
+                }
+                Class::Fusible(elems.checked_div(rows).map_or(Space::Alone, |d| Space::Cols { elems, d }))
             } else {
                 Class::Fusible(Space::Alone)
             }
@@ -158,6 +174,12 @@ pub fn classify(op: &Op, ins: &[&TensorType], outs: &[&TensorType], dims: &DimTa
     })
 }
 
+/// Whether `axes` are the leading axes of a rank-`rank` operand, not all of them: a
+/// reduction over the rows, one result per column.
+fn is_leading(axes: &[usize], rank: usize) -> bool {
+    !axes.is_empty() && axes.len() < rank && axes.iter().enumerate().all(|(i, &a)| a == i)
+}
+
 /// The results of `op` that reduce across rows (or to a scalar): complete only when the
 /// whole kernel has run, so no op of the same kernel may read them.
 pub fn grid_reduced_results(op: &Op, ins: &[&TensorType], outs: &[&TensorType]) -> Vec<usize> {
@@ -165,6 +187,7 @@ pub fn grid_reduced_results(op: &Op, ins: &[&TensorType], outs: &[&TensorType]) 
         Op::CrossEntropy | Op::CrossEntropyCombine => vec![0],
         Op::RmsNormBwd { .. } => vec![1],
         Op::Reduce { .. } if outs.first().is_some_and(|t| t.rank() == 0) && ins.first().is_some_and(|t| t.rank() > 0) => vec![0],
+        Op::Reduce { axes, .. } if ins.first().is_some_and(|t| is_leading(axes, t.rank())) => vec![0],
         _ => vec![],
     }
 }
@@ -346,6 +369,15 @@ impl<'r> Grouper<'r> {
         crosses(a, b) || crosses(b, a)
     }
 
+    /// Whether group `g` holds a `reduce` whose result crosses rows (to a scalar or over the
+    /// leading axes).
+    fn reduces_across_rows(&self, g: usize) -> bool {
+        self.group(g).members.iter().any(|&m| {
+            let node = &self.region.nodes[m.index()];
+            matches!(node.op, Op::Reduce { .. }) && node.results.iter().any(|r| self.grid_reduced[r.index()])
+        })
+    }
+
     /// The space of `a` and `b` merged, if they may merge.
     fn can_merge(&self, a: usize, b: usize) -> Option<Space> {
         let (ga, gb) = (self.group(a), self.group(b));
@@ -479,6 +511,11 @@ impl<'r> Grouper<'r> {
                     }
                 }
             }
+            // A group reducing across rows (a column or full `reduce`: float8's amax) takes no
+            // siblings: the other readers of its operand (float8's quantizing cast) need the
+            // reduced value, so they run after it and read the operand again instead of having
+            // the amax kernel write out a copy for them.
+            siblings.retain(|&g| !self.reduces_across_rows(g));
             for g in siblings {
                 if let Some(s) = self.can_merge(g, cur) {
                     self.merge(g, cur, s);

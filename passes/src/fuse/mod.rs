@@ -31,26 +31,33 @@
 //!    order), merging those groups, when the merge keeps the rules below.
 //! 2. **Siblings.** If it joined no producer, it may join one group that already reads one of
 //!    its non-scalar operands, so the shared tensor is read once (SwiGLU backward's two
-//!    multiplies of `dy`; `cross_entropy` and `cross_entropy_bwd` of the logits).
+//!    multiplies of `dy`; `cross_entropy` and `cross_entropy_bwd` of the logits). A group with
+//!    a `reduce` across rows (to a scalar, or over the leading axes, rule 3) takes no siblings:
+//!    the other readers of its operand (float8's quantizing cast) need the reduced value, so
+//!    they run after it anyway and would only make it write out a copy of the operand for them.
 //! 3. **Compatible spaces.** Two groups merge only if their element counts are equal and their
 //!    row lengths (where both have one) are equal, or if one has a row length `r` and the
 //!    other (without rows) has `1/r` of its elements: per-row values such as a row amax and
 //!    the float8 scale computed from it, which the row kernel keeps between its passes over
 //!    the row (so RMSNorm, the amax, the scale and the quantized rows are one kernel). A
-//!    scalar group fits any group.
+//!    scalar group fits any group. A reduction over the leading axes (one result per column:
+//!    float8's per-column amax over the tokens) has a column space (its operand's elements and
+//!    row length): it joins pointwise groups of as many elements and never a group with row
+//!    ops, so that it becomes a column kernel, which reads at bandwidth for any row length.
 //! 4. **Convexity.** The merged group must have no path that leaves it and comes back through
 //!    other nodes or kernels; otherwise the kernel graph would have a cycle (the block's final
 //!    residual add is not fused into the earlier `[add, rmsnorm]` because the MLP's GEMMs
 //!    sit between them).
 //! 5. **Grid reductions end a kernel.** A value that reduces across rows (a reduction to a
-//!    scalar, `cross_entropy`'s loss, `rmsnorm_bwd`'s weight gradient) is complete only when
-//!    its kernel ends, so no op of the same kernel reads it. Each gradient's
-//!    `reduce_sum(square(g))` is therefore its own small group, and the scalar ops that add the
-//!    partial sums (and compute the clip coefficient) form one scalar kernel after them.
+//!    scalar or over the leading axes, `cross_entropy`'s loss, `rmsnorm_bwd`'s weight
+//!    gradient) is complete only when its kernel ends, so no op of the same kernel reads it.
+//!    Each gradient's `reduce_sum(square(g))` is therefore its own small group, and the
+//!    scalar ops that add the partial sums (and compute the clip coefficient) form one scalar
+//!    kernel after them.
 //! 6. **Constants.** A rank-0 `constant` is copied into every fused or optimizer kernel that
 //!    reads it (no buffer); read by anything else it also becomes a one-op fused kernel. A
-//!    non-scalar constant is a fused kernel of its own (a fill). Reductions over inner axes are
-//!    kernels of their own.
+//!    non-scalar constant is a fused kernel of its own (a fill). Reductions over inner axes
+//!    (neither the last nor the leading ones) are kernels of their own.
 //! 7. `reshape` is never inside a kernel, so fusion does not cross views.
 //! 8. Collectives and `take_shard`/`place_shard` are never inside a kernel: they split groups
 //!    like any node left in place, and rule 4 sees the paths through them (a producer of an

@@ -182,6 +182,36 @@ fn a_full_reduction_is_not_read_in_its_own_kernel() {
     assert_eq!(kernels(&fused(&g).0), vec![(Fused, vec!["square", "reduce_sum"]), (Fused, vec!["rsqrt", "mul"])]);
 }
 
+/// float8's per-column quantization: `abs` and the column `reduce_max` over the rows are one
+/// column kernel, the per-column scale a small kernel, and the op quantizing `x` (here a `neg`
+/// standing in for the widening cast) reads `x` again after them: it needs the finished amax,
+/// so as a sibling of the amax kernel it would only make that kernel write a copy of `x` for
+/// it. Tensorwise's amax over every element likewise. A row reduction and a column reduction
+/// of the same values stay in two kernels.
+#[test]
+fn an_amax_fuses_with_its_producers_not_its_siblings() {
+    // Rowwise's column amax (over axis 0, scale broadcast along the rows) and tensorwise's
+    // amax over every element.
+    for (axes, dims) in [(vec![0], vec![1]), (vec![0, 1], vec![])] {
+        let g = graph(1, |b, x| {
+            let a = unary(b, UnaryOp::Abs, x[0])?;
+            let m = b.push1(Op::Reduce { kind: ReduceKind::Max, axes }, &[a])?;
+            let s = unary(b, UnaryOp::Recip, m)?;
+            let c = unary(b, UnaryOp::Neg, x[0])?;
+            let wide = b.push_typed(Op::Broadcast { dims }, &[s], f32s(&[8, 8]))?;
+            Ok(vec![binary(b, BinaryOp::Mul, c, wide)?, m])
+        });
+        assert_eq!(kernels(&fused(&g).0), vec![(Fused, vec!["abs", "reduce_max"]), (Fused, vec!["recip"]), (Fused, vec!["neg", "broadcast", "mul"])]);
+    }
+
+    let g = graph(1, |b, x| {
+        let a = unary(b, UnaryOp::Exp, x[0])?;
+        let r = b.push1(Op::Reduce { kind: ReduceKind::Sum, axes: vec![1] }, &[a])?;
+        Ok(vec![r, b.push1(Op::Reduce { kind: ReduceKind::Max, axes: vec![0] }, &[a])?])
+    });
+    assert_eq!(kernels(&fused(&g).0), vec![(Fused, vec!["exp", "reduce_sum"]), (Fused, vec!["reduce_max"])]);
+}
+
 /// A rank-0 constant read by two kernels is copied into both; read by a region output it also
 /// becomes a kernel of its own. A non-scalar constant is a fill kernel.
 #[test]
