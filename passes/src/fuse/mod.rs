@@ -82,7 +82,12 @@
 //!     broadcasts do); a node whose clones do not all land in their consumers' kernels stays
 //!     materialized. A result read by a GEMM, a collective or a view is written anyway, and a
 //!     narrowing cast (f32 -> bf16 read twice) would read more bytes than it saves, so neither
-//!     is recomputed. Recomputing is exact: a clone is the same op on the same operands.
+//!     is recomputed. A widening cast whose operand is made inside its own kernel is
+//!     recomputed too: that kernel then writes the narrower operand instead of the wide result
+//!     (the float8 head's weight gradient after its scale epilogue is written in bf16 and
+//!     widened by the optimizer; the head weight's bf16 copy, not an f32 cast of it, is what the
+//!     column quantization reads). Recomputing is exact: a clone is the same op on the same
+//!     operands.
 //!
 //! Kernels are scheduled in a topological order, earliest first op first. The interpreter runs
 //! a kernel's body op by op, so the fused graph computes bit-identical results.

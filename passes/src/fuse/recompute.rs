@@ -47,6 +47,15 @@ fn cheap(region: &Region, node: &Node) -> bool {
     }
 }
 
+/// Whether `node` is a strictly widening cast of a tensor made by a node `in_home` says is in
+/// its own kernel. Recomputing it elsewhere makes that kernel write the narrower operand (e.g.
+/// bf16) in place of the wide result (f32): fewer bytes written, and each consumer reads fewer.
+fn widens_a_value_of(region: &Region, node: &Node, in_home: impl Fn(NodeId) -> bool) -> bool {
+    let (Op::Cast, [x], [r]) = (&node.op, node.inputs.as_slice(), node.results.as_slice()) else { return false };
+    let made_home = matches!(region.value(*x).def, ValueDef::Result { node: p, .. } if in_home(p));
+    made_home && region.ty(*x).rank() > 0 && region.ty(*r).dtype.size_bytes() > region.ty(*x).dtype.size_bytes()
+}
+
 /// A node to recompute and the groups (of the first grouping) that read its result.
 struct Candidate {
     node: NodeId,
@@ -79,12 +88,13 @@ fn candidates(region: &Region, grouping: &Grouping) -> Vec<Candidate> {
             continue;
         }
         // Its operands must be materialized anyway: made outside its kernel (or arguments, or
-        // scalar constants, which every kernel copies).
+        // scalar constants, which every kernel copies). Or it widens a value of its own kernel,
+        // which then writes that narrower value instead of the wide one.
         let operands_outside = node.inputs.iter().all(|&v| match region.value(v).def {
             ValueDef::Arg(_) => true,
             ValueDef::Result { node: p, .. } => group_of(p) != Some(home) || is_scalar_constant(region, v).is_some(),
         });
-        if !operands_outside {
+        if !operands_outside && !widens_a_value_of(region, node, |p| group_of(p) == Some(home)) {
             continue;
         }
         let mut keep_original = false;

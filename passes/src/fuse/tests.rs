@@ -354,3 +354,32 @@ fn a_narrowing_cast_or_one_a_gemm_reads_is_written_once() {
     assert!(kernels(&f).contains(&(Fused, vec!["rsqrt", "mul"])));
     assert_eq!(scaling_kernel_inputs(&f), vec![DType::F32]);
 }
+
+/// `c = cast(cast(x) : bf16) : f32` made inside the norm kernel (`reduce_sum(square(c))`) and
+/// read by a second kernel that scales it by the norm: the float8 head's weight gradient after
+/// its scale epilogue has this shape.
+fn rounded_then_scaled() -> Graph {
+    graph(1, |b, x| {
+        let h = b.push_typed(Op::Cast, &[x[0]], TensorType::fixed(DType::BF16, &[8, 8]))?;
+        let c = b.push_typed(Op::Cast, &[h], f32s(&[8, 8]))?;
+        let sq = unary(b, UnaryOp::Square, c)?;
+        let s = b.push1(Op::Reduce { kind: ReduceKind::Sum, axes: vec![0, 1] }, &[sq])?;
+        let r = unary(b, UnaryOp::Rsqrt, s)?;
+        let y = binary(b, BinaryOp::Mul, c, r)?;
+        Ok(vec![s, y])
+    })
+}
+
+#[test]
+fn a_widening_cast_of_a_value_of_its_own_kernel_writes_the_narrow_value() {
+    let (f, stats) = fused(&rounded_then_scaled());
+    assert_eq!(kernels(&f), vec![(Fused, vec!["cast", "cast", "square", "reduce_sum"]), (Fused, vec!["rsqrt", "cast", "mul"])]);
+    assert_eq!(stats.recomputed, 1);
+    // The norm kernel writes its scalar and the bf16 value (not the f32 cast of it), which the
+    // scaling kernel widens itself.
+    let norm = f.main.order.iter().map(|&k| f.main.node(k)).find(|k| matches!(k.op, Op::Kernel { .. })).expect("norm kernel");
+    let mut written: Vec<DType> = norm.results.iter().map(|&r| f.main.ty(r)).filter(|t| t.rank() > 0).map(|t| t.dtype).collect();
+    written.sort_by_key(|d| d.size_bytes());
+    assert_eq!(written, vec![DType::BF16]);
+    assert_eq!(scaling_kernel_inputs(&f), vec![DType::BF16]);
+}

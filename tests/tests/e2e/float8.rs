@@ -139,7 +139,9 @@ fn with_float8(recipe: Float8Recipe) -> TrainOptions {
 }
 
 /// The bf16 debug model with each recipe against its bf16 run, from the same initial weights
-/// and batches.
+/// and batches; and each recipe's artifact (fused, memory-planned) against its unfused training
+/// graph, bit for bit, which checks every fusion rule's rewrite of the quantizing kernels (rule
+/// 10's recomputed casts included) exactly.
 #[test]
 fn each_recipe_tracks_the_bf16_run() {
     const STEPS: usize = 10;
@@ -153,6 +155,9 @@ fn each_recipe_tracks_the_bf16_run() {
         assert!(got.iter().all(|l| l.is_finite()));
         assert!(diff <= 0.03, "{}: losses {got:?} drift from bf16 {bf16:?} by {diff}", recipe.name());
         assert!(got[STEPS - 1] < got[0] - 0.5, "{}: the loss does not fall: {got:?}", recipe.name());
+        let g = titan_passes::lower_to_train(&model, &with_float8(recipe)).unwrap_or_else(|e| panic!("{e}"));
+        let mut t = titan_runtime::CpuTrainer::new(&g, 0).expect("graph-mode trainer");
+        assert_eq!(bits(&got), bits(&losses(&mut t, STEPS)), "{}: artifact vs graph mode", recipe.name());
     }
 }
 
