@@ -367,7 +367,7 @@ fn write_mesh_report(f: &mut fmt::Formatter<'_>, mesh: &Mesh, collectives: u64, 
     writeln!(f, "  optimizer_state  {:>12}  AdamW moments", human_bytes(m.optimizer_state))?;
     writeln!(
         f,
-        "  activations      {:>12}  planned with the gradients (bf16 and the fp32 copies the optimizer reads); includes {} of FSDP-gathered weights, {} of them saved for the backward",
+        "  activations      {:>12}  planned with the gradients; includes {} of FSDP-gathered weights, {} of them saved for the backward",
         human_bytes(m.activations),
         human_bytes(m.gathered_weights),
         human_bytes(m.gathered_weights_saved)
