@@ -1,5 +1,7 @@
 //! `optimizer` kernels: every `adamw` node of the step (with `lr_schedule` and the pointwise
-//! producers of the gradients: casts, the clip multiply) in one multi-tensor launch.
+//! producers of the gradients: casts, the clip multiply) in one multi-tensor launch. A `cast`
+//! of a new master (its compute copy, `compute-copies`) is one more output of its tensor's
+//! update, stored from the same f32 value.
 //!
 //! A compile-time table splits each tensor into chunks of 4096 elements; chunk `c` of the
 //! launch belongs to the tensor whose range holds it (a comparison chain) and an
@@ -70,7 +72,7 @@ pub(crate) fn generate(g: &Graph, r: &Region, entry: &str) -> GenResult<Generate
     }
     for o in &b.r.outputs {
         let v = o.value;
-        let from_adamw = b.def(v).is_some_and(|(n, _)| matches!(n.op, Op::AdamW(_)));
+        let from_adamw = b.def(v).is_some_and(|(n, _)| matches!(n.op, Op::AdamW(_))) || copy_of(&b, v).is_some();
         if lay[v.index()] == Lay::Elem && !from_adamw {
             return unsupported(format!("optimizer output {v} is not an adamw result; compute it in a fused kernel"));
         }
@@ -134,6 +136,15 @@ pub(crate) fn generate(g: &Graph, r: &Region, entry: &str) -> GenResult<Generate
         })
     })?;
     Ok(Generated::new(f.finish(entry, BLOCK as u32, grid as u32), BLOCK as u32, grid as u32, 0))
+}
+
+/// For an output that is the `cast` of an adamw result (a compute copy of the new master,
+/// `compute-copies`), that result.
+fn copy_of(b: &Body, v: titan_ir::Value) -> Option<titan_ir::Value> {
+    let (n, _) = b.def(v)?;
+    let src = *n.inputs.first()?;
+    let from_adamw = b.def(src).is_some_and(|(p, _)| matches!(p.op, Op::AdamW(_)));
+    (matches!(n.op, Op::Cast) && n.inputs.len() == 1 && from_adamw).then_some(src)
 }
 
 /// The scalars of one adamw node, in f64 where the interpreter uses f64.
@@ -228,10 +239,12 @@ fn update(f: &mut Func, ev: &mut Eval, b: &Body, outs: &[Val], t: &Tensor, s: &S
     let results = [pn, mi, vi];
     for (ri, &res) in node.results.iter().enumerate() {
         for (oi, o) in b.r.outputs.iter().enumerate() {
-            if o.value != res {
+            // The result itself, or its cast (a compute copy): the same f32 value rounded to
+            // the output's dtype, as a `cast` kernel would store it.
+            if o.value != res && copy_of(b, o.value) != Some(res) {
                 continue;
             }
-            let st = storage(b.dtype(res))?;
+            let st = storage(b.dtype(o.value))?;
             let x = math::round_to(f, results[ri], st);
             let x = narrow(f, x, st);
             let align = vec_align(st, lanes, t.n);

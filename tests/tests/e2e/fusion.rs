@@ -69,6 +69,8 @@ fn random_args(g: &Graph, seed: u64) -> Vec<Tensor<f32>> {
                         Init::Ones => (0.9, 1.1),
                         Init::Zeros => (-0.01, 0.01),
                         Init::Normal { std } | Init::TruncNormal { std, .. } => (-2.0 * std as f32, 2.0 * std as f32),
+                        // Any values do: the fused and unfused graphs read the same ones.
+                        Init::ComputeCopy => (-0.05, 0.05),
                     }
                 };
                 Tensor::from_vec(ty.dtype, shape, (0..n).map(|_| rng.random_range(lo..=hi)).collect()).expect("floats")
