@@ -71,7 +71,8 @@ pub fn compute_copies(g: &mut Graph) -> Result<ComputeCopiesStats, PassDiag> {
         }
         let copy_value = g.main.node(*cast).results[0];
         let ty = g.main.ty(copy_value).clone();
-        let name = g.main.value(copy_value).name.clone();
+        // The copy takes the cast's name; the dead cast keeps none.
+        let name = g.main.values[copy_value.index()].name.take();
         let placement = g.main.value(master).placement.clone();
         let kind = ArgKind::State(ParamInfo { name: format!("{}{COMPUTE_COPY_SUFFIX}", info.name), init: Init::ComputeCopy });
         let copy = g.main.add_arg(ty.clone(), kind, name.as_deref());
@@ -103,16 +104,17 @@ graph @g {
     param %v : f32[4] {name = "v", init = ones}
     %y = linear(%x, %w) : bf16[2, 4]
     %s = cast(%y) : f32[2, 4]
+    %gw = cast(%w) : f32[4, 4]
     %loss = reduce_sum(%s) {axes = [0, 1]} : f32[]
     output loss = %loss
-    output d_w = %w
+    output d_w = %gw
     output d_v = %v
   }
 }
 "#;
 
     fn lowered(passes: &[&str]) -> Graph {
-        let mut g = titan_ir::parse(MODEL).expect("parse");
+        let (mut g, _) = titan_ir::parse(MODEL).expect("parse");
         let passes = crate::pipeline::lookup_passes(passes).expect("passes");
         crate::pipeline::run_pipeline(&mut g, &passes, &crate::TrainOptions::default(), &crate::pipeline::PipelineOptions::default()).expect("pipeline");
         g
