@@ -35,9 +35,15 @@ pub mod workspace;
 /// Version 8 added the offset view [`BufRef::View`] (a leading-axis `slice` of a buffer, one
 /// operand's place in a `concat`, every-N-th layer checkpointing): an older reader would fail on
 /// it or, worse, bind the whole buffer.
-pub const FORMAT_VERSION: u32 = 8;
+///
+/// Version 9 added the `compute_copy` buffers (`compute-copies`): the bf16 compute copies of the
+/// masters are persistent, written by the optimizer kernel and cast from the masters by the
+/// runtime at start-up and after `--resume`, no longer cast at the top of every step. An older
+/// reader would leave them uninitialized (and an older artifact's copies are activations), so
+/// neither side reads the other's.
+pub const FORMAT_VERSION: u32 = 9;
 /// The oldest format version this reader reads.
-pub const MIN_FORMAT_VERSION: u32 = 8;
+pub const MIN_FORMAT_VERSION: u32 = 9;
 pub const MANIFEST_FILE: &str = "manifest.json";
 /// The fused training graph; each kernel's `body` names one of its blocks.
 pub const GRAPH_FILE: &str = "graph.ir";
@@ -84,6 +90,11 @@ pub enum BufferClass {
     Param,
     /// AdamW moments: persistent, checkpointed.
     OptimizerState,
+    /// The compute-dtype copy of a master weight (`init = compute_copy`, `state.name` the
+    /// master's name plus `.compute`): persistent, in the params arena, written by the optimizer
+    /// kernel each step, cast from its master by the runtime whenever the master is set
+    /// (start-up, `--resume`); never checkpointed.
+    ComputeCopy,
     /// Gradients of parameters (from the backward to the optimizer).
     Grad,
     /// Everything else computed during the step (activations, compute copies, temporaries).
@@ -107,7 +118,7 @@ pub enum Arena {
 pub fn arena_of(class: BufferClass) -> Arena {
     match class {
         BufferClass::Input => Arena::Inputs,
-        BufferClass::Param => Arena::Params,
+        BufferClass::Param | BufferClass::ComputeCopy => Arena::Params,
         BufferClass::OptimizerState => Arena::OptimizerState,
         BufferClass::Grad => Arena::Activations,
         BufferClass::Activation => Arena::Activations,

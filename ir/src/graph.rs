@@ -93,13 +93,21 @@ pub enum Init {
         hi: f64,
         depth_scaled: bool,
     },
+    /// The compute copy of a master weight (`compute-copies`): the cast of the master named by
+    /// this state's name without [`COMPUTE_COPY_SUFFIX`] to this state's dtype. Recomputed from
+    /// the master whenever the master is set (start-up, `--resume`), never checkpointed.
+    ComputeCopy,
 }
+
+/// The checkpoint-name suffix of a compute copy: `layers.{i}.attention.wq.weight.compute`.
+pub const COMPUTE_COPY_SUFFIX: &str = ".compute";
 
 impl Init {
     pub fn to_attr(self) -> AttrValue {
         match self {
             Init::Zeros => AttrValue::Ident("zeros".into()),
             Init::Ones => AttrValue::Ident("ones".into()),
+            Init::ComputeCopy => AttrValue::Ident("compute_copy".into()),
             Init::Normal { std } => AttrValue::Call("normal".into(), vec![AttrValue::Float(std)]),
             Init::TruncNormal { std, lo, hi, depth_scaled } => AttrValue::Call(
                 if depth_scaled { "trunc_normal_depth" } else { "trunc_normal" }.into(),
@@ -119,14 +127,15 @@ impl Init {
         match v {
             AttrValue::Ident(s) if s == "zeros" => Ok(Init::Zeros),
             AttrValue::Ident(s) if s == "ones" => Ok(Init::Ones),
+            AttrValue::Ident(s) if s == "compute_copy" => Ok(Init::ComputeCopy),
             AttrValue::Call(name, args) if name == "normal" => Ok(Init::Normal { std: nums(args, 1, name)?[0] }),
             AttrValue::Call(name, args) if name == "trunc_normal" || name == "trunc_normal_depth" => {
                 let x = nums(args, 3, name)?;
                 Ok(Init::TruncNormal { std: x[0], lo: x[1], hi: x[2], depth_scaled: name == "trunc_normal_depth" })
             }
-            other => {
-                Err(format!("unknown initializer `{other}`; expected zeros, ones, normal(std), trunc_normal(std, lo, hi) or trunc_normal_depth(std, lo, hi)"))
-            }
+            other => Err(format!(
+                "unknown initializer `{other}`; expected zeros, ones, normal(std), trunc_normal(std, lo, hi), trunc_normal_depth(std, lo, hi) or compute_copy"
+            )),
         }
     }
 }
@@ -149,6 +158,14 @@ impl ParamInfo {
     /// The checkpoint name of layer `i`'s slice.
     pub fn layer_name(&self, i: usize) -> String {
         self.name.replace("{i}", &i.to_string())
+    }
+
+    /// For a compute copy (`init = compute_copy`), the checkpoint name of its master.
+    pub fn compute_copy_of(&self) -> Option<&str> {
+        if self.init != Init::ComputeCopy {
+            return None;
+        }
+        self.name.strip_suffix(COMPUTE_COPY_SUFFIX)
     }
 }
 

@@ -23,7 +23,9 @@ pub mod verify;
 
 pub use attr::{AttrValue, Attrs};
 pub use dtype::DType;
-pub use graph::{Arg, ArgKind, BlockId, Builder, Graph, Init, Node, NodeId, Output, ParamInfo, Region, Update, Value, ValueData, ValueDef};
+pub use graph::{
+    Arg, ArgKind, BlockId, Builder, COMPUTE_COPY_SUFFIX, Graph, Init, Node, NodeId, Output, ParamInfo, Region, Update, Value, ValueData, ValueDef,
+};
 pub use op::{
     AdamWConfig, BinaryOp, CollectiveReduce, DecayKind, Float8Recipe, KernelKind, LrSchedule, Op, ReduceKind, RopeConfig, RopeLayout, RopeScaling, UnaryOp,
 };

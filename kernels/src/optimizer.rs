@@ -1,9 +1,11 @@
 //! `optimizer` kernels: every `adamw` node of the step (with `lr_schedule` and the pointwise
-//! producers of the gradients: casts, the clip multiply) in one multi-tensor launch.
+//! producers of the gradients: casts, the clip multiply) in one multi-tensor launch. A `cast`
+//! of a new master (its compute copy, `compute-copies`) is one more output of its tensor's
+//! update, stored from the same f32 value.
 //!
-//! A compile-time table splits each tensor into chunks of 4096 elements; chunk `c` of the
-//! launch belongs to the tensor whose range holds it (a comparison chain) and an
-//! `scf.index_switch` runs that tensor's code. CTAs walk the chunks grid-stride, so scalars
+//! A compile-time table splits each tensor into chunks of 4096 elements, numbered across the
+//! launch; CTA `b` updates the chunks `c = b (mod grid)`, in one grid-stride loop per tensor
+//! over that tensor's chunks (so only its pointers are live in the loop). Scalars
 //! (the learning rate, bias corrections in f64) are computed once per thread. The arithmetic
 //! follows the interpreter's AdamW operation by operation, so results match it bit for bit
 //! apart from the f64 `pow` of the bias corrections.
@@ -70,7 +72,7 @@ pub(crate) fn generate(g: &Graph, r: &Region, entry: &str) -> GenResult<Generate
     }
     for o in &b.r.outputs {
         let v = o.value;
-        let from_adamw = b.def(v).is_some_and(|(n, _)| matches!(n.op, Op::AdamW(_)));
+        let from_adamw = b.def(v).is_some_and(|(n, _)| matches!(n.op, Op::AdamW(_))) || copy_of(&b, v).is_some();
         if lay[v.index()] == Lay::Elem && !from_adamw {
             return unsupported(format!("optimizer output {v} is not an adamw result; compute it in a fused kernel"));
         }
@@ -82,6 +84,7 @@ pub(crate) fn generate(g: &Graph, r: &Region, entry: &str) -> GenResult<Generate
     let na = b.r.args.len();
     let no = b.r.outputs.len();
     let mut f = Func::new(na + no);
+    f.min_ctas_per_sm(3);
     let args: Vec<Val> = (0..na).map(|i| f.param(i)).collect();
     let outs: Vec<Val> = (0..no).map(|i| f.param(na + i)).collect();
     let mut ev = Eval::new(&b, lay.clone(), args);
@@ -111,29 +114,43 @@ pub(crate) fn generate(g: &Graph, r: &Region, entry: &str) -> GenResult<Generate
             });
         }
     }
+    let tid64 = f.extui(tid, Elem::I64);
+    let bid64 = f.extui(bid, Elem::I64);
+    let gstep = f.i64c(grid as i64);
+    // CTA `b` updates the chunks `c = b (mod grid)` of the launch, in order. One grid-stride
+    // loop per tensor over its chunks [first, end) (the same chunks in the same order as one
+    // loop over all of them with a switch per chunk): each loop keeps only its own tensor's
+    // pointers live, so the kernel's registers do not grow with the number of tensors (with
+    // one loop, the compiler hoisted every pointer parameter out of it: 8B with the compute
+    // copies spilled).
     let mut scalars = Vec::new();
     for t in &tensors {
         scalars.push(node_scalars(&mut f, &mut ev, t.node, &t.cfg)?);
     }
-    let tid64 = f.extui(tid, Elem::I64);
-    let bid64 = f.extui(bid, Elem::I64);
-    let end = f.i64c(chunks as i64);
-    let gstep = f.i64c(grid as i64);
-    f.try_for_loop(bid64, end, gstep, &[], |f, c, _| -> GenResult<Vec<Val>> {
-        // Which tensor holds chunk c: the number of tensor starts at or below it, minus one.
-        let mut k = f.i32c(0);
-        for t in &tensors[1..] {
-            let s = f.i64c(t.first_chunk as i64);
-            let ge = f.cmpi(ICmp::Uge, c, s);
-            let one = f.extui(ge, Elem::I32);
-            k = f.addi(k, one);
-        }
-        f.try_switch_values(k, tensors.len(), &[], |f, ti| {
-            tensor_chunk(f, &mut ev, &b, &outs, &tensors[ti], &scalars[ti], c, tid64)?;
+    for (t, sc) in tensors.iter().zip(&scalars) {
+        let first = t.first_chunk;
+        let end = f.i64c((first + t.n.div_ceil(CHUNK)) as i64);
+        // The first chunk >= `first` congruent to `b` modulo `grid`.
+        let skew = f.i64c(((grid - first % grid) % grid) as i64);
+        let r = f.addi(bid64, skew);
+        let r = f.remui(r, gstep);
+        let base = f.i64c(first as i64);
+        let start = f.addi(base, r);
+        f.try_for_loop(start, end, gstep, &[], |f, c, _| -> GenResult<Vec<Val>> {
+            tensor_chunk(f, &mut ev, &b, &outs, t, sc, c, tid64)?;
             Ok(vec![])
-        })
-    })?;
+        })?;
+    }
     Ok(Generated::new(f.finish(entry, BLOCK as u32, grid as u32), BLOCK as u32, grid as u32, 0))
+}
+
+/// For an output that is the `cast` of an adamw result (a compute copy of the new master,
+/// `compute-copies`), that result.
+fn copy_of(b: &Body, v: titan_ir::Value) -> Option<titan_ir::Value> {
+    let (n, _) = b.def(v)?;
+    let src = *n.inputs.first()?;
+    let from_adamw = b.def(src).is_some_and(|(p, _)| matches!(p.op, Op::AdamW(_)));
+    (matches!(n.op, Op::Cast) && n.inputs.len() == 1 && from_adamw).then_some(src)
 }
 
 /// The scalars of one adamw node, in f64 where the interpreter uses f64.
@@ -228,10 +245,12 @@ fn update(f: &mut Func, ev: &mut Eval, b: &Body, outs: &[Val], t: &Tensor, s: &S
     let results = [pn, mi, vi];
     for (ri, &res) in node.results.iter().enumerate() {
         for (oi, o) in b.r.outputs.iter().enumerate() {
-            if o.value != res {
+            // The result itself, or its cast (a compute copy): the same f32 value rounded to
+            // the output's dtype, as a `cast` kernel would store it.
+            if o.value != res && copy_of(b, o.value) != Some(res) {
                 continue;
             }
-            let st = storage(b.dtype(res))?;
+            let st = storage(b.dtype(o.value))?;
             let x = math::round_to(f, results[ri], st);
             let x = narrow(f, x, st);
             let align = vec_align(st, lanes, t.n);

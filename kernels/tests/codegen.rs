@@ -446,6 +446,7 @@ fn cases(g: &mut Graph) -> Vec<(&'static str, BlockId, KernelKind)> {
     v.push(("grad_norm_clip", grad_norm_body(g, [&[2, 192, 64], &[64], &[256, 64]]), KernelKind::Fused));
     v.push(("optimizer", optimizer_body(g), KernelKind::Optimizer));
     v.push(("optimizer_mixed_grads", optimizer_mixed_body(g), KernelKind::Optimizer));
+    v.push(("optimizer_compute_copies", optimizer_copies_body(g), KernelKind::Optimizer));
     v.push(("attention_d128_gqa_causal", attention_body(g, [1, 512, 8, 2, 128], true), KernelKind::Attention));
     v.push(("attention_d128", attention_body(g, [1, 512, 8, 2, 128], false), KernelKind::Attention));
     v.push(("attention_d64_causal", attention_body(g, [2, 256, 4, 4, 64], true), KernelKind::Attention));
@@ -574,19 +575,27 @@ fn grad_norm_body(g: &mut Graph, shapes: [&[u64]; 3]) -> BlockId {
 }
 
 fn optimizer_body(g: &mut Graph) -> BlockId {
-    optimizer_body_of(g, "opt", &[(&[256, 64], DType::BF16), (&[2, 64], DType::BF16), (&[2, 192, 64], DType::BF16)])
+    optimizer_body_of(g, "opt", &[(&[256, 64], DType::BF16), (&[2, 64], DType::BF16), (&[2, 192, 64], DType::BF16)], false)
 }
 
 /// The optimizer as `fuse` builds it since rule 10 (gradients read as the backward made them):
 /// bf16 gradients cast and clipped inside the kernel next to an f32 one (a parameter computed
 /// in f32), over several chunks and every vector width (4, 2 and 1 lanes).
 fn optimizer_mixed_body(g: &mut Graph) -> BlockId {
-    optimizer_body_of(g, "opt_mixed", &[(&[3, 4097], DType::BF16), (&[2, 5000], DType::F32), (&[7, 6], DType::BF16), (&[4096], DType::BF16)])
+    optimizer_body_of(g, "opt_mixed", &[(&[3, 4097], DType::BF16), (&[2, 5000], DType::F32), (&[7, 6], DType::BF16), (&[4096], DType::BF16)], false)
+}
+
+/// The optimizer as `fuse` builds it after `compute-copies`: every tensor with a bf16 gradient
+/// (a bf16 parameter) also writes the bf16 compute copy of its new master, `cast(p_new)`; the
+/// f32 one does not. Multi-chunk, every vector width.
+fn optimizer_copies_body(g: &mut Graph) -> BlockId {
+    optimizer_body_of(g, "opt_copies", &[(&[3, 4097], DType::BF16), (&[2, 5000], DType::F32), (&[7, 6], DType::BF16), (&[4096], DType::BF16)], true)
 }
 
 /// `lr_schedule` and one AdamW per `(shape, gradient dtype)`; arguments `step, clip_coef`, then
-/// `p, g, m, v` per tensor. A bf16 gradient is cast to f32 before the clip multiply.
-fn optimizer_body_of(g: &mut Graph, name: &str, tensors: &[(&[u64], DType)]) -> BlockId {
+/// `p, g, m, v` per tensor. A bf16 gradient is cast to f32 before the clip multiply; with
+/// `copies` its tensor's new master is also cast to bf16 (one more result).
+fn optimizer_body_of(g: &mut Graph, name: &str, tensors: &[(&[u64], DType)], copies: bool) -> BlockId {
     let mut args = vec![i32t(&[]), f32t(&[])];
     for &(s, dt) in tensors {
         args.extend([f32t(s), TensorType::fixed(dt, s), f32t(s), f32t(s)]);
@@ -600,7 +609,11 @@ fn optimizer_body_of(g: &mut Graph, name: &str, tensors: &[(&[u64], DType)]) -> 
             let (p, gr, m, v) = (a[2 + 4 * i], a[3 + 4 * i], a[4 + 4 * i], a[5 + 4 * i]);
             let g32 = if dt == DType::F32 { gr } else { b.push_typed(Op::Cast, &[gr], f32t(s)).expect("cast") };
             let gc = push(b, Op::Binary(BinaryOp::Mul), &[g32, a[1]]);
-            outs.extend(b.push(Op::AdamW(cfg), &[p, gc, m, v, lr, a[0]]).expect("adamw"));
+            let r = b.push(Op::AdamW(cfg), &[p, gc, m, v, lr, a[0]]).expect("adamw");
+            if copies && dt != DType::F32 {
+                outs.push(b.push_typed(Op::Cast, &[r[0]], bf16(s)).expect("cast"));
+            }
+            outs.extend(r);
         }
         outs
     })
@@ -1049,6 +1062,7 @@ fn gpu_reference_dump() {
     cases.push(("grad_norm_clip", grad_norm_body(&mut g, [&[3, 700, 1000], &[4096], &[1000, 100]]), KernelKind::Fused, (-0.01, 0.01), 1, 1.0, 0.0));
     cases.push(("optimizer", optimizer_body(&mut g), KernelKind::Optimizer, (-1.0, 1.0), 1, 1.0, 0.0));
     cases.push(("optimizer_mixed_grads", optimizer_mixed_body(&mut g), KernelKind::Optimizer, (-1.0, 1.0), 1, 1.0, 0.0));
+    cases.push(("optimizer_compute_copies", optimizer_copies_body(&mut g), KernelKind::Optimizer, (-1.0, 1.0), 1, 1.0, 0.0));
     // Attention: judged by absolute error (out within 2e-2, lse within 1e-3; see `max_abs`).
     cases.push(("attention_gqa_causal", attention_body(&mut g, [1, 512, 8, 2, 128], true), KernelKind::Attention, (-2.0, 2.0), 1, 0.0, 1.0));
     cases.push(("attention_gqa", attention_body(&mut g, [1, 512, 8, 2, 128], false), KernelKind::Attention, (-2.0, 2.0), 1, 0.0, 1.0));

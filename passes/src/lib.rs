@@ -8,6 +8,7 @@ pub mod adamw;
 pub mod async_tp;
 pub mod autodiff;
 pub mod check_collectives;
+pub mod compute_copies;
 pub mod cse;
 pub mod dce;
 pub mod error;
@@ -33,7 +34,7 @@ pub use pipeline::{
     BUILD_PIPELINE, DumpAfter, PassContext, PassFn, PassInfo, PassRecord, PassStats, PipelineOptions, PipelineReport, SPMD_BUILD_PIPELINE, SPMD_TRAIN_PIPELINE,
     TRAIN_PIPELINE, build_pipeline, compile_eval_graph, compile_train_graph, eval_pipeline, lookup_passes, lower_to_eval, pass_table, run_pipeline,
 };
-pub use train::{TrainOptions, TrainStats, lower_to_train, lower_to_train_with_stats, train_pipeline};
+pub use train::{TrainOptions, TrainStats, lower_to_train, lower_to_train_casting_copies, lower_to_train_with_stats, train_pipeline};
 
 /// A pass or the pass manager failed; the message says what was wrong and what to change.
 #[derive(Debug, Clone, thiserror::Error)]

@@ -105,7 +105,7 @@ impl PassInfo {
     }
 }
 
-static PASSES: [PassInfo; 18] = [
+static PASSES: [PassInfo; 19] = [
     PassInfo::new("shard-tp", "tensor parallelism: column/row-parallel block weights, vocab-parallel embedding and output", run_shard_tp),
     PassInfo::new("shard-dp", "split the batch over data-parallel ranks; FSDP-shard parameters on dp_shard", run_shard_dp),
     PassInfo::new("master-weights", "make every parameter an fp32 master `state` read through a compute-dtype cast", run_master_weights),
@@ -129,6 +129,11 @@ static PASSES: [PassInfo; 18] = [
     PassInfo::new("sync-grads", "all-reduce gradients of replicated parameters and the loss across the mesh", run_sync_grads),
     PassInfo::new("reduce-loss", "all-reduce the `loss` output over the mesh (the eval step's global mean)", run_reduce_loss),
     PassInfo::new("adamw", "consume the gradient map's outputs: global-norm clipping, lr schedule and AdamW updates", run_adamw),
+    PassInfo::new(
+        "compute-copies",
+        "carry each master's compute-dtype copy across steps as state, written by the optimizer (no casts at the top of the step)",
+        run_compute_copies,
+    ),
     PassInfo::new("cse", "merge identical nodes", run_cse),
     PassInfo::new(
         "float8-fsdp-gather",
@@ -148,11 +153,11 @@ static PASSES: [PassInfo; 18] = [
 ];
 
 /// The passes of `titanc lower --to train`.
-pub const TRAIN_PIPELINE: [&str; 7] = ["master-weights", "float8", "autodiff", "activation-checkpoint", "adamw", "cse", "dce"];
+pub const TRAIN_PIPELINE: [&str; 8] = ["master-weights", "float8", "autodiff", "activation-checkpoint", "adamw", "compute-copies", "cse", "dce"];
 
 /// The training lowering of a model whose `meta` names a device mesh (`world_size > 1`): the
 /// SPMD partitioning passes around the single-rank lowering, then the collective safety check.
-pub const SPMD_TRAIN_PIPELINE: [&str; 15] = [
+pub const SPMD_TRAIN_PIPELINE: [&str; 16] = [
     "shard-tp",
     "shard-dp",
     "master-weights",
@@ -161,6 +166,7 @@ pub const SPMD_TRAIN_PIPELINE: [&str; 15] = [
     "activation-checkpoint",
     "sync-grads",
     "adamw",
+    "compute-copies",
     "cse",
     "float8-fsdp-gather",
     "dce",
@@ -206,11 +212,11 @@ const fn then_fuse<const N: usize, const M: usize>(train: [&'static str; N]) -> 
 }
 
 /// The passes of `titanc build`: the training lowering, then fusion.
-pub const BUILD_PIPELINE: [&str; 8] = then_fuse(TRAIN_PIPELINE);
+pub const BUILD_PIPELINE: [&str; 9] = then_fuse(TRAIN_PIPELINE);
 
 /// The passes of `titanc build` for a model whose `meta` names a mesh: the SPMD training
 /// lowering, then fusion (collectives stay steps of their own).
-pub const SPMD_BUILD_PIPELINE: [&str; 16] = then_fuse(SPMD_TRAIN_PIPELINE);
+pub const SPMD_BUILD_PIPELINE: [&str; 17] = then_fuse(SPMD_TRAIN_PIPELINE);
 
 /// The build pipeline for `model`: [`SPMD_BUILD_PIPELINE`] when its `meta` names a mesh of more
 /// than one rank, else [`BUILD_PIPELINE`].
@@ -407,6 +413,11 @@ fn run_reduce_loss(g: &mut Graph, _: &PassContext) -> Result<PassStats, PassDiag
 fn run_master_weights(g: &mut Graph, _: &PassContext) -> Result<PassStats, PassDiag> {
     let s = crate::master_weights::master_weights(g)?;
     Ok(PassStats::new().with("params", s.params as u64).with("casts", s.casts as u64))
+}
+
+fn run_compute_copies(g: &mut Graph, _: &PassContext) -> Result<PassStats, PassDiag> {
+    let s = crate::compute_copies::compute_copies(g)?;
+    Ok(PassStats::new().with("copies", s.copies as u64))
 }
 
 fn run_autodiff(g: &mut Graph, _: &PassContext) -> Result<PassStats, PassDiag> {
@@ -649,11 +660,13 @@ mod tests {
         let err = run_pipeline(&mut model(), &passes, &TrainOptions::default(), &opts(false, DumpAfter::Pass("fusion".into()))).expect_err("unknown");
         assert_eq!(
             err.to_string(),
-            "unknown pass `fusion`; valid passes: shard-tp, shard-dp, master-weights, float8, float8-forward, autodiff, activation-checkpoint, sync-grads, reduce-loss, adamw, cse, float8-fsdp-gather, dce, async-tp, prefetch-gathers, prefetch-next-layer, check-collectives, fuse"
+            "unknown pass `fusion`; valid passes: shard-tp, shard-dp, master-weights, float8, float8-forward, autodiff, activation-checkpoint, sync-grads, reduce-loss, adamw, compute-copies, cse, float8-fsdp-gather, dce, async-tp, prefetch-gathers, prefetch-next-layer, check-collectives, fuse"
         );
         let err = run_pipeline(&mut model(), &passes, &TrainOptions::default(), &opts(false, DumpAfter::Pass("fuse".into()))).expect_err("not run");
         assert!(
-            err.to_string().contains("this pipeline does not run `fuse`; it runs master-weights, float8, autodiff, activation-checkpoint, adamw, cse, dce"),
+            err.to_string().contains(
+                "this pipeline does not run `fuse`; it runs master-weights, float8, autodiff, activation-checkpoint, adamw, compute-copies, cse, dce"
+            ),
             "{err}"
         );
         assert!(matches!(lookup_passes(&["cse", "nope"]), Err(PassError::UnknownPass { name, .. }) if name == "nope"));

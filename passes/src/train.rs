@@ -142,6 +142,15 @@ pub fn lower_to_train_with_stats(model: &Graph, opts: &TrainOptions) -> Result<(
     Ok((g, stats))
 }
 
+/// The training step without `compute-copies`: every compute copy is cast from its master at
+/// the top of the step, as titanc lowered it before the copies were carried across steps. The
+/// reference the tests compare the carried copies against (losses and states bit for bit).
+pub fn lower_to_train_casting_copies(model: &Graph, opts: &TrainOptions) -> Result<Graph, PassError> {
+    let names: Vec<&str> = train_pipeline(model)?.into_iter().filter(|&p| p != "compute-copies").collect();
+    let passes = crate::pipeline::lookup_passes(&names)?;
+    run_on_copy(model, opts, &passes, &crate::pipeline::PipelineOptions::default()).map(|(g, _)| g)
+}
+
 /// Validate `opts`, copy `model` as `<name>_train` (meta `step = "train"`) and run `passes` on it.
 pub(crate) fn run_on_copy(
     model: &Graph,

@@ -23,6 +23,7 @@ pub fn class_name(c: BufferClass) -> &'static str {
         BufferClass::Input => "input",
         BufferClass::Param => "param",
         BufferClass::OptimizerState => "optimizer_state",
+        BufferClass::ComputeCopy => "compute_copy",
         BufferClass::Grad => "grad",
         BufferClass::Activation => "activation",
     }
@@ -129,6 +130,30 @@ impl Artifact {
             slots.push(StateSlot { buffer: b, info, layers, per_layer, placement, shape });
         }
         Ok(slots)
+    }
+
+    /// Every compute copy buffer with its master's buffer (`compute-copies`): the runtime writes
+    /// `cast(master)` into the copy whenever it sets the master (start-up, `--resume`); the
+    /// optimizer kernel keeps them equal after each step. Checked at load (same shape, f32
+    /// master, narrower copy).
+    pub fn compute_copies(&self) -> Result<Vec<(&Buffer, &Buffer)>, ArtifactError> {
+        let mut out = Vec::new();
+        for b in &self.manifest.buffers {
+            if b.class != BufferClass::ComputeCopy {
+                continue;
+            }
+            let name = b.state.as_ref().and_then(|s| s.name.strip_suffix(titan_ir::COMPUTE_COPY_SUFFIX));
+            let master =
+                name.and_then(|n| self.manifest.buffers.iter().find(|t| t.class == BufferClass::Param && t.state.as_ref().is_some_and(|s| s.name == n)));
+            let Some(master) = master else {
+                return Err(ArtifactError::Invalid(format!(
+                    "compute copy buffer {} (`{}`) names no master; rebuild the artifact with `titanc build`",
+                    b.id, b.name
+                )));
+            };
+            out.push((b, master));
+        }
+        Ok(out)
     }
 
     /// Every state's checkpoint name, placement and (per-rank) shape, in manifest order.
@@ -405,7 +430,7 @@ impl Artifact {
                 (Some(_), _) => return Err(invalid(format!("{what}: only input buffers are fed"))),
                 (None, _) => {}
             }
-            if matches!(b.class, BufferClass::Param | BufferClass::OptimizerState) {
+            if matches!(b.class, BufferClass::Param | BufferClass::OptimizerState | BufferClass::ComputeCopy) {
                 let s = b.state.as_ref().ok_or_else(|| invalid(format!("{what}: a persistent buffer needs its `state` (checkpoint name and init)")))?;
                 if !b.dtype.is_float() {
                     return Err(invalid(format!("{what}: state `{}` has an integer type; titan-run initializes float state only", s.name)));

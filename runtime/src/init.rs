@@ -28,6 +28,8 @@ pub enum InitError {
     BadBounds { lo: f64, hi: f64 },
     #[error("trunc_normal({std}, {lo}, {hi}) rejects almost every sample; widen the bounds")]
     Rejects { std: f64, lo: f64, hi: f64 },
+    #[error("a compute copy is the cast of its master weight, not drawn; initialize the master and cast it")]
+    ComputeCopy,
 }
 
 /// FNV-1a of the parameter name, mixed with the run seed.
@@ -58,6 +60,7 @@ pub fn chunks_per_layer(per_layer: usize) -> usize {
 fn normal_of(init: Init, layer: usize) -> Result<Option<Normal<f64>>, InitError> {
     match init {
         Init::Zeros | Init::Ones => Ok(None),
+        Init::ComputeCopy => Err(InitError::ComputeCopy),
         Init::Normal { std } => Normal::new(0.0, std).map(Some).map_err(|e| InitError::BadStd { what: "normal", std, message: e.to_string() }),
         Init::TruncNormal { std, lo, hi, depth_scaled } => {
             if lo.partial_cmp(&hi) != Some(std::cmp::Ordering::Less) {
@@ -86,6 +89,7 @@ fn fill_seeded(init: Init, layer: usize, layer_seed: u64, chunk: usize, out: &mu
     match init {
         Init::Zeros => out.fill(0.0),
         Init::Ones => out.fill(1.0),
+        Init::ComputeCopy => return Err(InitError::ComputeCopy),
         Init::Normal { .. } | Init::TruncNormal { .. } => {
             let Some(d) = normal_of(init, layer)? else { return Ok(()) };
             let mut rng = ChaCha8Rng::seed_from_u64(layer_seed);

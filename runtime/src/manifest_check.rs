@@ -442,7 +442,7 @@ fn check_plan_totals(m: &Manifest) -> Check {
 /// `trunc_normal(0.02, -2.0, 2.0)`, `trunc_normal_depth(...)`), with finite arguments, a
 /// positive std and `lo < hi`.
 pub fn parse_init(s: &str) -> Result<Init, String> {
-    const KNOWN: &str = "zeros, ones, normal(std), trunc_normal(std, lo, hi) or trunc_normal_depth(std, lo, hi)";
+    const KNOWN: &str = "zeros, ones, normal(std), trunc_normal(std, lo, hi), trunc_normal_depth(std, lo, hi) or compute_copy";
     let s = s.trim();
     let (name, args) = match s.split_once('(') {
         None => (s, None),
@@ -456,9 +456,10 @@ pub fn parse_init(s: &str) -> Result<Init, String> {
     let init = match (name, args.as_deref()) {
         ("zeros", None) => Init::Zeros,
         ("ones", None) => Init::Ones,
+        ("compute_copy", None) => Init::ComputeCopy,
         ("normal", Some(&[std])) => Init::Normal { std },
         ("trunc_normal" | "trunc_normal_depth", Some(&[std, lo, hi])) => Init::TruncNormal { std, lo, hi, depth_scaled: name == "trunc_normal_depth" },
-        ("normal" | "trunc_normal" | "trunc_normal_depth" | "zeros" | "ones", _) => {
+        ("normal" | "trunc_normal" | "trunc_normal_depth" | "zeros" | "ones" | "compute_copy", _) => {
             return Err(format!("`{s}` has the wrong number of arguments; expected {KNOWN}"));
         }
         _ => return Err(format!("unknown initializer `{s}`; expected {KNOWN}")),
@@ -469,7 +470,7 @@ pub fn parse_init(s: &str) -> Result<Init, String> {
 /// An initializer's arguments: finite, a positive std, `lo < hi`.
 fn check_init(init: Init) -> Result<(), String> {
     let (std, bounds) = match init {
-        Init::Zeros | Init::Ones => return Ok(()),
+        Init::Zeros | Init::Ones | Init::ComputeCopy => return Ok(()),
         Init::Normal { std } => (std, None),
         Init::TruncNormal { std, lo, hi, .. } => (std, Some((lo, hi))),
     };
@@ -540,11 +541,11 @@ fn check_buffers(m: &Manifest, graph: &Graph) -> Check {
                 return Err(fail(at("output"), format!("`{o}` is read as one f32, the buffer is {}{:?}", b.dtype, b.shape)));
             }
         }
-        let persistent = matches!(b.class, BufferClass::Param | BufferClass::OptimizerState);
+        let persistent = matches!(b.class, BufferClass::Param | BufferClass::OptimizerState | BufferClass::ComputeCopy);
         match (&b.state, persistent) {
             (None, true) => return Err(fail(at("state"), format!("missing; a `{}` buffer carries its checkpoint name and init", class_name(b.class)))),
             (Some(_), false) => {
-                return Err(fail(at("state"), format!("only param and optimizer_state buffers have one, this one is `{}`", class_name(b.class))));
+                return Err(fail(at("state"), format!("only param, optimizer_state and compute_copy buffers have one, this one is `{}`", class_name(b.class))));
             }
             (None, false) => {}
             (Some(s), true) => {
@@ -560,6 +561,36 @@ fn check_buffers(m: &Manifest, graph: &Graph) -> Check {
                 let init = parse_init(&s.init).map_err(|e| fail(at("state.init"), e))?;
                 if b.class == BufferClass::OptimizerState && init != Init::Zeros {
                     return Err(fail(at("state.init"), format!("`{}`, but AdamW moments start at `zeros`", s.init)));
+                }
+                if (b.class == BufferClass::ComputeCopy) != (init == Init::ComputeCopy) {
+                    return Err(fail(
+                        at("state.init"),
+                        format!("`{}` on a `{}` buffer; `compute_copy` initializes exactly the compute_copy buffers", s.init, class_name(b.class)),
+                    ));
+                }
+                if b.class == BufferClass::ComputeCopy {
+                    let master = s
+                        .name
+                        .strip_suffix(titan_ir::COMPUTE_COPY_SUFFIX)
+                        .and_then(|name| m.buffers.iter().find(|t| t.class == BufferClass::Param && t.state.as_ref().is_some_and(|ts| ts.name == name)));
+                    match master {
+                        None => {
+                            return Err(fail(
+                                at("state.name"),
+                                format!("`{}` names no param buffer's compute copy (`<master>{}`)", s.name, titan_ir::COMPUTE_COPY_SUFFIX),
+                            ));
+                        }
+                        Some(t) if t.shape != b.shape || t.dtype != DType::F32 || b.dtype == DType::F32 => {
+                            return Err(fail(
+                                at("dtype"),
+                                format!(
+                                    "{}{:?}, but a compute copy narrows its f32 master of the same shape, found {}{:?}",
+                                    b.dtype, b.shape, t.dtype, t.shape
+                                ),
+                            ));
+                        }
+                        Some(_) => {}
+                    }
                 }
                 let arg = graph.main.args.iter().find_map(|a| a.kind.param_info().filter(|p| p.name == s.name).map(|p| (a, p)));
                 let Some((_, info)) = arg else {
@@ -875,9 +906,10 @@ fn check_steps(m: &Manifest, steps: &[Step], at: &str, n_layers: Option<u64>, de
             Step::Launch { inputs, outputs, .. } => {
                 // A launch writes an operand it also reads only to update state in place.
                 let persistent = |r: &BufRef| match r {
-                    BufRef::Buffer { buffer, .. } | BufRef::View { buffer, .. } => {
-                        m.buffers.get(*buffer as usize).is_some_and(|b| matches!(b.class, BufferClass::Param | BufferClass::OptimizerState))
-                    }
+                    BufRef::Buffer { buffer, .. } | BufRef::View { buffer, .. } => m
+                        .buffers
+                        .get(*buffer as usize)
+                        .is_some_and(|b| matches!(b.class, BufferClass::Param | BufferClass::OptimizerState | BufferClass::ComputeCopy)),
                     BufRef::Carry { .. } => false,
                 };
                 for (j, o) in outputs.iter().enumerate() {

@@ -51,8 +51,8 @@ pub fn plan_eval(model: &Graph, opts: &BuildOptions, train_buffers: &[Buffer], m
                 train_buffers.iter().find(|t| t.class == BufferClass::Input && t.feed.as_deref() == Some(feed))
             }
             BufferClass::Activation => continue,
-            BufferClass::Grad | BufferClass::OptimizerState => {
-                return Err(internal(format!("the eval step has a gradient or optimizer buffer `{}`", b.name)));
+            BufferClass::Grad | BufferClass::OptimizerState | BufferClass::ComputeCopy => {
+                return Err(internal(format!("the eval step has a gradient, optimizer or compute copy buffer `{}`", b.name)));
             }
         };
         let t = shared.ok_or_else(|| internal(format!("eval buffer `{}` has no training buffer to share", b.name)))?;

@@ -447,7 +447,13 @@ pub fn assign_storage(g: &Graph) -> Result<Storage, BuildError> {
             }
             ArgKind::State(info) | ArgKind::Param(info) => {
                 let optimizer = info.name.ends_with(".exp_avg") || info.name.ends_with(".exp_avg_sq");
-                let class = if optimizer { BufferClass::OptimizerState } else { BufferClass::Param };
+                let class = if info.init == titan_ir::Init::ComputeCopy {
+                    BufferClass::ComputeCopy
+                } else if optimizer {
+                    BufferClass::OptimizerState
+                } else {
+                    BufferClass::Param
+                };
                 let id = b.add(name, dtype, shape, class, None);
                 b.s.buffers[id as usize].state = Some(StateInfo { name: info.name.clone(), init: info.init.to_attr().to_string() });
                 id

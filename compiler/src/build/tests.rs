@@ -76,7 +76,7 @@ fn shadow_execute(m: &Manifest) -> Vec<String> {
         }
         fn read(&mut self, key: Key, what: &str) {
             let buf = &self.m.buffers[key.0 as usize];
-            let preset = matches!(buf.class, BufferClass::Input | BufferClass::Param | BufferClass::OptimizerState);
+            let preset = matches!(buf.class, BufferClass::Input | BufferClass::Param | BufferClass::OptimizerState | BufferClass::ComputeCopy);
             let (a, s, e) = self.range(key);
             // The writes this read depends on: the latest writes of this buffer that together
             // cover the bytes read (scanning back until they do).
@@ -211,8 +211,12 @@ fn the_optimizer_reads_the_bf16_gradients_and_norm_kernels_write_no_copies() {
             .map(|&v| main.ty(v))
             .filter(|t| t.rank() > 0)
             .collect();
-        assert_eq!(grads.len(), main.args.iter().filter(|a| matches!(a.kind, titan_ir::ArgKind::State(_))).count() / 3, "{p}: one gradient per parameter");
+        let masters_and_moments = main.args.iter().filter(|a| matches!(&a.kind, titan_ir::ArgKind::State(i) if i.init != titan_ir::Init::ComputeCopy)).count();
+        assert_eq!(grads.len(), masters_and_moments / 3, "{p}: one gradient per parameter");
         assert!(grads.iter().all(|t| t.dtype == titan_ir::DType::BF16), "{p}: {grads:?}");
+        // `compute-copies`: the optimizer also writes the bf16 copy of every new master.
+        let copies = opt.results.iter().filter(|&&r| main.ty(r).dtype == titan_ir::DType::BF16).count();
+        assert_eq!(copies, grads.len(), "{p}: one compute copy per parameter written by the optimizer");
         let is_norm = |n: &titan_ir::Node| {
             let titan_ir::Op::Kernel { body, .. } = n.op else { return false };
             g.block(body).order.iter().any(|&m| matches!(g.block(body).node(m).op, titan_ir::Op::Unary(titan_ir::UnaryOp::Square)))
@@ -369,7 +373,9 @@ fn manifest_describes_the_debug_step() {
     outputs.sort_unstable();
     assert_eq!(outputs, ["grad_norm", "loss", "lr"]);
     let states = man.buffers.iter().filter(|b| b.state.is_some()).count();
-    assert_eq!(states, 36, "12 masters and 24 moments");
+    assert_eq!(states, 48, "12 masters, 24 moments and 12 compute copies");
+    let copies = man.buffers.iter().filter(|b| b.class == BufferClass::ComputeCopy).count();
+    assert_eq!(copies, 12, "every bf16 master has its carried copy");
     assert!(man.buffers.iter().any(|b| b.class == BufferClass::Grad));
     assert_eq!((man.training.batch, man.training.seq_len, man.training.tokens_per_step, man.training.vocab_size), (8, 64, 512, 256));
     assert_eq!(man.mesh.world_size, 1);
@@ -543,10 +549,11 @@ fn older_manifests_are_refused_with_the_versions_read() {
     let mut v: serde_json::Value = serde_json::from_str(&man.to_json()).unwrap_or_else(|e| panic!("{e}"));
     let back = Manifest::from_json("manifest.json", &v.to_string()).unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(back.format_version, titan_ir::artifact::FORMAT_VERSION);
-    for old in [4, 5, 6, 7] {
+    for old in [4, 5, 6, 7, 8] {
         v["format_version"] = old.into();
         let e = Manifest::from_json("manifest.json", &v.to_string()).err().map(|e| e.to_string()).unwrap_or_default();
-        assert!(e.contains(&format!("format version {old} is not supported")) && e.contains("reads versions 8 to 8"), "{e}");
+        assert!(e.contains(&format!("format version {old} is not supported")) && e.contains("reads versions 9 to 9"), "{e}");
+        assert!(e.contains("rebuild it with this version's titanc"), "{e}");
     }
 }
 

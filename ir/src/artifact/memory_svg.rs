@@ -32,6 +32,7 @@ fn fill(class: BufferClass) -> &'static str {
         BufferClass::Input => "#9e9e9e",
         BufferClass::Param => "#4e79a7",
         BufferClass::OptimizerState => "#76b7b2",
+        BufferClass::ComputeCopy => "#a0cbe8",
         BufferClass::Grad => "#f28e2b",
         BufferClass::Activation => "#e15759",
     }
@@ -92,7 +93,7 @@ pub fn memory_svg(m: &Manifest, rank: usize, measured: Option<&MeasuredPeak>) ->
     let _ = writeln!(s, r##"<g class="buffers">"##);
     for (b, lt) in m.buffers.iter().zip(&lifetimes) {
         // Persistent state and inputs hold their bytes across the whole step.
-        let persistent = matches!(b.class, BufferClass::Param | BufferClass::OptimizerState | BufferClass::Input);
+        let persistent = matches!(b.class, BufferClass::Param | BufferClass::OptimizerState | BufferClass::ComputeCopy | BufferClass::Input);
         let (start, end) = match (persistent, lt) {
             (true, _) => (0, positions - 1),
             (false, Some(l)) => (l.start, l.end),
@@ -161,6 +162,7 @@ pub fn memory_svg(m: &Manifest, rank: usize, measured: Option<&MeasuredPeak>) ->
     let mut lx = LEFT + 60.0;
     for (class, label) in [
         (BufferClass::Param, "params"),
+        (BufferClass::ComputeCopy, "compute copies"),
         (BufferClass::OptimizerState, "optimizer state"),
         (BufferClass::Grad, "grads"),
         (BufferClass::Activation, "activations"),

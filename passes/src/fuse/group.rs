@@ -431,6 +431,22 @@ impl<'r> Grouper<'r> {
             inside.insert(p);
             work.extend(node.inputs.iter().copied().filter(|&i| region.ty(i).rank() > 0));
         }
+        // The casts of the new masters (`compute-copies`): the kernel writes each compute copy
+        // from the f32 value it has just computed, instead of a kernel reading the master back.
+        let mut copies: Vec<NodeId> = Vec::new();
+        for &n in &core {
+            let node = &region.nodes[n.index()];
+            if !matches!(node.op, Op::AdamW(_)) {
+                continue;
+            }
+            for u in node.results.first().map(|r| self.users[r.index()].clone()).unwrap_or_default() {
+                let un = &region.nodes[u.index()];
+                if matches!(un.op, Op::Cast) && un.inputs.len() == 1 && !inside.contains(&u) {
+                    copies.push(u);
+                }
+            }
+        }
+        inside.extend(copies.iter().copied());
         let mut members: Vec<NodeId> = inside.iter().copied().collect();
         members.sort_by_key(|m| self.pos[m.index()]);
         let contains = |n: NodeId| inside.contains(&n);
@@ -444,6 +460,8 @@ impl<'r> Grouper<'r> {
                 )));
             }
             members = core;
+            members.extend(copies);
+            members.sort_by_key(|m| self.pos[m.index()]);
         }
         self.new_group(KernelKind::Optimizer, members, Space::Alone);
         Ok(())

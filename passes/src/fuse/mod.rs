@@ -14,7 +14,9 @@
 //! - `optimizer`: every `adamw` and `lr_schedule` of the region in one multi-tensor kernel,
 //!   plus the pointwise producers of each `adamw` gradient operand whose results nothing else
 //!   reads (the clip multiply `g * clip_coef`, and by rule 10 the fp32 cast of a bf16
-//!   gradient), so the optimizer reads each gradient as the backward produced it.
+//!   gradient), so the optimizer reads each gradient as the backward produced it; and the
+//!   `cast` of each new master to its compute dtype (`compute-copies`), so the kernel writes
+//!   the compute copy from the f32 value it has just computed.
 //! - `fused`: connected groups of the fusible ops: unary, binary, `cast`, `broadcast`,
 //!   `transpose`, `constant`, `reduce_*`, `rmsnorm`, `rmsnorm_bwd`, `rope`, `cross_entropy`,
 //!   `cross_entropy_bwd`.

@@ -279,6 +279,23 @@ impl<'a> CpuArtifactTrainer<'a> {
             let v = self.whole(b)?;
             encode_floats(values, b.dtype, &mut self.arenas[v.arena][v.start..v.start + v.len]).map_err(|e| bad(format!("state `{}`: {e}", p.name)))?;
         }
+        self.refresh_copies(None)
+    }
+
+    /// Write the cast of master `master` (of every master: `None`) into its compute copy, as
+    /// the optimizer kernel writes it after each update (`compute-copies`).
+    fn refresh_copies(&mut self, master: Option<&str>) -> Result<(), RuntimeError> {
+        let artifact = self.artifact;
+        for (copy, m) in artifact.compute_copies()? {
+            if master.is_some_and(|x| m.state.as_ref().is_none_or(|s| s.name != x)) {
+                continue;
+            }
+            let t = self.read(m)?;
+            let values = t.floats().ok_or_else(|| bad(format!("master `{}` is not a float tensor", m.name)))?;
+            let v = self.whole(copy)?;
+            encode_floats(values, copy.dtype, &mut self.arenas[v.arena][v.start..v.start + v.len])
+                .map_err(|e| bad(format!("compute copy `{}`: {e}", copy.name)))?;
+        }
         Ok(())
     }
 
@@ -664,7 +681,8 @@ impl<'a> CpuArtifactTrainer<'a> {
         let numel = b.shape.iter().product::<u64>();
         crate::backend::check_state_len(name, usize_of(numel, name)?, values.len())?;
         let v = self.whole(b)?;
-        encode_floats(values, b.dtype, &mut self.arenas[v.arena][v.start..v.start + v.len]).map_err(|e| bad(format!("state `{name}`: {e}")))
+        encode_floats(values, b.dtype, &mut self.arenas[v.arena][v.start..v.start + v.len]).map_err(|e| bad(format!("state `{name}`: {e}")))?;
+        self.refresh_copies(Some(name))
     }
 
     /// Set the number of steps taken; the next step feeds `steps + 1`.

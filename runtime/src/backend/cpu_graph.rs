@@ -19,6 +19,9 @@ enum Feed {
     Targets,
     Step,
     State(ParamInfo),
+    /// A compute copy (`init = compute_copy`): the cast of the state with this checkpoint name,
+    /// set whenever that master is; not a checkpointed state.
+    Copy(String),
 }
 
 /// What one rank of a mesh run needs: the mesh, its coordinates and its communicator.
@@ -145,6 +148,11 @@ impl<'g> CpuTrainer<'g> {
                     args.push(Tensor::zeros(ty.dtype, shape));
                     feeds.push(feed);
                 }
+                ArgKind::State(p) | ArgKind::Param(p) if p.compute_copy_of().is_some() => {
+                    // Filled from its master below, once every master is.
+                    args.push(Tensor::zeros(ty.dtype, shape));
+                    feeds.push(Feed::Copy(p.compute_copy_of().unwrap_or_default().to_string()));
+                }
                 ArgKind::State(p) | ArgKind::Param(p) => {
                     if ty.dtype.is_int() {
                         return Err(RuntimeError::Graph(format!("state `{}` has an integer type {ty}; titan-run initializes float state only", p.name)));
@@ -184,7 +192,7 @@ impl<'g> CpuTrainer<'g> {
         let out = |name: &str| main.outputs.iter().position(|o| o.name.as_deref() == Some(name));
         let out_loss = out("loss").ok_or_else(|| RuntimeError::Graph("the graph has no `loss` output".into()))?;
         let vocab = graph.meta_i64("vocab_size").map(|v| v as usize).unwrap_or(256);
-        Ok(CpuTrainer {
+        let mut t = CpuTrainer {
             graph,
             interp: match rank {
                 Some(r) => Interpreter::new(graph, Precision::Emulate).with_communicator(r.comm),
@@ -201,7 +209,37 @@ impl<'g> CpuTrainer<'g> {
             tokens_len,
             vocab,
             step: 0,
-        })
+        };
+        t.refresh_copies(None)?;
+        Ok(t)
+    }
+
+    /// Set every compute copy of master `master` (of every master: `None`) to the master's cast.
+    fn refresh_copies(&mut self, master: Option<&str>) -> Result<(), RuntimeError> {
+        for i in 0..self.feeds.len() {
+            let Feed::Copy(m) = &self.feeds[i] else { continue };
+            if master.is_some_and(|x| x != m) {
+                continue;
+            }
+            let j = self
+                .feeds
+                .iter()
+                .position(|f| matches!(f, Feed::State(p) if p.name == *m))
+                .ok_or_else(|| RuntimeError::Graph(format!("compute copy of `{m}`, which is no state of the graph")))?;
+            let dtype = self.args[i].dtype;
+            let mut t = self.args[j].clone();
+            if t.shape != self.args[i].shape {
+                return Err(RuntimeError::Graph(format!("the compute copy of `{m}` is {:?}, its master {:?}", self.args[i].shape, t.shape)));
+            }
+            if let Some(xs) = t.floats_mut() {
+                for x in xs.iter_mut() {
+                    *x = titan_ir::interp::round_to_dtype(*x, dtype);
+                }
+            }
+            t.dtype = dtype;
+            self.args[i] = t;
+        }
+        Ok(())
     }
 
     pub fn batch_size(&self) -> usize {
@@ -248,7 +286,7 @@ impl<'g> CpuTrainer<'g> {
         for (x, &v) in xs.iter_mut().zip(values) {
             *x = if dtype == DType::F32 { v } else { titan_ir::interp::round_to_dtype(v, dtype) };
         }
-        Ok(())
+        self.refresh_copies(Some(name))
     }
 
     /// Set the number of steps taken; the next step feeds `steps + 1`.
@@ -282,7 +320,7 @@ impl<'g> CpuTrainer<'g> {
                 Feed::Tokens => *t = Tensor::from_ints(dtype, shape, batch.tokens.clone()).map_err(RuntimeError::Data)?,
                 Feed::Targets => *t = Tensor::from_ints(dtype, shape, batch.targets.clone()).map_err(RuntimeError::Data)?,
                 Feed::Step => *t = Tensor::from_ints(dtype, shape, vec![self.step as i64]).map_err(RuntimeError::Data)?,
-                Feed::State(_) => {}
+                Feed::State(_) | Feed::Copy(_) => {}
             }
         }
         let start = Instant::now();

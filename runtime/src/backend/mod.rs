@@ -146,7 +146,7 @@ pub trait ShardedStates {
 pub(crate) fn graph_state_layout(graph: &Graph) -> Result<Vec<StateLayout>, RuntimeError> {
     let mut out = Vec::new();
     for a in &graph.main.args {
-        if let Some(p) = a.kind.param_info() {
+        if let Some(p) = a.kind.param_info().filter(|p| p.compute_copy_of().is_none()) {
             let shape = graph.main.ty(a.value).resolve(&graph.dims).map_err(RuntimeError::Graph)?;
             out.push(StateLayout { name: p.name.clone(), placement: graph.main.value(a.value).placement.clone(), shape });
         }

@@ -9,6 +9,7 @@ mod async_tp;
 mod block_gradcheck;
 mod checkpoint_e2e;
 mod common;
+mod compute_copies;
 mod distributed;
 mod example_files;
 mod filetests;

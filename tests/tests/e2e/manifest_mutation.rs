@@ -85,7 +85,7 @@ fn corruptions(m: &Manifest) -> Vec<Case> {
             }
         }
         match b.class {
-            BufferClass::Param | BufferClass::OptimizerState => {
+            BufferClass::Param | BufferClass::OptimizerState | BufferClass::ComputeCopy => {
                 let other = if b.state.as_ref().is_some_and(|s| s.init == "ones") { "zeros" } else { "ones" };
                 for init in [
                     "normal(nan)",

@@ -173,6 +173,9 @@ struct InitJob {
     dtype: DType,
     /// Index into the layer names.
     name: usize,
+    /// The same chunk of the state's compute copy (device address and dtype), written with
+    /// the cast of the drawn values (`compute-copies`).
+    copy: Option<(u64, DType)>,
 }
 
 impl<'a> CudaArtifactTrainer<'a> {
@@ -345,8 +348,28 @@ impl<'a> CudaArtifactTrainer<'a> {
             }
             encode_floats(values, b.dtype, &mut bytes).map_err(|e| bad(format!("state `{}`: {e}", p.name)))?;
             self.gpu.upload_sync(ptr, &bytes, || format!("copying state `{}` to the GPU", p.name))?;
+            self.upload_copies(b, values)?;
         }
         Ok(())
+    }
+
+    /// The compute copy of master buffer `master`, if it has one (`compute-copies`).
+    fn copy_of(&self, master: &Buffer) -> Result<Option<&'a Buffer>, RuntimeError> {
+        let artifact: &'a Artifact = self.artifact;
+        Ok(artifact.compute_copies().map_err(|e| bad(e.to_string()))?.into_iter().find(|(_, m)| m.id == master.id).map(|(c, _)| c))
+    }
+
+    /// Write the cast of `values` (master `master`'s new contents) into its compute copy, as the
+    /// optimizer kernel writes it after each update.
+    fn upload_copies(&self, master: &Buffer, values: &[f32]) -> Result<(), RuntimeError> {
+        let Some(copy) = self.copy_of(master)? else { return Ok(()) };
+        let (ptr, len) = self.arenas.whole(copy)?;
+        let mut bytes = vec![0u8; values.len() * copy.dtype.size_bytes()];
+        if bytes.len() as u64 > len {
+            return Err(bad(format!("compute copy `{}` has {len} bytes, its master {} values", copy.name, values.len())));
+        }
+        encode_floats(values, copy.dtype, &mut bytes).map_err(|e| bad(format!("compute copy `{}`: {e}", copy.name)))?;
+        Ok(self.gpu.upload_sync(ptr, &bytes, || format!("copying the compute copy `{}` to the GPU", copy.name))?)
     }
 
     /// Fill every persistent buffer with the values the CPU backend starts from: the same
@@ -367,9 +390,15 @@ impl<'a> CudaArtifactTrainer<'a> {
                 return Err(bad(format!("state `{}` has {} elements, its buffer only {len} bytes", p.name, layers * per_layer)));
             }
             check_init(p.init).map_err(|e| RuntimeError::Graph(format!("initializing `{}`: {e}", p.name)))?;
+            let copy = match self.copy_of(b)? {
+                Some(c) => Some((self.arenas.whole(c)?, c.dtype)),
+                None => None,
+            };
             if p.init == titan_ir::Init::Zeros {
-                let bytes = usize::try_from(len).map_err(|_| bad(format!("state `{}` is too large", p.name)))?;
-                self.gpu.memset(ptr, 0, bytes, || format!("zeroing state `{}`", p.name))?;
+                for (ptr, len) in std::iter::once((ptr, len)).chain(copy.map(|c| c.0)) {
+                    let bytes = usize::try_from(len).map_err(|_| bad(format!("state `{}` is too large", p.name)))?;
+                    self.gpu.memset(ptr, 0, bytes, || format!("zeroing state `{}`", p.name))?;
+                }
                 continue;
             }
             for l in 0..layers {
@@ -381,7 +410,17 @@ impl<'a> CudaArtifactTrainer<'a> {
                         continue;
                     }
                     let first = l * per_layer + done;
-                    jobs.push(InitJob { ptr: ptr + (first * size) as u64, elems, layer: l, chunk: c, init: p.init, dtype: b.dtype, name: names.len() - 1 });
+                    let copy = copy.map(|((cptr, _), cdt)| (cptr + (first * cdt.size_bytes()) as u64, cdt));
+                    jobs.push(InitJob {
+                        ptr: ptr + (first * size) as u64,
+                        elems,
+                        layer: l,
+                        chunk: c,
+                        init: p.init,
+                        dtype: b.dtype,
+                        name: names.len() - 1,
+                        copy,
+                    });
                 }
             }
         }
@@ -412,7 +451,7 @@ impl<'a> CudaArtifactTrainer<'a> {
                     let next = &next;
                     s.spawn(move || -> Result<(f64, f64), RuntimeError> {
                         gpu.bind()?;
-                        let (mut scratch, mut bytes) = (Vec::with_capacity(CHUNK_ELEMS), Vec::new());
+                        let (mut scratch, mut bytes, mut copy_bytes) = (Vec::with_capacity(CHUNK_ELEMS), Vec::new(), Vec::new());
                         let (mut draw_s, mut copy_s) = (0.0, 0.0);
                         while let Some(j) = jobs.get(next.fetch_add(1, Ordering::Relaxed)) {
                             let t = Instant::now();
@@ -420,6 +459,15 @@ impl<'a> CudaArtifactTrainer<'a> {
                             let r = Self::draw_chunk(seed, j, name, &mut scratch, &mut bytes);
                             let t1 = Instant::now();
                             let r = r.and_then(|()| Ok(gpu.upload_sync(j.ptr, &bytes, || format!("uploading the initial values of `{name}`"))?));
+                            // The compute copy's chunk: the cast of the same values.
+                            let r = r.and_then(|()| match j.copy {
+                                Some((cptr, cdt)) => {
+                                    copy_bytes.resize(j.elems * cdt.size_bytes(), 0);
+                                    encode_floats(&scratch, cdt, &mut copy_bytes).map_err(|e| bad(format!("compute copy of `{name}`: {e}")))?;
+                                    Ok(gpu.upload_sync(cptr, &copy_bytes, || format!("uploading the compute copy of `{name}`"))?)
+                                }
+                                None => Ok(()),
+                            });
                             if r.is_err() {
                                 // Let the other workers stop at their next chunk.
                                 next.store(jobs.len(), Ordering::Relaxed);
@@ -900,7 +948,8 @@ impl<'a> CudaArtifactTrainer<'a> {
         let mut host = vec![0u8; len as usize];
         encode_floats(values, b.dtype, &mut host).map_err(|e| bad(format!("state `{name}`: {e}")))?;
         self.gpu.upload(ptr, &host, || format!("uploading state `{name}`"))?;
-        Ok(self.gpu.sync(|| format!("uploading state `{name}`"))?)
+        self.gpu.sync(|| format!("uploading state `{name}`"))?;
+        self.upload_copies(b, values)
     }
 
     /// Decode any buffer (for tests and debugging).
