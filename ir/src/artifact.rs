@@ -38,7 +38,7 @@ pub mod workspace;
 ///
 /// Version 9 added the ring offset of a view ([`RingOffset`]: async TP's chunk GEMMs read and
 /// write their rows of a tp-sharded value in place, at an offset that depends on the rank's tp
-/// coordinate) and the lifetime rule that a buffer a loop's data-parallel collective touches
+/// coordinate) and the lifetime rule that a buffer a loop's data-parallel collective reads
 /// lives across the loop (`liveness::pinned_in_loops`): an older reader would ignore the ring
 /// offset and address rank 0's rows on every rank, and would check plans against shorter
 /// lifetimes.

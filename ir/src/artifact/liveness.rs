@@ -13,11 +13,13 @@
 //! check that both give the same lifetimes.
 //!
 //! One exception keeps the data-parallel collectives stream from serializing the others: a
-//! buffer a loop's data-parallel collective reads or writes ([`pinned_in_loops`]) is not a
+//! buffer a loop's data-parallel collective reads ([`pinned_in_loops`]) is not a
 //! loop temporary but lives across the whole loop. That collective runs on a stream of its own
 //! and may finish well after the compute stream (and the tp stream) moved on; had a later
 //! temporary of the same iteration (a tp reduce-scatter's result, say) reused its bytes, that
-//! later operation would have to wait for it (`timeline::join_points`).
+//! later operation would have to wait for it (`timeline::join_points`). Outside loops the rule
+//! does not apply (pinning there means to the end of the step: the 70B prediction gained 0.02
+//! ms for 0.37 GiB of peak).
 
 use super::timeline::{DATA_STREAM, comm_stream};
 use super::{BufRef, Manifest, Step};
@@ -64,17 +66,20 @@ fn on_data_stream(s: &Step) -> bool {
     matches!(s, Step::Collective { collective, mesh_dim, group, .. } if *group > 1 && !collective.is_rank_local() && comm_stream(mesh_dim) == DATA_STREAM)
 }
 
-/// The buffers (by id) a data-parallel collective inside a top-level loop reads or writes
-/// (carries and layer slices included, which live across the loop anyway): never loop
-/// temporaries, so no other buffer of the loop shares their bytes while that stream may still
-/// use them.
+/// The buffers (by id) a data-parallel collective inside a top-level loop reads (carries and
+/// layer slices included, which live across the loop anyway): never loop temporaries, so no
+/// later buffer of the loop takes their bytes while that stream may still read them. (What it
+/// writes needs no pin: its readers on the compute stream wait for it first, and it starts
+/// after the compute enqueued before it.)
 pub fn pinned_in_loops(steps: &[Step]) -> Vec<u32> {
     let mut ids = Vec::new();
     for s in steps {
         if let Step::Loop { body, prefetch, .. } = s {
             for bs in prefetch.iter().chain(body) {
-                if on_data_stream(bs) {
-                    ids.extend(step_refs(bs).iter().flat_map(|r| ref_buffers(r, &[])));
+                if let Step::Collective { input, more_inputs, .. } = bs
+                    && on_data_stream(bs)
+                {
+                    ids.extend(std::iter::once(input).chain(more_inputs).flat_map(|r| ref_buffers(r, &[])));
                 }
             }
         }
