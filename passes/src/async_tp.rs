@@ -772,10 +772,7 @@ fn reduce_scatter_pair(region: &mut Region, rs: NodeId, ctx: &Ctx, stats: &mut A
     for g in &gemm_nodes {
         let h = g.inputs[0];
         for b in 0..rows {
-            if !h_rows.contains_key(&(h, b)) {
-                let hb = if rows == 1 { h } else { e.row(h, b) };
-                h_rows.insert((h, b), hb);
-            }
+            h_rows.entry((h, b)).or_insert_with(|| if rows == 1 { h } else { e.row(h, b) });
         }
     }
     let mut received = Vec::new();
