@@ -41,9 +41,15 @@ pub mod workspace;
 /// runtime at start-up and after `--resume`, no longer cast at the top of every step. An older
 /// reader would leave them uninitialized (and an older artifact's copies are activations), so
 /// neither side reads the other's.
-pub const FORMAT_VERSION: u32 = 9;
+/// Version 10 added the ring offset of a view ([`RingOffset`]: async TP's chunk GEMMs read and
+/// write their rows of a tp-sharded value in place, at an offset that depends on the rank's tp
+/// coordinate) and the lifetime rule that a buffer a loop's data-parallel collective reads
+/// lives across the loop (`liveness::pinned_in_loops`): an older reader would ignore the ring
+/// offset and address rank 0's rows on every rank, and would check plans against shorter
+/// lifetimes.
+pub const FORMAT_VERSION: u32 = 10;
 /// The oldest format version this reader reads.
-pub const MIN_FORMAT_VERSION: u32 = 9;
+pub const MIN_FORMAT_VERSION: u32 = 10;
 pub const MANIFEST_FILE: &str = "manifest.json";
 /// The fused training graph; each kernel's `body` names one of its blocks.
 pub const GRAPH_FILE: &str = "graph.ir";
@@ -318,7 +324,17 @@ pub enum BufRef {
     /// a leading-axis `slice` of a buffer or of a layer slice, or the place one operand of a
     /// `concat` is written to. Listed before `Buffer` so the untagged form picks it when all
     /// four fields are present.
-    View { buffer: u32, offset: u64, bytes: u64, stride: u64 },
+    ///
+    /// With `ring`, the view also moves by a rank-dependent multiple of `ring.step`
+    /// ([`RingOffset`]): one chunk of async TP's ring, read or written in place.
+    View {
+        buffer: u32,
+        offset: u64,
+        bytes: u64,
+        stride: u64,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        ring: Option<RingOffset>,
+    },
     /// Slice `i` along dim 0 of `buffer`, `i` the enclosing loop's layer index (`layer = true`),
     /// or the whole buffer.
     Buffer {
@@ -326,6 +342,31 @@ pub enum BufRef {
         #[serde(default, skip_serializing_if = "is_false")]
         layer: bool,
     },
+}
+
+/// The rank-dependent part of a view's offset: `step * ((c + shift) mod size)` bytes, `c` the
+/// rank's coordinate along `tp` (`size` is the tp degree). Async TP's ring micro-steps visit the
+/// tp shards of a value in ring order, so the chunk a rank computes at micro-step `shift` is the
+/// slice `(c + shift) mod size` of the assembled value (`ring_concat`), and the rows a
+/// reduce-scatter's chunk GEMM reads are that slice of its operand (`ring_slice`). Only
+/// leading-axis slices are contiguous, so a view has one ring offset at most.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RingOffset {
+    pub size: u32,
+    pub shift: u32,
+    pub step: u64,
+}
+
+impl RingOffset {
+    /// The bytes it adds for the rank at tp coordinate `tp_coord`.
+    pub fn bytes_at(&self, tp_coord: u32) -> Result<u64, String> {
+        if self.size == 0 || tp_coord >= self.size {
+            return Err(format!("a ring offset over {} ranks at tp coordinate {tp_coord}", self.size));
+        }
+        u64::from((tp_coord + self.shift % self.size) % self.size)
+            .checked_mul(self.step)
+            .ok_or_else(|| format!("a ring offset of {} x {} bytes overflows", self.size, self.step))
+    }
 }
 
 impl BufRef {
@@ -348,9 +389,10 @@ impl BufRef {
 
     /// The bytes `(start, len)` a `Buffer` or `View` reference addresses, relative to the start
     /// of its buffer of `bytes` bytes whose dim 0 is `lead`, in loop iteration `layer` (`None`
-    /// outside loops). Every range is checked against the buffer; a carry is an error (the
-    /// caller resolves carries through its loop's slots).
-    pub fn range_in(&self, bytes: u64, lead: u64, layer: Option<usize>) -> Result<(u64, u64), String> {
+    /// outside loops), for the rank at tp coordinate `tp_coord` (which only a ring offset
+    /// reads). Every range is checked against the buffer; a carry is an error (the caller
+    /// resolves carries through its loop's slots).
+    pub fn range_in(&self, bytes: u64, lead: u64, layer: Option<usize>, tp_coord: u32) -> Result<(u64, u64), String> {
         match *self {
             BufRef::Buffer { layer: false, .. } => Ok((0, bytes)),
             BufRef::Buffer { buffer, layer: true } => {
@@ -361,13 +403,17 @@ impl BufRef {
                 let per = bytes / lead;
                 Ok((i * per, per))
             }
-            BufRef::View { buffer, offset, bytes: len, stride } => {
+            BufRef::View { buffer, offset, bytes: len, stride, ring } => {
                 let i = match (stride, layer) {
                     (0, _) => 0,
                     (_, Some(i)) => i as u64,
                     (_, None) => return Err(format!("a per-layer view of buffer {buffer} outside any loop")),
                 };
-                let start = i.checked_mul(stride).and_then(|x| x.checked_add(offset));
+                let r = match ring {
+                    Some(ring) => ring.bytes_at(tp_coord).map_err(|e| format!("the view of buffer {buffer}: {e}"))?,
+                    None => 0,
+                };
+                let start = i.checked_mul(stride).and_then(|x| x.checked_add(offset)).and_then(|x| x.checked_add(r));
                 match start.and_then(|s| s.checked_add(len)) {
                     Some(end) if end <= bytes => Ok((end - len, len)),
                     _ => Err(format!("the view of bytes {offset} + {i} * {stride} .. + {len} of buffer {buffer} ends past its {bytes} bytes")),
@@ -717,6 +763,19 @@ pub enum ArtifactError {
     Invalid(String),
 }
 
+impl Mesh {
+    /// The tp degree (1 without a `tp` dim).
+    pub fn tp(&self) -> u32 {
+        self.dims.iter().find(|d| d.name == "tp").map_or(1, |d| d.size.max(1))
+    }
+
+    /// Rank `rank`'s coordinate along `tp`, the innermost mesh dim (what a view's
+    /// [`RingOffset`] reads).
+    pub fn tp_coord(&self, rank: usize) -> u32 {
+        (rank % self.tp() as usize) as u32
+    }
+}
+
 impl Manifest {
     /// Serialize deterministically (pretty JSON, trailing newline).
     pub fn to_json(&self) -> String {
@@ -781,15 +840,24 @@ mod tests {
     #[test]
     fn offset_views_resolve_and_round_trip() {
         let layer = BufRef::Buffer { buffer: 3, layer: true };
-        let view = BufRef::View { buffer: 3, offset: 8, bytes: 4, stride: 16 };
-        assert_eq!(layer.range_in(48, 3, Some(2)), Ok((32, 16)));
-        assert_eq!(view.range_in(48, 3, Some(2)), Ok((40, 4)));
-        assert!(view.range_in(48, 3, None).is_err_and(|e| e.contains("outside any loop")));
-        let fixed = BufRef::View { buffer: 3, offset: 40, bytes: 8, stride: 0 };
-        assert_eq!(fixed.range_in(48, 3, None), Ok((40, 8)));
-        assert!(BufRef::View { buffer: 3, offset: 44, bytes: 8, stride: 0 }.range_in(48, 3, None).is_err_and(|e| e.contains("ends past its 48 bytes")));
-        assert!(BufRef::View { buffer: 3, offset: 0, bytes: 8, stride: u64::MAX }.range_in(48, 3, Some(2)).is_err());
-        for r in [layer, view, BufRef::Buffer { buffer: 1, layer: false }, BufRef::Carry { carry: 0, out: true }] {
+        let view = BufRef::View { buffer: 3, offset: 8, bytes: 4, stride: 16, ring: None };
+        assert_eq!(layer.range_in(48, 3, Some(2), 0), Ok((32, 16)));
+        assert_eq!(view.range_in(48, 3, Some(2), 0), Ok((40, 4)));
+        assert!(view.range_in(48, 3, None, 0).is_err_and(|e| e.contains("outside any loop")));
+        let fixed = BufRef::View { buffer: 3, offset: 40, bytes: 8, stride: 0, ring: None };
+        assert_eq!(fixed.range_in(48, 3, None, 0), Ok((40, 8)));
+        assert!(
+            BufRef::View { buffer: 3, offset: 44, bytes: 8, stride: 0, ring: None }
+                .range_in(48, 3, None, 0)
+                .is_err_and(|e| e.contains("ends past its 48 bytes"))
+        );
+        assert!(BufRef::View { buffer: 3, offset: 0, bytes: 8, stride: u64::MAX, ring: None }.range_in(48, 3, Some(2), 0).is_err());
+        // A ring view: chunk `(c + shift) mod size` of 4 chunks of 8 bytes, in layer 1's slice.
+        let ring = BufRef::View { buffer: 3, offset: 0, bytes: 8, stride: 32, ring: Some(RingOffset { size: 4, shift: 3, step: 8 }) };
+        let at = |c: u32| ring.range_in(64, 2, Some(1), c);
+        assert_eq!((at(0), at(1), at(2), at(3)), (Ok((56, 8)), Ok((32, 8)), Ok((40, 8)), Ok((48, 8))));
+        assert!(at(4).is_err_and(|e| e.contains("tp coordinate 4")));
+        for r in [layer, view, ring, BufRef::Buffer { buffer: 1, layer: false }, BufRef::Carry { carry: 0, out: true }] {
             let json = serde_json::to_string(&r).expect("json");
             assert_eq!(serde_json::from_str::<BufRef>(&json).expect("back"), r, "{json}");
         }

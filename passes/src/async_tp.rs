@@ -14,7 +14,16 @@
 //!   dim): for `s = 1 .. tp-1` the rank computes the partial of the rows of peer `(r + s) mod
 //!   tp` (`ring_slice` of the GEMM operand, then the GEMM) and sends it there
 //!   (`ring_shift {shift = tp - s}`) while it computes the next; its own chunk comes last,
-//!   and the `tp` partials are summed once, in f32.
+//!   and the `tp` partials are summed once, in f32. The producer may also be an `add` of
+//!   such GEMMs (the backward's input cotangents of `wq`+`wk`+`wv` and `w1`+`w3`): each
+//!   micro-step then runs every GEMM's chunk and the adds on the chunks.
+//!
+//! The chunk GEMMs read and write their rows in place: the memory plan makes a `ring_slice` a
+//! view of its source and computes each `ring_concat` operand into its chunk of the result
+//! (ring views), which needs every chunk to be one contiguous run of the value. With several
+//! batch rows per rank the pass therefore splits each chunk GEMM per batch row (a leading-axis
+//! `slice` of the shard) and assembles per row (`ring_concat` per row, then `concat`); a loop
+//! carry, which has no views, is read whole and its chunk copied. The report says which.
 //!
 //! The pass runs after `autodiff` (and `cse`/`dce`), on the joint forward and backward
 //! graph, as inductor's pass does: the backward's collective–GEMM pairs (the all-gathered
@@ -27,7 +36,7 @@
 //! `--async-tp`); it then needs `tp > 1` with sequence parallelism and fails otherwise.
 
 use std::cmp::Reverse;
-use std::collections::{BinaryHeap, HashMap};
+use std::collections::{BinaryHeap, HashMap, HashSet};
 
 use titan_ir::float8::{MatchedQuantize, Scaling, match_quantize};
 use titan_ir::shape::resolve_dim;
@@ -172,6 +181,56 @@ fn divided(ty: &TensorType, d: usize, n: u32, dims: &DimTable) -> Result<TensorT
     Ok(t)
 }
 
+/// `ty` with dim 0 set to 1: one batch row.
+fn one_row(ty: &TensorType) -> TensorType {
+    let mut t = ty.clone();
+    t.shape[0] = Dim::Fixed(1);
+    t
+}
+
+/// How a micro-step's chunk along dim `d` of a value of type `ty` lies in memory: `Rows(1)` when
+/// every dim before `d` is 1 (the chunk is one contiguous run of the value's bytes), `Rows(b)`
+/// when only dim 0 (`b` batch rows) precedes `d` (the chunk is `b` runs, one per batch row: the
+/// pass splits each chunk GEMM per row), `Strided` otherwise. Contiguous chunks are read and
+/// written in place by the memory plan (ring views); strided ones are copied by the
+/// `ring_slice`/`ring_concat` steps.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Layout {
+    Rows(u64),
+    Strided,
+}
+
+fn layout(ty: &TensorType, d: usize, dims: &DimTable) -> Layout {
+    let lead: Option<Vec<u64>> = ty.shape[..d.min(ty.rank())].iter().map(|x| resolve_dim(x, dims)).collect();
+    match lead.as_deref() {
+        Some(l) if l.iter().all(|&x| x == 1) => Layout::Rows(1),
+        Some(&[b]) if b > 0 => Layout::Rows(b),
+        _ => Layout::Strided,
+    }
+}
+
+impl Layout {
+    /// The batch rows each chunk GEMM is split into (1: not split).
+    fn rows(self) -> u64 {
+        match self {
+            Layout::Rows(b) => b,
+            Layout::Strided => 1,
+        }
+    }
+
+    /// The report's words for it.
+    fn note(self) -> String {
+        match self {
+            Layout::Rows(1) => "; chunks read and written in place".into(),
+            Layout::Rows(b) => format!("; chunks read and written in place, each chunk GEMM split over the {b} batch rows"),
+            Layout::Strided => {
+                "; a chunk's rows are strided (more than one dim before the sequence), so `ring_slice`/`ring_concat` copy them: in place is not supported yet"
+                    .into()
+            }
+        }
+    }
+}
+
 fn human(b: u64) -> String {
     if b >= 1 << 20 { format!("{:.2} MiB", b as f64 / f64::from(1u32 << 20)) } else { format!("{:.2} KiB", b as f64 / 1024.0) }
 }
@@ -224,6 +283,28 @@ impl Emit<'_> {
         let v = self.region.node(n).results[0];
         self.region.values[v.index()].name = name;
         v
+    }
+}
+
+impl Emit<'_> {
+    /// Batch row `b` of `v` (a leading-axis `slice`, a view).
+    fn row(&mut self, v: Value, b: u64) -> Value {
+        let ty = one_row(self.region.ty(v));
+        self.push(Op::Slice { axis: 0, start: b, len: 1 }, vec![v], ty, None)
+    }
+
+    /// The value of type `ty` whose chunks along `dim` are `pieces[b][s]` (batch row `b`, ring
+    /// order `s`): one `ring_concat` of the chunks, or with several batch rows one per row
+    /// (each a contiguous run of the result) joined by a `concat` along dim 0.
+    fn assemble(&mut self, pieces: Vec<Vec<Value>>, ty: TensorType, dim: u32, n: u32, name: Option<String>) -> Value {
+        let op = Op::RingConcat { mesh_dim: MeshDim::Tp, dim, size: n };
+        if pieces.len() == 1 {
+            let [p] = <[Vec<Value>; 1]>::try_from(pieces).expect("invariant: one row");
+            return self.push(op, p, ty, name);
+        }
+        let row_ty = one_row(&ty);
+        let rows: Vec<Value> = pieces.into_iter().map(|p| self.push(op.clone(), p, row_ty.clone(), None)).collect();
+        self.push(Op::Concat { axis: 0 }, rows, ty, name)
     }
 }
 
@@ -280,6 +361,10 @@ struct Ctx<'a> {
     dims: &'a DimTable,
     tp: u32,
     mode: AsyncTpMode,
+    /// The region's arguments carried between loop iterations (a `repeat`'s carries and
+    /// prefetched carries): the memory plan has no view of a row of one, so a chunk GEMM reads
+    /// such a shard whole.
+    carried: HashSet<Value>,
 }
 
 impl Ctx<'_> {
@@ -315,9 +400,12 @@ fn ring_gather_gemms(
     stats: &mut AsyncTpStats,
 ) -> Result<(Vec<Value>, Vec<Value>), String> {
     let d = dim as usize;
+    let lay = layout(e.region.ty(start.0), d, ctx.dims);
+    let rows = lay.rows();
     let mut shards = vec![start.0];
     let mut companions: Vec<Value> = start.1.into_iter().collect();
-    let mut chunks: Vec<Vec<Value>> = vec![Vec::new(); gemm_nodes.len()];
+    // chunks[c][b][s]: GEMM `c`'s rows of batch row `b` at micro-step `s`.
+    let mut chunks: Vec<Vec<Vec<Value>>> = vec![vec![Vec::new(); rows as usize]; gemm_nodes.len()];
     for s in 0..n as usize {
         let cur = shards[s];
         if s + 1 < n as usize {
@@ -331,21 +419,47 @@ fn ring_gather_gemms(
                 stats.ring_shifts += 1;
             }
         }
+        // A carried shard has no row views: its chunk GEMM reads it whole, and the rows of
+        // the result are copied into place.
+        let whole = rows == 1 || ctx.carried.contains(&cur);
+        let cur_rows: Vec<Value> = if whole { vec![cur] } else { (0..rows).map(|b| e.row(cur, b)).collect() };
         for (c, gn) in gemm_nodes.iter().enumerate() {
             let ty = divided(e.region.ty(gn.results[0]), d, n, ctx.dims)?;
-            let name = e.region.value(gn.results[0]).name.as_ref().map(|b| format!("{b}.chunk{s}"));
-            chunks[c].push(e.push(gn.op.clone(), with_rows(&gn.inputs, cur), ty, name));
-            stats.chunk_gemms += 1;
+            let ty = if whole { ty } else { one_row(&ty) };
+            for (b, &r) in cur_rows.iter().enumerate() {
+                let name = e.region.value(gn.results[0]).name.as_ref().map(|x| if whole { format!("{x}.chunk{s}") } else { format!("{x}.chunk{s}.row{b}") });
+                let y = e.push(gn.op.clone(), with_rows(&gn.inputs, r), ty.clone(), name);
+                stats.chunk_gemms += 1;
+                if rows == 1 {
+                    chunks[c][0].push(y);
+                } else if whole {
+                    for (b, piece) in chunks[c].iter_mut().enumerate() {
+                        piece.push(e.row(y, b as u64));
+                    }
+                } else {
+                    chunks[c][b].push(y);
+                }
+            }
         }
     }
     for (c, gn) in gemm_nodes.iter().enumerate() {
         let y = gn.results[0];
         let ty = e.region.ty(y).clone();
         let name = e.region.value(y).name.clone();
-        let assembled = e.push(Op::RingConcat { mesh_dim: MeshDim::Tp, dim, size: n }, chunks[c].clone(), ty, name);
+        let assembled = e.assemble(std::mem::take(&mut chunks[c]), ty, dim, n, name);
         replace_uses(e.region, y, assembled, None);
     }
     Ok((shards, companions))
+}
+
+/// The gathered value assembled from the `shards` (ring order) a ring loop received: in place
+/// from the received shards (one row of each per batch row when there are several).
+fn assemble_shards(e: &mut Emit<'_>, shards: &[Value], ty: TensorType, dim: u32, n: u32, ctx: &Ctx, name: Option<String>) -> Value {
+    let rows = layout(&ty, dim as usize, ctx.dims).rows();
+    // A carried shard has no row views: one `ring_concat` step copies the shards.
+    let rows = if shards.iter().any(|v| ctx.carried.contains(v)) { 1 } else { rows };
+    let pieces: Vec<Vec<Value>> = if rows == 1 { vec![shards.to_vec()] } else { (0..rows).map(|b| shards.iter().map(|&x| e.row(x, b)).collect()).collect() };
+    e.assemble(pieces, ty, dim, n, name)
 }
 
 /// Decide and (maybe) split the all-gather `ag`; returns the report line.
@@ -391,18 +505,36 @@ fn all_gather_pair(region: &mut Region, ag: NodeId, ctx: &Ctx, stats: &mut Async
     if byproduct {
         let ty = e.region.ty(g).clone();
         let name = e.region.value(g).name.clone();
-        let full = e.push(Op::RingConcat { mesh_dim: MeshDim::Tp, dim, size: n }, shards.clone(), ty, name);
+        let full = assemble_shards(&mut e, &shards, ty, dim, n, ctx, name);
         replace_uses(e.region, g, full, None);
     }
     let new = std::mem::take(&mut e.new);
     splice(region, &gone, at, &new)?;
     stats.gathers_split += 1;
     Ok(format!(
-        "{head} -> {}: split into {n} micro-steps ({} ring shifts of {} each){}",
+        "{head} -> {}: split into {n} micro-steps ({} ring shifts of {} each){}{}",
         names.join(", "),
         n - 1,
         human(chunk_bytes),
-        if byproduct { format!("; the gathered value is assembled for its other readers ({})", why_not.join("; ")) } else { String::new() }
+        {
+            let lay = layout(region.ty(x), d, ctx.dims);
+            let carried = if ctx.carried.contains(&x) && lay.rows() > 1 {
+                " (but the own shard, a loop carry, which has no row views: its chunk GEMMs read it whole and their rows are copied into place)"
+            } else {
+                ""
+            };
+            format!("{}{carried}", lay.note())
+        },
+        if byproduct {
+            let copied = if ctx.carried.contains(&x) && layout(region.ty(x), d, ctx.dims).rows() > 1 {
+                " (copied by one `ring_concat` step: its own shard is a loop carry, which has no row views)"
+            } else {
+                ""
+            };
+            format!("; the gathered value is assembled for its other readers ({}){copied}", why_not.join("; "))
+        } else {
+            String::new()
+        }
     ))
 }
 
@@ -517,7 +649,7 @@ fn float8_gather_pair(region: &mut Region, ag: NodeId, ctx: &Ctx, stats: &mut As
     gone.extend(&q_users);
     let inv_full = if rowwise {
         let ty = e.region.ty(inv).clone();
-        e.push(Op::RingConcat { mesh_dim: MeshDim::Tp, dim, size: n }, scales, ty, None)
+        assemble_shards(&mut e, &scales, ty, dim, n, ctx, None)
     } else {
         inv_s
     };
@@ -531,11 +663,53 @@ fn float8_gather_pair(region: &mut Region, ag: NodeId, ctx: &Ctx, stats: &mut As
         None => format!("each ring-shifting a {} fp8 chunk; the scale comes from a tp max all_reduce of the amax", human(fp8_bytes)),
     };
     Ok(Some(format!(
-        "{head} -> {}: quantized before the gather ({}), split into {n} micro-steps ({} transfers, {moved})",
+        "{head} -> {}: quantized before the gather ({}), split into {n} micro-steps ({} transfers, {moved}){}",
         names.join(", "),
         if rowwise { "rowwise" } else { "tensorwise" },
-        n - 1
+        n - 1,
+        layout(region.ty(x), d, ctx.dims).note()
     )))
+}
+
+/// The producer of a reduce-scatter's operand as the pass splits it: a GEMM over the scattered
+/// rows, or an elementwise `add` of such trees (the input cotangent of `w1`/`w3` or of
+/// `wq`/`wk`/`wv` in the backward) whose every intermediate value only the tree reads.
+enum Tree {
+    Gemm(titan_ir::Node),
+    Add(Box<Tree>, Box<Tree>),
+}
+
+impl Tree {
+    fn gemms(&self) -> Vec<&titan_ir::Node> {
+        match self {
+            Tree::Gemm(n) => vec![n],
+            Tree::Add(a, b) => a.gemms().into_iter().chain(b.gemms()).collect(),
+        }
+    }
+}
+
+/// The [`Tree`] computing `v` (`nodes` collects its nodes), or why it is not one.
+fn row_tree(region: &Region, v: Value, d: usize, nodes: &mut Vec<NodeId>) -> Result<Tree, String> {
+    let Some(m) = region.order.iter().copied().find(|&m| region.node(m).results.contains(&v)) else {
+        return Err("an argument of the region is not a GEMM".into());
+    };
+    let node = region.node(m);
+    nodes.push(m);
+    if node.op == Op::Binary(BinaryOp::Add) && node.inputs.len() == 2 && node.inputs.iter().all(|&x| region.ty(x) == region.ty(v)) {
+        let mut kids = Vec::new();
+        for &x in &node.inputs {
+            let (us, out) = readers(region, x);
+            if out || us != [m] || node.inputs[0] == node.inputs[1] {
+                return Err("`add` of a GEMM read elsewhere too".into());
+            }
+            kids.push(row_tree(region, x, d, nodes)?);
+        }
+        let [a, b] = <[Tree; 2]>::try_from(kids).map_err(|_| "invariant: two operands")?;
+        return Ok(Tree::Add(Box::new(a), Box::new(b)));
+    }
+    let h = *node.inputs.first().ok_or_else(|| format!("`{}` has no operand", node.op.name()))?;
+    row_gemm(region, node, h, d)?;
+    Ok(Tree::Gemm(node.clone()))
 }
 
 /// Decide and (maybe) split the reduce-scatter `rs`; returns the report line.
@@ -553,45 +727,99 @@ fn reduce_scatter_pair(region: &mut Region, rs: NodeId, ctx: &Ctx, stats: &mut A
     if reduce != CollectiveReduce::Sum {
         return Ok(format!("{head}: synchronous: only sum reductions are split"));
     }
-    let h = pn.inputs.first().copied();
-    let shape_ok = match h {
-        Some(h) => row_gemm(region, &pn, h, d),
-        None => Err(format!("`{}` has no operand", pn.op.name())),
-    };
-    if let Err(e) = shape_ok {
-        if pn.op != Op::Cast && scaled_gemm_epilogue(region, p) {
-            return Ok(format!(
-                "{head}: synchronous: the producer is the row and column scaling after a float8 scaled GEMM (rowwise); splitting it with its epilogue is not supported yet"
-            ));
+    let mut tree_nodes = Vec::new();
+    let tree = match row_tree(region, p, d, &mut tree_nodes) {
+        Ok(t) => t,
+        Err(e) => {
+            if pn.op != Op::Cast && scaled_gemm_epilogue(region, p) {
+                return Ok(format!(
+                    "{head}: synchronous: the producer is the row and column scaling after a float8 scaled GEMM (rowwise); splitting it with its epilogue is not supported yet"
+                ));
+            }
+            let why = match row_gemm(region, &pn, pn.inputs.first().copied().unwrap_or(p), d) {
+                Err(first) if pn.op != Op::Binary(BinaryOp::Add) => first,
+                _ => e,
+            };
+            return Ok(format!("{head}: synchronous: the producer is not a GEMM over the scattered rows, nor an `add` of such GEMMs ({why})"));
         }
-        return Ok(format!("{head}: synchronous: the producer is not a GEMM over the scattered rows ({e})"));
-    }
-    let h = h.ok_or("invariant: a GEMM operand")?;
+    };
     let (users, used_outside) = readers(region, p);
     if users.len() != 1 || used_outside {
         return Ok(format!("{head}: synchronous: the GEMM's full partial result has other readers"));
     }
-    let wname = weight_name(region, pn.inputs[1]);
+    let gemms = tree.gemms();
+    let wname = gemms.iter().map(|g| format!("{}({})", g.op.name(), weight_name(region, g.inputs[1]))).collect::<Vec<_>>().join(" + ");
     let n = size;
     let out_ty = region.ty(out).clone();
     let chunk_bytes = bytes(&out_ty, ctx.dims)?;
-    let k = resolve_dim(region.ty(h).shape.last().ok_or("a scalar operand")?, ctx.dims).ok_or("unbound contraction dim")?;
-    let flops = 2 * numel(&out_ty, ctx.dims)? * k;
+    let mut flops = 0;
+    for g in &gemms {
+        let k = resolve_dim(region.ty(g.inputs[0]).shape.last().ok_or("a scalar operand")?, ctx.dims).ok_or("unbound contraction dim")?;
+        flops += 2 * numel(&out_ty, ctx.dims)? * k;
+    }
     if let Err(e) = ctx.threshold(chunk_bytes, flops) {
-        return Ok(format!("{head} <- {}({wname}): synchronous: {e}", pn.op.name()));
+        return Ok(format!("{head} <- {wname}: synchronous: {e}"));
     }
     let pname = region.value(p).name.clone();
-    let hname = region.value(h).name.clone();
-    let h_chunk = divided(region.ty(h), d, n, ctx.dims)?;
     let part_ty = divided(region.ty(p), d, n, ctx.dims)?;
+    let lay = layout(region.ty(p), d, ctx.dims);
+    // A carried rows operand has no row views: its GEMMs read the ring slices whole.
+    let rows = if gemms.iter().any(|g| ctx.carried.contains(&g.inputs[0])) { 1 } else { lay.rows() };
+    let gemm_nodes: Vec<titan_ir::Node> = gemms.iter().map(|&g| g.clone()).collect();
     let mut e = Emit { region, new: Vec::new() };
+    // The rows operand of each GEMM, per batch row.
+    let mut h_rows: HashMap<(Value, u64), Value> = HashMap::new();
+    for g in &gemm_nodes {
+        let h = g.inputs[0];
+        for b in 0..rows {
+            h_rows.entry((h, b)).or_insert_with(|| if rows == 1 { h } else { e.row(h, b) });
+        }
+    }
     let mut received = Vec::new();
     // Peers' partials first (each sent while the next is computed), this rank's own last.
     for s in (1..n).chain([0]) {
-        let name = hname.as_ref().map(|b| format!("{b}.rows{s}"));
-        let hs = e.push(Op::RingSlice { mesh_dim: MeshDim::Tp, dim, size: n, shift: s }, vec![h], h_chunk.clone(), name);
-        let ps = e.push(pn.op.clone(), with_rows(&pn.inputs, hs), part_ty.clone(), pname.as_ref().map(|b| format!("{b}.chunk{s}")));
-        stats.chunk_gemms += 1;
+        let mut parts = Vec::new();
+        for b in 0..rows {
+            let suffix = if rows == 1 { format!("{s}") } else { format!("{s}.row{b}") };
+            let pty = if rows == 1 { part_ty.clone() } else { one_row(&part_ty) };
+            // Each GEMM's chunk, on its rows of peer `s` (one ring slice per rows operand).
+            let mut slices: HashMap<Value, Value> = HashMap::new();
+            let mut chunk_of: Vec<Value> = Vec::new();
+            for g in &gemm_nodes {
+                let hb = h_rows[&(g.inputs[0], b)];
+                let hs = match slices.get(&hb) {
+                    Some(&v) => v,
+                    None => {
+                        let hty = divided(e.region.ty(hb), d, n, ctx.dims)?;
+                        let name = e.region.value(g.inputs[0]).name.as_ref().map(|x| format!("{x}.rows{suffix}"));
+                        let v = e.push(Op::RingSlice { mesh_dim: MeshDim::Tp, dim, size: n, shift: s }, vec![hb], hty, name);
+                        slices.insert(hb, v);
+                        v
+                    }
+                };
+                let gty = if rows == 1 { divided(e.region.ty(g.results[0]), d, n, ctx.dims)? } else { pty.clone() };
+                let name = e.region.value(g.results[0]).name.as_ref().map(|x| format!("{x}.chunk{suffix}"));
+                chunk_of.push(e.push(g.op.clone(), with_rows(&g.inputs, hs), gty, name));
+                stats.chunk_gemms += 1;
+            }
+            // The tree's adds on the chunks, in the tree's order (the same element values).
+            fn fold(e: &mut Emit<'_>, t: &Tree, chunks: &mut std::slice::Iter<'_, Value>, ty: &TensorType) -> Result<Value, String> {
+                match t {
+                    Tree::Gemm(_) => chunks.next().copied().ok_or_else(|| "invariant: a chunk per GEMM".to_string()),
+                    Tree::Add(a, b) => {
+                        let x = fold(e, a, chunks, ty)?;
+                        let y = fold(e, b, chunks, ty)?;
+                        Ok(e.push(Op::Binary(BinaryOp::Add), vec![x, y], ty.clone(), None))
+                    }
+                }
+            }
+            let part = fold(&mut e, &tree, &mut chunk_of.iter(), &pty)?;
+            if let Some(x) = pname.as_ref().filter(|_| rows == 1) {
+                e.region.values[part.index()].name = Some(format!("{x}.chunk{suffix}"));
+            }
+            parts.push(part);
+        }
+        let ps = if rows == 1 { parts[0] } else { e.push(Op::Concat { axis: 0 }, parts, part_ty.clone(), pname.as_ref().map(|x| format!("{x}.chunk{s}"))) };
         if s == 0 {
             received.push(ps);
         } else {
@@ -616,13 +844,15 @@ fn reduce_scatter_pair(region: &mut Region, rs: NodeId, ctx: &Ctx, stats: &mut A
     e.region.values[result.index()].name = e.region.value(out).name.clone();
     replace_uses(e.region, out, result, None);
     let new = std::mem::take(&mut e.new);
-    splice(region, &[prod, rs], rs, &new)?;
+    let mut gone = tree_nodes;
+    gone.push(rs);
+    splice(region, &gone, rs, &new)?;
     stats.scatters_split += 1;
     Ok(format!(
-        "{head} <- {}({wname}): split into {n} micro-steps ({} ring shifts of {} each, own chunk last, one f32 reduction)",
-        pn.op.name(),
+        "{head} <- {wname}: split into {n} micro-steps ({} ring shifts of {} each, own chunk last, one f32 reduction){}",
         n - 1,
-        human(chunk_bytes)
+        human(chunk_bytes),
+        if rows == 1 && lay.rows() > 1 { Layout::Strided.note() } else { lay.note() }
     ))
 }
 
@@ -650,6 +880,39 @@ fn rewrite_region(region: &mut Region, ctx: &Ctx, stats: &mut AsyncTpStats) -> R
     Ok(())
 }
 
+/// The tp collectives run in program order on their stream. A synchronous tp all-gather of a
+/// region argument sits at the region's top (`prefetch-gathers`, which calls this after it
+/// hoists, puts the backward's re-gathers of saved shards there), so the ring shifts of the pairs split after it would queue behind it
+/// although their chunk GEMMs come first: move each such gather after the last `ring_shift`
+/// that precedes its first reader (still before that reader, and after its operand, an
+/// argument). Returns the gathers moved, with the ring shifts they now follow.
+pub fn order_tp_stream(region: &mut Region) -> Vec<(NodeId, usize)> {
+    let is_arg = |r: &Region, v: Value| matches!(r.value(v).def, titan_ir::ValueDef::Arg(_));
+    let gathers: Vec<NodeId> = region
+        .order
+        .iter()
+        .copied()
+        .filter(|&m| {
+            let n = region.node(m);
+            matches!(n.op, Op::AllGather { mesh_dim: MeshDim::Tp, .. }) && n.inputs.iter().all(|&v| is_arg(region, v))
+        })
+        .collect();
+    let mut moved = Vec::new();
+    for m in gathers {
+        let Some(at) = region.order.iter().position(|&x| x == m) else { continue };
+        let results = region.node(m).results.clone();
+        let first_reader = region.order.iter().position(|&x| region.node(x).inputs.iter().any(|v| results.contains(v))).unwrap_or(region.order.len());
+        let shifts: Vec<usize> =
+            (at + 1..first_reader).filter(|&q| matches!(region.node(region.order[q]).op, Op::RingShift { mesh_dim: MeshDim::Tp, .. })).collect();
+        let Some(&last) = shifts.last() else { continue };
+        region.order.remove(at);
+        // `last` moved one place up with the removal; insert right after it.
+        region.order.insert(last, m);
+        moved.push((m, shifts.len()));
+    }
+    moved
+}
+
 pub fn async_tp(g: &mut Graph) -> Result<AsyncTpStats, PassDiag> {
     let mut stats = AsyncTpStats::default();
     let Some(mode) = async_tp_mode(g)? else { return Ok(stats) };
@@ -668,10 +931,22 @@ pub fn async_tp(g: &mut Graph) -> Result<AsyncTpStats, PassDiag> {
             "async tensor parallelism needs sequence parallelism (the tp all-gather of the sequence before the column-parallel GEMMs), and this graph has none; run `shard-tp` first",
         ));
     }
-    let ctx = Ctx { dims: &g.dims, tp, mode };
+    // Per block, the arguments a `repeat` carries.
+    let mut carried: Vec<HashSet<Value>> = vec![HashSet::new(); g.blocks.len()];
+    for r in std::iter::once(&g.main).chain(&g.blocks) {
+        for &m in &r.order {
+            if let Op::Repeat { block, carry, prefetch, .. } = r.node(m).op
+                && let (Some(set), Some(b)) = (carried.get_mut(block.index()), g.blocks.get(block.index()))
+            {
+                set.extend(b.args.iter().take((carry + prefetch) as usize).map(|a| a.value));
+            }
+        }
+    }
+    let ctx = Ctx { dims: &g.dims, tp, mode, carried: HashSet::new() };
     debug_assert!(ctx.tp >= 2);
     rewrite_region(&mut g.main, &ctx, &mut stats)?;
-    for b in &mut g.blocks {
+    for (b, carried) in g.blocks.iter_mut().zip(carried) {
+        let ctx = Ctx { dims: &g.dims, tp, mode, carried };
         rewrite_region(b, &ctx, &mut stats)?;
     }
     Ok(stats)

@@ -558,7 +558,9 @@ fn run_async_tp(g: &mut Graph, _: &PassContext) -> Result<PassStats, PassDiag> {
 }
 
 fn run_prefetch_gathers(g: &mut Graph, _: &PassContext) -> Result<PassStats, PassDiag> {
-    Ok(PassStats::new().with("hoisted", crate::prefetch_gathers::prefetch_gathers(g).hoisted as u64))
+    let s = crate::prefetch_gathers::prefetch_gathers(g);
+    let stats = PassStats::new().with("hoisted", s.hoisted as u64);
+    Ok(if s.after_ring_shifts > 0 { stats.with("tp_gathers_after_ring_shifts", s.after_ring_shifts as u64) } else { stats })
 }
 
 fn run_prefetch_next_layer(g: &mut Graph, _: &PassContext) -> Result<PassStats, PassDiag> {

@@ -12,6 +12,11 @@
 //! (`float8-fsdp-gather`: the shard quantized with its all-reduced amax) moves with the nodes it
 //! is computed from, when those read only block arguments and constants (its quantization
 //! chain, the amax all-reduce included), in their relative order.
+//!
+//! With async TP the hoisted tp gathers (the backward's re-gathers of saved sequence shards)
+//! then move down again, just after the last `ring_shift` that precedes their first reader:
+//! the tp collectives run in program order on their stream, and the ring's micro-steps, whose
+//! chunk GEMMs come first, would otherwise queue behind them.
 
 use titan_ir::{DType, Graph, NodeId, Op, Region, ValueDef};
 
@@ -58,6 +63,9 @@ fn early_nodes(r: &Region) -> Vec<bool> {
 pub struct PrefetchStats {
     /// Gathers moved to the top of their block (fp8 gathers with their quantization).
     pub hoisted: usize,
+    /// Synchronous tp gathers then moved after the async-TP ring shifts that precede their
+    /// first reader ([`crate::async_tp::order_tp_stream`]).
+    pub after_ring_shifts: usize,
 }
 
 /// Move every block's argument-fed `all_gather`s to the front of its order (stable).
@@ -72,6 +80,9 @@ pub fn prefetch_gathers(g: &mut Graph) -> PrefetchStats {
             first.extend(rest);
             r.order = first;
         }
+        // The tp stream runs in program order: a hoisted tp gather must not hold up the ring
+        // shifts of async TP's micro-steps that are needed before it.
+        stats.after_ring_shifts += crate::async_tp::order_tp_stream(r).len();
     }
     stats
 }

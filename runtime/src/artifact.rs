@@ -602,7 +602,7 @@ impl Artifact {
                 let bytes = tensor_bytes(b.dtype, &shape).unwrap_or(0);
                 Ok(RefView { dtype: b.dtype, shape, bytes })
             }
-            BufRef::View { buffer, offset, stride, .. } => {
+            BufRef::View { buffer, offset, stride, ring, .. } => {
                 let b = self.buffer(buffer).ok_or_else(|| invalid(format!("{at}: buffer {buffer} does not exist")))?;
                 let lead = b.shape.first().copied().unwrap_or(0);
                 // Check the first and the last iteration's range (the range grows with the layer).
@@ -611,10 +611,22 @@ impl Artifact {
                     (_, Some(scope)) => Some(scope.count.saturating_sub(1) as usize),
                     (_, None) => return Err(invalid(format!("{at}: a per-layer view of buffer {buffer} (`{}`) outside any loop", b.name))),
                 };
-                let (_, bytes) = r.range_in(b.bytes, lead, last.map(|_| 0)).map_err(|e| invalid(format!("{at}: {e} (`{}`)", b.name)))?;
-                r.range_in(b.bytes, lead, last).map_err(|e| invalid(format!("{at}: {e} (`{}`)", b.name)))?;
+                // A ring offset: over the mesh's tp ranks, every tp coordinate's range.
+                let tp = self.manifest.mesh.tp();
+                let ring_step = match ring {
+                    Some(ring) if ring.size != tp => {
+                        return Err(invalid(format!("{at}: a ring view of buffer {buffer} (`{}`) over {} ranks on a mesh with tp = {tp}", b.name, ring.size)));
+                    }
+                    Some(ring) => ring.step,
+                    None => 0,
+                };
+                let coords = if ring.is_some() { tp } else { 1 };
+                let (_, bytes) = r.range_in(b.bytes, lead, last.map(|_| 0), 0).map_err(|e| invalid(format!("{at}: {e} (`{}`)", b.name)))?;
+                for c in 0..coords {
+                    r.range_in(b.bytes, lead, last, c).map_err(|e| invalid(format!("{at}: {e} (`{}`)", b.name)))?;
+                }
                 let elem = b.dtype.size_bytes() as u64;
-                if bytes % elem != 0 || offset % elem != 0 || stride % elem != 0 {
+                if bytes % elem != 0 || offset % elem != 0 || stride % elem != 0 || ring_step % elem != 0 {
                     return Err(invalid(format!(
                         "{at}: the view (offset {offset}, {bytes} bytes, stride {stride}) of buffer {buffer} (`{}`) does not fall on {} elements",
                         b.name, b.dtype

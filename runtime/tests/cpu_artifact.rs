@@ -129,18 +129,18 @@ fn with_views(l: &mut common::Looped, view: impl Fn(u32, u64) -> BufRef) {
 fn offset_views_address_layer_slices_and_are_checked_at_load() {
     let ir = looped_ir("f32");
     let mut l = looped(DType::F32);
-    with_views(&mut l, |buffer, bytes| BufRef::View { buffer, offset: 0, bytes, stride: bytes });
+    with_views(&mut l, |buffer, bytes| BufRef::View { buffer, offset: 0, bytes, stride: bytes, ring: None });
     let dir = write("views", &l.fixture, &ir);
     assert_eq!(artifact_mode(&dir, 2, 1), graph_mode(&ir, 2, 1), "views equal layer slices");
 
     let mut l = looped(DType::F32);
-    with_views(&mut l, |buffer, bytes| BufRef::View { buffer, offset: 4, bytes, stride: bytes });
+    with_views(&mut l, |buffer, bytes| BufRef::View { buffer, offset: 4, bytes, stride: bytes, ring: None });
     let dir = write("views-past", &l.fixture, &ir);
     let e = Artifact::load(&dir).expect_err("a view past its buffer").to_string();
     assert!(e.contains("ends past its"), "{e}");
 
     let mut l = looped(DType::F32);
-    with_views(&mut l, |buffer, bytes| BufRef::View { buffer, offset: 2, bytes: bytes - 4, stride: bytes });
+    with_views(&mut l, |buffer, bytes| BufRef::View { buffer, offset: 2, bytes: bytes - 4, stride: bytes, ring: None });
     let dir = write("views-cut", &l.fixture, &ir);
     let e = Artifact::load(&dir).expect_err("a view cutting an element").to_string();
     assert!(e.contains("does not fall on f32 elements"), "{e}");

@@ -52,7 +52,7 @@
 use std::collections::{BTreeMap, HashMap, HashSet};
 
 use titan_ir::artifact::liveness::{self, Lifetime};
-use titan_ir::artifact::{Arena, ArenaPlan, BufRef, Buffer, BufferClass, MemoryPlan, StateInfo, Step};
+use titan_ir::artifact::{Arena, ArenaPlan, BufRef, Buffer, BufferClass, MemoryPlan, RingOffset, StateInfo, Step};
 use titan_ir::print::ValueNames;
 use titan_ir::{ArgKind, DType, Graph, KernelKind, NodeId, Op, Region, Value, ValueDef};
 
@@ -91,6 +91,9 @@ pub struct LoopStorage {
     pub copies_at_start: Vec<CopyOp>,
     /// Copies right after the kernel node that computes their source.
     pub copies_after: HashMap<NodeId, Vec<CopyOp>>,
+    /// `ring_slice`/`ring_concat` nodes of the block resolved as ring views ([`ring_chunk`]):
+    /// they become no step (only the copies of unclaimed `ring_concat` operands).
+    pub ring_views: HashSet<NodeId>,
 }
 
 /// Where every value of the kernel graph lives.
@@ -106,8 +109,11 @@ pub struct Storage {
     pub loops: HashMap<NodeId, LoopStorage>,
     /// Copies at the end of the step (updates and outputs that could not be placed in place).
     pub final_copies: Vec<CopyOp>,
-    /// Copies at a `concat` node of `main`: its operands that could not be computed in place.
+    /// Copies at a `concat` (or a viewed `ring_concat`) node of `main`: its operands that could
+    /// not be computed in place.
     pub concat_copies: HashMap<NodeId, Vec<CopyOp>>,
+    /// `ring_slice`/`ring_concat` nodes of `main` resolved as ring views.
+    pub ring_views: HashSet<NodeId>,
 }
 
 pub(crate) fn internal(message: impl Into<String>) -> BuildError {
@@ -150,16 +156,49 @@ pub fn ref_bytes(buffers: &[Buffer], carries: &[[u32; 2]], r: BufRef) -> u64 {
 /// slice or a view); a loop carry has no fixed bytes to cut.
 pub fn sub_view(buffers: &[Buffer], r: BufRef, offset: u64, bytes: u64) -> Result<BufRef, BuildError> {
     match r {
-        BufRef::Buffer { buffer, layer: false } => Ok(BufRef::View { buffer, offset, bytes, stride: 0 }),
+        BufRef::Buffer { buffer, layer: false } => Ok(BufRef::View { buffer, offset, bytes, stride: 0, ring: None }),
         BufRef::Buffer { buffer, layer: true } => {
             let stride = buffers.get(buffer as usize).map_or(0, layer_bytes);
-            Ok(BufRef::View { buffer, offset, bytes, stride })
+            Ok(BufRef::View { buffer, offset, bytes, stride, ring: None })
         }
-        BufRef::View { buffer, offset: o, stride, .. } => Ok(BufRef::View { buffer, offset: o + offset, bytes, stride }),
+        BufRef::View { buffer, offset: o, stride, ring, .. } => Ok(BufRef::View { buffer, offset: o + offset, bytes, stride, ring }),
         BufRef::Carry { .. } => Err(BuildError::Invalid(
             "a `slice` or `concat` of a value carried between loop iterations is not supported yet (only of stacked or loop-invariant values)".into(),
         )),
     }
+}
+
+/// Chunk `(c + shift) mod ring.size` (`c` the rank's tp coordinate) of `ring.step` bytes of
+/// what `r` addresses: one micro-step's rows of a tp-sharded value. `None` where `r` cannot
+/// take a ring offset (a carry, or a view that already has one).
+fn ring_view(buffers: &[Buffer], r: BufRef, ring: RingOffset) -> Option<BufRef> {
+    if matches!(r, BufRef::View { ring: Some(_), .. }) {
+        return None;
+    }
+    match sub_view(buffers, r, 0, ring.step).ok()? {
+        BufRef::View { buffer, offset, bytes, stride, .. } => Some(BufRef::View { buffer, offset, bytes, stride, ring: Some(ring) }),
+        _ => None,
+    }
+}
+
+/// For a `ring_slice` or `ring_concat` node of `r`: the ring offset of its chunk `shift`
+/// (`ring_slice`'s own shift; `ring_concat`'s operand number) when each chunk is a contiguous
+/// run of bytes of the whole value (the dims before the ring's `dim` are all 1, as a
+/// leading-axis slice), else `None`: the node stays a rank-local copy step.
+fn ring_chunk(g: &Graph, r: &Region, node: &titan_ir::Node, shift: u32) -> Result<Option<RingOffset>, BuildError> {
+    let (whole, dim, size) = match node.op {
+        Op::RingSlice { dim, size, .. } => (node.inputs.first(), dim, size),
+        Op::RingConcat { dim, size, .. } => (node.results.first(), dim, size),
+        _ => return Ok(None),
+    };
+    let whole = *whole.ok_or_else(|| internal(format!("`{}` without its whole value", node.op.name())))?;
+    let shape = shape_of(g, r, whole)?;
+    let d = dim as usize;
+    if size == 0 || d >= shape.len() || shape[..d].iter().any(|&x| x != 1) || !shape[d].is_multiple_of(u64::from(size)) {
+        return Ok(None);
+    }
+    let step = bytes_of(r.ty(whole).dtype, &shape) / u64::from(size);
+    Ok(Some(RingOffset { size, shift, step }))
 }
 
 /// Iteration `i`'s share of `r` (a `main` value with the leading `count` dimension) inside a
@@ -167,9 +206,9 @@ pub fn sub_view(buffers: &[Buffer], r: BufRef, offset: u64, bytes: u64) -> Resul
 fn layer_view(r: BufRef, count: u32) -> Result<BufRef, BuildError> {
     match r {
         BufRef::Buffer { buffer, layer: false } => Ok(BufRef::Buffer { buffer, layer: true }),
-        BufRef::View { buffer, offset, bytes, stride: 0 } if count > 0 => {
+        BufRef::View { buffer, offset, bytes, stride: 0, ring: None } if count > 0 => {
             let per = bytes / u64::from(count);
-            Ok(BufRef::View { buffer, offset, bytes: per, stride: per })
+            Ok(BufRef::View { buffer, offset, bytes: per, stride: per, ring: None })
         }
         other => Err(internal(format!("a stacked loop operand with storage {other:?}, which has no layer slices"))),
     }
@@ -469,8 +508,32 @@ pub fn assign_storage(g: &Graph) -> Result<Storage, BuildError> {
     let updated: HashSet<Value> = main.updates.iter().map(|u| u.value).collect();
     let outputs: HashSet<Value> = main.outputs.iter().map(|o| o.value).collect();
     let mut concat_dst: HashMap<Value, BufRef> = HashMap::new();
+    let mut ring_parts: HashMap<NodeId, Vec<BufRef>> = HashMap::new();
     for n in main.order.iter().rev() {
         let node = main.node(*n);
+        if let Op::RingConcat { .. } = node.op {
+            // Async TP's chunks in ring order: each computed straight into its rows of the
+            // assembled value (a ring view) where the layout allows it.
+            let Some(ring) = ring_chunk(g, main, node, 0)? else { continue };
+            let &res = node.results.first().ok_or_else(|| internal("`ring_concat` without a result"))?;
+            let dst = match b.claim.get(&res) {
+                Some(&d) => d,
+                None => BufRef::Buffer { buffer: b.add_value(res, None)?, layer: false },
+            };
+            let parts: Option<Vec<BufRef>> = (0..ring.size).map(|k| ring_view(&b.s.buffers, dst, RingOffset { shift: k, ..ring })).collect();
+            let Some(parts) = parts else { continue };
+            b.s.ring_views.insert(*n);
+            concat_dst.insert(res, dst);
+            for (k, &v) in node.inputs.iter().enumerate() {
+                let r = root(main, v);
+                let twice = node.inputs.iter().enumerate().any(|(j, &w)| j != k && root(main, w) == r);
+                if !twice && !b.claim.contains_key(&r) && !updated.contains(&r) && !outputs.contains(&r) && computed_in_place(g, r) {
+                    b.claim.insert(r, parts[k]);
+                }
+            }
+            ring_parts.insert(*n, parts);
+            continue;
+        }
         if !matches!(node.op, Op::Concat { .. }) {
             continue;
         }
@@ -521,10 +584,36 @@ pub fn assign_storage(g: &Graph) -> Result<Storage, BuildError> {
     for (p, n) in main.order.iter().enumerate() {
         let node = main.node(*n);
         match &node.op {
+            Op::RingConcat { .. } if b.s.ring_views.contains(n) => {
+                let &res = node.results.first().ok_or_else(|| internal("`ring_concat` without a result"))?;
+                let dst = *concat_dst.get(&res).ok_or_else(|| internal("`ring_concat` result without a buffer"))?;
+                let parts = ring_parts.get(n).ok_or_else(|| internal("`ring_concat` without its ring views"))?;
+                for (&v, &part) in node.inputs.iter().zip(parts) {
+                    let src = b.main_ref(v)?;
+                    if src != part {
+                        let bytes = ref_bytes(&b.s.buffers, &[], part);
+                        b.s.concat_copies.entry(*n).or_default().push(CopyOp { src, dst: part, bytes });
+                    }
+                }
+                b.s.main[res.index()] = Some(dst);
+            }
+            Op::RingSlice { shift, .. }
+                if ring_chunk(g, main, node, *shift)?.and_then(|ring| ring_view(&b.s.buffers, b.main_ref(node.inputs[0]).ok()?, ring)).is_some() =>
+            {
+                let ring = ring_chunk(g, main, node, *shift)?.ok_or_else(|| internal("a ring view"))?;
+                let rf = ring_view(&b.s.buffers, b.main_ref(node.inputs[0])?, ring).ok_or_else(|| internal("a ring view"))?;
+                let &dst = node.results.first().ok_or_else(|| internal("`ring_slice` without a result"))?;
+                b.s.main[dst.index()] = Some(rf);
+                b.s.ring_views.insert(*n);
+            }
             op if is_collective_step(op) => {
-                // A collective writes a fresh buffer (never its operand's: ranks read it).
+                // A collective writes a fresh buffer (never its operand's: ranks read it); a
+                // rank-local `ring_concat` may write its place in a `concat`.
                 for &r in &node.results {
-                    let rf = BufRef::Buffer { buffer: b.add_value(r, None)?, layer: false };
+                    let rf = match b.claim.get(&r) {
+                        Some(&part) if matches!(op, Op::RingConcat { .. }) => part,
+                        _ => BufRef::Buffer { buffer: b.add_value(r, None)?, layer: false },
+                    };
                     b.s.main[r.index()] = Some(rf);
                 }
             }
@@ -600,13 +689,15 @@ pub fn assign_storage(g: &Graph) -> Result<Storage, BuildError> {
 }
 
 /// Whether `main` value `v` is a result a step computes into a buffer of the plan's choosing: a
-/// kernel result, or a stacked result of a loop that no other stacked result shares.
+/// kernel or `ring_concat` result, or a stacked result of a loop that no other stacked result
+/// shares.
 fn computed_in_place(g: &Graph, v: Value) -> bool {
     let main = &g.main;
     let Some(ValueDef::Result { node, index }) = main.values.get(v.index()).map(|d| d.def) else { return false };
     let n = main.node(node);
     match n.op {
-        Op::Kernel { .. } => true,
+        // A `ring_concat` writes its result (as a step, or through its chunks' ring views).
+        Op::Kernel { .. } | Op::RingConcat { .. } => true,
         Op::Repeat { carry, .. } => {
             let shares = shared_stacked(g, n);
             let j = index as usize;
@@ -769,8 +860,41 @@ fn assign_loop(
     // Concatenations of the block, outermost first, as in `main`: a result claimed by an
     // output is built in the output's slot or slice, else in a temporary of the loop.
     let mut concat_dst: HashMap<Value, BufRef> = HashMap::new();
+    let mut ring_parts: HashMap<NodeId, Vec<BufRef>> = HashMap::new();
     for n in blk.order.iter().rev() {
         let bn = blk.node(*n);
+        if let Op::RingConcat { .. } = bn.op {
+            // As in `main`: the chunks are computed into their rows of the assembled value.
+            let Some(ring) = ring_chunk(g, blk, bn, 0)? else { continue };
+            let &res = bn.results.first().ok_or_else(|| internal("`ring_concat` without a result"))?;
+            let dst = match claim.get(&res) {
+                Some(&d) => d,
+                None => {
+                    let name = format!("{}.{}", blk.name, bnames.get(res));
+                    BufRef::Buffer { buffer: b.add(name, blk.ty(res).dtype, shape_of(g, blk, res)?, BufferClass::Activation, scope), layer: false }
+                }
+            };
+            let parts: Option<Vec<BufRef>> = (0..ring.size).map(|k| ring_view(&b.s.buffers, dst, RingOffset { shift: k, ..ring })).collect();
+            let Some(parts) = parts else { continue };
+            ls.ring_views.insert(*n);
+            concat_dst.insert(res, dst);
+            for (k, &v) in bn.inputs.iter().enumerate() {
+                let r = root(blk, v);
+                let twice = bn.inputs.iter().enumerate().any(|(j, &w)| j != k && root(blk, w) == r);
+                let computed = match blk.values.get(r.index()).map(|d| d.def) {
+                    Some(ValueDef::Result { node, .. }) => {
+                        let op = &blk.node(node).op;
+                        matches!(op, Op::Kernel { .. }) || (is_collective_step(op) && !matches!(op, Op::RingSlice { .. } | Op::RingConcat { .. }))
+                    }
+                    _ => false,
+                };
+                if computed && !twice && !claim.contains_key(&r) {
+                    claim.insert(r, parts[k]);
+                }
+            }
+            ring_parts.insert(*n, parts);
+            continue;
+        }
         if !matches!(bn.op, Op::Concat { .. }) {
             continue;
         }
@@ -799,6 +923,33 @@ fn assign_loop(
     for n in &blk.order {
         let bn = blk.node(*n);
         match &bn.op {
+            Op::RingConcat { .. } if ls.ring_views.contains(n) => {
+                let &res = bn.results.first().ok_or_else(|| internal("`ring_concat` without a result"))?;
+                let dst = *concat_dst.get(&res).ok_or_else(|| internal("`ring_concat` result without storage"))?;
+                let parts = ring_parts.get(n).ok_or_else(|| internal("`ring_concat` without its ring views"))?;
+                for (&v, &part) in bn.inputs.iter().zip(parts) {
+                    let src = ls.values[v.index()].ok_or_else(|| internal(format!("a `ring_concat` operand of @{} has no storage", blk.name)))?;
+                    if src != part {
+                        let bytes = ref_bytes(&b.s.buffers, &ls.carries, part);
+                        ls.copies_after.entry(*n).or_default().push(CopyOp { src, dst: part, bytes });
+                    }
+                }
+                ls.values[res.index()] = Some(dst);
+                producer.insert(res, *n);
+            }
+            Op::RingSlice { shift, .. }
+                if ring_chunk(g, blk, bn, *shift)?.and_then(|ring| ring_view(&b.s.buffers, ls.values[bn.inputs[0].index()]?, ring)).is_some() =>
+            {
+                let ring = ring_chunk(g, blk, bn, *shift)?.ok_or_else(|| internal("a ring view"))?;
+                let whole = ls.values[bn.inputs[0].index()].ok_or_else(|| internal(format!("a `ring_slice` operand of @{} has no storage", blk.name)))?;
+                let rf = ring_view(&b.s.buffers, whole, ring).ok_or_else(|| internal("a ring view"))?;
+                let &dst = bn.results.first().ok_or_else(|| internal("`ring_slice` without a result"))?;
+                ls.values[dst.index()] = Some(rf);
+                ls.ring_views.insert(*n);
+                if let Some(&p) = producer.get(&root(blk, bn.inputs[0])) {
+                    producer.insert(dst, p);
+                }
+            }
             op if matches!(op, Op::Kernel { .. }) || is_collective_step(op) => {
                 for &r in &bn.results {
                     producer.insert(r, *n);
@@ -864,7 +1015,13 @@ fn assign_loop(
 /// of `titan_ir::artifact::liveness` (which the loader checks plans against), over the planner's
 /// own loop scopes.
 pub fn lifetimes(storage: &Storage, steps: &[Step]) -> Vec<Option<Lifetime>> {
-    let temporary_of = |id: u32| storage.scope.get(id as usize).copied().flatten().map(|l| l as usize);
+    let pinned = liveness::pinned_in_loops(steps);
+    let temporary_of = |id: u32| {
+        if pinned.binary_search(&id).is_ok() {
+            return None;
+        }
+        storage.scope.get(id as usize).copied().flatten().map(|l| l as usize)
+    };
     liveness::lifetimes(storage.buffers.len(), steps, temporary_of, |i| storage.buffers[i].output.is_some())
 }
 

@@ -5,7 +5,9 @@
 //! `Loop` whose body launches the block's kernels with `Carry` and `layer` references (the
 //! block's prefetch nodes, `prefetch-next-layer`'s gathers, go to the loop's `prefetch`); a
 //! `reshape` is a view and becomes nothing; a collective (`all_gather`, `reduce_scatter`,
-//! `all_reduce`, `take_shard`, `place_shard` of an SPMD graph) becomes a `Collective` step. `Copy` steps appear where the memory plan asks for
+//! `all_reduce`, `take_shard`, `place_shard` of an SPMD graph) becomes a `Collective` step,
+//! except async TP's `ring_slice`/`ring_concat` where the plan made them ring views (the chunk
+//! GEMMs read and write their rows in place). `Copy` steps appear where the memory plan asks for
 //! them (a carried operand still read after its loop, block outputs that are block arguments
 //! or already written elsewhere, updates and outputs that could not be written in place), and
 //! a `Memset` zeroes the table before every `scatter_add` kernel (it sums rows into zeros).
@@ -129,6 +131,11 @@ pub fn build_schedule(g: &Graph, storage: &Storage) -> Result<Schedule, BuildErr
                 launch(&mut table, main, node, &storage.main, storage, &[], &mut steps)?;
                 launches += 1;
             }
+            // A `ring_slice`/`ring_concat` the plan resolved as ring views: no step, only the
+            // copies of the chunks not computed in place.
+            Op::RingSlice { .. } | Op::RingConcat { .. } if storage.ring_views.contains(n) => {
+                steps.extend(storage.concat_copies.get(n).into_iter().flatten().map(copy_step));
+            }
             op if is_collective_step(op) => {
                 steps.push(collective(g, &mesh, main, node, &storage.main)?);
                 collectives += 1;
@@ -156,6 +163,7 @@ pub fn build_schedule(g: &Graph, storage: &Storage) -> Result<Schedule, BuildErr
                             launch(&mut table, blk, bnode, &ls.values, storage, &ls.carries, out)?;
                             body_launches += 1;
                         }
+                        Op::RingSlice { .. } | Op::RingConcat { .. } if ls.ring_views.contains(bn) => {}
                         ref op if is_collective_step(op) => {
                             out.push(collective(g, &mesh, blk, bnode, &ls.values)?);
                             body_collectives += 1;

@@ -44,8 +44,15 @@ fn scratch(test: &str) -> PathBuf {
 /// bytes another buffer overwrote since. This checks the memory plan and the Loop/carry/slice
 /// semantics of `docs/artifact.md` independently of how the planner computes lifetimes.
 fn shadow_execute(m: &Manifest) -> Vec<String> {
+    shadow_execute_rank(m, 0)
+}
+
+/// [`shadow_execute`] for the rank at tp coordinate `tp_coord` (where async TP's ring views
+/// lie depends on it).
+fn shadow_execute_rank(m: &Manifest, tp_coord: usize) -> Vec<String> {
     struct Sim<'m> {
         m: &'m Manifest,
+        tp_coord: u32,
         /// `(arena, start, end, buffer)` of every write, in order.
         log: Vec<(Arena, u64, u64, u32)>,
         errors: Vec<String>,
@@ -62,7 +69,9 @@ fn shadow_execute(m: &Manifest) -> Vec<String> {
             let buf = &self.m.buffers[buffer as usize];
             let (s, n) = match r {
                 BufRef::Carry { .. } => (0, buf.bytes),
-                other => other.range_in(buf.bytes, buf.shape.first().copied().unwrap_or(0), Some(layer as usize)).unwrap_or_else(|e| panic!("{e}")),
+                other => {
+                    other.range_in(buf.bytes, buf.shape.first().copied().unwrap_or(0), Some(layer as usize), self.tp_coord).unwrap_or_else(|e| panic!("{e}"))
+                }
             };
             (buffer, s, s + n)
         }
@@ -139,9 +148,11 @@ fn shadow_execute(m: &Manifest) -> Vec<String> {
                         let k = self.resolve(*dst, layer, t, carries);
                         self.write(k);
                     }
-                    Step::Collective { collective, input, output, .. } => {
-                        let k = self.resolve(*input, layer, t, carries);
-                        self.read(k, &format!("{} (layer {layer})", collective.name()));
+                    Step::Collective { collective, input, more_inputs, output, .. } => {
+                        for r in std::iter::once(input).chain(more_inputs) {
+                            let k = self.resolve(*r, layer, t, carries);
+                            self.read(k, &format!("{} (layer {layer})", collective.name()));
+                        }
                         let k = self.resolve(*output, layer, t, carries);
                         self.write(k);
                     }
@@ -155,7 +166,7 @@ fn shadow_execute(m: &Manifest) -> Vec<String> {
             }
         }
     }
-    let mut sim = Sim { m, log: Vec::new(), errors: Vec::new() };
+    let mut sim = Sim { m, tp_coord: tp_coord as u32, log: Vec::new(), errors: Vec::new() };
     sim.run(&m.ranks[0].steps, 0, 0, &[]);
     // The step's outputs must still be intact at the end.
     for b in m.buffers.iter().filter(|b| b.output.is_some()) {
@@ -549,10 +560,10 @@ fn older_manifests_are_refused_with_the_versions_read() {
     let mut v: serde_json::Value = serde_json::from_str(&man.to_json()).unwrap_or_else(|e| panic!("{e}"));
     let back = Manifest::from_json("manifest.json", &v.to_string()).unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(back.format_version, titan_ir::artifact::FORMAT_VERSION);
-    for old in [4, 5, 6, 7, 8] {
+    for old in [4, 5, 6, 7, 8, 9] {
         v["format_version"] = old.into();
         let e = Manifest::from_json("manifest.json", &v.to_string()).err().map(|e| e.to_string()).unwrap_or_default();
-        assert!(e.contains(&format!("format version {old} is not supported")) && e.contains("reads versions 9 to 9"), "{e}");
+        assert!(e.contains(&format!("format version {old} is not supported")) && e.contains("reads versions 10 to 10"), "{e}");
         assert!(e.contains("rebuild it with this version's titanc"), "{e}");
     }
 }
@@ -715,13 +726,19 @@ fn manifest_lifetimes_are_the_planners() {
         (Preset::B8, Some(3), one),
         (Preset::Debug, None, titan_ir::Mesh::new(1, 2, 2)),
         (Preset::Debug, Some(3), titan_ir::Mesh::new(1, 2, 1)),
+        (Preset::Debug, None, titan_ir::Mesh::new(1, 2, 4)),
     ] {
         let m = model(p, layers);
-        let opts = BuildOptions { mesh, ..BuildOptions::default() };
+        // tp 4: with async TP (ring views, and the data-parallel stream's pinned buffers).
+        let async_tp = (mesh.size(titan_ir::MeshDim::Tp) == 4).then_some(titan_passes::async_tp::AsyncTpMode::All);
+        let opts = BuildOptions { mesh, async_tp, ..BuildOptions::default() };
         let manifest = compile(&m, "", &opts, false, None).unwrap_or_else(|e| panic!("{p} {mesh:?}: {e}")).0.manifest;
         let mut meshed = m.clone();
         if mesh.world_size() > 1 {
             mesh.write_meta(&mut meshed);
+        }
+        if let Some(mode) = async_tp {
+            titan_passes::async_tp::enable_async_tp(&mut meshed, mode);
         }
         let plan = plan_kernel_graph(&kernel_graph(&meshed)).unwrap_or_else(|e| panic!("{e}"));
         let planner: Vec<Option<(u32, u32)>> = plan.lifetimes.iter().map(|l| l.map(|l| (l.start, l.end))).collect();
@@ -730,6 +747,61 @@ fn manifest_lifetimes_are_the_planners() {
         assert_eq!(derived.len(), planner.len(), "{p} {mesh:?}");
         for (i, (d, q)) in derived.iter().zip(&planner).enumerate() {
             assert_eq!(d, q, "{p} {mesh:?}: buffer {i} (`{}`)", manifest.buffers[i].name);
+        }
+    }
+}
+
+/// Async TP on dp_shard 2 x tp 2 and tp 4: the memory plan turns the ring slices and concats
+/// into ring views (no copy step but the one of the gathered value assembled from the
+/// backward's carried cotangent), every rank's shadow execution reads what was written, and no
+/// two buffers live at once share a byte. Then, with and without async TP: a buffer a
+/// data-parallel collective in a loop reads lives across the loop, so no tp collective of a
+/// layer waits for a dp_shard one (`join_points`' cross-stream waits), whatever the plan
+/// reused. (Outside the loops such a wait remains on this model: a top-level reduce-scatter
+/// over tp waits for the dp_shard reduce-scatter issued just before it.)
+#[test]
+fn async_tp_plans_use_ring_views_and_the_streams_do_not_wait_on_each_other() {
+    use titan_ir::artifact::CollectiveOp;
+    use titan_ir::artifact::timeline::{self, UnrolledOp};
+    let m = model(Preset::Debug, None);
+    for (mesh, async_tp) in [
+        (titan_ir::Mesh::new(1, 2, 2), None),
+        (titan_ir::Mesh::new(1, 2, 2), Some(titan_passes::async_tp::AsyncTpMode::All)),
+        (titan_ir::Mesh::new(1, 1, 4), Some(titan_passes::async_tp::AsyncTpMode::All)),
+    ] {
+        let opts = BuildOptions { mesh, async_tp, ..BuildOptions::default() };
+        let manifest = compile(&m, "", &opts, false, None).unwrap_or_else(|e| panic!("{mesh:?}: {e}")).0.manifest;
+        let steps = all_steps(&manifest.ranks[0].steps);
+        let count = |op: CollectiveOp| steps.iter().filter(|s| matches!(s, Step::Collective { collective, .. } if *collective == op)).count();
+        let rings = steps.iter().flat_map(|s| titan_ir::artifact::liveness::step_refs(s)).filter(|r| matches!(r, BufRef::View { ring: Some(_), .. })).count();
+        if async_tp.is_some() {
+            assert!(count(CollectiveOp::RingShift) > 0, "{mesh:?}");
+            assert_eq!((count(CollectiveOp::RingSlice), count(CollectiveOp::RingConcat)), (0, 1), "{mesh:?}: ring views, not copy steps");
+            assert!(rings > 0, "{mesh:?}");
+        }
+        // Every tp coordinate's ranks read what was written (the ring offsets differ per rank).
+        for coord in 0..mesh.size(titan_ir::MeshDim::Tp) as usize {
+            let errors = shadow_execute_rank(&manifest, coord);
+            assert!(errors.is_empty(), "{mesh:?} tp coordinate {coord}: {} bad reads, first: {:#?}", errors.len(), &errors[..errors.len().min(10)]);
+        }
+        let ops = timeline::unroll(&manifest, 0).unwrap_or_else(|e| panic!("{e}"));
+        let stream: Vec<Option<usize>> = ops.iter().map(UnrolledOp::comm_stream).collect();
+        let ranges: Vec<Vec<(u64, u64)>> = ops.iter().map(|o| o.ranges.clone()).collect();
+        let reads: Vec<usize> = ops.iter().map(|o| o.reads).collect();
+        let joins = timeline::join_points(&stream, &ranges, &reads);
+        let comm: Vec<usize> = stream.iter().enumerate().filter(|(_, s)| s.is_some()).map(|(i, _)| i).collect();
+        // Inside the layer loops (outside them the rule does not apply: `liveness`).
+        for (c, waits) in joins.comm_waits.iter().enumerate() {
+            for &w in waits.iter().filter(|_| ops[comm[c]].at.contains(", layer ")) {
+                assert!(
+                    !(stream[comm[c]] == Some(timeline::TP_STREAM) && stream[comm[w]] == Some(timeline::DATA_STREAM)),
+                    "{mesh:?} async {async_tp:?}: {} ({}) waits for {} ({})",
+                    ops[comm[c]].name,
+                    ops[comm[c]].at,
+                    ops[comm[w]].name,
+                    ops[comm[w]].at
+                );
+            }
         }
     }
 }

@@ -107,6 +107,7 @@ struct Frame<'s> {
 struct Unroller<'m> {
     m: &'m Manifest,
     base: Vec<u64>,
+    tp_coord: u32,
 }
 
 impl Unroller<'_> {
@@ -127,7 +128,7 @@ impl Unroller<'_> {
             BufRef::Buffer { buffer, .. } | BufRef::View { buffer, .. } => {
                 let (p, len) = self.whole(buffer)?;
                 let lead = self.m.buffers[buffer as usize].shape.first().copied().unwrap_or(0);
-                let (o, n) = r.range_in(len, lead, frame.map(|f| f.layer))?;
+                let (o, n) = r.range_in(len, lead, frame.map(|f| f.layer), self.tp_coord)?;
                 Ok((p + o, n))
             }
             BufRef::Carry { carry, out } => {
@@ -207,7 +208,7 @@ pub fn unroll(m: &Manifest, rank: usize) -> Result<Vec<UnrolledOp>, String> {
         next = next.saturating_add(a.bytes);
     }
     let mut ops = Vec::new();
-    Unroller { m, base }.unroll(&sched.steps, None, &mut Vec::new(), &mut ops)?;
+    Unroller { m, base, tp_coord: m.mesh.tp_coord(rank) }.unroll(&sched.steps, None, &mut Vec::new(), &mut ops)?;
     Ok(ops)
 }
 

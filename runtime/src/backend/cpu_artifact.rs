@@ -349,7 +349,8 @@ impl<'a> CpuArtifactTrainer<'a> {
                 let b = buffer(id)?;
                 let v = self.whole(b)?;
                 let lead = b.shape.first().copied().unwrap_or(0);
-                let (o, n) = r.range_in(v.len as u64, lead, frame.map(|f| f.layer)).map_err(bad)?;
+                let tp_coord = self.rank.as_ref().map_or(0, |r| r.coords[2] as u32);
+                let (o, n) = r.range_in(v.len as u64, lead, frame.map(|f| f.layer), tp_coord).map_err(bad)?;
                 Ok(View { start: v.start + o as usize, len: n as usize, ..v })
             }
             BufRef::Carry { carry, out } => {

@@ -10,7 +10,10 @@
 //! within 1e-5, gradient norms within 1e-4 relative, every state within 5e-5. The only
 //! difference is the order of the f32 sums of the reduce-scatter's partials (the synchronous
 //! collective adds them in rank order, the split one in ring order, own chunk last); the
-//! measured maxima are printed with `--nocapture`. Multi-process runs: `launch.rs`.
+//! measured maxima are printed with `--nocapture`. The tp 2 artifact computes its chunk GEMMs
+//! in place (ring views: no `ring_slice` step, one copying `ring_concat` for the gathered value
+//! assembled from the backward's carried cotangent) and equals the graph-mode run of the same
+//! split graph bit for bit. Multi-process runs: `launch.rs`.
 
 use std::time::Instant;
 
@@ -80,17 +83,29 @@ fn check(model: &Graph, mesh: Mesh, name: &str) {
     let (async_dir, summary) = build(model, mesh, Some(AsyncTpMode::All), &format!("{name}-async"));
     let stats = summary.pipeline.stats("async-tp").expect("the pass ran");
     // Per layer (forward and backward blocks): wq/wk/wv and w1/w3 share their gathered input,
-    // wo and w2 are reduce-scattered, and the backward's all-gathered cotangents of wo and w2
-    // feed their data-gradient GEMMs; in `main` the vocab-parallel output head's gathered
+    // wo and w2 are reduce-scattered, the backward's all-gathered cotangents of wo and w2
+    // feed their data-gradient GEMMs, and the input cotangents of wq+wk+wv and w1+w3 (an `add`
+    // of GEMMs) are reduce-scattered; in `main` the vocab-parallel output head's gathered
     // input, and in its backward the reduce-scatter of its input cotangent.
-    assert_eq!((stats.get("gathers_split"), stats.get("scatters_split")), (Some(5), Some(3)), "{stats}: {:#?}", stats.notes);
+    assert_eq!((stats.get("gathers_split"), stats.get("scatters_split")), (Some(5), Some(5)), "{stats}: {:#?}", stats.notes);
     assert!(stats.notes.iter().any(|l| l.contains("synchronous: ")), "every pair is reported: {:#?}", stats.notes);
     let manifest = &Artifact::load(async_dir.as_ref()).expect("load").manifest;
     let steps = &manifest.ranks[0].steps;
     let tp = mesh.size(titan_ir::MeshDim::Tp) as usize;
-    assert_eq!(count(steps, CollectiveOp::RingShift), 8 * (tp - 1), "one ring shift per micro-step after the first");
-    compare(mesh, &run(&sync_dir), &run(&async_dir), start);
+    assert_eq!(count(steps, CollectiveOp::RingShift), SPLIT_PAIRS * (tp - 1), "one ring shift per micro-step after the first");
+    // In place: the chunk GEMMs read their rows and write their results through ring views;
+    // no `ring_slice` step is left, and one `ring_concat` step: the backward's gathered output
+    // cotangent of w2, assembled from the carried cotangent (a loop carry has no row views).
+    assert_eq!((count(steps, CollectiveOp::RingSlice), count(steps, CollectiveOp::RingConcat)), (0, 1), "ring views instead of copy steps");
+    let async_run = run(&async_dir);
+    // Bit for bit the split graph it was built from (the memory plan's views change no value).
+    let (graph, _) = graph_run(model, mesh, true);
+    same_bits(&graph, &async_run, "async tp 2 artifact vs its graph");
+    compare(mesh, &run(&sync_dir), &async_run, start);
 }
+
+/// Pairs split per model on the debug model: 5 gathers and 5 reduce-scatters.
+const SPLIT_PAIRS: usize = 10;
 
 /// Graph mode: the synchronous and the async-TP SPMD graphs of `model` on `mesh`.
 fn check_graph(model: &Graph, mesh: Mesh) {
@@ -98,7 +113,7 @@ fn check_graph(model: &Graph, mesh: Mesh) {
     let (want, none) = graph_run(model, mesh, false);
     let (got, shifts) = graph_run(model, mesh, true);
     let tp = mesh.size(titan_ir::MeshDim::Tp) as usize;
-    assert_eq!((none, shifts), (0, 8 * (tp - 1)), "one ring shift per micro-step after the first, 8 split pairs");
+    assert_eq!((none, shifts), (0, SPLIT_PAIRS * (tp - 1)), "one ring shift per micro-step after the first, {SPLIT_PAIRS} split pairs");
     compare(mesh, &want, &got, start);
 }
 
@@ -145,7 +160,7 @@ fn same_bits(want: &Run, got: &Run, label: &str) {
 /// float8 with async TP: the sequence-parallel gathers before the quantized GEMMs move fp8
 /// chunks (with their row scales, rowwise; after a tp max all-reduce of the amax, tensorwise),
 /// which are the synchronous step's fp8 values and scales, and the chunk GEMMs are its rows;
-/// tensorwise, the reduce-scatters after scalar-scaled GEMMs split as in bf16 (at tp 2 the
+/// tensorwise, the reduce-scatters after scalar-scaled GEMMs (or `add`s of them) split as in bf16 (at tp 2 the
 /// sum of two partials does not depend on their order); the other pairs of a float8 build stay
 /// synchronous (the report says why). So losses,
 /// gradient norms and every state after 5 steps equal the synchronous float8 run's bit for
@@ -165,8 +180,9 @@ fn float8_async_tp_trains_like_synchronous_float8_bitwise() {
             // Per layer the attention and feed-forward inputs (fp8 chunks, plus their row scales
             // rowwise); the head's gathered input is also quantized per column for its weight
             // gradient in `main` and stays synchronous. Tensorwise, the scalar-scaled GEMMs
-            // before a reduce_scatter split too: wo and w2, and the head's input gradient.
-            let want_shifts = if recipe == Float8Recipe::Rowwise { 2 * 2 } else { 2 + 3 };
+            // before a reduce_scatter split too: wo and w2, the head's input gradient, and the
+            // backward's input cotangents of wq+wk+wv and w1+w3 (`add`s of such GEMMs).
+            let want_shifts = if recipe == Float8Recipe::Rowwise { 2 * 2 } else { 2 + 5 };
             assert_eq!((none, shifts), (0, want_shifts), "{} {:?}", recipe.name(), mesh.sizes);
             println!("{} {:?}: losses {:?} ({:.1} s)", recipe.name(), mesh.sizes, got.losses, start.elapsed().as_secs_f64());
             same_bits(&want, &got, &format!("{} {:?}", recipe.name(), mesh.sizes));

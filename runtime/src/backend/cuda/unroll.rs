@@ -124,7 +124,7 @@ impl<'a> Arenas<'a> {
                 let b = buffer(id)?;
                 let (p, len) = self.whole(b)?;
                 let lead = b.shape.first().copied().unwrap_or(0);
-                let (o, n) = r.range_in(len, lead, frame.map(|f| f.layer)).map_err(bad)?;
+                let (o, n) = r.range_in(len, lead, frame.map(|f| f.layer), self.coords[2] as u32).map_err(bad)?;
                 Ok((p + o, n))
             }
             BufRef::Carry { carry, out } => {
