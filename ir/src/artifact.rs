@@ -646,7 +646,7 @@ pub struct TrainingInfo {
 /// Per-rank memory of an SPMD build, by what the bytes hold.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RankMemory {
-    /// fp32 master weights (this rank's shards).
+    /// fp32 master weights and, in a bf16 build, their bf16 compute copies (this rank's shards).
     pub params: u64,
     /// AdamW moments.
     pub optimizer_state: u64,

@@ -417,7 +417,7 @@ fn run_master_weights(g: &mut Graph, _: &PassContext) -> Result<PassStats, PassD
 
 fn run_compute_copies(g: &mut Graph, _: &PassContext) -> Result<PassStats, PassDiag> {
     let s = crate::compute_copies::compute_copies(g)?;
-    Ok(PassStats::new().with("copies", s.copies as u64))
+    Ok(PassStats::new().with("copies", s.copies as u64).with("lookups_cast", s.lookups_cast as u64))
 }
 
 fn run_autodiff(g: &mut Graph, _: &PassContext) -> Result<PassStats, PassDiag> {

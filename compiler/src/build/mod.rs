@@ -363,7 +363,7 @@ fn write_mesh_report(f: &mut fmt::Formatter<'_>, mesh: &Mesh, collectives: u64, 
     )?;
     let m = &r.memory;
     writeln!(f, "per-rank memory (predicted, each of the {} ranks):", mesh.world_size)?;
-    writeln!(f, "  params           {:>12}  fp32 master weights (this rank's shards)", human_bytes(m.params))?;
+    writeln!(f, "  params           {:>12}  fp32 master weights and their compute copies (this rank's shards)", human_bytes(m.params))?;
     writeln!(f, "  optimizer_state  {:>12}  AdamW moments", human_bytes(m.optimizer_state))?;
     writeln!(
         f,

@@ -227,7 +227,9 @@ fn the_optimizer_reads_the_bf16_gradients_and_norm_kernels_write_no_copies() {
         assert!(grads.iter().all(|t| t.dtype == titan_ir::DType::BF16), "{p}: {grads:?}");
         // `compute-copies`: the optimizer also writes the bf16 copy of every new master.
         let copies = opt.results.iter().filter(|&&r| main.ty(r).dtype == titan_ir::DType::BF16).count();
-        assert_eq!(copies, grads.len(), "{p}: one compute copy per parameter written by the optimizer");
+        // The 8B table (128256 rows, 2 x 8192 tokens) has no copy: its lookup casts the rows.
+        let table_copies = usize::from(p == Preset::Debug);
+        assert_eq!(copies + 1 - table_copies, grads.len(), "{p}: one compute copy per parameter (but a large table) written by the optimizer");
         let is_norm = |n: &titan_ir::Node| {
             let titan_ir::Op::Kernel { body, .. } = n.op else { return false };
             g.block(body).order.iter().any(|&m| matches!(g.block(body).node(m).op, titan_ir::Op::Unary(titan_ir::UnaryOp::Square)))
@@ -386,7 +388,7 @@ fn manifest_describes_the_debug_step() {
     let states = man.buffers.iter().filter(|b| b.state.is_some()).count();
     assert_eq!(states, 48, "12 masters, 24 moments and 12 compute copies");
     let copies = man.buffers.iter().filter(|b| b.class == BufferClass::ComputeCopy).count();
-    assert_eq!(copies, 12, "every bf16 master has its carried copy");
+    assert_eq!(copies, 12, "every bf16 master has its carried copy (the debug table is small: no row cast)");
     assert!(man.buffers.iter().any(|b| b.class == BufferClass::Grad));
     assert_eq!((man.training.batch, man.training.seq_len, man.training.tokens_per_step, man.training.vocab_size), (8, 64, 512, 256));
     assert_eq!(man.mesh.world_size, 1);
