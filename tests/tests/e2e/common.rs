@@ -66,7 +66,20 @@ impl Run {
     /// `steps` training steps of `t` on the bundled corpus in batches of `batch` x `seq` (seed 7:
     /// the same batches for every backend), with `states` read from the trainer afterwards.
     pub fn train<T: Trainer + ?Sized>(t: &mut T, batch: usize, seq: usize, steps: usize, states: impl FnOnce(&mut T) -> Vec<(String, Tensor<f32>)>) -> Run {
+        Run::train_from(t, batch, seq, 0, steps, states)
+    }
+
+    /// [`Run::train`] from batch `from` of the same sequence (a resumed run's batches).
+    pub fn train_from<T: Trainer + ?Sized>(
+        t: &mut T,
+        batch: usize,
+        seq: usize,
+        from: u64,
+        steps: usize,
+        states: impl FnOnce(&mut T) -> Vec<(String, Tensor<f32>)>,
+    ) -> Run {
         let mut batcher = Batcher::new(byte_tokens(BUNDLED_CORPUS.as_bytes()), batch, seq, 7).expect("batcher");
+        batcher.seek(from);
         let (mut losses, mut grad_norms) = (Vec::new(), Vec::new());
         for _ in 0..steps {
             let m = t.step(&batcher.next_batch()).expect("step");
@@ -74,6 +87,21 @@ impl Run {
             grad_norms.push(m.grad_norm);
         }
         Run { losses, grad_norms, states: states(t) }
+    }
+
+    /// Assert `got` equal to `self` bit for bit: losses, gradient norms and every state (the
+    /// same names in the same order).
+    pub fn assert_bitwise(&self, got: &Run, label: &str) {
+        println!("{label}: losses {:?}", got.losses);
+        let bits = |xs: &[f64]| xs.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&self.losses), bits(&got.losses), "{label}: losses {:?} vs {:?}", self.losses, got.losses);
+        assert_eq!(bits(&self.grad_norms), bits(&got.grad_norms), "{label}: gradient norms");
+        let names = |r: &Run| r.states.iter().map(|(n, _)| n.clone()).collect::<Vec<_>>();
+        assert_eq!(names(self), names(got), "{label}: the same states");
+        let state_bits = |t: &Tensor<f32>| t.floats().expect("float state").iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        let differing: Vec<&str> =
+            self.states.iter().zip(&got.states).filter(|(a, b)| state_bits(&a.1) != state_bits(&b.1)).map(|(a, _)| a.0.as_str()).collect();
+        assert!(differing.is_empty(), "{label}: states differ: {differing:?}");
     }
 
     /// Assert `got` within `loss_tol` (absolute loss), 1e-4 (relative gradient norm) and

@@ -9,52 +9,26 @@
 
 use std::time::Instant;
 
-use crate::common::{Scratch, scratch, train_options};
+use crate::common::{Run, Scratch, scratch, train_options};
 use titan_compiler::build::{BuildOptions, BuildSummary, build_artifact};
 use titan_compiler::{LlamaConfig, Preset, build_llama3};
 use titan_ir::artifact::{BufRef, BufferClass, Manifest, Step};
 use titan_ir::{Float8Recipe, Graph, KernelKind, Mesh};
 use titan_passes::float8::Float8Options;
 use titan_passes::{TrainOptions, lower_to_train, lower_to_train_casting_copies};
-use titan_runtime::{Artifact, ArtifactMeshTrainer, BUNDLED_CORPUS, Batcher, CpuArtifactTrainer, CpuTrainer, MeshTrainer, Trainer, byte_tokens};
+use titan_runtime::{Artifact, ArtifactMeshTrainer, CpuArtifactTrainer, CpuTrainer, MeshTrainer, Trainer};
 
 const STEPS: usize = 4;
 
-/// Losses, gradient norms (as bits) and every state's bits after `steps` steps.
-#[derive(Debug, PartialEq)]
-struct Bits {
-    losses: Vec<u64>,
-    grad_norms: Vec<u64>,
-    states: Vec<(String, Vec<u32>)>,
-}
-
-fn states_bits(t: &dyn Trainer) -> Vec<(String, Vec<u32>)> {
-    let mut s: Vec<(String, Vec<u32>)> =
-        t.states().expect("states").into_iter().map(|(n, v)| (n, v.floats().expect("float state").iter().map(|x| x.to_bits()).collect())).collect();
-    s.sort_by(|a, b| a.0.cmp(&b.0));
-    s
-}
-
-fn train(t: &mut dyn Trainer, from: u64, steps: usize) -> Bits {
-    let mut b = Batcher::new(byte_tokens(BUNDLED_CORPUS.as_bytes()), t.batch_size(), t.seq_len(), 7).expect("batcher");
-    b.seek(from);
-    let (mut losses, mut grad_norms) = (Vec::new(), Vec::new());
-    for _ in 0..steps {
-        let m = t.step(&b.next_batch()).expect("step");
-        losses.push(m.loss.to_bits());
-        grad_norms.push(m.grad_norm.to_bits());
-    }
-    Bits { losses, grad_norms, states: states_bits(t) }
-}
-
-fn assert_same(what: &str, want: &Bits, got: &Bits) {
-    let losses = |b: &Bits| b.losses.iter().map(|&x| f64::from_bits(x)).collect::<Vec<_>>();
-    println!("{what}: losses {:?}", losses(got));
-    assert_eq!(losses(want), losses(got), "{what}: losses");
-    assert_eq!(want.grad_norms, got.grad_norms, "{what}: gradient norms");
-    assert_eq!(want.states.len(), got.states.len(), "{what}: the same states (compute copies are not checkpointed)");
-    let differing: Vec<&str> = want.states.iter().zip(&got.states).filter(|(a, b)| a != b).map(|(a, _)| a.0.as_str()).collect();
-    assert!(differing.is_empty(), "{what}: states differ: {differing:?}");
+/// `steps` steps from batch `from`, with every state sorted by name (graph mode and artifacts
+/// list them in different orders).
+fn train(t: &mut dyn Trainer, from: u64, steps: usize) -> Run {
+    let (batch, seq) = (t.batch_size(), t.seq_len());
+    Run::train_from(t, batch, seq, from, steps, |t| {
+        let mut s = t.states().expect("states");
+        s.sort_by(|a, b| a.0.cmp(&b.0));
+        s
+    })
 }
 
 fn bf16_debug() -> Graph {
@@ -84,11 +58,11 @@ fn check_single(model: &Graph, opts: TrainOptions, name: &str) {
     assert!(copies(&new) > 0, "{name}: the lowering carries compute copies");
     let want = train(&mut CpuTrainer::new(&old, 3).expect("graph trainer"), 0, STEPS);
     let graph = train(&mut CpuTrainer::new(&new, 3).expect("graph trainer"), 0, STEPS);
-    assert_same(&format!("{name} graph mode"), &want, &graph);
+    want.assert_bitwise(&graph, &format!("{name} graph mode"));
     let (dir, _) = build(model, BuildOptions { train: opts, ..BuildOptions::default() }, name);
     let a = Artifact::load(&dir).expect("load");
     let got = train(&mut CpuArtifactTrainer::new(&a, 3).expect("artifact trainer"), 0, STEPS);
-    assert_same(&format!("{name} artifact"), &want, &got);
+    want.assert_bitwise(&got, &format!("{name} artifact"));
     println!("{name}: {:.1} s", start.elapsed().as_secs_f64());
 }
 
@@ -112,7 +86,7 @@ fn check_mesh(mesh: Mesh, name: &str) {
     let (dir, _) = build(&bf16_debug(), BuildOptions { train: train_options(), mesh, ..BuildOptions::default() }, name);
     let a = Artifact::load(&dir).expect("load");
     let got = train(&mut ArtifactMeshTrainer::new(&a, 5).expect("artifact mesh trainer"), 0, STEPS);
-    assert_same(&format!("{name} artifact mesh"), &want, &got);
+    want.assert_bitwise(&got, &format!("{name} artifact mesh"));
 }
 
 #[test]
@@ -147,8 +121,8 @@ fn setting_the_masters_recasts_the_copies() {
     }
     Trainer::set_steps_done(&mut resumed, 3).expect("steps");
     let got = train(&mut resumed, 3, 2);
-    assert_eq!(&want.losses[3..], &got.losses[..], "losses after the resume");
-    assert_eq!(want.states, got.states, "states after the resume");
+    let tail = Run { losses: want.losses[3..].to_vec(), grad_norms: want.grad_norms[3..].to_vec(), states: want.states };
+    tail.assert_bitwise(&got, "the last 2 steps after the resume");
 }
 
 /// Every buffer a launch reads, anywhere in the schedule.
