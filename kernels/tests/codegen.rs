@@ -1310,6 +1310,14 @@ fn perf_manifest(dir: &std::path::Path) -> String {
             1,
         ),
         ("perf_attention_fwd_causal", attention_body(&mut g, [1, 8192, 32, 8, 128], true), KernelKind::Attention, 1),
+        // AdamW over one 8B layer's worth of stacked weights and a norm (bf16 gradients, bf16
+        // compute copies), as the step's multi-tensor kernel: 28 bytes per parameter.
+        (
+            "perf_optimizer",
+            optimizer_body_of(&mut g, "p_opt", &[(&[4, ffn, d], DType::BF16), (&[4, d, d], DType::BF16), (&[4, d], DType::BF16)], true),
+            KernelKind::Optimizer,
+            1,
+        ),
         ("perf_attention_bwd_causal", attention_bwd_body(&mut g, [1, 8192, 32, 8, 128], true), KernelKind::AttentionBwd, 1),
     ];
     let mut out = Vec::new();
