@@ -72,8 +72,10 @@
 //!    tensors by the kernel that computed them.
 //!
 //! 10. **Cheap producers are recomputed, not written out.** After grouping, a node that is a
-//!     cast to a dtype at least as wide as its operand, or `add`/`sub`/`mul`/`div`/`min`/`max`
-//!     of one tensor with scalars keeping the tensor's dtype, whose operands are made outside
+//!     cast to a dtype at least as wide as its operand, `add`/`sub`/`mul`/`div`/`min`/`max`
+//!     of one tensor with scalars keeping the tensor's dtype, or `abs`/`neg` of a tensor (the
+//!     float8 head weight's `abs`, reduced along rows in one kernel and along columns in
+//!     another, is no longer written for the second), whose operands are made outside
 //!     its kernel (so they are in memory anyway) and whose result kernels other than its own
 //!     read, all of them `fused` or `optimizer` kernels, is cloned into each of those kernels
 //!     (`recompute.rs`; stat `recomputed`). Each consumer then reads the operand (no more bytes

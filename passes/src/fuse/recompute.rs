@@ -11,7 +11,7 @@
 
 use std::collections::HashSet;
 
-use titan_ir::{BinaryOp, DimTable, KernelKind, Node, NodeId, Op, Region, Value, ValueDef};
+use titan_ir::{BinaryOp, DimTable, KernelKind, Node, NodeId, Op, Region, UnaryOp, Value, ValueDef};
 
 use super::group::{Grouping, group_region_with, is_scalar_constant};
 use crate::PassDiag;
@@ -27,8 +27,10 @@ pub struct Recomputed {
 
 /// Whether `node` is cheap enough to compute again in every kernel that reads it, and reading
 /// its operand is no more bytes than reading its result: a cast to a dtype at least as wide,
-/// or an arithmetic op of one tensor with scalars (e.g. the clip multiply `g * clip_coef`)
-/// whose result has the tensor's dtype.
+/// an arithmetic op of one tensor with scalars (e.g. the clip multiply `g * clip_coef`) whose
+/// result has the tensor's dtype, or an exact sign op (`abs`, `neg`) keeping the dtype (float8
+/// takes the absolute value of a weight for its row amax in one kernel and its column amax in
+/// another).
 fn cheap(region: &Region, node: &Node) -> bool {
     let [r] = node.results.as_slice() else { return false };
     let out = region.ty(*r);
@@ -40,7 +42,7 @@ fn cheap(region: &Region, node: &Node) -> bool {
     let x = region.ty(*x);
     match node.op {
         Op::Cast => x.shape == out.shape && out.dtype.size_bytes() >= x.dtype.size_bytes(),
-        Op::Binary(BinaryOp::Add | BinaryOp::Sub | BinaryOp::Mul | BinaryOp::Div | BinaryOp::Max | BinaryOp::Min) => {
+        Op::Binary(BinaryOp::Add | BinaryOp::Sub | BinaryOp::Mul | BinaryOp::Div | BinaryOp::Max | BinaryOp::Min) | Op::Unary(UnaryOp::Abs | UnaryOp::Neg) => {
             x.shape == out.shape && x.dtype == out.dtype
         }
         _ => false,

@@ -383,3 +383,30 @@ fn a_widening_cast_of_a_value_of_its_own_kernel_writes_the_narrow_value() {
     assert_eq!(written, vec![DType::BF16]);
     assert_eq!(scaling_kernel_inputs(&f), vec![DType::BF16]);
 }
+
+#[test]
+fn an_absolute_value_two_kernels_reduce_is_taken_in_each() {
+    // float8 rowwise's weight: `abs(w)` reduced along its rows (the forward's scales, with the
+    // quantization in the same kernel) and along its columns (grad_input's scales, a column
+    // kernel). Without recomputation the row kernel wrote `abs(w)` for the column kernel.
+    let g = graph(1, |b, x| {
+        let a = unary(b, UnaryOp::Abs, x[0])?;
+        let rows = b.push1(Op::Reduce { kind: ReduceKind::Max, axes: vec![1] }, &[a])?;
+        let cols = b.push1(Op::Reduce { kind: ReduceKind::Max, axes: vec![0] }, &[a])?;
+        let sb = b.push_typed(Op::Broadcast { dims: vec![0] }, &[rows], f32s(&[8, 8]))?;
+        let q = binary(b, BinaryOp::Mul, x[0], sb)?;
+        Ok(vec![q, cols])
+    });
+    let (f, stats) = fused(&g);
+    assert_eq!(stats.recomputed, 1, "{f}");
+    // No kernel writes an f32[8, 8] other than the scaled output.
+    let written: usize = f
+        .main
+        .order
+        .iter()
+        .map(|&k| f.main.node(k))
+        .filter(|k| matches!(k.op, Op::Kernel { .. }))
+        .map(|k| k.results.iter().filter(|&&r| f.main.ty(r).rank() == 2).count())
+        .sum();
+    assert_eq!(written, 1, "{f}");
+}
