@@ -47,9 +47,15 @@ pub mod workspace;
 /// lives across the loop (`liveness::pinned_in_loops`): an older reader would ignore the ring
 /// offset and address rank 0's rows on every rank, and would check plans against shorter
 /// lifetimes.
-pub const FORMAT_VERSION: u32 = 10;
+///
+/// Version 11 added the lifetime rule that a communicating collective's operand inside a loop
+/// lives until the compute stream joins the collective (the first later step of the iteration
+/// touching its result, `liveness::held_until_joined`): a format-10 plan may reuse those bytes
+/// (async TP's chunk GEMMs overwrote the partial the previous `ring_shift` still sent), which
+/// this reader's check refuses, and an older reader would accept plans made either way.
+pub const FORMAT_VERSION: u32 = 11;
 /// The oldest format version this reader reads.
-pub const MIN_FORMAT_VERSION: u32 = 10;
+pub const MIN_FORMAT_VERSION: u32 = 11;
 pub const MANIFEST_FILE: &str = "manifest.json";
 /// The fused training graph; each kernel's `body` names one of its blocks.
 pub const GRAPH_FILE: &str = "graph.ir";

@@ -553,7 +553,8 @@ fn the_model_hash_ignores_the_mesh_and_build_choices() {
     assert_ne!(a.manifest.model_hash.as_deref(), Some(hash.as_str()), "n_layers");
 }
 
-/// A manifest of an older format (version 6 had a separate `grads` arena) is refused naming
+/// A manifest of an older format (version 6 had a separate `grads` arena; version 10 shorter
+/// lifetimes for a collective's operand) is refused naming
 /// the versions this reader reads, before anything else is parsed.
 #[test]
 fn older_manifests_are_refused_with_the_versions_read() {
@@ -562,10 +563,10 @@ fn older_manifests_are_refused_with_the_versions_read() {
     let mut v: serde_json::Value = serde_json::from_str(&man.to_json()).unwrap_or_else(|e| panic!("{e}"));
     let back = Manifest::from_json("manifest.json", &v.to_string()).unwrap_or_else(|e| panic!("{e}"));
     assert_eq!(back.format_version, titan_ir::artifact::FORMAT_VERSION);
-    for old in [4, 5, 6, 7, 8, 9] {
+    for old in [4, 5, 6, 7, 8, 9, 10] {
         v["format_version"] = old.into();
         let e = Manifest::from_json("manifest.json", &v.to_string()).err().map(|e| e.to_string()).unwrap_or_default();
-        assert!(e.contains(&format!("format version {old} is not supported")) && e.contains("reads versions 10 to 10"), "{e}");
+        assert!(e.contains(&format!("format version {old} is not supported")) && e.contains("reads versions 11 to 11"), "{e}");
         assert!(e.contains("rebuild it with this version's titanc"), "{e}");
     }
 }
@@ -760,7 +761,8 @@ fn manifest_lifetimes_are_the_planners() {
 /// data-parallel collective in a loop reads lives across the loop, so no tp collective of a
 /// layer waits for a dp_shard one (`join_points`' cross-stream waits), whatever the plan
 /// reused. (Outside the loops such a wait remains on this model: a top-level reduce-scatter
-/// over tp waits for the dp_shard reduce-scatter issued just before it.)
+/// over tp waits for the dp_shard reduce-scatter issued just before it.) And in the loops the
+/// compute stream joins a collective only where it touches its result.
 #[test]
 fn async_tp_plans_use_ring_views_and_the_streams_do_not_wait_on_each_other() {
     use titan_ir::artifact::CollectiveOp;
@@ -802,6 +804,29 @@ fn async_tp_plans_use_ring_views_and_the_streams_do_not_wait_on_each_other() {
                     ops[comm[c]].at,
                     ops[comm[w]].name,
                     ops[comm[w]].at
+                );
+            }
+        }
+        // Inside a layer the compute stream joins each collective where it touches the result,
+        // never earlier because a later op of the layer overwrites bytes the collective still
+        // reads (`liveness::held_until_joined`: before it, each chunk GEMM of the reduce-scatter
+        // ring wrote over the partial the previous `ring_shift` was sending, and waited for it).
+        // (Across layers such a wait remains: the next layer's weight-gradient GEMM writes the
+        // buffer the previous layer's dp_shard reduce-scatter reads, one buffer per loop.)
+        let overlaps = |a: &[(u64, u64)], b: &[(u64, u64)]| a.iter().any(|&(s, n)| b.iter().any(|&(t, m)| s < t + m && t < s + n));
+        // `schedule step L.S, layer N`: the loop L's iteration for layer N.
+        let layer = |at: &str| at.split_once(", layer ").map(|(step, l)| (step.split('.').next().unwrap_or_default().to_string(), l.to_string()));
+        for (k, joined) in joins.before.iter().enumerate() {
+            for &c in joined.iter().filter(|&&c| layer(&ops[comm[c]].at).is_some() && layer(&ops[comm[c]].at) == layer(&ops[k].at)) {
+                let col = &ops[comm[c]];
+                let result = &col.ranges[col.reads..];
+                assert!(
+                    overlaps(&ops[k].ranges, result),
+                    "{mesh:?} async {async_tp:?}: {} ({}) waits for {} ({}) without touching its result: a write over its operand",
+                    ops[k].name,
+                    ops[k].at,
+                    col.name,
+                    col.at
                 );
             }
         }

@@ -20,6 +20,14 @@
 //! later operation would have to wait for it (`timeline::join_points`). Outside loops the rule
 //! does not apply (pinning there means to the end of the step: the 70B prediction gained 0.02
 //! ms for 0.37 GiB of peak).
+//!
+//! A second rule does the same for every communicating collective inside a loop, for as long
+//! as its stream may still read the operand ([`held_until_joined`], format 11): the operand
+//! lives until the first later step of the iteration that touches the collective's result (where
+//! the compute stream joins it), or to the iteration's end. Async TP's reduce-scatter ring sends
+//! each partial with a `ring_shift` while the next chunk GEMM computes; without the rule that
+//! GEMM's result took the bytes of the partial being sent and waited for the shift, which
+//! serialized the ring (70B, batch 4: 62 ms of the 104 ms of exposed tp communication).
 
 use super::timeline::{DATA_STREAM, comm_stream};
 use super::{BufRef, Manifest, Step};
@@ -63,7 +71,7 @@ pub fn ref_buffers(r: &BufRef, carries: &[[u32; 2]]) -> Vec<u32> {
 /// Whether `s` is a collective that communicates on the data-parallel collectives stream
 /// ([`comm_stream`]).
 fn on_data_stream(s: &Step) -> bool {
-    matches!(s, Step::Collective { collective, mesh_dim, group, .. } if *group > 1 && !collective.is_rank_local() && comm_stream(mesh_dim) == DATA_STREAM)
+    communicates(s) && matches!(s, Step::Collective { mesh_dim, .. } if comm_stream(mesh_dim) == DATA_STREAM)
 }
 
 /// The buffers (by id) a data-parallel collective inside a top-level loop reads (carries and
@@ -149,6 +157,43 @@ fn scopes(n: usize, steps: &[Step]) -> Vec<Scope> {
     scope
 }
 
+/// Whether `s` is a collective that communicates (on a collectives stream, [`comm_stream`]).
+fn communicates(s: &Step) -> bool {
+    matches!(s, Step::Collective { collective, group, .. } if *group > 1 && !collective.is_rank_local())
+}
+
+/// For each of `steps` (one loop iteration: its prefetch steps, then its body), the buffers a
+/// communicating collective there reads, each with the index of the step that joins the
+/// collective: the first later step of the iteration that references its result's buffer (the
+/// compute stream's join, [`super::timeline::join_points`], which compares bytes: a step
+/// touching another part of that buffer ends the hold early, never late), or the iteration's
+/// last step when none does. Until then
+/// the collective's stream may still be reading them, so no buffer born before that step may
+/// take their bytes: a chunk GEMM of async TP's reduce-scatter ring would otherwise write the
+/// partial the previous micro-step's `ring_shift` is still sending, and wait for it.
+fn held_until_joined(steps: &[&Step], carries: &[[u32; 2]]) -> Vec<Vec<(u32, usize)>> {
+    let mut held = vec![Vec::new(); steps.len()];
+    for (k, s) in steps.iter().enumerate() {
+        let Step::Collective { input, more_inputs, output, .. } = s else { continue };
+        if !communicates(s) {
+            continue;
+        }
+        let result = ref_buffers(output, carries);
+        let touches = |t: &Step| {
+            let mut refs = step_refs(t);
+            if let Step::Loop { body, prefetch, .. } = t {
+                refs.extend(prefetch.iter().chain(body).flat_map(step_refs));
+            }
+            refs.iter().flat_map(|r| ref_buffers(r, carries)).any(|id| result.contains(&id))
+        };
+        let until = (k + 1..steps.len()).find(|&q| touches(steps[q])).unwrap_or(steps.len() - 1);
+        for id in std::iter::once(input).chain(more_inputs).flat_map(|r| ref_buffers(r, carries)) {
+            held[k].push((id, until));
+        }
+    }
+    held
+}
+
 /// The lifetime of every buffer of rank `rank`'s schedule, by position in `m.buffers`
 /// (`None`: never touched). References to buffers that do not exist are ignored (the loader
 /// refuses them separately).
@@ -190,8 +235,15 @@ pub fn lifetimes(n: usize, steps: &[Step], temporary_of: impl Fn(u32) -> Option<
                 let start = pos;
                 pos += 1;
                 let mut whole: Vec<u32> = carries.iter().flatten().copied().collect();
+                let iteration: Vec<&Step> = prefetch.iter().chain(body).collect();
+                let held = held_until_joined(&iteration, carries);
                 // An iteration runs the prefetch steps (all but the last), then the body.
-                for bs in prefetch.iter().chain(body) {
+                for (k, bs) in iteration.iter().enumerate() {
+                    for &(id, until) in &held[k] {
+                        if temporary_of(id) == Some(loop_index) {
+                            touch(id, pos + (until - k) as u32);
+                        }
+                    }
                     let mut refs = step_refs(bs);
                     if let Step::Loop { body, prefetch, .. } = bs {
                         refs.extend(prefetch.iter().chain(body).flat_map(step_refs));
@@ -235,4 +287,78 @@ pub fn lifetimes(n: usize, steps: &[Step], temporary_of: impl Fn(u32) -> Option<
         }
     }
     lt
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::DType;
+    use crate::artifact::CollectiveOp;
+
+    fn buf(buffer: u32) -> BufRef {
+        BufRef::Buffer { buffer, layer: false }
+    }
+
+    fn gemm(input: u32, output: u32) -> Step {
+        Step::Launch { kernel: 0, inputs: vec![buf(input)], outputs: vec![buf(output)], stream: 0 }
+    }
+
+    fn shift(input: u32, output: u32, group: u32) -> Step {
+        Step::Collective {
+            collective: CollectiveOp::RingShift,
+            mesh_dim: "tp".into(),
+            group,
+            dim: None,
+            reduce: None,
+            dtype: DType::BF16,
+            in_shape: vec![4],
+            out_shape: vec![4],
+            input: buf(input),
+            output: buf(output),
+            more_inputs: Vec::new(),
+            shift: Some(1),
+            send_bytes: 8,
+            stream: 0,
+        }
+    }
+
+    /// Async TP's reduce-scatter ring in a loop body: partial `p0` (buffer 1) is computed and
+    /// sent (into 2), the next partial `p1` (buffer 3) computed and sent (into 4), and the sum
+    /// reads both received partials (into 5). Every buffer is a loop temporary.
+    fn ring(group: u32) -> Vec<Step> {
+        let body = vec![
+            gemm(0, 1),
+            shift(1, 2, group),
+            gemm(0, 3),
+            shift(3, 4, group),
+            Step::Launch { kernel: 1, inputs: vec![buf(2), buf(4)], outputs: vec![buf(5)], stream: 0 },
+        ];
+        vec![Step::Loop { count: 2, reverse: false, carries: Vec::new(), body, prefetch: Vec::new() }]
+    }
+
+    #[test]
+    fn a_ring_shifts_operand_lives_until_the_compute_stream_joins_the_shift() {
+        let steps = ring(8);
+        let temporary = |id: u32| (id != 0).then_some(0);
+        let lt = lifetimes(6, &steps, temporary, |_| false);
+        // Positions: the loop at 0, its body at 1..=5. Partial 1 is sent at 2 and the shift is
+        // joined at 5 (the sum reads its result): it lives to 5, so partial 3 (born at 3) can
+        // not take its bytes while the tp stream may still be reading them.
+        assert_eq!(lt[1], Some(Lifetime { start: 1, end: 5 }));
+        assert_eq!(lt[3], Some(Lifetime { start: 3, end: 5 }));
+        assert!(lt[1].is_some_and(|a| lt[3].is_some_and(|b| a.overlaps(&b))));
+        // A group of one does not communicate (no stream): the operand dies at its last use.
+        let lt = lifetimes(6, &ring(1), temporary, |_| false);
+        assert_eq!(lt[1], Some(Lifetime { start: 1, end: 2 }));
+        assert!(!lt[1].is_some_and(|a| lt[3].is_some_and(|b| a.overlaps(&b))));
+    }
+
+    #[test]
+    fn an_unjoined_collectives_operand_lives_to_the_end_of_the_iteration() {
+        // Nothing in the body reads the shift's result: joined at the end of the iteration.
+        let body = vec![gemm(0, 1), shift(1, 2, 8), gemm(0, 3)];
+        let steps = vec![Step::Loop { count: 2, reverse: false, carries: Vec::new(), body, prefetch: Vec::new() }];
+        let lt = lifetimes(4, &steps, |id| (id != 0).then_some(0), |_| false);
+        assert_eq!(lt[1], Some(Lifetime { start: 1, end: 3 }));
+    }
 }
