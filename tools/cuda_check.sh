@@ -10,8 +10,9 @@
 # (every kernel has GPU code, so whole steps run on the GPU and are compared with the CPU
 # backend) and, with TIME=1, an 8B-shaped 4-layer artifact whose kernels are timed one by one.
 # With MESH=1 it also holds SPMD builds of the debug model for two ranks (tp 2, dp_shard 2,
-# dp_replicate 2), which `tools/cuda_check.sh mesh DIR` runs on a machine with two GPUs: NCCL
-# across GPUs against one GPU and against the CPU simulated mesh, and a rank killed mid-run;
+# dp_replicate 2, and tp 2 with async TP's ring), which `tools/cuda_check.sh mesh DIR` runs on a
+# machine with two GPUs: NCCL across GPUs against one GPU and against the CPU simulated mesh,
+# and a rank killed mid-run;
 # with BIG=1 also an 8B-shaped 4-layer model on one GPU, tp 2 and dp_shard 2 (losses, tok/s).
 # Logs go to $OUT (or DIR/logs).
 set -euo pipefail
@@ -68,7 +69,7 @@ prepare)
         done
     fi
     if [ "${MESH:-0}" = 1 ]; then
-        for cfg in "tp2:--tp 2" "dps2:--dp-shard 2" "dpr2:--dp-replicate 2" "tp2-nolp:--tp 2 --disable-loss-parallel"; do
+        for cfg in "tp2:--tp 2" "dps2:--dp-shard 2" "dpr2:--dp-replicate 2" "tp2-nolp:--tp 2 --disable-loss-parallel" "tp2-async:--tp 2 --async-tp all"; do
             # shellcheck disable=SC2086
             target/release/titanc build examples/llama3-debug.ir -o "$dir/mesh-${cfg%%:*}" ${cfg#*:} >/dev/null
         done

@@ -268,13 +268,6 @@ fn apply_job_config(mut cli: Cli, given: &dyn Fn(&str) -> bool, announce: bool) 
             cli.val_steps = v.steps.map_or(ValSteps::All, ValSteps::Batches);
         }
     }
-    if let Some(a) = job.async_tp.as_ref().filter(|a| a.on && announce && cli.backend == "cuda") {
-        eprintln!(
-            "titan-run: note: {}: `{} = true` not honored on --backend cuda: the CUDA backend does not run async tensor parallelism yet (not supported yet) and refuses an artifact built with it at load; set it to false and rebuild, or run on --backend cpu",
-            path.display(),
-            a.key
-        );
-    }
     let ck = &job.checkpoint;
     if ck.enable {
         // `--checkpoint-dir` replaces the folder only; the other keys still apply.

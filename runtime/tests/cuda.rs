@@ -470,8 +470,8 @@ fn kernel_times_for_the_record() {
 /// The collective steps' building blocks on the real driver and NCCL, on the one GPU there is:
 /// the strided copies of every gather/scatter plan along every dim (for 1-4 ranks, each rank's
 /// buffers on the GPU, the NCCL exchange between them done on the host), and a one-rank NCCL
-/// communicator (rendezvous payload, `ncclCommInitRank`, the three collectives on the
-/// collectives' stream). NCCL refuses two ranks on one GPU, so the multi-rank NCCL path itself
+/// communicator (rendezvous payload, `ncclCommInitRank`, the three collectives and a ring
+/// shift's send/receive pair on the collectives' stream). NCCL refuses two ranks on one GPU, so the multi-rank NCCL path itself
 /// waits for a multi-GPU machine.
 #[test]
 #[cfg_attr(titan_no_cuda, ignore = "skipped: no CUDA device")]
@@ -503,6 +503,8 @@ fn collective_plans_and_a_one_rank_nccl_communicator_run_on_the_gpu() {
                     group: n,
                     dim: Some(d as u32),
                     reduce: None,
+                    shift: None,
+                    more_inputs: 0,
                     dtype: DType::F32,
                     in_shape: &shard,
                     out_shape: &full,
@@ -522,6 +524,7 @@ fn collective_plans_and_a_one_rank_nccl_communicator_run_on_the_gpu() {
             Loc::Input(o) => bufs[r][0].ptr + o,
             Loc::Output(o) => bufs[r][1].ptr + o,
             Loc::Staging(o) => bufs[r][2].ptr + o,
+            Loc::More(..) => panic!("an all-gather has one operand"),
         };
         for i in 0..plans[0].actions.len() {
             for (r, p) in plans.iter().enumerate() {
@@ -565,6 +568,9 @@ fn collective_plans_and_a_one_rank_nccl_communicator_run_on_the_gpu() {
             (NcclKind::AllReduce, DType::BF16, ReduceOp::Max),
             (NcclKind::AllGather, DType::F32, ReduceOp::Sum),
             (NcclKind::ReduceScatter, DType::F32, ReduceOp::Sum),
+            // Async TP's ring shift over one rank: a grouped send and receive to itself.
+            (NcclKind::SendRecv { to: 0, from: 0 }, DType::BF16, ReduceOp::Sum),
+            (NcclKind::SendRecv { to: 0, from: 0 }, DType::F8E4M3, ReduceOp::Sum),
         ] {
             let count = 4 * 4096 / dtype.size_bytes();
             let dst = gpu.alloc(4 * 4096, 0xAB, "recv").expect("alloc");

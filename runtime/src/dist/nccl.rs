@@ -105,6 +105,22 @@ impl NcclComm {
     /// the collective reads and writes, and stay alive until the stream has run it.
     #[allow(clippy::too_many_arguments)]
     pub unsafe fn run(&self, kind: NcclKind, send: u64, recv: u64, count: usize, dtype: DType, reduce: ReduceOp, stream: CUstream) -> Result<(), DistError> {
+        if let NcclKind::SendRecv { to, from } = kind {
+            // Raw bytes: a ring shift moves values unchanged, fp8 chunks and f32 scales alike.
+            let bytes = count * dtype.size_bytes();
+            let (s, r, st) = (send as *const c_void, recv as *mut c_void, stream.cast::<sys::CUstream_st>());
+            let (u8t, to, from) = (sys::ncclDataType_t::ncclUint8, to as c_int, from as c_int);
+            // SAFETY: the caller's contract; one group so the pair cannot deadlock against the
+            // peers' pairs (every rank sends and receives in the same call).
+            let res = unsafe {
+                sys::ncclGroupStart()
+                    .result()
+                    .and_then(|_| sys::ncclSend(s, bytes, u8t, to, self.raw, st).result())
+                    .and_then(|_| sys::ncclRecv(r, bytes, u8t, from, self.raw, st).result())
+                    .and_then(|_| sys::ncclGroupEnd().result())
+            };
+            return res.map(|_| ()).map_err(|e| nccl_err(&format!("a ring shift of {bytes} bytes to rank {to}, from rank {from}"), e));
+        }
         let ty = match dtype {
             DType::F32 => sys::ncclDataType_t::ncclFloat32,
             DType::BF16 => sys::ncclDataType_t::ncclBfloat16,
@@ -124,6 +140,8 @@ impl NcclComm {
                 NcclKind::AllGather => sys::ncclAllGather(s, r, count, ty, self.raw, st),
                 NcclKind::ReduceScatter => sys::ncclReduceScatter(s, r, count, ty, op, self.raw, st),
                 NcclKind::AllReduce => sys::ncclAllReduce(s, r, count, ty, op, self.raw, st),
+                // Returned above; never reduced or gathered.
+                NcclKind::SendRecv { .. } => sys::ncclResult_t::ncclInvalidUsage,
             }
         };
         res.result().map(|_| ()).map_err(|e| nccl_err(&format!("{kind:?} of {count} {dtype:?} elements"), e))

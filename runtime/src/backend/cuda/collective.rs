@@ -4,6 +4,10 @@
 //! move the rank chunks between the tensor's layout and a staging buffer when the dim is not the
 //! outermost one (`prod(shape[..dim]) > 1`). `take_shard`/`place_shard` are copies only.
 //!
+//! Async TP's ring: `ring_shift` is one grouped NCCL send and receive (to the rank `shift` places
+//! back, from the one `shift` places ahead); `ring_slice` and a copying `ring_concat` (the one the
+//! compiler could not turn into views) are rank-local strided copies.
+//!
 //! Row-major tensor of shape `s`, dim `d`, group `n`, element size `e`: `outer = prod(s[..d])`,
 //! and a rank's chunk is `outer` rows of `inner = prod(shard[d..])` elements. The rank-`r` chunk
 //! sits at column `r * inner` of rows that are `n * inner` long in the full tensor, and at
@@ -21,6 +25,8 @@ pub enum Loc {
     Input(u64),
     Output(u64),
     Staging(u64),
+    /// Byte `.1` of the step's `more_inputs[.0]` (`ring_concat`'s operands after the first).
+    More(u32, u64),
 }
 
 /// The NCCL collective of an [`Action::Nccl`].
@@ -32,6 +38,9 @@ pub enum NcclKind {
     ReduceScatter,
     /// `count` elements, reduced, on every rank.
     AllReduce,
+    /// `ring_shift`: send `count` elements to the group's rank `to` and receive as many from
+    /// rank `from`, as one NCCL group (raw bytes: nothing is reduced, fp8 chunks included).
+    SendRecv { to: u32, from: u32 },
 }
 
 /// One thing a collective step does, in order.
@@ -62,6 +71,10 @@ pub struct StepShape<'a> {
     pub group: u64,
     pub dim: Option<u32>,
     pub reduce: Option<ReduceOp>,
+    /// `ring_shift` and `ring_slice`: the rotation.
+    pub shift: Option<u32>,
+    /// `ring_concat`: how many operands follow the first (`Loc::More`).
+    pub more_inputs: usize,
     pub dtype: DType,
     pub in_shape: &'a [u64],
     pub out_shape: &'a [u64],
@@ -75,6 +88,15 @@ fn split(shape: &[u64], d: usize) -> Result<(u64, u64), String> {
     Ok((shape[..d].iter().product(), shape[d..].iter().product()))
 }
 
+/// A ring step's rotation, below its group.
+fn ring_shift_of(s: &StepShape<'_>) -> Result<u64, String> {
+    match s.shift {
+        Some(k) if u64::from(k) < s.group => Ok(u64::from(k)),
+        Some(k) => Err(format!("`{}` with shift {k} in a group of {}", s.collective.name(), s.group)),
+        None => Err(format!("`{}` needs a shift", s.collective.name())),
+    }
+}
+
 /// Plan a step for the rank at coordinate `coord` (0-based) along the step's mesh dim.
 pub fn plan(s: &StepShape<'_>, coord: u64) -> Result<Plan, String> {
     let n = s.group;
@@ -86,11 +108,53 @@ pub fn plan(s: &StepShape<'_>, coord: u64) -> Result<Plan, String> {
     let reduce = s.reduce.unwrap_or(ReduceOp::Sum);
     let dim = || s.dim.map(|d| d as usize).ok_or_else(|| format!("`{}` needs a tensor dim", s.collective.name()));
     let (actions, staging_bytes, communicates) = match s.collective {
-        CollectiveOp::RingShift | CollectiveOp::RingSlice | CollectiveOp::RingConcat => {
-            return Err(format!(
-                "`{}`: async TP is not supported on the CUDA backend yet; rebuild the artifact without `--async-tp` (the CPU meshes run it)",
-                s.collective.name()
-            ));
+        CollectiveOp::RingShift => {
+            let shift = ring_shift_of(s)?;
+            if numel(s.in_shape) != numel(s.out_shape) {
+                return Err("ring_shift changes the element count".into());
+            }
+            let (to, from) = ((coord + n - shift) % n, (coord + shift) % n);
+            let kind = NcclKind::SendRecv { to: to as u32, from: from as u32 };
+            (vec![Action::Nccl { kind, send: Loc::Input(0), recv: Loc::Output(0), count: numel(s.in_shape), reduce }], 0, true)
+        }
+        CollectiveOp::RingSlice => {
+            let (d, shift) = (dim()?, ring_shift_of(s)?);
+            let (outer, inner) = split(s.out_shape, d)?;
+            if numel(s.in_shape) != n * outer * inner {
+                return Err(format!("ring_slice of {:?} over {n} ranks cannot give {:?}", s.in_shape, s.out_shape));
+            }
+            let at = (coord + shift) % n;
+            let a = Action::Copy2d {
+                dst: Loc::Output(0),
+                dst_pitch: inner * e,
+                src: Loc::Input(at * inner * e),
+                src_pitch: n * inner * e,
+                width: inner * e,
+                height: outer,
+            };
+            (vec![a], 0, false)
+        }
+        CollectiveOp::RingConcat => {
+            let d = dim()?;
+            let (outer, inner) = split(s.in_shape, d)?;
+            if numel(s.out_shape) != n * outer * inner {
+                return Err(format!("ring_concat of {:?} over {n} ranks cannot give {:?}", s.in_shape, s.out_shape));
+            }
+            if s.more_inputs as u64 + 1 != n {
+                return Err(format!("ring_concat over {n} ranks has {} operands", s.more_inputs + 1));
+            }
+            // Operand `j` (ring order) is slice `(coord + j) mod n` of the result.
+            let a = (0..n)
+                .map(|j| Action::Copy2d {
+                    dst: Loc::Output((coord + j) % n * inner * e),
+                    dst_pitch: n * inner * e,
+                    src: if j == 0 { Loc::Input(0) } else { Loc::More(j as u32 - 1, 0) },
+                    src_pitch: inner * e,
+                    width: inner * e,
+                    height: outer,
+                })
+                .collect();
+            (a, 0, false)
         }
         CollectiveOp::AllReduce => {
             if numel(s.in_shape) != numel(s.out_shape) {
@@ -198,6 +262,7 @@ mod tests {
         input: Vec<u8>,
         output: Vec<u8>,
         staging: Vec<u8>,
+        more: Vec<Vec<u8>>,
     }
 
     fn buf(r: &mut Rank, l: Loc) -> (&mut Vec<u8>, usize) {
@@ -205,6 +270,7 @@ mod tests {
             Loc::Input(o) => (&mut r.input, o as usize),
             Loc::Output(o) => (&mut r.output, o as usize),
             Loc::Staging(o) => (&mut r.staging, o as usize),
+            Loc::More(j, o) => (&mut r.more[j as usize], o as usize),
         }
     }
 
@@ -231,6 +297,21 @@ mod tests {
         let n = ranks.len();
         for i in 0..plans[0].actions.len() {
             match plans[0].actions[i] {
+                Action::Nccl { kind: NcclKind::SendRecv { .. }, send, recv, count, .. } => {
+                    // Every rank's own peers: rank `ri` gets what its `from` sent, and that
+                    // rank's `to` must be `ri` (the pairs match up).
+                    let sent: Vec<Vec<u8>> = ranks.iter_mut().map(|r| read(r, send, 4 * count as usize)).collect();
+                    for (ri, r) in ranks.iter_mut().enumerate() {
+                        let Action::Nccl { kind: NcclKind::SendRecv { from, .. }, .. } = plans[ri].actions[i] else {
+                            panic!("the ranks' plans differ in shape")
+                        };
+                        let Action::Nccl { kind: NcclKind::SendRecv { to, .. }, .. } = plans[from as usize].actions[i] else {
+                            panic!("the ranks' plans differ in shape")
+                        };
+                        assert_eq!(to as usize, ri, "rank {from} sends to {to}, but rank {ri} receives from it");
+                        write(r, recv, &sent[from as usize]);
+                    }
+                }
                 Action::Nccl { kind, send, recv, count, reduce } => {
                     let c = count as usize;
                     let sends: Vec<Vec<f32>> = ranks
@@ -246,6 +327,7 @@ mod tests {
                             NcclKind::AllGather => sends.concat(),
                             NcclKind::AllReduce => (0..c).map(|j| sends.iter().skip(1).fold(sends[0][j], |a, s| fold(a, s[j]))).collect(),
                             NcclKind::ReduceScatter => (0..c).map(|j| sends.iter().skip(1).fold(sends[0][ri * c + j], |a, s| fold(a, s[ri * c + j]))).collect(),
+                            NcclKind::SendRecv { .. } => unreachable!("matched above"),
                         };
                         write(r, recv, &bytes(&out));
                     }
@@ -259,6 +341,7 @@ mod tests {
                                         Loc::Input(o) => Loc::Input(o + by),
                                         Loc::Output(o) => Loc::Output(o + by),
                                         Loc::Staging(o) => Loc::Staging(o + by),
+                                        Loc::More(j, o) => Loc::More(j, o + by),
                                     };
                                     let data = read(r, shift(src, row * src_pitch), width as usize);
                                     write(r, shift(dst, row * dst_pitch), &data);
@@ -301,7 +384,9 @@ mod tests {
     }
 
     fn ranks_for(n: u64, inputs: &[Vec<f32>], out_len: u64, staging: u64) -> Vec<Rank> {
-        (0..n as usize).map(|r| Rank { input: bytes(&inputs[r]), output: vec![0xAB; 4 * out_len as usize], staging: vec![0xCD; staging as usize] }).collect()
+        (0..n as usize)
+            .map(|r| Rank { input: bytes(&inputs[r]), output: vec![0xAB; 4 * out_len as usize], staging: vec![0xCD; staging as usize], more: Vec::new() })
+            .collect()
     }
 
     #[test]
@@ -318,6 +403,8 @@ mod tests {
                         group: n,
                         dim: Some(d as u32),
                         reduce: None,
+                        shift: None,
+                        more_inputs: 0,
                         dtype: DType::F32,
                         in_shape: i,
                         out_shape: o,
@@ -439,6 +526,8 @@ mod tests {
             group: 4,
             dim: None,
             reduce: Some(ReduceOp::Max),
+            shift: None,
+            more_inputs: 0,
             dtype: DType::BF16,
             in_shape: &[8, 2],
             out_shape: &[8, 2],
@@ -446,10 +535,101 @@ mod tests {
         let p = plan(&s, 3).expect("plan");
         assert_eq!(p.actions, vec![Action::Nccl { kind: NcclKind::AllReduce, send: Loc::Input(0), recv: Loc::Output(0), count: 16, reduce: ReduceOp::Max }]);
         assert!(plan(&s, 4).expect_err("coord 4 of 4").contains("coordinate 4"));
-        let bad =
-            StepShape { collective: CollectiveOp::AllGather, group: 2, dim: Some(1), reduce: None, dtype: DType::F32, in_shape: &[2, 3], out_shape: &[2, 5] };
+        let bad = StepShape {
+            collective: CollectiveOp::AllGather,
+            group: 2,
+            dim: Some(1),
+            reduce: None,
+            shift: None,
+            more_inputs: 0,
+            dtype: DType::F32,
+            in_shape: &[2, 3],
+            out_shape: &[2, 5],
+        };
         assert!(plan(&bad, 0).expect_err("5 is not 2 x 3").contains("cannot give"));
         let no_dim = StepShape { dim: None, ..bad };
         assert!(plan(&no_dim, 0).expect_err("no dim").contains("needs a tensor dim"));
+    }
+
+    /// Async TP's ring steps, run for every rank of groups of 1, 2, 4 and 8 at every shift,
+    /// against the interpreter's semantics (`titan_ir::interp::collective`): `ring_shift` gets
+    /// rank `(r + shift) mod n`'s operand, `ring_slice` its slice `(r + shift) mod n` of `dim`,
+    /// and `ring_concat` places operand `j` at slice `(r + j) mod n`.
+    #[test]
+    fn ring_steps_match_the_interpreter_semantics() {
+        let shard: &'static [u64] = &[2, 3, 4];
+        for d in 0..shard.len() {
+            for n in [1u64, 2, 4, 8] {
+                let mut full = shard.to_vec();
+                full[d] *= n;
+                let full: &'static [u64] = Vec::leak(full);
+                let (len, full_len) = (shard.iter().product::<u64>(), full.iter().product::<u64>());
+                let shape = |c, shift, more, i: &'static [u64], o: &'static [u64]| StepShape {
+                    collective: c,
+                    group: n,
+                    dim: (c != CollectiveOp::RingShift).then_some(d as u32),
+                    reduce: None,
+                    shift,
+                    more_inputs: more,
+                    dtype: DType::F32,
+                    in_shape: i,
+                    out_shape: o,
+                };
+                for k in 0..n {
+                    // ring_shift: the shard of the rank k places ahead.
+                    let inputs: Vec<Vec<f32>> = (0..n).map(|r| values(len, r)).collect();
+                    let plans: Vec<Plan> = (0..n).map(|c| plan(&shape(CollectiveOp::RingShift, Some(k as u32), 0, shard, shard), c).expect("plan")).collect();
+                    assert!(plans.iter().all(|p| p.communicates));
+                    let mut ranks = ranks_for(n, &inputs, len, 0);
+                    run(&plans, &mut ranks);
+                    for (r, rank) in ranks.iter().enumerate() {
+                        assert_eq!(f32s(&rank.output), inputs[(r + k as usize) % n as usize], "ring_shift n {n} shift {k} rank {r}");
+                    }
+                    // ring_slice: slice (r + k) mod n of the full tensor, no communication.
+                    let inputs: Vec<Vec<f32>> = (0..n).map(|r| values(full_len, 100 + r)).collect();
+                    let plans: Vec<Plan> = (0..n).map(|c| plan(&shape(CollectiveOp::RingSlice, Some(k as u32), 0, full, shard), c).expect("plan")).collect();
+                    assert!(plans.iter().all(|p| !p.communicates));
+                    let mut ranks = ranks_for(n, &inputs, len, 0);
+                    run(&plans, &mut ranks);
+                    for (r, rank) in ranks.iter().enumerate() {
+                        let want = slice_ref(&inputs[r], full, d, n, (r as u64 + k) % n);
+                        assert_eq!(f32s(&rank.output), want, "ring_slice dim {d} n {n} shift {k} rank {r}");
+                    }
+                }
+                // ring_concat: operand j of rank r at slice (r + j) mod n.
+                let plans: Vec<Plan> = (0..n).map(|c| plan(&shape(CollectiveOp::RingConcat, None, n as usize - 1, shard, full), c).expect("plan")).collect();
+                assert!(plans.iter().all(|p| !p.communicates && p.staging_bytes == 0));
+                let operands: Vec<Vec<Vec<f32>>> = (0..n).map(|r| (0..n).map(|j| values(len, 1000 + 10 * r + j)).collect()).collect();
+                let mut ranks = ranks_for(n, &operands.iter().map(|o| o[0].clone()).collect::<Vec<_>>(), full_len, 0);
+                for (r, rank) in ranks.iter_mut().enumerate() {
+                    rank.more = operands[r][1..].iter().map(|o| bytes(o)).collect();
+                }
+                run(&plans, &mut ranks);
+                for (r, rank) in ranks.iter().enumerate() {
+                    // The reference: the slices in coordinate order, slice s being operand (s - r) mod n.
+                    let parts: Vec<Vec<f32>> = (0..n as usize).map(|s| operands[r][(s + n as usize - r) % n as usize].clone()).collect();
+                    assert_eq!(f32s(&rank.output), concat_ref(&parts, shard, d), "ring_concat dim {d} n {n} rank {r}");
+                }
+            }
+        }
+        let s = shape_of_bad_ring();
+        assert!(plan(&s, 0).expect_err("shift 2 of 2").contains("shift 2"));
+        assert!(plan(&StepShape { shift: None, ..s }, 0).expect_err("no shift").contains("needs a shift"));
+        let concat = StepShape { collective: CollectiveOp::RingConcat, dim: Some(0), shift: None, more_inputs: 0, out_shape: &[8], ..shape_of_bad_ring() };
+        assert!(plan(&concat, 0).expect_err("one operand for two ranks").contains("has 1 operands"));
+    }
+
+    fn shape_of_bad_ring() -> StepShape<'static> {
+        StepShape {
+            collective: CollectiveOp::RingShift,
+            group: 2,
+            dim: None,
+            reduce: None,
+            shift: Some(2),
+            more_inputs: 0,
+            dtype: DType::BF16,
+            in_shape: &[4],
+            out_shape: &[4],
+        }
     }
 }

@@ -586,8 +586,8 @@ impl<'a> CudaArtifactTrainer<'a> {
                 Op::Launch { kernel, ins, outs, at } => s.code.launch(&self.gpu, s.kernels, *kernel, ins, outs, &|| at.clone())?,
                 Op::Copy { dst, src, bytes, at } => self.gpu.copy(*dst, *src, *bytes, || format!("copy of {bytes} bytes ({at})"))?,
                 Op::Memset { dst, bytes, at } => self.gpu.memset(*dst, 0, *bytes, || format!("memset of {bytes} bytes ({at})"))?,
-                Op::Collective { plan, input, output, mesh_dim, dtype, at, .. } => {
-                    self.enqueue_collective(s, plan, *input, *output, *mesh_dim, *dtype, nth_collective, at)?;
+                Op::Collective { plan, input, output, more, mesh_dim, dtype, at, .. } => {
+                    self.enqueue_collective(s, plan, (*input, more), *output, *mesh_dim, *dtype, nth_collective, at)?;
                     nth_collective += usize::from(plan.communicates);
                 }
             }
@@ -614,7 +614,7 @@ impl<'a> CudaArtifactTrainer<'a> {
         &self,
         s: &Sched<'_>,
         plan: &collective::Plan,
-        input: u64,
+        (input, more): (u64, &[u64]),
         output: u64,
         mesh_dim: usize,
         dtype: DType,
@@ -628,7 +628,17 @@ impl<'a> CudaArtifactTrainer<'a> {
             Loc::Input(o) => input + o,
             Loc::Output(o) => output + o,
             Loc::Staging(o) => staging + o,
+            Loc::More(j, o) => more.get(j as usize).map_or(0, |&m| m + o),
         };
+        let refs_more = |l: &Loc| matches!(*l, Loc::More(j, _) if j as usize >= more.len());
+        let bad_more = plan.actions.iter().any(|a| match a {
+            Action::Copy2d { dst, src, .. } => refs_more(dst) || refs_more(src),
+            Action::Nccl { send, recv, .. } => refs_more(send) || refs_more(recv),
+            Action::Zero { dst, .. } => refs_more(dst),
+        });
+        if bad_more {
+            return Err(CudaError::Call { what: at.to_string(), message: format!("the step's plan reads more than its {} extra operands", more.len()) });
+        }
         if plan.communicates && comm.is_none() {
             return Err(CudaError::Call { what: at.to_string(), message: "a collective without stream-ordering events".into() });
         }

@@ -28,12 +28,14 @@ pub(super) enum Op {
         bytes: usize,
         at: String,
     },
-    /// A collective step (or a rank-local `take_shard`/`place_shard`): its planned actions on
-    /// `input`/`output` (and the shared staging buffer) over mesh dim `mesh_dim`.
+    /// A collective step (or a rank-local `take_shard`/`place_shard`/`ring_slice`/`ring_concat`):
+    /// its planned actions on `input`/`output`, `ring_concat`'s `more` operands (and the shared
+    /// staging buffer) over mesh dim `mesh_dim`.
     Collective {
         plan: collective::Plan,
         input: u64,
         output: u64,
+        more: Vec<u64>,
         mesh_dim: usize,
         dtype: DType,
         at: String,
@@ -179,13 +181,15 @@ impl<'a> Arenas<'a> {
                         ops.push(Op::Memset { dst: d.0, bytes, at });
                     }
                 }
-                Step::Collective { collective, mesh_dim, group, dim, reduce, dtype, in_shape, out_shape, input, output, .. } => {
+                Step::Collective { collective, mesh_dim, group, dim, reduce, dtype, in_shape, out_shape, input, output, more_inputs, shift, .. } => {
                     let m = titan_ir::MeshDim::from_name(mesh_dim).ok_or_else(|| bad(format!("{at}: unknown mesh dim `{mesh_dim}`")))?.index();
                     let shape = collective::StepShape {
                         collective: *collective,
                         group: u64::from(*group),
                         dim: *dim,
                         reduce: *reduce,
+                        shift: *shift,
+                        more_inputs: more_inputs.len(),
                         dtype: *dtype,
                         in_shape,
                         out_shape,
@@ -198,10 +202,16 @@ impl<'a> Arenas<'a> {
                     if ni > i.1 || no > o.1 {
                         return Err(bad(format!("{at}: `{}` reads {ni} and writes {no} bytes, its buffers hold {} and {}", collective.name(), i.1, o.1)));
                     }
-                    ext.push((vec![(i.0, ni), (o.0, no)], 1));
+                    let more = more_inputs.iter().map(|r| self.view(r, frame)).collect::<Result<Vec<_>, _>>()?;
+                    if let Some(m) = more.iter().find(|m| ni > m.1) {
+                        return Err(bad(format!("{at}: `{}` reads {ni} bytes from each operand, one holds {}", collective.name(), m.1)));
+                    }
+                    let mut ranges: Vec<(u64, u64)> = std::iter::once(i.0).chain(more.iter().map(|m| m.0)).map(|a| (a, ni)).collect();
+                    ranges.push((o.0, no));
+                    ext.push((ranges, 1 + more.len()));
                     let dim_name = titan_ir::MeshDim::from_name(mesh_dim).map_or("?", titan_ir::MeshDim::name);
                     let info = comm_profile::CollectiveInfo { op: collective.name(), dim: dim_name, bytes: ni.max(no), at: at.clone() };
-                    ops.push(Op::Collective { plan, input: i.0, output: o.0, mesh_dim: m, dtype: *dtype, at, info });
+                    ops.push(Op::Collective { plan, input: i.0, output: o.0, more: more.iter().map(|m| m.0).collect(), mesh_dim: m, dtype: *dtype, at, info });
                 }
                 Step::Loop { count, reverse, carries, body, prefetch } => {
                     // The next layer's gathers are unrolled at the top of each iteration, so
