@@ -188,8 +188,9 @@ def main(d):
                 ok_all = False
                 line.append("FAIL")
         print(" ".join(line), flush=True)
-        for p in ptrs:
-            cu.cuMemFree_v2(p)
+        for pi, p in enumerate(ptrs):
+            if pi not in alias:
+                cu.cuMemFree_v2(p)
         cu.cuModuleUnload(mod)
     print("ALL OK" if ok_all else "SOME FAILED")
     return ok_all
@@ -234,7 +235,13 @@ def perf(d):
         check(cu.cuModuleLoadData(ctypes.byref(mod), ctypes.c_char_p(ptx)), "load " + c["name"])
         fns = loader(c, mod)
         ptrs = []
-        for a in c["args"] + c["outs"]:
+        # `alias`: {"<output index>": <argument index>}: that output is written in place over
+        # the argument (as the step's optimizer updates its states), not to a buffer of its own.
+        alias = {len(c["args"]) + int(o): i for o, i in c.get("alias", {}).items()}
+        for ai, a in enumerate(c["args"] + c["outs"]):
+            if ai in alias:
+                ptrs.append(ptrs[alias[ai]])
+                continue
             nbytes = a["numel"] * SIZES[a["dtype"]]
             p = ctypes.c_uint64()
             check(cu.cuMemAlloc_v2(ctypes.byref(p), max(nbytes, 16)), "alloc")
@@ -269,8 +276,9 @@ def perf(d):
         t = ms.value / iters
         rate = f"{c['flops'] / (t * 1e-3) / 1e12:.0f} TFLOP/s" if "flops" in c else f"{c['bytes'] / (t * 1e-3) / 1e9:.0f} GB/s"
         print(f"{c['name']}: {t*1e3:.1f} us, {rate} (grid {c['grid']}, block {c['block']})", flush=True)
-        for p in ptrs:
-            cu.cuMemFree_v2(p)
+        for pi, p in enumerate(ptrs):
+            if pi not in alias:
+                cu.cuMemFree_v2(p)
         cu.cuModuleUnload(mod)
 
 

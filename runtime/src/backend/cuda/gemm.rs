@@ -27,9 +27,15 @@ use titan_ir::artifact::{GemmDesc, GemmScale};
 
 use super::driver::CudaError;
 
-/// Algorithms asked of the heuristic per GEMM shape; the CUDA backend times them once per
-/// device and library version and keeps the fastest (`TITAN_GEMM_AUTOTUNE=0`: the first).
+/// Algorithms asked of the heuristic per GEMM shape by default; the CUDA backend times them once
+/// per device and library version and keeps the fastest (`TITAN_GEMM_AUTOTUNE=0`: the first).
 pub const MAX_CANDIDATES: usize = 6;
+
+/// Algorithms asked of the heuristic per GEMM shape: `TITAN_GEMM_CANDIDATES` (1 to 64), else
+/// [`MAX_CANDIDATES`].
+pub fn max_candidates() -> usize {
+    std::env::var("TITAN_GEMM_CANDIDATES").ok().and_then(|v| v.parse::<usize>().ok()).filter(|n| (1..=64).contains(n)).unwrap_or(MAX_CANDIDATES)
+}
 
 /// The cuBLASLt workspace every GEMM may use (NVIDIA recommends 32 MiB on Hopper).
 pub const WORKSPACE_BYTES: u64 = titan_ir::artifact::workspace::CUBLASLT_WORKSPACE_BYTES;
@@ -231,10 +237,10 @@ impl GemmPlan {
                     let a = a.clamp(1, 256) as u32;
                     lt::set_matmul_pref_attribute(pref, attr, &a as *const u32 as *const c_void, 4).map_err(err("setting an alignment"))?;
                 }
-                let mut results: Vec<sys::cublasLtMatmulHeuristicResult_t> = (0..MAX_CANDIDATES).map(|_| std::mem::zeroed()).collect();
+                let want = max_candidates();
+                let mut results: Vec<sys::cublasLtMatmulHeuristicResult_t> = (0..want).map(|_| std::mem::zeroed()).collect();
                 let mut found = 0i32;
-                let r = sys::cublasLtMatmulAlgoGetHeuristic(blas.handle, desc, la, lb, lc, lc, pref, MAX_CANDIDATES as i32, results.as_mut_ptr(), &mut found)
-                    .result();
+                let r = sys::cublasLtMatmulAlgoGetHeuristic(blas.handle, desc, la, lb, lc, lc, pref, want as i32, results.as_mut_ptr(), &mut found).result();
                 let algos: Vec<sys::cublasLtMatmulAlgo_t> =
                     results.iter().take(found.max(0) as usize).filter(|h| h.state == sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS).map(|h| h.algo).collect();
                 if r.is_err() || algos.is_empty() {
@@ -273,7 +279,7 @@ impl GemmPlan {
         Ok(plan)
     }
 
-    /// How many algorithms the heuristic offered (at most [`MAX_CANDIDATES`]).
+    /// How many algorithms the heuristic offered (at most [`max_candidates`]).
     pub fn candidates(&self) -> usize {
         self.candidates.len()
     }
