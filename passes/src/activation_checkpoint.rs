@@ -24,7 +24,11 @@
 //! gradients (tested on the CPU backend, single rank and simulated mesh).
 //!
 //! Policies (TorchTitan's names):
-//! - `none`: nothing changes.
+//! - `none`: every value is saved except what torch.compile's partitioner would recompute for
+//!   free: a pointwise value whose backward readers are all pointwise (so the recompute lands in
+//!   the kernel that reads it) and whose recompute saves no new bytes beyond its own
+//!   ([`free_recompute`]): SwiGLU's `silu(gate)` from the saved gate projection, and float8
+//!   rowwise's scaled GEMM outputs from the raw ones. Nothing else changes.
 //! - `full`: every block saves its input only; the backward recomputes the whole forward.
 //! - `selective(op)`: TorchTitan's op policy: the outputs of the block's GEMMs are saveable except
 //!   every second one (counted 1-based in forward order: odd saved, even recomputed), and so are
@@ -506,14 +510,19 @@ fn value_name(r: &Region, v: Value) -> String {
 pub fn activation_checkpoint(g: &mut Graph) -> Result<AcStats, PassDiag> {
     let policy = AcPolicy::from_graph(g)?;
     let mut stats = AcStats::default();
-    if policy == AcPolicy::None {
-        return Ok(stats);
-    }
-    let pairs = find_pairs(&g.main)?;
+    let pairs = match find_pairs(&g.main) {
+        Ok(p) => p,
+        // `none` changes nothing it cannot: a graph the other policies refuse builds as it is.
+        Err(_) if policy == AcPolicy::None => return Ok(stats),
+        Err(e) => return Err(e),
+    };
     let mut done = HashSet::new();
     for pair in pairs {
         let (fblock, n_carry, n_stacked) = repeat_parts(&g.main.node(pair.fwd).op).expect("invariant: a pair starts at a repeat");
         if !done.insert(fblock) || g.main.order.iter().filter(|&&n| repeat_parts(&g.main.node(n).op).is_some_and(|(b, ..)| b == fblock)).count() > 1 {
+            if policy == AcPolicy::None {
+                continue;
+            }
             return Err(PassDiag::unsupported(format!(
                 "@{}: a block run by more than one `repeat` cannot be checkpointed (not supported yet)",
                 g.block(fblock).name
@@ -530,8 +539,8 @@ pub fn activation_checkpoint(g: &mut Graph) -> Result<AcStats, PassDiag> {
                 .ok_or_else(|| PassDiag::invalid(format!("@{}: the group `repeat` of {n} layers has no backward", g.block(fblock).name)))?;
             let (_, c, s) = repeat_parts(&g.main.node(group_fwd).op).expect("invariant: split_every returns a repeat");
             checkpoint_pair(g, &group, c, s, policy, Some(&last), &mut stats)?;
-        } else {
-            checkpoint_pair(g, &pair, n_carry, n_stacked, policy, None, &mut stats)?;
+        } else if !checkpoint_pair(g, &pair, n_carry, n_stacked, policy, None, &mut stats)? {
+            continue;
         }
         stats.blocks += 1;
     }
@@ -544,6 +553,7 @@ pub fn activation_checkpoint(g: &mut Graph) -> Result<AcStats, PassDiag> {
 
 /// Checkpoint one pair under `policy`; for `selective(N)` the pair is a group pair of
 /// [`split_every`] and `last` the nodes of each group's last layer (recomputed, the others kept).
+/// Returns whether the pair changed (`none` leaves a pair with nothing to recompute for free).
 fn checkpoint_pair(
     g: &mut Graph,
     pair: &Pair,
@@ -552,7 +562,7 @@ fn checkpoint_pair(
     policy: AcPolicy,
     last: Option<&HashSet<NodeId>>,
     stats: &mut AcStats,
-) -> Result<(), PassDiag> {
+) -> Result<bool, PassDiag> {
     let fnode = g.main.node(pair.fwd).clone();
     let bnode = g.main.node(pair.bwd).clone();
     let Op::Repeat { block: fblock, count, .. } = fnode.op else { unreachable!("invariant: checked by find_pairs") };
@@ -611,7 +621,19 @@ fn checkpoint_pair(
                 ValueDef::Arg(_) => true,
             })
         }
-        AcPolicy::None => unreachable!("invariant: handled by the caller"),
+        AcPolicy::None => {
+            let bwd = g.block(bblock);
+            let readers: Vec<(Value, Vec<Value>)> = saved
+                .iter()
+                .zip(&pair.saved_results)
+                .map(|(&s, &ri)| (s, bwd_arg_of_result(fnode.results[ri]).into_iter().map(|i| bwd.args[i].value).collect()))
+                .collect();
+            let not_kept = free_recompute(&fwd, bwd, &readers, n_carry, &dims);
+            if not_kept.is_empty() {
+                return Ok(false);
+            }
+            plan(&fwd, n_carry, &saved, &|v| !not_kept.contains(&v))
+        }
     };
 
     // Statistics.
@@ -762,7 +784,90 @@ fn checkpoint_pair(
     if let Op::Repeat { stacked, .. } = &mut bn.op {
         *stacked = stacked_now as u32;
     }
-    Ok(())
+    Ok(true)
+}
+
+/// Pointwise ops: what a fused kernel computes per element.
+fn pointwise(op: &Op) -> bool {
+    matches!(op, Op::Unary(_) | Op::Binary(_) | Op::Cast | Op::Broadcast { .. } | Op::Constant { .. })
+}
+
+/// `none`'s free recompute. A saved value qualifies when it is a pointwise op's result of at
+/// least 1/16 the size of the block's largest saved value (an activation, not a vector), every
+/// reader of it in the backward block is pointwise (`readers`: each saved value and the backward
+/// arguments holding it), and recomputing it through pointwise ops down to values that are kept
+/// anyway (other saved values, the carried input, parameters) or new leaves needs no more
+/// new saved bytes than the value itself (vectors of at most 1/64 of it not counted): the forward then stops writing it (a swap for the
+/// GEMM output it came from, which is written anyway) and its backward kernel computes it from
+/// what it reads. Qualifying is decided to a fixed point (a value that stays saved is a leaf
+/// for the others). Returns the values that may not be kept: the qualifying ones and the
+/// pointwise values their recompute goes through (empty: nothing qualifies).
+fn free_recompute(fwd: &Region, bwd: &Region, readers: &[(Value, Vec<Value>)], n_carry: usize, dims: &titan_ir::DimTable) -> HashSet<Value> {
+    let mut users: HashMap<Value, Vec<&Op>> = HashMap::new();
+    for &n in &bwd.order {
+        for &v in &bwd.node(n).inputs {
+            users.entry(v).or_default().push(&bwd.node(n).op);
+        }
+    }
+    let bwd_outputs: HashSet<Value> = bwd.outputs.iter().map(|o| o.value).collect();
+    let saved: HashSet<Value> = readers.iter().map(|(v, _)| *v).collect();
+    let pointwise_readers = |args: &[Value]| {
+        !args.is_empty()
+            && args
+                .iter()
+                .all(|a| !bwd_outputs.contains(a) && users.get(a).is_some_and(|us| us.iter().all(|op| matches!(op, Op::Unary(_) | Op::Binary(_) | Op::Cast))))
+    };
+    // Only activations count: a per-row or per-column vector (float8's scales and their
+    // reciprocals) costs nothing to save and would become a kernel of its own to recompute.
+    let largest = readers.iter().map(|(v, _)| bytes(fwd, *v, dims)).max().unwrap_or(0);
+    let mut chosen: HashSet<Value> = readers
+        .iter()
+        .filter(|(v, args)| {
+            matches!(fwd.value(*v).def, ValueDef::Result { node, .. } if pointwise(&fwd.node(node).op))
+                && bytes(fwd, *v, dims) * 16 >= largest
+                && pointwise_readers(args)
+        })
+        .map(|(v, _)| *v)
+        .collect();
+    // The pointwise values `v`'s recompute goes through, and its new leaves' bytes (per-row or
+    // per-column vectors, at most 1/64 of `v`, are not counted: float8's row and column scales
+    // of a GEMM output, which the recompute reads with it).
+    let walk = |v: Value, chosen: &HashSet<Value>| -> (Vec<Value>, u64) {
+        let small = bytes(fwd, v, dims) / 64;
+        let (mut chain, mut new_bytes, mut seen) = (Vec::new(), 0u64, HashSet::new());
+        let mut stack = vec![v];
+        while let Some(x) = stack.pop() {
+            if !seen.insert(x) {
+                continue;
+            }
+            match fwd.value(x).def {
+                ValueDef::Arg(i) if (i as usize) < n_carry => {}
+                ValueDef::Arg(_) => {}
+                ValueDef::Result { node, .. } => {
+                    let kept_anyway = saved.contains(&x) && !chosen.contains(&x);
+                    // A vector on the way (a scale's reciprocal) is kept, not recomputed in a
+                    // kernel of its own; constants are copied.
+                    let op = &fwd.node(node).op;
+                    if !kept_anyway && pointwise(op) && (bytes(fwd, x, dims) > small || matches!(op, Op::Constant { .. })) {
+                        chain.push(x);
+                        stack.extend(fwd.node(node).inputs.iter().copied());
+                    } else if !saved.contains(&x) && bytes(fwd, x, dims) > small {
+                        new_bytes += bytes(fwd, x, dims);
+                    }
+                }
+            }
+        }
+        (chain, new_bytes)
+    };
+    loop {
+        let before = chosen.len();
+        let keep: Vec<Value> = chosen.iter().copied().filter(|&v| walk(v, &chosen).1 <= bytes(fwd, v, dims)).collect();
+        chosen = keep.into_iter().collect();
+        if chosen.len() == before {
+            break;
+        }
+    }
+    chosen.iter().flat_map(|&v| walk(v, &chosen).0).collect()
 }
 
 /// Put `region`'s arguments in `order` (the kept ones; the others become dead values).

@@ -512,12 +512,13 @@ impl<'r> Grouper<'r> {
                     joined = true;
                 }
             }
-            if joined {
-                continue;
-            }
             // Siblings: join a group that already reads one of the same (non-scalar) tensors.
+            // A node that joined its producers' group brings that group along: the SwiGLU
+            // backward's `dy * silu(gate)`, whose `silu` the backward recomputes (activation
+            // checkpointing), joins the kernel that already reads `dy` for `dy * up`.
             let mut siblings: Vec<usize> = Vec::new();
-            for &v in node.inputs.iter().filter(|&&v| region.ty(v).rank() > 0) {
+            let outside = |v: &titan_ir::Value| !joined || self.producer[v.index()].and_then(|p| self.group_of[p.index()]) != Some(cur);
+            for &v in node.inputs.iter().filter(|&&v| region.ty(v).rank() > 0 && outside(&v)) {
                 for &u in &self.users[v.index()] {
                     if let Some(g) = self.group_of[u.index()]
                         && g != cur

@@ -31,9 +31,11 @@
 //!
 //! 1. **Producer -> consumer.** It joins the group of each operand's producer (in operand
 //!    order), merging those groups, when the merge keeps the rules below.
-//! 2. **Siblings.** If it joined no producer, it may join one group that already reads one of
-//!    its non-scalar operands, so the shared tensor is read once (SwiGLU backward's two
-//!    multiplies of `dy`; `cross_entropy` and `cross_entropy_bwd` of the logits). A group with
+//! 2. **Siblings.** It may then join one group that already reads one of its non-scalar
+//!    operands (one not made inside its own group), so the shared tensor is read once (SwiGLU
+//!    backward's two multiplies of `dy`; `cross_entropy` and `cross_entropy_bwd` of the
+//!    logits). A node that joined its producers' group brings that group along (the backward's
+//!    `dy * silu(gate)`, whose `silu` activation checkpointing recomputes there). A group with
 //!    a `reduce` across rows (to a scalar, or over the leading axes, rule 3) takes no siblings:
 //!    the other readers of its operand (float8's quantizing cast) need the reduced value, so
 //!    they run after it anyway and would only make it write out a copy of the operand for them.

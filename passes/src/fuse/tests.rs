@@ -410,3 +410,18 @@ fn an_absolute_value_two_kernels_reduce_is_taken_in_each() {
         .sum();
     assert_eq!(written, 1, "{f}");
 }
+
+#[test]
+fn a_node_that_joined_its_producer_also_joins_a_sibling_reading_the_same_tensor() {
+    // SwiGLU's backward after `none` recomputes `silu(gate)`: `dy * up` is one kernel, then
+    // `silu(gate)` and `dy * silu(gate)` another; the second multiply joins `silu`'s group (its
+    // producer) and brings it into the kernel that already reads `dy`, so `dy` is read once.
+    let g = graph(3, |b, x| {
+        let a = binary(b, BinaryOp::Mul, x[0], x[1])?;
+        let s = unary(b, UnaryOp::Silu, x[2])?;
+        let m = binary(b, BinaryOp::Mul, x[0], s)?;
+        Ok(vec![a, m])
+    });
+    let (f, _) = fused(&g);
+    assert_eq!(kernels(&f), vec![(Fused, vec!["mul", "silu", "mul"])]);
+}

@@ -169,7 +169,7 @@ fn debug_model_kernels() {
     assert_eq!(kernel_list(&g, "layer"), layer);
     #[rustfmt::skip]
     let layer_bwd = expect(&[
-        (Gemm, "matmul"), (Gemm, "matmul"), (Fused, "mul mul silu_grad"), (Gemm, "matmul"), (Gemm, "matmul"), (Gemm, "matmul"),
+        (Gemm, "matmul"), (Gemm, "matmul"), (Fused, "mul silu mul silu_grad"), (Gemm, "matmul"), (Gemm, "matmul"), (Gemm, "matmul"),
         (Gemm, "matmul"), (Fused, "add rmsnorm_bwd add"), (Gemm, "matmul"), (Gemm, "matmul"), (AttentionBwd, "attention_bwd"),
         (Fused, "rope"), (Fused, "rope"), (Gemm, "matmul"), (Gemm, "matmul"), (Gemm, "matmul"), (Gemm, "matmul"), (Gemm, "matmul"),
         (Fused, "add add rmsnorm_bwd add"), (Gemm, "matmul"),
