@@ -628,7 +628,7 @@ fn checkpoint_pair(
                 .zip(&pair.saved_results)
                 .map(|(&s, &ri)| (s, bwd_arg_of_result(fnode.results[ri]).into_iter().map(|i| bwd.args[i].value).collect()))
                 .collect();
-            let not_kept = free_recompute(&fwd, bwd, &readers, n_carry, &dims);
+            let not_kept = free_recompute(&fwd, bwd, &readers, &dims);
             if not_kept.is_empty() {
                 return Ok(false);
             }
@@ -802,7 +802,7 @@ fn pointwise(op: &Op) -> bool {
 /// what it reads. Qualifying is decided to a fixed point (a value that stays saved is a leaf
 /// for the others). Returns the values that may not be kept: the qualifying ones and the
 /// pointwise values their recompute goes through (empty: nothing qualifies).
-fn free_recompute(fwd: &Region, bwd: &Region, readers: &[(Value, Vec<Value>)], n_carry: usize, dims: &titan_ir::DimTable) -> HashSet<Value> {
+fn free_recompute(fwd: &Region, bwd: &Region, readers: &[(Value, Vec<Value>)], dims: &titan_ir::DimTable) -> HashSet<Value> {
     let mut users: HashMap<Value, Vec<&Op>> = HashMap::new();
     for &n in &bwd.order {
         for &v in &bwd.node(n).inputs {
@@ -841,7 +841,7 @@ fn free_recompute(fwd: &Region, bwd: &Region, readers: &[(Value, Vec<Value>)], n
                 continue;
             }
             match fwd.value(x).def {
-                ValueDef::Arg(i) if (i as usize) < n_carry => {}
+                // The carried layer input is always kept; parameters are re-read.
                 ValueDef::Arg(_) => {}
                 ValueDef::Result { node, .. } => {
                     let kept_anyway = saved.contains(&x) && !chosen.contains(&x);
