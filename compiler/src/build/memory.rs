@@ -717,6 +717,23 @@ struct LoopShape {
     prefetch: u32,
 }
 
+/// The buffer a loop block's `concat` or `ring_concat` result `res` is assembled in: the output
+/// slot that claimed it, else a temporary of the loop named `name`.
+fn concat_buffer(
+    b: &mut Builder<'_>,
+    g: &Graph,
+    blk: &Region,
+    claim: &HashMap<Value, BufRef>,
+    res: Value,
+    name: String,
+    scope: Option<u32>,
+) -> Result<BufRef, BuildError> {
+    Ok(match claim.get(&res) {
+        Some(&d) => d,
+        None => BufRef::Buffer { buffer: b.add(name, blk.ty(res).dtype, shape_of(g, blk, res)?, BufferClass::Activation, scope), layer: false },
+    })
+}
+
 #[allow(clippy::too_many_arguments)]
 fn assign_loop(
     b: &mut Builder<'_>,
@@ -867,13 +884,7 @@ fn assign_loop(
             // As in `main`: the chunks are computed into their rows of the assembled value.
             let Some(ring) = ring_chunk(g, blk, bn, 0)? else { continue };
             let &res = bn.results.first().ok_or_else(|| internal("`ring_concat` without a result"))?;
-            let dst = match claim.get(&res) {
-                Some(&d) => d,
-                None => {
-                    let name = format!("{}.{}", blk.name, bnames.get(res));
-                    BufRef::Buffer { buffer: b.add(name, blk.ty(res).dtype, shape_of(g, blk, res)?, BufferClass::Activation, scope), layer: false }
-                }
-            };
+            let dst = concat_buffer(b, g, blk, &claim, res, format!("{}.{}", blk.name, bnames.get(res)), scope)?;
             let parts: Option<Vec<BufRef>> = (0..ring.size).map(|k| ring_view(&b.s.buffers, dst, RingOffset { shift: k, ..ring })).collect();
             let Some(parts) = parts else { continue };
             ls.ring_views.insert(*n);
@@ -899,13 +910,7 @@ fn assign_loop(
             continue;
         }
         let &res = bn.results.first().ok_or_else(|| internal("`concat` without a result"))?;
-        let dst = match claim.get(&res) {
-            Some(&d) => d,
-            None => {
-                let name = format!("{}.{}", blk.name, bnames.get(res));
-                BufRef::Buffer { buffer: b.add(name, blk.ty(res).dtype, shape_of(g, blk, res)?, BufferClass::Activation, scope), layer: false }
-            }
-        };
+        let dst = concat_buffer(b, g, blk, &claim, res, format!("{}.{}", blk.name, bnames.get(res)), scope)?;
         concat_dst.insert(res, dst);
         for (k, (&v, (off, len))) in bn.inputs.iter().zip(concat_parts(g, blk, bn)?).enumerate() {
             let r = root(blk, v);

@@ -97,6 +97,16 @@ fn ring_shift_of(s: &StepShape<'_>) -> Result<u64, String> {
     }
 }
 
+/// `take_shard` and `ring_slice`: the copy of slice `at` (of `group`) of dim `d` of the input.
+fn slice_copy(s: &StepShape<'_>, d: usize, at: u64) -> Result<Action, String> {
+    let (n, e) = (s.group, s.dtype.size_bytes() as u64);
+    let (outer, inner) = split(s.out_shape, d)?;
+    if s.in_shape.iter().product::<u64>() != n * outer * inner {
+        return Err(format!("{} of {:?} over {n} ranks cannot give {:?}", s.collective.name(), s.in_shape, s.out_shape));
+    }
+    Ok(Action::Copy2d { dst: Loc::Output(0), dst_pitch: inner * e, src: Loc::Input(at * inner * e), src_pitch: n * inner * e, width: inner * e, height: outer })
+}
+
 /// Plan a step for the rank at coordinate `coord` (0-based) along the step's mesh dim.
 pub fn plan(s: &StepShape<'_>, coord: u64) -> Result<Plan, String> {
     let n = s.group;
@@ -117,23 +127,7 @@ pub fn plan(s: &StepShape<'_>, coord: u64) -> Result<Plan, String> {
             let kind = NcclKind::SendRecv { to: to as u32, from: from as u32 };
             (vec![Action::Nccl { kind, send: Loc::Input(0), recv: Loc::Output(0), count: numel(s.in_shape), reduce }], 0, true)
         }
-        CollectiveOp::RingSlice => {
-            let (d, shift) = (dim()?, ring_shift_of(s)?);
-            let (outer, inner) = split(s.out_shape, d)?;
-            if numel(s.in_shape) != n * outer * inner {
-                return Err(format!("ring_slice of {:?} over {n} ranks cannot give {:?}", s.in_shape, s.out_shape));
-            }
-            let at = (coord + shift) % n;
-            let a = Action::Copy2d {
-                dst: Loc::Output(0),
-                dst_pitch: inner * e,
-                src: Loc::Input(at * inner * e),
-                src_pitch: n * inner * e,
-                width: inner * e,
-                height: outer,
-            };
-            (vec![a], 0, false)
-        }
+        CollectiveOp::RingSlice => (vec![slice_copy(s, dim()?, (coord + ring_shift_of(s)?) % n)?], 0, false),
         CollectiveOp::RingConcat => {
             let d = dim()?;
             let (outer, inner) = split(s.in_shape, d)?;
@@ -211,22 +205,7 @@ pub fn plan(s: &StepShape<'_>, coord: u64) -> Result<Plan, String> {
                 (a, n * count * e, true)
             }
         }
-        CollectiveOp::TakeShard => {
-            let d = dim()?;
-            let (outer, inner) = split(s.out_shape, d)?;
-            if numel(s.in_shape) != n * outer * inner {
-                return Err(format!("take_shard of {:?} over {n} ranks cannot give {:?}", s.in_shape, s.out_shape));
-            }
-            let a = Action::Copy2d {
-                dst: Loc::Output(0),
-                dst_pitch: inner * e,
-                src: Loc::Input(coord * inner * e),
-                src_pitch: n * inner * e,
-                width: inner * e,
-                height: outer,
-            };
-            (vec![a], 0, false)
-        }
+        CollectiveOp::TakeShard => (vec![slice_copy(s, dim()?, coord)?], 0, false),
         CollectiveOp::PlaceShard => {
             let d = dim()?;
             let (outer, inner) = split(s.in_shape, d)?;

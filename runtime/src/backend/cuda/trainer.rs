@@ -628,17 +628,10 @@ impl<'a> CudaArtifactTrainer<'a> {
             Loc::Input(o) => input + o,
             Loc::Output(o) => output + o,
             Loc::Staging(o) => staging + o,
-            Loc::More(j, o) => more.get(j as usize).map_or(0, |&m| m + o),
+            // The unroll resolved `more` from the step's `more_inputs`, whose count the plan
+            // checked against the operands it reads.
+            Loc::More(j, o) => more[j as usize] + o,
         };
-        let refs_more = |l: &Loc| matches!(*l, Loc::More(j, _) if j as usize >= more.len());
-        let bad_more = plan.actions.iter().any(|a| match a {
-            Action::Copy2d { dst, src, .. } => refs_more(dst) || refs_more(src),
-            Action::Nccl { send, recv, .. } => refs_more(send) || refs_more(recv),
-            Action::Zero { dst, .. } => refs_more(dst),
-        });
-        if bad_more {
-            return Err(CudaError::Call { what: at.to_string(), message: format!("the step's plan reads more than its {} extra operands", more.len()) });
-        }
         if plan.communicates && comm.is_none() {
             return Err(CudaError::Call { what: at.to_string(), message: "a collective without stream-ordering events".into() });
         }
