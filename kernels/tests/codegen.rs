@@ -209,6 +209,41 @@ fn colmax_body(g: &mut Graph, name: &str, shape: &[u64], elem: bool) -> BlockId 
     })
 }
 
+/// float8's rowwise quantization of a row kernel's value, as the fused kernels of a float8
+/// layer compute it: `h = gate * up` (`swiglu`, with SwiGLU's `silu` left out so that every
+/// result stays exact) or `h = x`, `amax = reduce_max(abs(h))` along the rows,
+/// `q = cast<e4m3>(clamp(f32(h) * fp8_scale(amax)))`, with `h`, `q` and the reciprocal scales as
+/// outputs; with `colmax`, also the per-column amax over the rows (a column accumulation next
+/// to the row reduction, the row kernel's cross-block path that rmsnorm_bwd's weight gradient
+/// takes).
+fn row_quant_body(g: &mut Graph, name: &str, rows: u64, d: u64, swiglu: bool, colmax: bool) -> BlockId {
+    let shape = [rows, d];
+    let args: Vec<TensorType> = if swiglu { vec![bf16(&shape), bf16(&shape)] } else { vec![bf16(&shape)] };
+    body(g, name, &args, |b, a| {
+        let h = if swiglu { push(b, Op::Binary(BinaryOp::Mul), &[a[0], a[1]]) } else { a[0] };
+        let x = push(b, Op::Unary(UnaryOp::Abs), &[h]);
+        let m = push(b, Op::Reduce { kind: ReduceKind::Max, axes: vec![1] }, &[x]);
+        let sc = b.push_typed(Op::Fp8Scale { dtype: DType::F8E4M3, pow2: true }, &[m], f32t(&[rows])).expect("fp8_scale");
+        let hf = b.push_typed(Op::Cast, &[h], f32t(&shape)).expect("cast");
+        let wide = b.push_typed(Op::Broadcast { dims: vec![0] }, &[sc], f32t(&shape)).expect("broadcast");
+        let y = push(b, Op::Binary(BinaryOp::Mul), &[hf, wide]);
+        let lo = b.push_typed(Op::Constant { value: -448.0 }, &[], TensorType::scalar(DType::F32)).expect("constant");
+        let hi = b.push_typed(Op::Constant { value: 448.0 }, &[], TensorType::scalar(DType::F32)).expect("constant");
+        let y = push(b, Op::Binary(BinaryOp::Max), &[y, lo]);
+        let y = push(b, Op::Binary(BinaryOp::Min), &[y, hi]);
+        let q = b.push_typed(Op::Cast, &[y], TensorType::fixed(DType::F8E4M3, &shape)).expect("cast");
+        let r = push(b, Op::Unary(UnaryOp::Recip), &[sc]);
+        let mut outs = vec![q, r];
+        if swiglu {
+            outs.insert(0, h);
+        }
+        if colmax {
+            outs.push(push(b, Op::Reduce { kind: ReduceKind::Max, axes: vec![0] }, &[x]));
+        }
+        outs
+    })
+}
+
 /// Column-amax kernels at small odd shapes (a partial column tile, one column per lane, a
 /// partial last chunk), leading dims folded into the rows, a stored per-element value, and a
 /// head-like row of 128256 columns; the float input range of each.
@@ -219,6 +254,11 @@ fn colmax_cases(g: &mut Graph) -> Vec<(&'static str, BlockId, (f64, f64))> {
         ("colmax_3d_2x300x136", colmax_body(g, "colmax_3d", &[2, 300, 136], false), (-1e-3, 1e-3)),
         ("colmax_elem_200x264", colmax_body(g, "colmax_elem", &[200, 264], true), (-8.0, 8.0)),
         ("colmax_head_48x128256", colmax_body(g, "colmax_head", &[48, 128256], false), (-2.0, 2.0)),
+        // A row kernel holding a column amax next to its row quantization: more rows than the
+        // grid (1100 > 1056 CTAs), so CTAs visit several rows, and 33 groups of CTA partials.
+        ("row_quant_colmax_1100x4096", row_quant_body(g, "rq_colmax", 1100, 4096, false, true), (-6.0, 6.0)),
+        // SwiGLU's 14336-wide rows with their row quantization (896 threads, two chunks each).
+        ("mul_quant_rows_24x14336", row_quant_body(g, "mul_q", 24, 14336, true, false), (-4.0, 4.0)),
         (
             "colmax_plain_4100x24",
             body(g, "colmax_plain", &[bf16(&[4100, 24])], |b, a| vec![push(b, Op::Reduce { kind: ReduceKind::Max, axes: vec![0] }, &[a[0]])]),
