@@ -209,35 +209,25 @@ fn colmax_body(g: &mut Graph, name: &str, shape: &[u64], elem: bool) -> BlockId 
     })
 }
 
-/// float8's rowwise quantization of a row kernel's value, as the fused kernels of a float8
-/// layer compute it: `h = gate * up` (`swiglu`, with SwiGLU's `silu` left out so that every
-/// result stays exact) or `h = x`, `amax = reduce_max(abs(h))` along the rows,
-/// `q = cast<e4m3>(clamp(f32(h) * fp8_scale(amax)))`, with `h`, `q` and the reciprocal scales as
-/// outputs; with `colmax`, also the per-column amax over the rows (a column accumulation next
-/// to the row reduction, the row kernel's cross-block path that rmsnorm_bwd's weight gradient
-/// takes).
-fn row_quant_body(g: &mut Graph, name: &str, rows: u64, d: u64, swiglu: bool, colmax: bool) -> BlockId {
+/// float8's rowwise quantization of a row kernel's value, built by the float8 pass's own
+/// `titan_ir::float8::quantize` (e4m3 per row, power-of-2 scales): of `h = gate * up` with
+/// `product` (SwiGLU's shape with its `silu` left out, so that every result stays exact; `h`
+/// is an output too) or of the argument itself; with `colmax`, also the per-column amax over
+/// the rows (a column accumulation next to the row reduction: the row kernel's cross-block path
+/// that rmsnorm_bwd's weight gradient takes).
+fn row_quant_body(g: &mut Graph, name: &str, rows: u64, d: u64, product: bool, colmax: bool) -> BlockId {
     let shape = [rows, d];
-    let args: Vec<TensorType> = if swiglu { vec![bf16(&shape), bf16(&shape)] } else { vec![bf16(&shape)] };
+    let args: Vec<TensorType> = if product { vec![bf16(&shape), bf16(&shape)] } else { vec![bf16(&shape)] };
     body(g, name, &args, |b, a| {
-        let h = if swiglu { push(b, Op::Binary(BinaryOp::Mul), &[a[0], a[1]]) } else { a[0] };
-        let x = push(b, Op::Unary(UnaryOp::Abs), &[h]);
-        let m = push(b, Op::Reduce { kind: ReduceKind::Max, axes: vec![1] }, &[x]);
-        let sc = b.push_typed(Op::Fp8Scale { dtype: DType::F8E4M3, pow2: true }, &[m], f32t(&[rows])).expect("fp8_scale");
-        let hf = b.push_typed(Op::Cast, &[h], f32t(&shape)).expect("cast");
-        let wide = b.push_typed(Op::Broadcast { dims: vec![0] }, &[sc], f32t(&shape)).expect("broadcast");
-        let y = push(b, Op::Binary(BinaryOp::Mul), &[hf, wide]);
-        let lo = b.push_typed(Op::Constant { value: -448.0 }, &[], TensorType::scalar(DType::F32)).expect("constant");
-        let hi = b.push_typed(Op::Constant { value: 448.0 }, &[], TensorType::scalar(DType::F32)).expect("constant");
-        let y = push(b, Op::Binary(BinaryOp::Max), &[y, lo]);
-        let y = push(b, Op::Binary(BinaryOp::Min), &[y, hi]);
-        let q = b.push_typed(Op::Cast, &[y], TensorType::fixed(DType::F8E4M3, &shape)).expect("cast");
-        let r = push(b, Op::Unary(UnaryOp::Recip), &[sc]);
-        let mut outs = vec![q, r];
-        if swiglu {
+        let h = if product { push(b, Op::Binary(BinaryOp::Mul), &[a[0], a[1]]) } else { a[0] };
+        let per_row = titan_ir::float8::OperandScaling { dtype: DType::F8E4M3, scaling: titan_ir::float8::Scaling::Over(1) };
+        let q = titan_ir::float8::quantize(b, h, per_row, true).expect("quantize");
+        let mut outs = vec![q.q, q.inv_scale];
+        if product {
             outs.insert(0, h);
         }
         if colmax {
+            let x = push(b, Op::Unary(UnaryOp::Abs), &[h]);
             outs.push(push(b, Op::Reduce { kind: ReduceKind::Max, axes: vec![0] }, &[x]));
         }
         outs
