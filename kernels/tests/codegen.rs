@@ -138,6 +138,38 @@ fn column_amax_of_any_width_is_a_column_kernel() {
     assert_eq!(k.workspace_bytes, 4 * (16 + 128 * 4096));
 }
 
+/// The cross entropy of an output head over the vocabulary, its gradient and, with `quant`, the
+/// gradient's float8 row quantization (float8 rowwise's head).
+fn ce_head_body(g: &mut Graph, name: &str, rows: u64, quant: bool) -> BlockId {
+    body(g, name, &[bf16(&[rows, 128256]), i32t(&[rows])], |b, a| {
+        let one = b.push_typed(Op::Constant { value: 1.0 }, &[], f32t(&[])).expect("constant");
+        let loss = push(b, Op::CrossEntropy, &[a[0], a[1]]);
+        let dx = push(b, Op::CrossEntropyBwd, &[a[0], a[1], one]);
+        if !quant {
+            return vec![loss, dx];
+        }
+        let per_row = titan_ir::float8::OperandScaling { dtype: DType::F8E4M3, scaling: titan_ir::float8::Scaling::Over(1) };
+        let q = titan_ir::float8::quantize(b, dx, per_row, true).expect("quantize");
+        vec![loss, dx, q.q, q.inv_scale]
+    })
+}
+
+#[test]
+fn a_looped_pass_reads_back_what_an_earlier_pass_stored() {
+    // The quantizing pass of float8 rowwise's head needs the gradient an earlier pass stored:
+    // it loads it instead of recomputing it, so the kernel evaluates `exp` (log2(e) is its
+    // first constant) exactly as often as the plain loss-and-gradient kernel (78 against 110
+    // with the recomputation).
+    let mut g = graph();
+    let plain = ce_head_body(&mut g, "ce_plain", 64, false);
+    let quant = ce_head_body(&mut g, "ce_quant", 64, true);
+    let plain = compile(&g, plain, KernelKind::Fused, "main.k1_ce");
+    let quant = compile(&g, quant, KernelKind::Fused, "main.k2_ce_quant");
+    let exps = |ptx: &str| ptx.matches("0f3FB8AA3B").count();
+    assert!(exps(&plain.ptx) > 0);
+    assert_eq!(exps(&quant.ptx), exps(&plain.ptx));
+}
+
 /// All the hand-built bodies, one per pattern the generators support.
 /// `quantize`'s scaling and cast of float8 training (`titan_ir::float8::quantize`) as fusion
 /// outlines it: `x [rows, cols] * broadcast(scale)` clamped to ±max, cast to `dtype`, stored
@@ -934,6 +966,26 @@ fn gpu_reference_dump() {
         0.98,
         0.02,
     ));
+    // float8 rowwise's output head: the loss, its gradient and the gradient's row quantization
+    // in one looped-row kernel (four passes; the last reads the stored gradient back instead
+    // of recomputing it). The gradient carries the cross entropy's tolerance; a value one bf16
+    // ulp off may round to the neighbouring e4m3 value.
+    cases.push((
+        "cross_entropy_quant_rows_vocab",
+        body(&mut g, "g_ce_quant_vocab", &[bf16(&[3, 128256]), i32t(&[3])], |b, a| {
+            let one = b.push_typed(Op::Constant { value: 1.0 }, &[], f32t(&[])).expect("constant");
+            let loss = push(b, Op::CrossEntropy, &[a[0], a[1]]);
+            let dx = push(b, Op::CrossEntropyBwd, &[a[0], a[1], one]);
+            let per_row = titan_ir::float8::OperandScaling { dtype: DType::F8E4M3, scaling: titan_ir::float8::Scaling::Over(1) };
+            let q = titan_ir::float8::quantize(b, dx, per_row, true).expect("quantize");
+            vec![loss, dx, q.q, q.inv_scale]
+        }),
+        KernelKind::Fused,
+        (-8.0, 8.0),
+        128256,
+        0.98,
+        0.15,
+    ));
     cases.push((
         "grad_norm_sq",
         body(&mut g, "g_gnorm", &[bf16(&[3, 1000, 1000])], |b, a| {
@@ -1310,6 +1362,19 @@ fn perf_manifest(dir: &std::path::Path) -> String {
             KernelKind::Fused,
             v as i64,
         ),
+        // float8 rowwise's output head: loss, gradient and the gradient's row quantization.
+        (
+            "perf_cross_entropy_quant_rows",
+            body(&mut g, "p_ce_q", &[bf16(&[4096, v]), i32t(&[4096]), f32t(&[])], |b, a| {
+                let loss = push(b, Op::CrossEntropy, &[a[0], a[1]]);
+                let dx = push(b, Op::CrossEntropyBwd, &[a[0], a[1], a[2]]);
+                let per_row = titan_ir::float8::OperandScaling { dtype: DType::F8E4M3, scaling: titan_ir::float8::Scaling::Over(1) };
+                let q = titan_ir::float8::quantize(b, dx, per_row, true).expect("quantize");
+                vec![loss, dx, q.q, q.inv_scale]
+            }),
+            KernelKind::Fused,
+            v as i64,
+        ),
         (
             "perf_embedding",
             body(&mut g, "p_embed", &[i32t(&[t]), bf16(&[v, d])], |b, a| vec![push(b, Op::Embedding, &[a[0], a[1]])]),
@@ -1333,6 +1398,9 @@ fn perf_manifest(dir: &std::path::Path) -> String {
         // output head's dy), and a plain column max at the FFN width.
         ("perf_colmax_8192x4096", colmax_body(&mut g, "p_colmax_d", &[8192, d], false), KernelKind::Fused, 1),
         ("perf_colmax_8192x128256", colmax_body(&mut g, "p_colmax_v", &[8192, v], false), KernelKind::Fused, 1),
+        ("perf_colmax_8192x14336", colmax_body(&mut g, "p_colmax_f", &[8192, ffn], false), KernelKind::Fused, 1),
+        ("perf_colmax_14336x4096", colmax_body(&mut g, "p_colmax_w", &[ffn, d], false), KernelKind::Fused, 1),
+        ("perf_fp8_quantize_cols_transposed_ffn", quantize_body(&mut g, "p_q_cols_tf", &[8192, ffn], false, DType::F8E4M3, true), KernelKind::Fused, 1),
         (
             "perf_colmax_plain_8192x14336",
             body(&mut g, "p_colmax_ffn", &[bf16(&[8192, ffn])], |b, a| vec![push(b, Op::Reduce { kind: ReduceKind::Max, axes: vec![0] }, &[a[0]])]),

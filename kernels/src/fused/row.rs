@@ -1,6 +1,9 @@
 //! Row kernels: one CTA per row (a grid-stride loop over rows when cross-block sums bound the
 //! grid), read in one pass per level of dependent reductions, with the row held in registers
-//! when it fits and looped and recomputed when it does not.
+//! when it fits and looped when it does not (a looped pass recomputes its values from the
+//! arguments, except those an earlier pass stored, which it reads back).
+
+use std::collections::{HashMap, HashSet};
 
 use titan_ir::{Op, ReduceKind, RopeLayout, Value};
 
@@ -8,7 +11,7 @@ use super::analyze::{AccSrc, Analysis, Contrib, RedOp};
 use super::cross_block::{Geometry, Partials, finish_accs, workspace_bytes};
 use super::reduce::{Params, Top, block_reduce, identities, kernel_top, lanes_dividing, red_smem, store_output, store_uniform, update};
 use crate::emit::{Elem, FCmp, Func, ICmp, Ty, Val};
-use crate::values::{Body, Eval, Lay, Pos, RopeRow, RowKey, rope_freqs, storage};
+use crate::values::{Body, Eval, Lay, Pos, RopeRow, RowKey, rope_freqs, storage, vec_align, widen};
 use crate::{GenResult, Generated, invalid, math, unsupported};
 
 /// Grid cap of kernels with cross-block sums (bounds the workspace: one partial per CTA).
@@ -18,6 +21,13 @@ const UNROLL_MAX: u64 = 4;
 const MAX_BLOCK: u64 = 1024;
 /// Chunks per iteration of a looped (too long to unroll) row's passes.
 const LOOP_UNROLL: u64 = 4;
+
+/// What one pass of a looped row loads per element ([`RowGen::pass_needs`]).
+struct PassNeeds {
+    args: Vec<Value>,
+    /// Values an earlier pass stored as output `oi`, read back from it.
+    reloads: Vec<(Value, usize)>,
+}
 
 /// A work item of a row kernel: its positions (two for half-layout RoPE) and validity.
 #[derive(Clone)]
@@ -479,8 +489,71 @@ impl<'g> RowGen<'_, '_, 'g> {
         Ok(())
     }
 
+    /// What pass `k` of a looped row reads per element: the per-element arguments its
+    /// reductions, outputs and accumulations depend on, and the outputs of earlier passes it
+    /// reads back instead of recomputing them.
+    ///
+    /// A looped row's pass visits each of its elements from the same thread as every earlier
+    /// pass, so a value an earlier pass stored can be loaded again from its output: the stored
+    /// value is the computed one rounded to its dtype, which is what the value is (each value is
+    /// rounded to its dtype where it is computed), so the results are bit-identical. It saves
+    /// the recomputation, which over vocabulary-long rows is the cost: float8 rowwise's cross
+    /// entropy recomputed `cross_entropy_bwd` (an `exp` per element) in its quantizing pass.
+    fn pass_needs(&self, k: u32) -> PassNeeds {
+        let (a, b) = (self.a, self.b);
+        let mut reloadable = HashMap::new();
+        for (oi, o) in b.r.outputs.iter().enumerate() {
+            let v = o.value;
+            let plain = !b.def(v).is_some_and(|(n, _)| matches!(n.op, Op::Transpose { .. }));
+            if a.lay[v.index()] == Lay::Elem && a.level[v.index()] < k && plain {
+                reloadable.entry(v).or_insert(oi);
+            }
+        }
+        let mut roots = Vec::new();
+        for red in a.reds.iter().filter(|r| r.level == k) {
+            match red.contrib {
+                Contrib::Square(v) | Contrib::Plain(v) | Contrib::NegFirstMax { x: v, .. } => roots.push(v),
+                Contrib::DyWX { x, w, dy } => roots.extend([x, w, dy]),
+                Contrib::ShiftedExp { s, m, .. } => roots.extend([s, m]),
+            }
+        }
+        for o in &b.r.outputs {
+            if a.lay[o.value.index()] == Lay::Elem && a.level[o.value.index()] == k {
+                roots.push(o.value);
+            }
+        }
+        for acc in a.accs.iter().filter(|x| x.level == k) {
+            match acc.src {
+                AccSrc::Elem(v) => roots.push(v),
+                AccSrc::RmsDw { x, dy, .. } => roots.extend([x, dy]),
+                _ => {}
+            }
+        }
+        let mut seen = HashSet::new();
+        let mut needs = PassNeeds { args: Vec::new(), reloads: Vec::new() };
+        while let Some(v) = roots.pop() {
+            if a.lay[v.index()].is_uniform() || !seen.insert(v) {
+                continue;
+            }
+            if let Some(&oi) = reloadable.get(&v) {
+                needs.reloads.push((v, oi));
+                continue;
+            }
+            match b.def(v) {
+                Some((node, _)) => roots.extend(node.inputs.iter().copied()),
+                None if a.lay[v.index()] == Lay::Elem => needs.args.push(v),
+                None => {}
+            }
+        }
+        // Loads in argument order, as before (the order only affects when each is issued).
+        needs.args.sort_by_key(|&v| b.arg_index(v));
+        needs.reloads.sort_by_key(|&(_, oi)| oi);
+        needs
+    }
+
     /// Pass `k` of a row too long to unroll: a loop over its chunks carrying the reduction and
-    /// scalar-accumulation states (values are recomputed in every pass).
+    /// scalar-accumulation states (values are recomputed in every pass, or read back from an
+    /// earlier pass's output: [`Self::pass_needs`]).
     fn looped_pass(&mut self, f: &mut Func, k: u32, row: Val, red_st: &mut [Vec<Val>], sacc: &mut [Vec<Val>]) -> GenResult<()> {
         let here: Vec<usize> = (0..self.a.reds.len()).filter(|&i| self.a.reds[i].level == k).collect();
         let mut carry: Vec<Val> = here.iter().flat_map(|&i| red_st[i].clone()).collect();
@@ -490,6 +563,7 @@ impl<'g> RowGen<'_, '_, 'g> {
         let one = f.i64c(1);
         let threads = self.geo.threads;
         let template: Vec<Vec<Val>> = red_st.to_vec();
+        let needs = self.pass_needs(k);
         let sacc_len: Vec<usize> = sacc.iter().map(Vec::len).collect();
         let out = f.try_for_loop(lo, hi, one, &carry, |f, c, cs| -> GenResult<Vec<Val>> {
             let mut rs = template.clone();
@@ -521,10 +595,15 @@ impl<'g> RowGen<'_, '_, 'g> {
             }
             for it in &items {
                 for pos in &it.pos {
-                    for arg in &self.b.r.args {
-                        if self.ev.lay[arg.value.index()] == Lay::Elem {
-                            self.ev.lanes(f, arg.value, pos)?;
-                        }
+                    for &v in &needs.args {
+                        self.ev.lanes(f, v, pos)?;
+                    }
+                    for &(v, oi) in &needs.reloads {
+                        let st = storage(self.b.dtype(v))?;
+                        let align = vec_align(st, pos.lanes, self.b.numel(v));
+                        let raw = f.load_at(self.p.outs[oi], pos.lin, Ty::lanes_of(st, pos.lanes), align);
+                        let x = widen(f, raw);
+                        self.ev.memo.insert((pos.id, v), x);
                     }
                 }
             }
