@@ -134,8 +134,8 @@ fn column_amax_of_any_width_is_a_column_kernel() {
     assert_eq!(k.workspace_bytes, 4 * (504 + 17 * 128256));
     let id = colmax_body(&mut g, "wo_colmax", &[8192, 4096], false);
     let k = compile(&g, id, KernelKind::Fused, "layer_bwd.k9_reduce_max");
-    assert_eq!(k.launch.grid, [16 * 128, 1, 1]);
-    assert_eq!(k.workspace_bytes, 4 * (16 + 128 * 4096));
+    assert_eq!(k.launch.grid, [16 * 32, 1, 1]);
+    assert_eq!(k.workspace_bytes, 4 * (16 + 32 * 4096));
 }
 
 /// The cross entropy of an output head over the vocabulary, its gradient and, with `quant`, the
@@ -266,6 +266,33 @@ fn row_quant_body(g: &mut Graph, name: &str, rows: u64, d: u64, product: bool, c
     })
 }
 
+/// SwiGLU with float8 rowwise's row quantization of what the next GEMM reads, at `[rows, d]`:
+/// forward `h = silu(gate) * up` (h stored and quantized), or backward from `dh` the gate's
+/// and up's gradients (both stored and quantized), as fusion groups them in a rowwise build.
+fn swiglu_quant_body(g: &mut Graph, name: &str, rows: u64, d: u64, bwd: bool) -> BlockId {
+    let shape = [rows, d];
+    let n = if bwd { 3 } else { 2 };
+    body(g, name, &vec![bf16(&shape); n], |b, a| {
+        let per_row = titan_ir::float8::OperandScaling { dtype: DType::F8E4M3, scaling: titan_ir::float8::Scaling::Over(1) };
+        let outs: Vec<Value> = if bwd {
+            // (dh, gate, up) -> (d_gate, d_up)
+            let s = push(b, Op::Unary(UnaryOp::Silu), &[a[1]]);
+            let d_up = push(b, Op::Binary(BinaryOp::Mul), &[a[0], s]);
+            let d_s = push(b, Op::Binary(BinaryOp::Mul), &[a[0], a[2]]);
+            vec![push(b, Op::Binary(BinaryOp::SiluGrad), &[a[1], d_s]), d_up]
+        } else {
+            let s = push(b, Op::Unary(UnaryOp::Silu), &[a[0]]);
+            vec![push(b, Op::Binary(BinaryOp::Mul), &[s, a[1]])]
+        };
+        let mut all = Vec::new();
+        for x in outs {
+            let q = titan_ir::float8::quantize(b, x, per_row, true).expect("quantize");
+            all.extend([x, q.q, q.inv_scale]);
+        }
+        all
+    })
+}
+
 /// Column-amax kernels at small odd shapes (a partial column tile, one column per lane, a
 /// partial last chunk), leading dims folded into the rows, a stored per-element value, and a
 /// head-like row of 128256 columns; the float input range of each.
@@ -279,7 +306,8 @@ fn colmax_cases(g: &mut Graph) -> Vec<(&'static str, BlockId, (f64, f64))> {
         // A row kernel holding a column amax next to its row quantization: more rows than the
         // grid (1100 > 1056 CTAs), so CTAs visit several rows, and 33 groups of CTA partials.
         ("row_quant_colmax_1100x4096", row_quant_body(g, "rq_colmax", 1100, 4096, false, true), (-6.0, 6.0)),
-        // SwiGLU's 14336-wide rows with their row quantization (896 threads, two chunks each).
+        // SwiGLU's 14336-wide rows with their row quantization: looped by 448-thread CTAs, two
+        // per SM, the quantizing pass reading back the stored product.
         ("mul_quant_rows_24x14336", row_quant_body(g, "mul_q", 24, 14336, true, false), (-4.0, 4.0)),
         (
             "colmax_plain_4100x24",
@@ -299,6 +327,10 @@ fn cases(g: &mut Graph) -> Vec<(&'static str, BlockId, KernelKind)> {
     }
     v.push(("rmsnorm_fwd", rmsnorm_body(g), KernelKind::Fused));
     v.push(("swiglu_fwd", swiglu_body(g), KernelKind::Fused));
+    // float8 rowwise's SwiGLU kernels at 8B's width (wide rows looped by 448-thread CTAs, two
+    // per SM: they must fit in 73 registers without spilling).
+    v.push(("swiglu_quant_rows_8b", swiglu_quant_body(g, "swiglu_q_8b", 16, 14336, false), KernelKind::Fused));
+    v.push(("swiglu_bwd_quant_rows_8b", swiglu_quant_body(g, "swiglu_bwd_q_8b", 16, 14336, true), KernelKind::Fused));
     v.push((
         "residual_rmsnorm",
         body(g, "res_norm", &[bf16(&[8, 64, 64]), bf16(&[8, 64, 64]), bf16(&[64])], |b, a| {
@@ -1399,6 +1431,7 @@ fn perf_manifest(dir: &std::path::Path) -> String {
         ("perf_colmax_8192x4096", colmax_body(&mut g, "p_colmax_d", &[8192, d], false), KernelKind::Fused, 1),
         ("perf_colmax_8192x128256", colmax_body(&mut g, "p_colmax_v", &[8192, v], false), KernelKind::Fused, 1),
         ("perf_colmax_8192x14336", colmax_body(&mut g, "p_colmax_f", &[8192, ffn], false), KernelKind::Fused, 1),
+        ("perf_colmax_8192x1024", colmax_body(&mut g, "p_colmax_kv", &[8192, 1024], false), KernelKind::Fused, 1),
         ("perf_colmax_14336x4096", colmax_body(&mut g, "p_colmax_w", &[ffn, d], false), KernelKind::Fused, 1),
         ("perf_fp8_quantize_cols_transposed_ffn", quantize_body(&mut g, "p_q_cols_tf", &[8192, ffn], false, DType::F8E4M3, true), KernelKind::Fused, 1),
         (

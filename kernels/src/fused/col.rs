@@ -27,8 +27,15 @@ const THREADS: u64 = 256;
 /// CTAs a column kernel aims for: about eight waves of 8 CTAs on each of 132 SMs, so that the
 /// last wave's imbalance costs little.
 const TARGET_CTAS: u64 = 8 * 1056;
-/// Fewest rows a chunk covers (bounds the partials to a few percent of the input).
-const MIN_CHUNK_ROWS: u64 = 64;
+/// Fewest rows a chunk covers. It bounds the partials (one f32 row per chunk) and sets how
+/// much a CTA reads: with 64-row chunks the 8B shapes' CTAs read 32 KiB each and finished at
+/// 1.8-2.8 TB/s; with 256 rows (128 KiB per CTA, 4x fewer partials to fold) the same kernels
+/// ran 1.26-1.53x faster on the H200 (`gpu_check.py perf`, `docs/performance.md`).
+const MIN_CHUNK_ROWS: u64 = 256;
+/// Fewest rows a chunk covers when [`MIN_CHUNK_ROWS`] would give fewer than [`MIN_CTAS`] CTAs.
+const SHORT_CHUNK_ROWS: u64 = 64;
+/// CTAs a column kernel aims for at least: two per SM of the H200.
+const MIN_CTAS: u64 = 2 * 132;
 /// Rows each thread loads per loop iteration (independent loads in flight).
 const UNROLL: u64 = 4;
 
@@ -67,7 +74,12 @@ pub(super) fn col_geometry(rows: u64, d: u64) -> ColGeo {
     let ty = THREADS / tx;
     let tiles = nvec.div_ceil(tx);
     let most = rows.div_ceil(MIN_CHUNK_ROWS).max(1);
-    let want = TARGET_CTAS.div_ceil(tiles).clamp(1, most);
+    let mut want = TARGET_CTAS.div_ceil(tiles).clamp(1, most);
+    // Narrow operands (few column tiles) would leave SMs idle with long chunks: shorter chunks,
+    // down to `SHORT_CHUNK_ROWS`, until every SM has two CTAs.
+    if tiles * want < MIN_CTAS {
+        want = MIN_CTAS.div_ceil(tiles).clamp(want, rows.div_ceil(SHORT_CHUNK_ROWS).max(1));
+    }
     let chunk_rows = rows.div_ceil(want).max(1);
     let chunks = rows.div_ceil(chunk_rows).max(1);
     ColGeo { lanes, nvec, tx, ty, tiles, chunk_rows, chunks }
@@ -312,12 +324,15 @@ mod tests {
 
     #[test]
     fn geometry_covers_every_shape() {
-        // 8b's grad_weight operands: 16 tiles of 256 columns, 64-row chunks.
+        // 8b's grad_weight operands: 16 tiles of 256 columns, 256-row chunks.
         let g = col_geometry(8192, 4096);
-        assert_eq!((g.lanes, g.tx, g.ty, g.tiles, g.chunk_rows, g.chunks), (8, 32, 8, 16, 64, 128));
+        assert_eq!((g.lanes, g.tx, g.ty, g.tiles, g.chunk_rows, g.chunks), (8, 32, 8, 16, 256, 32));
         // The output head's dy: 501 tiles, 17 chunks of 482 rows.
         let g = col_geometry(8192, 128256);
         assert_eq!((g.tiles, g.chunk_rows, g.chunks), (501, 482, 17));
+        // 8b's k and v projections: 4 tiles, so 66 chunks of 125 rows, two CTAs per SM.
+        let g = col_geometry(8192, 1024);
+        assert_eq!((g.tiles, g.chunk_rows, g.chunks), (4, 125, 66));
         // Odd widths: one column per lane, a partial last tile.
         let g = col_geometry(1000, 77);
         assert_eq!((g.lanes, g.tx, g.ty, g.tiles, g.chunks), (1, 32, 8, 3, 16));
