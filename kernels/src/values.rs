@@ -468,7 +468,7 @@ impl<'b, 'g> Eval<'b, 'g> {
                 let at_max = f.subf(dm, dsum);
                 let mv = f.splat(m, lanes);
                 let e = f.subf(x, mv);
-                let e = math::exp(f, e);
+                let e = math::exp_approx(f, e);
                 let dsv = f.splat(ds, lanes);
                 let g = f.mulf(dsv, e);
                 let zero = f.f32c(0.0);
@@ -498,7 +498,7 @@ impl<'b, 'g> Eval<'b, 'g> {
                 };
                 let lse_v = f.splat(lse, lanes);
                 let d = f.subf(x, lse_v);
-                let p = math::exp(f, d);
+                let p = math::exp_approx(f, d);
                 let cols: Vec<Val> = (0..lanes)
                     .map(|l| {
                         let o = f.i64c(i64::from(l));

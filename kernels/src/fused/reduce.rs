@@ -53,7 +53,7 @@ pub(super) fn update(f: &mut Func, op: RedOp, st: &[Val], x: Val, valid: Option<
             let mut s = f.mulf(st[1], sc);
             let mv = f.splat(m_new, lanes);
             let dx = f.subf(xm, mv);
-            let e = math::exp(f, dx);
+            let e = math::exp_approx(f, dx);
             let e = match valid {
                 Some(ok) => {
                     let z = f.cf(0.0, e.ty);
@@ -74,7 +74,7 @@ pub(super) fn update(f: &mut Func, op: RedOp, st: &[Val], x: Val, valid: Option<
 fn lse_scale(f: &mut Func, m_old: Val, m_new: Val) -> Val {
     let eq = f.cmpf(FCmp::Oeq, m_old, m_new);
     let d = f.subf(m_old, m_new);
-    let e = math::exp(f, d);
+    let e = math::exp_approx(f, d);
     let one = f.f32c(1.0);
     f.select(eq, one, e)
 }

@@ -191,7 +191,7 @@ impl<'g> RowGen<'_, '_, 'g> {
                         let big = self.ev.row_result(key, RowKey::Max)?;
                         let big = f.splat(big, pos.lanes);
                         let d = f.subf(mv, big);
-                        let e = math::exp(f, d);
+                        let e = math::exp_approx(f, d);
                         f.mulf(sv, e)
                     }
                 };
