@@ -345,13 +345,21 @@ impl<'b, 'g> Eval<'b, 'g> {
         Ok(x)
     }
 
+    /// `lanes` consecutive elements of `v`'s storage at element `off` of `ptr`, widened to the
+    /// compute type (how an argument is read, and a row kernel's stored output read back).
+    pub(crate) fn load_lanes(&self, f: &mut Func, v: Value, ptr: Val, off: Val, lanes: u32) -> GenResult<Val> {
+        let st = storage(self.b.dtype(v))?;
+        let align = vec_align(st, lanes, self.b.numel(v));
+        let raw = f.load_at(ptr, off, Ty::lanes_of(st, lanes), align);
+        Ok(widen(f, raw))
+    }
+
     /// The per-lane value of `v` at `pos`.
     pub(crate) fn elem(&mut self, f: &mut Func, v: Value, pos: &Pos) -> GenResult<Val> {
         if let Some(&x) = self.memo.get(&(pos.id, v)) {
             return Ok(x);
         }
         let lay = self.lay_of(v);
-        let dt = self.b.dtype(v);
         let x = match self.b.def(v) {
             None => {
                 let i = self.b.arg_index(v).unwrap_or(0);
@@ -364,10 +372,7 @@ impl<'b, 'g> Eval<'b, 'g> {
                     Lay::Elem => pos.lin,
                     other => return invalid(format!("argument {v} with layout {other:?} evaluated per element")),
                 };
-                let st = storage(dt)?;
-                let align = vec_align(st, pos.lanes, self.b.numel(v));
-                let raw = f.load_at(ptr, off, Ty::lanes_of(st, pos.lanes), align);
-                widen(f, raw)
+                self.load_lanes(f, v, ptr, off, pos.lanes)?
             }
             Some((node, idx)) => self.elem_node(f, node, idx, v, pos)?,
         };

@@ -1002,22 +1002,7 @@ fn gpu_reference_dump() {
     // in one looped-row kernel (four passes; the last reads the stored gradient back instead
     // of recomputing it). The gradient carries the cross entropy's tolerance; a value one bf16
     // ulp off may round to the neighbouring e4m3 value.
-    cases.push((
-        "cross_entropy_quant_rows_vocab",
-        body(&mut g, "g_ce_quant_vocab", &[bf16(&[3, 128256]), i32t(&[3])], |b, a| {
-            let one = b.push_typed(Op::Constant { value: 1.0 }, &[], f32t(&[])).expect("constant");
-            let loss = push(b, Op::CrossEntropy, &[a[0], a[1]]);
-            let dx = push(b, Op::CrossEntropyBwd, &[a[0], a[1], one]);
-            let per_row = titan_ir::float8::OperandScaling { dtype: DType::F8E4M3, scaling: titan_ir::float8::Scaling::Over(1) };
-            let q = titan_ir::float8::quantize(b, dx, per_row, true).expect("quantize");
-            vec![loss, dx, q.q, q.inv_scale]
-        }),
-        KernelKind::Fused,
-        (-8.0, 8.0),
-        128256,
-        0.98,
-        0.15,
-    ));
+    cases.push(("cross_entropy_quant_rows_vocab", ce_head_body(&mut g, "g_ce_quant_vocab", 3, true), KernelKind::Fused, (-8.0, 8.0), 128256, 0.98, 0.15));
     cases.push((
         "grad_norm_sq",
         body(&mut g, "g_gnorm", &[bf16(&[3, 1000, 1000])], |b, a| {

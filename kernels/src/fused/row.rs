@@ -11,7 +11,7 @@ use super::analyze::{AccSrc, Analysis, Contrib, RedOp};
 use super::cross_block::{Geometry, Partials, finish_accs, workspace_bytes};
 use super::reduce::{Params, Top, block_reduce, identities, kernel_top, lanes_dividing, red_smem, store_output, store_uniform, update};
 use crate::emit::{Elem, FCmp, Func, ICmp, Ty, Val};
-use crate::values::{Body, Eval, Lay, Pos, RopeRow, RowKey, rope_freqs, storage, vec_align, widen};
+use crate::values::{Body, Eval, Lay, Pos, RopeRow, RowKey, rope_freqs, storage};
 use crate::{GenResult, Generated, invalid, math, unsupported};
 
 /// Grid cap of kernels with cross-block sums (bounds the workspace: one partial per CTA).
@@ -613,10 +613,7 @@ impl<'g> RowGen<'_, '_, 'g> {
                         self.ev.lanes(f, v, pos)?;
                     }
                     for &(v, oi) in &needs.reloads {
-                        let st = storage(self.b.dtype(v))?;
-                        let align = vec_align(st, pos.lanes, self.b.numel(v));
-                        let raw = f.load_at(self.p.outs[oi], pos.lin, Ty::lanes_of(st, pos.lanes), align);
-                        let x = widen(f, raw);
+                        let x = self.ev.load_lanes(f, v, self.p.outs[oi], pos.lin, pos.lanes)?;
                         self.ev.memo.insert((pos.id, v), x);
                     }
                 }
