@@ -351,6 +351,9 @@ impl Func {
     pub(crate) fn ori(&mut self, a: Val, b: Val) -> Val {
         self.bin("ori", a, b)
     }
+    pub(crate) fn xori(&mut self, a: Val, b: Val) -> Val {
+        self.bin("xori", a, b)
+    }
     pub(crate) fn shli(&mut self, a: Val, b: Val) -> Val {
         self.bin("shli", a, b)
     }

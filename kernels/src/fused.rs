@@ -7,8 +7,9 @@
 //! Three shapes of kernel:
 //! * flat: a grid-stride loop over vectors of the whole domain (16-byte accesses when the sizes
 //!   allow), for groups without row ops; one that stores a 2-D `transpose` (float8's K-major
-//!   GEMM operands) loops over 64x64 tiles instead, the transposed values passing through
-//!   shared memory so that both the loads and the stores are coalesced;
+//!   GEMM operands) works on tiles instead, the transposed values passing through shared memory
+//!   so that both the loads and the stores are coalesced: 128x64 tiles, one per CTA, with four
+//!   rows' fp8 bytes packed per word for fp8 outputs, 64x64 tiles otherwise;
 //! * columns: reductions over the rows with nothing per row (float8's per-column amax over
 //!   the tokens, column sums), any row length: a grid of column tiles x row chunks whose
 //!   partials the last CTA of each tile folds in chunk order (`col.rs`);

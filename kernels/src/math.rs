@@ -352,7 +352,7 @@ fn f8_ptx(e: Elem) -> &'static str {
 /// The f32 lanes of `x` converted to fp8 `e` in pairs (`cvt.rn.satfinite.e4m3x2.f32`: round to
 /// nearest even, ±inf and finite overflow saturate to ±max, NaN stays NaN), one `.b16` per pair
 /// with lane `2k` in the low byte; an odd last lane is paired with 0.
-fn f8_pairs(f: &mut Func, x: Val, e: Elem) -> Vec<Val> {
+pub(crate) fn f8_pairs(f: &mut Func, x: Val, e: Elem) -> Vec<Val> {
     let xs: Vec<Val> = (0..x.ty.lanes()).map(|l| f.extract(x, l)).collect();
     let asm = format!("cvt.rn.satfinite.{}x2.f32 $0, $1, $2;", f8_ptx(e));
     let zero = f.f32c(0.0);

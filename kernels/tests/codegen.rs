@@ -154,6 +154,26 @@ fn ce_head_body(g: &mut Graph, name: &str, rows: u64, quant: bool) -> BlockId {
     })
 }
 
+/// A transposing fp8 cast whose sides are multiples of 128 x 64 takes one packed tile per CTA
+/// (four rows' bytes per word through swizzled shared memory, 16-byte stores); with 64 rows it
+/// keeps the 64x64 tiles, and a non-fp8 transpose too.
+#[test]
+fn transposing_fp8_casts_pack_four_rows_per_word() {
+    let mut g = graph();
+    let packed = quantize_body_of(&mut g, "qp", DType::BF16, &[256, 192], false, DType::F8E4M3, true);
+    let k = compile(&g, packed, KernelKind::Fused, "qp");
+    assert_eq!(k.launch.grid[0], 2 * 3, "one CTA per 128 x 64 tile");
+    assert!(k.ptx.contains("titan_pack0"), "the packed tile");
+    assert_eq!((k.ptx.matches(", 0x6420;").count(), k.ptx.matches(", 0x7531;").count()), (4, 4), "two byte selects per pair of columns, four pairs");
+    assert!(k.ptx.contains("ld.shared.v4.b32") && k.ptx.contains("st.global.v4.b32"), "16-byte moves out of the tile");
+    let tiled = quantize_body_of(&mut g, "qt", DType::BF16, &[64, 192], false, DType::F8E4M3, true);
+    let k = compile(&g, tiled, KernelKind::Fused, "qt");
+    assert!(!k.ptx.contains("titan_pack") && k.ptx.contains("titan_tile"), "64 rows: the 64x64 tiles");
+    let wide = body(&mut g, "tb", &[bf16(&[256, 192])], |b, a| vec![push(b, Op::Transpose { perm: vec![1, 0] }, &[a[0]])]);
+    let k = compile(&g, wide, KernelKind::Fused, "tb");
+    assert!(!k.ptx.contains("titan_pack") && k.ptx.contains("titan_tile"), "bf16 outputs: the 64x64 tiles");
+}
+
 #[test]
 fn a_looped_pass_reads_back_what_an_earlier_pass_stored() {
     // The quantizing pass of float8 rowwise's head needs the gradient an earlier pass stored:
@@ -176,13 +196,19 @@ fn a_looped_pass_reads_back_what_an_earlier_pass_stored() {
 /// transposed when `transposed` (the K-major operand of a TN GEMM). `per_row`: the scale is per
 /// row (else per column).
 fn quantize_body(g: &mut Graph, name: &str, shape: &[u64], per_row: bool, dtype: DType, transposed: bool) -> BlockId {
+    quantize_body_of(g, name, DType::F32, shape, per_row, dtype, transposed)
+}
+
+/// [`quantize_body`] of an `input`-typed operand (bf16 in the training step).
+fn quantize_body_of(g: &mut Graph, name: &str, input: DType, shape: &[u64], per_row: bool, dtype: DType, transposed: bool) -> BlockId {
     let rank = shape.len();
     let scale_shape: Vec<u64> = if per_row { shape[..rank - 1].to_vec() } else { vec![shape[rank - 1]] };
     let dims: Vec<usize> = if per_row { (0..rank - 1).collect() } else { vec![rank - 1] };
     let max = f64::from(titan_ir::fp8::fp8_max(dtype).expect("an fp8 dtype"));
-    body(g, name, &[f32t(&scale_shape), f32t(shape)], |b, a| {
+    body(g, name, &[f32t(&scale_shape), TensorType::fixed(input, shape)], |b, a| {
         let wide = b.push_typed(Op::Broadcast { dims }, &[a[0]], f32t(shape)).expect("broadcast");
-        let x = push(b, Op::Binary(BinaryOp::Mul), &[a[1], wide]);
+        let x = if input == DType::F32 { a[1] } else { b.push_typed(Op::Cast, &[a[1]], f32t(shape)).expect("cast") };
+        let x = push(b, Op::Binary(BinaryOp::Mul), &[x, wide]);
         let lo = b.push_typed(Op::Constant { value: -max }, &[], TensorType::scalar(DType::F32)).expect("constant");
         let hi = b.push_typed(Op::Constant { value: max }, &[], TensorType::scalar(DType::F32)).expect("constant");
         let x = push(b, Op::Binary(BinaryOp::Max), &[x, lo]);
@@ -217,6 +243,9 @@ fn fp8_cases(g: &mut Graph) -> Vec<(&'static str, BlockId, (f64, f64))> {
         ("fp8_quantize_rows_e5m2_transposed", quantize_body(g, "fp8_q_e5m2_t", &[96, 40], true, DType::F8E5M2, true), (-3000.0, 3000.0)),
         // Both sides multiples of 64: the transposed values go through shared-memory tiles.
         ("fp8_quantize_rows_e5m2_transposed_tiled", quantize_body(g, "fp8_q_e5m2_tt", &[128, 192], true, DType::F8E5M2, true), (-3000.0, 3000.0)),
+        // The step's grad_weight operands: bf16, per column, rows a multiple of 128 (four rows'
+        // bytes packed per word), two tiles down and three across.
+        ("fp8_quantize_cols_transposed_packed", quantize_body_of(g, "fp8_q_cols_tp", DType::BF16, &[256, 192], false, DType::F8E4M3, true), (-30.0, 30.0)),
         ("fp8_amax_cols", amax(g, "fp8_amax_cols", &[512, 64], vec![0]), (-4.0, 4.0)),
         ("fp8_amax_tensor", amax(g, "fp8_amax_tensor", &[8, 64, 64], vec![0, 1, 2]), (-4.0, 4.0)),
     ]
@@ -1419,6 +1448,11 @@ fn perf_manifest(dir: &std::path::Path) -> String {
         ("perf_colmax_8192x1024", colmax_body(&mut g, "p_colmax_kv", &[8192, 1024], false), KernelKind::Fused, 1),
         ("perf_colmax_14336x4096", colmax_body(&mut g, "p_colmax_w", &[ffn, d], false), KernelKind::Fused, 1),
         ("perf_fp8_quantize_cols_transposed_ffn", quantize_body(&mut g, "p_q_cols_tf", &[8192, ffn], false, DType::F8E4M3, true), KernelKind::Fused, 1),
+        // The same from bf16, as in the step: the FFN's operands, the model width, the head's dy.
+        ("perf_fp8_qt_bf16_8192x14336", quantize_body_of(&mut g, "p_qt_f", DType::BF16, &[8192, ffn], false, DType::F8E4M3, true), KernelKind::Fused, 1),
+        ("perf_fp8_qt_bf16_8192x4096", quantize_body_of(&mut g, "p_qt_d", DType::BF16, &[8192, d], false, DType::F8E4M3, true), KernelKind::Fused, 1),
+        ("perf_fp8_qt_bf16_8192x128256", quantize_body_of(&mut g, "p_qt_v", DType::BF16, &[8192, v], false, DType::F8E4M3, true), KernelKind::Fused, 1),
+        ("perf_fp8_qt_bf16_128256x4096", quantize_body_of(&mut g, "p_qt_w", DType::BF16, &[v, d], false, DType::F8E4M3, true), KernelKind::Fused, 1),
         (
             "perf_colmax_plain_8192x14336",
             body(&mut g, "p_colmax_ffn", &[bf16(&[8192, ffn])], |b, a| vec![push(b, Op::Reduce { kind: ReduceKind::Max, axes: vec![0] }, &[a[0]])]),
