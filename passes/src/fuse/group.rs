@@ -356,17 +356,55 @@ impl<'r> Grouper<'r> {
         true
     }
 
-    /// Whether an op of one of the groups reads a row-crossing reduction made in the other.
+    /// The values of group `g` complete only when its kernel ends: its row-crossing reductions
+    /// and what its members compute from them (a column kernel's per-column values, such as the
+    /// float8 scale of a column amax).
+    fn post_values(&self, g: usize) -> HashSet<Value> {
+        let mut post = HashSet::new();
+        for &m in &self.group(g).members {
+            let node = &self.region.nodes[m.index()];
+            let derived = node.inputs.iter().any(|v| post.contains(v));
+            for &r in &node.results {
+                if derived || self.grid_reduced[r.index()] {
+                    post.insert(r);
+                }
+            }
+        }
+        post
+    }
+
+    /// Whether an op of one of the groups reads a value of the other that is complete only when
+    /// the other's kernel ends ([`Grouper::post_values`]).
     fn reads_grid_reduced(&self, a: usize, b: usize) -> bool {
         let crosses = |from: usize, to: usize| {
-            self.group(to).members.iter().any(|&m| {
-                self.region.nodes[m.index()]
-                    .inputs
-                    .iter()
-                    .any(|&v| self.grid_reduced[v.index()] && self.producer[v.index()].is_some_and(|p| self.group_of[p.index()] == Some(from)))
-            })
+            let post = self.post_values(from);
+            !post.is_empty() && self.group(to).members.iter().any(|&m| self.region.nodes[m.index()].inputs.iter().any(|v| post.contains(v)))
         };
         crosses(a, b) || crosses(b, a)
+    }
+
+    /// Whether `per_col` (a group of `d` elements) only computes per-column values from what the
+    /// column group `cols` reduces: every non-scalar value its members read from outside it is
+    /// one of `cols`'s [`Grouper::post_values`]. The column kernel then computes them after
+    /// its last pass (float8's `fp8_scale` and `recip` of a column amax), instead of a kernel of
+    /// a few thousand elements launched after it.
+    fn is_post_column(&self, cols: usize, per_col: usize) -> bool {
+        let post = self.post_values(cols);
+        let members = &self.group(per_col).members;
+        let mut reads_post = false;
+        for &m in members {
+            for &v in &self.region.nodes[m.index()].inputs {
+                let made_here = self.producer[v.index()].is_some_and(|p| self.group_of[p.index()] == Some(per_col));
+                if made_here || self.region.ty(v).rank() == 0 {
+                    continue;
+                }
+                if !post.contains(&v) {
+                    return false;
+                }
+                reads_post = true;
+            }
+        }
+        reads_post
     }
 
     /// Whether group `g` holds a `reduce` whose result crosses rows (to a scalar or over the
@@ -384,10 +422,21 @@ impl<'r> Grouper<'r> {
         if a == b || !ga.mergeable || !gb.mergeable {
             return None;
         }
-        let space = ga.space.join(gb.space)?;
-        if self.reads_grid_reduced(a, b) {
-            return None;
-        }
+        // A column kernel takes the per-column values computed from its reduction (rule 5's
+        // exception); otherwise no kernel reads what another part of it reduces across rows.
+        let per_col =
+            |x: &Group, y: &Group| matches!((x.space, y.space), (Space::Cols { elems, d }, Space::Elems { elems: n, row: None }) if n == d && n != elems);
+        let space = if per_col(ga, gb) && self.is_post_column(a, b) {
+            ga.space
+        } else if per_col(gb, ga) && self.is_post_column(b, a) {
+            gb.space
+        } else {
+            let space = ga.space.join(gb.space)?;
+            if self.reads_grid_reduced(a, b) {
+                return None;
+            }
+            space
+        };
         let members: Vec<NodeId> = ga.members.iter().chain(&gb.members).copied().collect();
         let inside = |n: NodeId| matches!(self.group_of[n.index()], Some(g) if g == a || g == b);
         self.convex(&inside, &members).then_some(space)

@@ -57,7 +57,12 @@
 //!    gradient) is complete only when its kernel ends, so no op of the same kernel reads it.
 //!    Each gradient's `reduce_sum(square(g))` is therefore its own small group, and the
 //!    scalar ops that add the partial sums (and compute the clip coefficient) form one scalar
-//!    kernel after them.
+//!    kernel after them. The exception is a column kernel's per-column values: ops over as many
+//!    elements as its rows are long, reading only what it reduces over the rows (and values
+//!    computed from that, and scalars), join it, and the CTA that finishes each column tile
+//!    computes them (float8's `fp8_scale` of a column amax and its `recip`: 18 kernels of a
+//!    few thousand elements per rowwise layer no longer launch on their own). What reads
+//!    those values per element (the quantizing cast) still runs after the kernel.
 //! 6. **Constants.** A rank-0 `constant` is copied into every fused or optimizer kernel that
 //!    reads it (no buffer); read by anything else it also becomes a one-op fused kernel. A
 //!    non-scalar constant is a fused kernel of its own (a fill). Reductions over inner axes
