@@ -25,6 +25,10 @@ use titan_ir::{BlockId, Graph, KernelKind};
 
 pub use ptxas::{Assembled, CUBIN_FLAGS, PtxasReport, assemble_cubin, assemble_cubin_with, find_ptxas, ptxas_check};
 
+/// Streaming multiprocessors of the GPUs grids are sized for (H100 SXM and H200: 132). Kernels
+/// that loop over their work (grid-stride) launch a whole number of resident waves of it.
+pub(crate) const SMS: u64 = 132;
+
 /// A generated kernel.
 #[derive(Clone, Debug, PartialEq)]
 pub struct CompiledKernel {
