@@ -36,6 +36,12 @@ const BM: u64 = 64;
 const BN: u64 = 64;
 /// Threads per CTA (4 warps).
 const THREADS: u64 = 128;
+/// Resident CTAs per SM asked of ptxas (`.minnctapersm`) at head_dim 128: three CTAs of 128
+/// threads leave 168 registers a thread, where ptxas otherwise takes 174 and fits only two. It
+/// keeps three values in local memory (12 bytes, stored before the key loop and loaded after it;
+/// SASS read on the H200) and runs the 8B shape 10% faster (2,012 -> 1,805 us). Smaller head
+/// dims fit three CTAs without asking (134-136 registers at 64).
+const CTAS_PER_SM_D128: u32 = 3;
 
 pub(crate) const F4: &str = "!llvm.struct<(f32, f32, f32, f32)>";
 pub(crate) const I4: &str = "!llvm.struct<(i32, i32, i32, i32)>";
@@ -327,9 +333,10 @@ pub(crate) fn generate(g: &Graph, r: &Region, entry: &str) -> GenResult<Generate
     let _ = writeln!(m, "    llvm.mlir.global internal @att_k() {{addr_space = 3 : i32, alignment = 16 : i64}} : !llvm.array<{} x bf16>", BN * stride);
     let _ = writeln!(m, "    llvm.mlir.global internal @att_v() {{addr_space = 3 : i32, alignment = 16 : i64}} : !llvm.array<{} x bf16>", BN * stride);
     let ps: Vec<String> = params.iter().map(|p| format!("{p}: !llvm.ptr<1>")).collect();
+    let occupancy = if p.d == 128 { format!(", nvvm.minctasm = {CTAS_PER_SM_D128} : i32") } else { String::new() };
     let _ = writeln!(
         m,
-        "    gpu.func @{entry}({}) kernel attributes {{known_block_size = array<i32: {THREADS}, 1, 1>, known_grid_size = array<i32: {grid}, 1, 1>}} {{",
+        "    gpu.func @{entry}({}) kernel attributes {{known_block_size = array<i32: {THREADS}, 1, 1>, known_grid_size = array<i32: {grid}, 1, 1>{occupancy}}} {{",
         ps.join(", ")
     );
     m.push_str(&body);

@@ -787,8 +787,9 @@ fn every_kernel_assembles_without_spills() {
                     k.workspace_bytes,
                     codegen.as_secs_f64() * 1e3
                 );
-                if r.spill_stores > 0 || r.spill_loads > 0 {
-                    failures.push(format!("{name}: {} bytes spill stores, {} bytes spill loads", r.spill_stores, r.spill_loads));
+                let allowed = titan_kernels::planned_local_bytes(kind);
+                if r.spill_stores > allowed || r.spill_loads > allowed {
+                    failures.push(format!("{name}: {} bytes spill stores, {} bytes spill loads (allowed {allowed})", r.spill_stores, r.spill_loads));
                 }
             }
             Err(e) => failures.push(format!("{name}: {e}")),
@@ -1356,12 +1357,24 @@ fn launch_extras(k: &titan_kernels::CompiledKernel) -> String {
     s
 }
 
+/// `[b, s, hq, hkv, d]` of the step's attention on 8b-4l.
+const ATTENTION_8B: [u64; 5] = [1, 8192, 32, 8, 128];
+
+/// The attention table's shapes: sequence 2048, 4096 and 8192 at 8192 tokens, head_dim 128 and 64.
+const ATTENTION_TABLE: [[u64; 5]; 6] =
+    [[4, 2048, 32, 8, 128], [2, 4096, 32, 8, 128], ATTENTION_8B, [4, 2048, 64, 16, 64], [2, 4096, 64, 16, 64], [1, 8192, 64, 16, 64]];
+
+/// Matmul flops of a causal attention forward: `4 b s^2 hq d`, halved by the mask.
+fn attention_flops([b, s, hq, _, d]: [u64; 5]) -> u64 {
+    4 * b * s * s * hq * d / 2
+}
+
 /// Llama-3-8B-sized kernels for `gpu_check.py <dir> perf` (PTX and buffer sizes only).
 fn perf_manifest(dir: &std::path::Path) -> String {
     let mut g = graph();
     let (t, d, ffn, v) = (16384u64, 4096u64, 14336u64, 128256u64);
     let half = RopeConfig { theta: 500000.0, layout: RopeLayout::Half, scaling: None, inverse: false };
-    let cases: Vec<(&str, BlockId, KernelKind, i64)> = vec![
+    let mut cases: Vec<(&str, BlockId, KernelKind, i64)> = vec![
         (
             "perf_residual_rmsnorm",
             body(&mut g, "p_norm", &[bf16(&[t, d]), bf16(&[t, d]), bf16(&[d])], |b, a| {
@@ -1459,7 +1472,7 @@ fn perf_manifest(dir: &std::path::Path) -> String {
             KernelKind::Fused,
             1,
         ),
-        ("perf_attention_fwd_causal", attention_body(&mut g, [1, 8192, 32, 8, 128], true), KernelKind::Attention, 1),
+        ("perf_attention_fwd_causal", attention_body(&mut g, ATTENTION_8B, true), KernelKind::Attention, 1),
         // AdamW over one 8B layer's worth of stacked weights and a norm (bf16 gradients, bf16
         // compute copies), as the step's multi-tensor kernel: 28 bytes per parameter.
         (
@@ -1468,8 +1481,25 @@ fn perf_manifest(dir: &std::path::Path) -> String {
             KernelKind::Optimizer,
             1,
         ),
-        ("perf_attention_bwd_causal", attention_bwd_body(&mut g, [1, 8192, 32, 8, 128], true), KernelKind::AttentionBwd, 1),
+        ("perf_attention_bwd_causal", attention_bwd_body(&mut g, ATTENTION_8B, true), KernelKind::AttentionBwd, 1),
     ];
+    // Issue 15's attention table (`bench/attention_table.py`): causal, 8192 tokens per launch,
+    // head_dim 128 (32 query heads, 8 kv heads: Llama-3 8B) and 64 (64 and 16: the same width).
+    let table: Vec<(String, String, [u64; 5])> = ATTENTION_TABLE
+        .iter()
+        .filter(|&&shape| shape != ATTENTION_8B) // the two cases above
+        .map(|&[b, s, hq, hkv, d]| {
+            (format!("perf_attention_fwd_causal_s{s}_d{d}_b{b}"), format!("perf_attention_bwd_causal_s{s}_d{d}_b{b}"), [b, s, hq, hkv, d])
+        })
+        .collect();
+    let mut flops_of: Vec<(&str, u64)> =
+        vec![("perf_attention_fwd_causal", attention_flops(ATTENTION_8B)), ("perf_attention_bwd_causal", attention_flops(ATTENTION_8B) * 5 / 2)];
+    for (fwd, bwd, shape) in &table {
+        cases.push((fwd, attention_body(&mut g, *shape, true), KernelKind::Attention, 1));
+        cases.push((bwd, attention_bwd_body(&mut g, *shape, true), KernelKind::AttentionBwd, 1));
+        flops_of.push((fwd, attention_flops(*shape)));
+        flops_of.push((bwd, attention_flops(*shape) * 5 / 2));
+    }
     let mut out = Vec::new();
     for (name, id, kind, int_hi) in cases {
         let k = compile(&g, id, kind, name);
@@ -1484,14 +1514,8 @@ fn perf_manifest(dir: &std::path::Path) -> String {
         };
         let args: Vec<String> = r.args.iter().map(|a| buf(r.ty(a.value), &mut bytes)).collect();
         let outs: Vec<String> = r.outputs.iter().map(|o| buf(r.ty(o.value), &mut bytes)).collect();
-        // Attention: 4 b s^2 h d matmul flops, halved when causal.
         // Backward: 2.5x the forward's matmul flops (5 GEMMs of the forward's 2).
-        let fwd_flops = 4 * 8192u64 * 8192 * 32 * 128 / 2;
-        let flops = match name {
-            "perf_attention_fwd_causal" => format!(", \"flops\": {fwd_flops}"),
-            "perf_attention_bwd_causal" => format!(", \"flops\": {}", fwd_flops * 5 / 2),
-            _ => String::new(),
-        };
+        let flops = flops_of.iter().find(|(n, _)| *n == name).map(|(_, f)| format!(", \"flops\": {f}")).unwrap_or_default();
         out.push(format!(
             "{{\"name\": \"{name}\", \"ptx\": \"{name}.ptx\", \"entry\": \"{}\", \"grid\": {}, \"block\": {}, \"ws\": {}{}, \"bytes\": {bytes}{flops}, \"args\": [{}], \"outs\": [{}]}}",
             k.entry,

@@ -219,9 +219,17 @@ def launch(c, fns, params):
 
 def perf(d):
     """Time kernels listed in perf.json on device-filled inputs; print achieved bandwidth."""
+    for c, t in timed(d, lambda name: ONLY in name):
+        rate = f"{c['flops'] / (t * 1e-3) / 1e12:.0f} TFLOP/s" if "flops" in c else f"{c['bytes'] / (t * 1e-3) / 1e9:.0f} GB/s"
+        print(f"{c['name']}: {t*1e3:.1f} us, {rate} (grid {c['grid']}, block {c['block']})", flush=True)
+
+
+def timed(d, keep, iters=20):
+    """Yield (case, ms per launch) for each case of `d`/perf.json whose name `keep` accepts: three
+    warm-up launches, then the mean of `iters` timed by CUDA events."""
     import random
 
-    cases = [c for c in json.load(open(os.path.join(d, "perf.json"))) if ONLY in c["name"]]
+    cases = [c for c in json.load(open(os.path.join(d, "perf.json"))) if keep(c["name"])]
     check(cu.cuInit(0), "cuInit")
     dev = ctypes.c_int()
     check(cu.cuDeviceGet(ctypes.byref(dev), 0), "cuDeviceGet")
@@ -265,7 +273,6 @@ def perf(d):
         check(cu.cuEventCreate(ctypes.byref(stop), 0), "event")
         for _ in range(3):
             launch(c, fns, params)
-        iters = 20
         check(cu.cuEventRecord(start, None), "record")
         for _ in range(iters):
             launch(c, fns, params)
@@ -273,13 +280,11 @@ def perf(d):
         check(cu.cuEventSynchronize(stop), "sync")
         ms = ctypes.c_float()
         check(cu.cuEventElapsedTime(ctypes.byref(ms), start, stop), "elapsed")
-        t = ms.value / iters
-        rate = f"{c['flops'] / (t * 1e-3) / 1e12:.0f} TFLOP/s" if "flops" in c else f"{c['bytes'] / (t * 1e-3) / 1e9:.0f} GB/s"
-        print(f"{c['name']}: {t*1e3:.1f} us, {rate} (grid {c['grid']}, block {c['block']})", flush=True)
         for pi, p in enumerate(ptrs):
             if pi not in alias:
                 cu.cuMemFree_v2(p)
         cu.cuModuleUnload(mod)
+        yield c, ms.value / iters
 
 
 if __name__ == "__main__" and len(sys.argv) > 2 and sys.argv[2] == "perf":

@@ -1,0 +1,127 @@
+#!/usr/bin/env python3
+"""Issue 15's attention table: titan's generated attention kernels against PyTorch's
+`scaled_dot_product_attention`, forward and backward, in one process on one GPU.
+
+Shapes: causal, 8192 tokens per launch (batch 4 x seq 2048, 2 x 4096, 1 x 8192), head_dim 128
+(32 query heads, 8 kv heads: Llama-3 8B) and 64 (64 and 16 heads: the same width), bf16. titan's
+kernels come from a perf dump (`TITAN_GPU_DUMP=DIR cargo test --release -p titan-kernels --test
+codegen gpu_reference_dump`: the `perf_attention_*` cases), timed as `kernels/tests/gpu_check.py
+DIR perf` times them (3 warm-up launches, mean of 20, CUDA events; the backward includes its dQ
+prologue launch). PyTorch runs SDPA on `[b, h, s, d]` views of `[b, s, h, d]` tensors with
+`enable_gqa=True`, as `tools/llama_ref.py` calls it in the step; its backward is timed alone
+(`torch.autograd.grad` of a saved forward). TFLOP/s count the causal matmul flops: forward
+`2 b s^2 hq d`, backward 2.5x that (the five GEMM-sized products of FlashAttention-2; titan's
+deterministic backward does seven).
+
+    python3 bench/attention_table.py --dump DIR [--markdown FILE]
+"""
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "kernels", "tests"))
+
+# [b, s, hq, hkv, d]; the names of the perf cases that codegen.rs writes for them.
+SHAPES = [(4, 2048, 32, 8, 128), (2, 4096, 32, 8, 128), (1, 8192, 32, 8, 128), (4, 2048, 64, 16, 64), (2, 4096, 64, 16, 64), (1, 8192, 64, 16, 64)]
+
+
+def case_names(shape):
+    b, s, _, _, d = shape
+    if (s, d) == (8192, 128):
+        return "perf_attention_fwd_causal", "perf_attention_bwd_causal"
+    return f"perf_attention_fwd_causal_s{s}_d{d}_b{b}", f"perf_attention_bwd_causal_s{s}_d{d}_b{b}"
+
+
+def flops(shape):
+    b, s, hq, _, d = shape
+    return 4 * b * s * s * hq * d // 2
+
+
+def titan_times(dump):
+    """{case name: ms per launch} of titan's attention perf cases."""
+    import gpu_check
+
+    wanted = {n for sh in SHAPES for n in case_names(sh)}
+    got = {c["name"]: ms for c, ms in gpu_check.timed(dump, lambda name: name in wanted)}
+    missing = sorted(wanted - set(got))
+    if missing:
+        sys.exit(f"attention_table: {dump}/perf.json lacks {missing}; regenerate the dump with this checkout's codegen tests")
+    return got
+
+
+def sdpa_times(shape, iters=20):
+    """(forward ms, backward ms, backend kernel names) of PyTorch's SDPA on `shape`."""
+    import torch
+    import torch.nn.functional as F
+
+    b, s, hq, hkv, d = shape
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    q = torch.randn(b, s, hq, d, device=dev, dtype=torch.bfloat16, generator=g).requires_grad_()
+    k = torch.randn(b, s, hkv, d, device=dev, dtype=torch.bfloat16, generator=g).requires_grad_()
+    v = torch.randn(b, s, hkv, d, device=dev, dtype=torch.bfloat16, generator=g).requires_grad_()
+    do = torch.randn(b, hq, s, d, device=dev, dtype=torch.bfloat16, generator=g)
+
+    def fwd():
+        return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True)
+
+    def timed(fn):
+        for _ in range(3):
+            fn()
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            fn()
+        stop.record()
+        stop.synchronize()
+        return start.elapsed_time(stop) / iters
+
+    with torch.no_grad():
+        t_fwd = timed(fwd)
+    out = fwd()
+    t_bwd = timed(lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        torch.autograd.grad(fwd(), (q, k, v), do)
+        torch.cuda.synchronize()
+    names = {e.key.removeprefix("void ").split("<")[0].split("(")[0] for e in prof.key_averages()}
+    kernels = sorted(n for n in names if any(w in n.lower() for w in ("flash", "fmha", "cudnn", "attention", "sdpa")))
+    return t_fwd, t_bwd, kernels
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dump", required=True, help="the perf dump directory (see the module doc)")
+    ap.add_argument("--markdown", help="also write the table to this file")
+    a = ap.parse_args()
+    import torch
+
+    titan = titan_times(a.dump)
+    rows = []
+    backends = set()
+    for sh in SHAPES:
+        f_name, b_name = case_names(sh)
+        tf, tb = titan[f_name], titan[b_name]
+        pf, pb, ks = sdpa_times(sh)
+        backends.update(ks)
+        fl = flops(sh)
+        rate = lambda ms, mult=1.0: fl * mult / (ms * 1e-3) / 1e12  # noqa: E731
+        b, s, hq, hkv, d = sh
+        rows.append(
+            f"| {s} | {d} | {b} x {hq}/{hkv} | {tf:.3f} | {rate(tf):.0f} | {pf:.3f} | {rate(pf):.0f} | {tb:.3f} | {rate(tb, 2.5):.0f} | {pb:.3f} | {rate(pb, 2.5):.0f} | {(pf + pb) / (tf + tb):.2f} |"
+        )
+    head = [
+        f"{torch.cuda.get_device_name()}, torch {torch.__version__}; SDPA kernels: {', '.join(sorted(backends)) or 'unknown'}",
+        "",
+        "| seq | head_dim | batch x heads (q/kv) | titan fwd ms | TFLOP/s | SDPA fwd ms | TFLOP/s | titan bwd ms | TFLOP/s | SDPA bwd ms | TFLOP/s | SDPA / titan (fwd+bwd time) |",
+        "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    text = "\n".join(head + rows)
+    print(text)
+    if a.markdown:
+        with open(a.markdown, "w") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
