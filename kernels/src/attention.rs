@@ -1,20 +1,33 @@
-//! `attention` kernels: a FlashAttention-2 style forward pass on tensor cores (`mma.sync`
-//! m16n8k16 bf16 -> f32, fragments through `ldmatrix`), emitted as MLIR text with NVVM ops.
+//! `attention` kernels: a FlashAttention-2 style forward pass on tensor cores, emitted as MLIR
+//! text with NVVM ops and inline PTX. At head_dim 64 and 128 both products run on Hopper's
+//! warpgroup MMA (`wgmma.mma_async`, B from shared memory in 128-byte-swizzled tiles); at
+//! head_dim 16 (rows of 32 bytes, below the swizzle's 128) on `mma.sync` m16n8k16 with
+//! `ldmatrix` fragments.
 //!
 //! Design (forward):
 //! - One CTA of 4 warps (128 threads) per 64-query tile of one (batch, query head); each warp owns
 //!   16 query rows. The 1-D grid is ordered so the longest causal tiles (the last query tiles)
 //!   start first; `block -> (query tile, batch, head)` is decoded in the kernel.
 //! - Q fragments stay in registers for the whole kernel (loaded once from global memory in the
-//!   mma A-fragment layout). K and V tiles of 64 keys are staged in static shared memory
-//!   (`64 x (d + 8)` bf16 each: the 16-byte row padding makes `ldmatrix` conflict-free) by
-//!   `cp.async` (16 bytes per thread per copy). The next K tile is fetched while the softmax and
-//!   `P V` of the current tile run, the next V tile while the next `Q K^T` runs.
-//! - S = Q K^T with `ldmatrix` (K is the col-major B operand as stored); the online softmax keeps
+//!   mma A-fragment layout, which is also `wgmma`'s register A layout: the 4 warps are one
+//!   warpgroup, warp `w` owning rows `16 w..16 w + 16` of the m64 tile). K and V tiles of 64 keys
+//!   are staged in static shared memory by `cp.async` (16 bytes per thread per copy). The next K
+//!   tile is fetched while the softmax and `P V` of the current tile run, the next V tile while
+//!   the next `Q K^T` runs.
+//! - `wgmma` path (head_dim 64, 128): a tile is stored as `d / 64` blocks of 64 keys x 64 dims,
+//!   each key's 128-byte row with its 16-byte chunk `c` at `c ^ (key % 8)` (the 128-byte swizzle
+//!   `wgmma` reads; blocks 8 KB apart, 1024-byte aligned); each thread copies the chunks at a
+//!   fixed slot, conflict-free. `S = Q K^T` is `d / 16` chained `m64n64k16` (K K-major), `O += P V`
+//!   four `m64n{d}k16` (V MN-major, the transposed B), each chain issued and waited for at once
+//!   (`wait_group 0`), after `fence.proxy.async` makes the copies visible to `wgmma`'s reads.
+//!   The accumulators come back in the `mma.sync` C layout, so the softmax is shared.
+//! - `mma.sync` path (head_dim 16): tiles `64 x (d + 8)` bf16 (the 16-byte row padding makes
+//!   `ldmatrix` conflict-free); S = Q K^T with `ldmatrix` (K is the col-major B operand as
+//!   stored), `O += P V` with `ldmatrix.trans` of V.
+//! - The online softmax keeps
 //!   the running row max in the `log2` domain (`exp2(s * scale * log2 e - m)`, `ex2.approx`),
 //!   per-thread partial row sums reduced across the quad only at the end (FA2); P is converted
-//!   in registers from the C-fragment layout to the A-fragment layout (`cvt.rn.bf16x2`), and
-//!   `O += P V` reads V with `ldmatrix.trans`.
+//!   in registers from the C-fragment layout to the A-fragment layout (`cvt.rn.bf16x2`).
 //! - Causal: query tile `m` visits key tiles `0..m` unmasked (an `scf.for`) and the diagonal
 //!   tile `m` with the `key > query` mask (a second, straight-line copy of the tile body); tiles
 //!   beyond the diagonal are never loaded. GQA: query head `h` reads kv head `h / (hq / hkv)`.
@@ -37,11 +50,16 @@ const BN: u64 = 64;
 /// Threads per CTA (4 warps).
 const THREADS: u64 = 128;
 /// Resident CTAs per SM asked of ptxas (`.minnctapersm`) at head_dim 128: three CTAs of 128
-/// threads leave 168 registers a thread, where ptxas otherwise takes 174 and fits only two. It
-/// keeps three values in local memory (12 bytes, stored before the key loop and loaded after it;
-/// SASS read on the H200) and runs the 8B shape 10% faster (2,012 -> 1,805 us). Smaller head
-/// dims fit three CTAs without asking (134-136 registers at 64).
+/// threads leave 168 registers a thread (without asking ptxas takes 175 and fits two). Smaller
+/// head dims fit three CTAs without asking.
 const CTAS_PER_SM_D128: u32 = 3;
+/// Bytes of one swizzled block: 64 keys' 128-byte rows.
+const SW_BLOCK: i64 = 64 * 128;
+
+/// Whether head_dim `d` takes the `wgmma` path (rows of whole 128-byte swizzle atoms).
+pub(crate) fn uses_wgmma(d: u64) -> bool {
+    d.is_multiple_of(64)
+}
 
 pub(crate) const F4: &str = "!llvm.struct<(f32, f32, f32, f32)>";
 pub(crate) const I4: &str = "!llvm.struct<(i32, i32, i32, i32)>";
@@ -231,6 +249,12 @@ impl Em {
         self.line("gpu.barrier");
     }
 
+    /// `fence.proxy.async.shared::cta`: this thread's generic-proxy writes to shared memory (its
+    /// `cp.async` copies, once waited for) become visible to async-proxy reads (`wgmma`).
+    pub(crate) fn fence_proxy_async(&mut self) {
+        self.line("llvm.inline_asm has_side_effects \"fence.proxy.async.shared::cta;\", \"\" : () -> ()");
+    }
+
     pub(crate) fn cp_async16(&mut self, dst: &str, src: &str) {
         self.line(&format!("nvvm.cp.async.shared.global {dst}, {src}, 16, cache = cg : !llvm.ptr<3>, !llvm.ptr<1>"));
     }
@@ -330,8 +354,11 @@ pub(crate) fn generate(g: &Graph, r: &Region, entry: &str) -> GenResult<Generate
     let stride = p.d + 8;
     let mut m = String::new();
     m.push_str("module attributes {gpu.container_module} {\n  gpu.module @titan {\n");
-    let _ = writeln!(m, "    llvm.mlir.global internal @att_k() {{addr_space = 3 : i32, alignment = 16 : i64}} : !llvm.array<{} x bf16>", BN * stride);
-    let _ = writeln!(m, "    llvm.mlir.global internal @att_v() {{addr_space = 3 : i32, alignment = 16 : i64}} : !llvm.array<{} x bf16>", BN * stride);
+    // wgmma: unpadded swizzled blocks, 1024-byte aligned (the swizzle pattern repeats every 1 KB).
+    let (elems, align) = if uses_wgmma(p.d) { (BN * p.d, 1024) } else { (BN * stride, 16) };
+    for name in ["att_k", "att_v"] {
+        let _ = writeln!(m, "    llvm.mlir.global internal @{name}() {{addr_space = 3 : i32, alignment = {align} : i64}} : !llvm.array<{elems} x bf16>");
+    }
     let ps: Vec<String> = params.iter().map(|p| format!("{p}: !llvm.ptr<1>")).collect();
     let occupancy = if p.d == 128 { format!(", nvvm.minctasm = {CTAS_PER_SM_D128} : i32") } else { String::new() };
     let _ = writeln!(
@@ -376,13 +403,18 @@ struct Ctx {
     qf: Vec<[String; 4]>,
     ks: String,
     vs: String,
-    /// Shared pointers at this lane's `ldmatrix` row for K and V.
+    /// The `wgmma` path (else `mma.sync`).
+    wgmma: bool,
+    /// Shared pointers at this lane's `ldmatrix` row for K and V (`mma.sync` path).
     k_lm: String,
     v_lm: String,
+    /// `wgmma` descriptors (i64) of the K and V tiles ([`sw128_descriptor`]).
+    k_desc: String,
+    v_desc: String,
     /// Global K/V pointers at this thread's first copy chunk of key tile 0.
     k_g: String,
     v_g: String,
-    /// Shared element offset of this thread's first copy chunk.
+    /// Shared element offset of this thread's first copy chunk (either path's layout).
     s_off: String,
     /// Elements between key rows in global memory (`hkv * d`).
     kv_row: i64,
@@ -406,11 +438,87 @@ fn load_tile(e: &mut Em, cx: &Ctx, j: &str, v: bool) {
     let g0 = e.gep(gbase, 1, &off, "i64", "bf16");
     let s0 = e.gep(sbase, 3, &cx.s_off, "i32", "bf16");
     for it in 0..iters {
-        let gk = e.i64c(it * rows_per_iter * cx.kv_row);
+        let (gk, sk) = if cx.wgmma {
+            // 128 chunks per copy, in storage order: block `b` of 64 dims, 16 rows from `r0`.
+            let q = it * THREADS as i64;
+            let (b, r0) = (q / 512, q % 512 / 8);
+            (r0 * cx.kv_row + b * 64, b * SW_BLOCK / 2 + r0 * 64)
+        } else {
+            (it * rows_per_iter * cx.kv_row, it * rows_per_iter * cx.stride)
+        };
+        let gk = e.i64c(gk);
         let gp = e.gep(&g0, 1, &gk, "i64", "bf16");
-        let sp = e.gepk(&s0, 3, it * rows_per_iter * cx.stride);
+        let sp = e.gepk(&s0, 3, sk);
         e.cp_async16(&sp, &gp);
     }
+}
+
+/// Element offset (i32) of 16-byte chunk `chunk` of row `row` in a 128-byte-swizzled block of
+/// 128-byte rows: `row * 64 + ((chunk ^ (row % 8)) * 8)` bf16 elements.
+pub(crate) fn sw128_slot(e: &mut Em, row: &str, chunk: &str) -> String {
+    let r8 = e.remk(row, 8);
+    let x = e.op(&format!("arith.xori {chunk}, {r8} : i32"));
+    let ro = e.mulk(row, 64);
+    let xo = e.mulk(&x, 8);
+    e.addi(&ro, &xo)
+}
+
+/// A `wgmma` shared-memory matrix descriptor (i64) for the tile at `base` in the 128-byte swizzle
+/// (bits 62-63 = 1): start address >> 4 in bits 0-13, the leading byte offset >> 4 in 16-29, the
+/// stride byte offset >> 4 in 32-45. K-major (K): `lbo` unused, `sbo` = 1024 between groups of
+/// eight keys. MN-major (V, N = dims): `lbo` = the 8 KB between 64-dim blocks, `sbo` = 1024
+/// between groups of eight keys along K (measured: with the two swapped the kernel faults).
+pub(crate) fn sw128_descriptor(e: &mut Em, base: &str, lbo: i64, sbo: i64) -> String {
+    let addr = e.op(&format!("llvm.ptrtoint {base} : !llvm.ptr<3> to i64"));
+    let sh = e.i64c(4);
+    let a4 = e.bin("shrui", &addr, &sh, "i64");
+    let mask = e.i64c(0x3fff);
+    let a4 = e.bin("andi", &a4, &mask, "i64");
+    let fields = e.i64c((lbo >> 4) << 16 | (sbo >> 4) << 32 | 1 << 62);
+    e.bin("ori", &a4, &fields, "i64")
+}
+
+/// A chain of `wgmma.mma_async.m64n{n}k16` (bf16 in, f32 accumulators), one per A fragment
+/// (16-wide k-steps, the `mma.sync` A layout, from registers), B through `desc` advanced by
+/// `offs[k]` 16-byte units at k-step `k` (`trans_b`: B is MN-major), issued then waited for at
+/// once. `acc` (`n / 2` per thread, the `mma.sync` C layout of `n / 8` n-tiles) is added to; the
+/// sums come back the same way. Inline PTX: the accumulators are tied outputs.
+pub(crate) fn wgmma_chain(e: &mut Em, n: usize, acc: &[String], a: &[[String; 4]], desc: &str, offs: &[i64], trans_b: bool) -> Vec<String> {
+    let na = n / 2;
+    let a0 = 2 * na;
+    let dsc = a0 + 4 * a.len();
+    let accs: Vec<String> = (0..na).map(|i| format!("${i}")).collect();
+    let mut asm = format!("{{ .reg .pred p; .reg .b64 d; setp.ne.b32 p, ${}, 0; wgmma.fence.sync.aligned; ", dsc + 1);
+    for (k, off) in offs.iter().enumerate().take(a.len()) {
+        let ar: Vec<String> = (0..4).map(|i| format!("${}", a0 + 4 * k + i)).collect();
+        let _ = write!(
+            asm,
+            "add.s64 d, ${dsc}, {off}; wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16 {{{}}}, {{{}}}, d, p, 1, 1, {}; ",
+            accs.join(", "),
+            ar.join(", "),
+            u8::from(trans_b)
+        );
+    }
+    asm += "wgmma.commit_group.sync.aligned; wgmma.wait_group.sync.aligned 0; }";
+    let mut cons: Vec<String> = (0..na).map(|_| "=f".to_string()).collect();
+    cons.extend((0..na).map(|i| i.to_string()));
+    cons.extend((0..4 * a.len()).map(|_| "r".to_string()));
+    cons.extend(["l".to_string(), "r".to_string()]);
+    let one = e.i32c(1);
+    let mut args: Vec<String> = acc.to_vec();
+    args.extend(a.iter().flat_map(|f| f.iter().cloned()));
+    args.extend([desc.to_string(), one]);
+    let mut tys = vec!["f32"; na];
+    tys.extend(vec!["i32"; 4 * a.len()]);
+    tys.extend(["i64", "i32"]);
+    let sty = format!("!llvm.struct<({})>", vec!["f32"; na].join(", "));
+    let r = e.op(&format!("llvm.inline_asm has_side_effects \"{asm}\", \"{}\" {} : ({}) -> {sty}", cons.join(","), args.join(", "), tys.join(", ")));
+    (0..na).map(|i| e.extract(&r, i, &sty)).collect()
+}
+
+/// Accumulators grouped as `mma.sync` n-tiles of 4.
+fn n_tiles(v: &[String]) -> Vec<[String; 4]> {
+    v.chunks(4).map(|c| [0, 1, 2, 3].map(|i| c[i].clone())).collect()
 }
 
 /// One key tile `j`: S = Q K^T, (mask), online softmax, O += P V. Returns the new state.
@@ -418,10 +526,19 @@ fn tile_body(e: &mut Em, cx: &Ctx, j: &str, st: &State, masked: bool) -> State {
     let d = cx.d as i64;
     // K_j ready (V_j may still be in flight).
     e.wait_group(1);
+    if cx.wgmma {
+        e.fence_proxy_async();
+    }
     e.barrier();
     let zero = e.f32c(0.0);
     let mut s: Vec<[String; 4]> = (0..8).map(|_| [0; 4].map(|_| zero.clone())).collect();
-    for kstep in 0..(d / 16) {
+    if cx.wgmma {
+        // 16 dims per k-step: 32 bytes along the swizzled rows, the next 64-dim block every 4.
+        let offs: Vec<i64> = (0..d / 16).map(|k| (k / 4) * SW_BLOCK / 16 + (k % 4) * 2).collect();
+        let flat: Vec<String> = s.iter().flat_map(|t| t.iter().cloned()).collect();
+        s = n_tiles(&wgmma_chain(e, 64, &flat, &cx.qf, &cx.k_desc, &offs, false));
+    }
+    for kstep in (0..(d / 16)).filter(|_| !cx.wgmma) {
         for np in 0..4i64 {
             let ptr = e.gepk(&cx.k_lm, 3, 16 * np * cx.stride + 16 * kstep);
             let r = e.ldmatrix4(&ptr, false);
@@ -493,8 +610,17 @@ fn tile_body(e: &mut Em, cx: &Ctx, j: &str, st: &State, masked: bool) -> State {
         .collect();
     // V_j ready (K_{j+1} may still be in flight).
     e.wait_group(1);
+    if cx.wgmma {
+        e.fence_proxy_async();
+    }
     e.barrier();
-    for (kk, a) in pf.iter().enumerate() {
+    if cx.wgmma {
+        // 16 keys per k-step: two groups of eight 128-byte rows.
+        let offs: Vec<i64> = (0..4).map(|k| k * 2 * 1024 / 16).collect();
+        let flat: Vec<String> = o.iter().flat_map(|t| t.iter().cloned()).collect();
+        o = n_tiles(&wgmma_chain(e, d as usize, &flat, &pf, &cx.v_desc, &offs, true));
+    }
+    for (kk, a) in pf.iter().enumerate().filter(|_| !cx.wgmma) {
         for dp in 0..(d / 16) {
             let ptr = e.gepk(&cx.v_lm, 3, 16 * kk as i64 * cx.stride + 16 * dp);
             let r = e.ldmatrix4(&ptr, true);
@@ -600,13 +726,23 @@ fn forward_body(p: &Problem, qp: &str, kp: &str, vp: &str, op: &str, lp: &str) -
     let vc = e.mulk(&mi_hi, 8);
     let v_off = e.addi(&vro, &vc);
     let v_lm = e.gep(&vs, 3, &v_off, "i32", "bf16");
-    // cp.async: chunk (row = tid / cpr, col = tid % cpr) of 8 bf16.
-    let cpr = d / 8;
+    let wgmma = uses_wgmma(p.d);
+    let k_desc = sw128_descriptor(&mut e, &ks, 16, 1024);
+    let v_desc = sw128_descriptor(&mut e, &vs, SW_BLOCK, 1024);
+    // cp.async: `mma.sync` path, chunk (row = tid / cpr, col = tid % cpr) of 8 bf16 into padded
+    // rows; `wgmma` path, row tid / 8, chunk tid % 8 of a 64-dim block, stored at chunk
+    // (tid % 8) ^ (row % 8) (rows advance by multiples of 16 per copy, so the swizzle term is
+    // the thread's own).
+    let cpr = if wgmma { 8 } else { d / 8 };
     let crow = e.divk(&tid, cpr);
     let cch = e.remk(&tid, cpr);
     let cc8 = e.mulk(&cch, 8);
-    let s_row = e.mulk(&crow, stride);
-    let s_off = e.addi(&s_row, &cc8);
+    let s_off = if wgmma {
+        sw128_slot(&mut e, &crow, &cch)
+    } else {
+        let s_row = e.mulk(&crow, stride);
+        e.addi(&s_row, &cc8)
+    };
     let crow64 = e.ext64(&crow);
     let kvr = e.i64c(kv_row);
     let g_row = e.bin("muli", &crow64, &kvr, "i64");
@@ -617,7 +753,27 @@ fn forward_body(p: &Problem, qp: &str, kp: &str, vp: &str, op: &str, lp: &str) -
     let v_g = e.gep(vp, 1, &g_off, "i64", "bf16");
     let n_tiles = if p.causal { e.addk(&mblk, 1) } else { e.i32c(nm) };
     let c = e.f32c((p.scale * std::f64::consts::LOG2_E) as f32);
-    let cx = Ctx { d: p.d, stride, causal: p.causal, c, qf, ks, vs, k_lm, v_lm, k_g, v_g, s_off, kv_row, n_tiles, qrow: [qr0, qr1], kcol: kcol.clone() };
+    let cx = Ctx {
+        d: p.d,
+        stride,
+        causal: p.causal,
+        c,
+        qf,
+        ks,
+        vs,
+        wgmma,
+        k_lm,
+        v_lm,
+        k_desc,
+        v_desc,
+        k_g,
+        v_g,
+        s_off,
+        kv_row,
+        n_tiles,
+        qrow: [qr0, qr1],
+        kcol: kcol.clone(),
+    };
     // Prologue: K_0 and V_0 in two groups.
     let zero_i = e.i32c(0);
     load_tile(&mut e, &cx, &zero_i, false);

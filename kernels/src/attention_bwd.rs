@@ -12,8 +12,11 @@
 //!   to the workspace for the second pass. Key tiles (32 keys at head_dim 128, else 64) of K and V
 //!   are double-buffered in shared memory by `cp.async` (tile `j + 1` lands while tile `j` is used).
 //!   Per tile: `S = Q K^T`, `P = exp2(S scale log2 e - lse log2 e)` (0 above the diagonal),
-//!   `dP = dO V^T`, `dS = P o (dP - D)`, `dQ += dS K` (`ldmatrix.trans` of K). dQ is scaled at
-//!   the end.
+//!   `dP = dO V^T`, `dS = P o (dP - D)`, `dQ += dS K`. dQ is scaled at the end. At head_dim 64
+//!   and 128 the three products run on `wgmma` as in the forward (`attention.rs`): the K and V
+//!   stages are 128-byte-swizzled blocks of `bn` keys x 64 dims, S and dP read them K-major,
+//!   `dQ += dS K` reads K MN-major (its 64-dim blocks `bn * 128` bytes apart); at head_dim 16,
+//!   `ldmatrix` fragments and `mma.sync` (`ldmatrix.trans` of K for dQ).
 //! - **dK/dV pass** (`<entry>`): one CTA of 4 warps per 64-key tile of one (batch, kv head),
 //!   16 keys a warp, lowest key tiles (the most causal work) first. K and V are staged once; the
 //!   CTA loops over the query heads of its GQA group and their query tiles (32 rows at head_dim
@@ -32,7 +35,7 @@ use std::fmt::Write as _;
 
 use titan_ir::{DType, Graph, Op, Region};
 
-use crate::attention::{Em, checked_sizes, output_slots};
+use crate::attention::{Em, checked_sizes, output_slots, sw128_descriptor, sw128_slot, uses_wgmma, wgmma_chain};
 use crate::values::Body;
 use crate::{GenResult, Generated, invalid, unsupported};
 
@@ -143,7 +146,8 @@ pub(crate) fn generate(g: &Graph, r: &Region, entry: &str) -> GenResult<Generate
     let dq_grid = ((p.s / BM) * p.b * p.hq) as u32;
     let mut m = String::new();
     m.push_str("module attributes {gpu.container_module} {\n  gpu.module @titan {\n");
-    m.push_str("    llvm.mlir.global external @attb_smem() {addr_space = 3 : i32, alignment = 16 : i64} : !llvm.array<0 x i8>\n");
+    // 1024-byte aligned: the dQ pass's swizzled `wgmma` tiles repeat their pattern every 1 KB.
+    m.push_str("    llvm.mlir.global external @attb_smem() {addr_space = 3 : i32, alignment = 1024 : i64} : !llvm.array<0 x i8>\n");
     let ps: Vec<String> = params.iter().map(|p| format!("{p}: !llvm.ptr<1>")).collect();
     for (name, grid, body) in [(format!("{entry}_dq"), dq_grid, dq_body(&p, &io)), (entry.to_string(), grid, dkdv_body(&p, &io))] {
         let _ = writeln!(
@@ -387,16 +391,28 @@ fn dq_body(p: &Problem, io: &Io) -> String {
             e.line(&format!("llvm.store {l2}, {lp} {{alignment = 4 : i64}} : f32, !llvm.ptr<1>"));
         });
     }
-    // Shared memory: K stages at 0 and bn st, V stages at 2 bn st and 3 bn st.
+    // Shared memory: K stages at 0 and one tile, V stages at two and three tiles. A tile is `bn`
+    // padded rows (`mma.sync`), or with `wgmma` (head_dim 64, 128) `d / 64` blocks of `bn` keys'
+    // 128-byte rows of 64 dims, chunk `c` of row `r` at `c ^ (r % 8)` (the forward's layout).
+    let wg = uses_wgmma(d as u64);
     let smem = e.op("llvm.mlir.addressof @attb_smem : !llvm.ptr<3>");
     let k_off = lm_off(&mut e, &id.mi_hi, &id.mi_lo, &id.r8, st);
     let kt_off = lm_off(&mut e, &id.mi_lo, &id.mi_hi, &id.r8, st);
-    let cpr = d / 8;
+    let cpr = if wg { 8 } else { d / 8 };
     let crow = e.divk(&id.tid, cpr);
     let cch = e.remk(&id.tid, cpr);
     let cc8 = e.mulk(&cch, 8);
-    let s_row = e.mulk(&crow, st);
-    let s_off = e.addi(&s_row, &cc8);
+    let s_off = if wg {
+        sw128_slot(&mut e, &crow, &cch)
+    } else {
+        let s_row = e.mulk(&crow, st);
+        e.addi(&s_row, &cc8)
+    };
+    // Descriptors of the stage at element offset 0; a stage adds its offset / 8 (16-byte units).
+    // K-major (S = Q K^T, dP = dO V^T: N = keys, K = dims) and MN-major (dQ += dS K: N = dims,
+    // K = keys; `bn * 128` bytes between 64-dim blocks).
+    let kmaj = sw128_descriptor(&mut e, &smem, 16, 1024);
+    let mnmaj = sw128_descriptor(&mut e, &smem, bn * 128, 1024);
     let crow64 = e.ext64(&crow);
     let kvr = e.i64c(kv_row);
     let g_row = e.bin("muli", &crow64, &kvr, "i64");
@@ -405,7 +421,7 @@ fn dq_body(p: &Problem, io: &Io) -> String {
     let g_off = e.bin("addi", &g_off, &kv_base, "i64");
     let k_g = e.gep(&io.k, 1, &g_off, "i64", "bf16");
     let v_g = e.gep(&io.v, 1, &g_off, "i64", "bf16");
-    let tile = bn * st;
+    let tile = if wg { bn * d } else { bn * st };
     let load = |e: &mut Em, j: &str| {
         let stage = e.remk(j, 2);
         let kb = e.mulk(&stage, tile);
@@ -419,9 +435,17 @@ fn dq_body(p: &Problem, io: &Io) -> String {
             let so = e.addi(base, &s_off);
             let s0 = sptr(e, &smem, &so, "bf16");
             for it in 0..bn * d / 8 / THREADS {
-                let gk = e.i64c(it * rows_per_iter * kv_row);
+                let (gk, sk) = if wg {
+                    // 128 chunks per copy in storage order: block `b` of 64 dims, 16 rows from `r0`.
+                    let q = it * THREADS;
+                    let (b, r0) = (q / (bn * 8), q % (bn * 8) / 8);
+                    (r0 * kv_row + b * 64, b * bn * 64 + r0 * 64)
+                } else {
+                    (it * rows_per_iter * kv_row, it * rows_per_iter * st)
+                };
+                let gk = e.i64c(gk);
                 let gp = e.gep(&g0, 1, &gk, "i64", "bf16");
-                let sp = e.gepk(&s0, 3, it * rows_per_iter * st);
+                let sp = e.gepk(&s0, 3, sk);
                 e.cp_async16(&sp, &gp);
             }
         }
@@ -448,10 +472,19 @@ fn dq_body(p: &Problem, io: &Io) -> String {
         if_then(e, &has_next, |e| load(e, &j1));
         e.commit();
         e.wait_group(1);
+        if wg {
+            e.fence_proxy_async();
+        }
         e.barrier();
         let stage = e.remk(j, 2);
         let kb = e.mulk(&stage, tile);
         let vb = e.addk(&kb, 2 * tile);
+        // The stage's descriptors (element offsets / 8 = 16-byte units).
+        let desc_at = |e: &mut Em, base: &str, off: &str| -> String {
+            let u = e.divk(off, 8);
+            let u64v = e.ext64(&u);
+            e.bin("addi", base, &u64v, "i64")
+        };
         let ko = e.addi(&kb, &k_off);
         let k_lm = sptr(e, &smem, &ko, "bf16");
         let vo = e.addi(&vb, &k_off);
@@ -472,7 +505,18 @@ fn dq_body(p: &Problem, io: &Io) -> String {
             }
             s
         };
-        let s = prod(e, &qf, &k_lm);
+        // wgmma: 16 dims per k-step, 32 bytes along the rows, the next 64-dim block every 4.
+        let koffs: Vec<i64> = (0..d / 16).map(|k| (k / 4) * bn * 128 / 16 + (k % 4) * 2).collect();
+        let wprod = |e: &mut Em, a: &[[String; 4]], base: &str| -> Vec<[String; 4]> {
+            let z = frag_names(&zeros(e, nk));
+            frags_of(&wgmma_chain(e, bn as usize, &z, a, base, &koffs, false))
+        };
+        let s = if wg {
+            let kd = desc_at(e, &kmaj, &kb);
+            wprod(e, &qf, &kd)
+        } else {
+            prod(e, &qf, &k_lm)
+        };
         let key_base = e.mulk(j, bn);
         let kb0 = e.addi(&key_base, &kcol);
         let mut pm: Vec<[String; 4]> = Vec::new();
@@ -490,7 +534,12 @@ fn dq_body(p: &Problem, io: &Io) -> String {
             }
             pm.push(out);
         }
-        let dp = prod(e, &dof, &v_lm);
+        let dp = if wg {
+            let vd = desc_at(e, &kmaj, &vb);
+            wprod(e, &dof, &vd)
+        } else {
+            prod(e, &dof, &v_lm)
+        };
         let ds: Vec<[String; 4]> = pm
             .iter()
             .zip(&dp)
@@ -501,8 +550,14 @@ fn dq_body(p: &Problem, io: &Io) -> String {
                 })
             })
             .collect();
-        // dQ += dS K.
-        for kk in 0..(bn / 16) as usize {
+        // dQ += dS K (wgmma: K MN-major, 16 keys = two 1 KB groups of rows per k-step).
+        if wg {
+            let a: Vec<[String; 4]> = (0..(bn / 16) as usize).map(|kk| to_a(e, &ds, kk)).collect();
+            let kd = desc_at(e, &mnmaj, &kb);
+            let offs: Vec<i64> = (0..bn / 16).map(|kk| kk * 2048 / 16).collect();
+            dq = frags_of(&wgmma_chain(e, d as usize, &frag_names(&dq), &a, &kd, &offs, true));
+        }
+        for kk in (0..(bn / 16) as usize).filter(|_| !wg) {
             let a = to_a(e, &ds, kk);
             for dd in 0..d / 16 {
                 let ptr = e.gepk(&kt_lm, 3, 16 * kk as i64 * st + 16 * dd);

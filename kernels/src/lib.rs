@@ -101,19 +101,6 @@ pub(crate) fn invalid<T>(msg: impl Into<String>) -> GenResult<T> {
     Err(GenError::Invalid(msg.into()))
 }
 
-/// Bytes of local memory (register spills) the generator of `kind` plans for, which a ptxas
-/// report may show without it being a defect. Only the attention forward: at head_dim 128 it
-/// asks for three CTAs per SM (168 registers), and ptxas keeps 4-12 bytes of values in local
-/// memory outside the key loop, for a kernel 10% faster than at 174 registers and two CTAs
-/// (`attention.rs`). Every other kind plans for none; more than planned is a defect the build
-/// warns about and the tests fail on.
-pub fn planned_local_bytes(kind: KernelKind) -> u64 {
-    match kind {
-        KernelKind::Attention => 16,
-        _ => 0,
-    }
-}
-
 /// The PTX entry name for a kernel name: `[A-Za-z0-9_]`, not starting with a digit.
 pub fn entry_name(name: &str) -> String {
     let mut s: String = name.chars().map(|c| if c.is_ascii_alphanumeric() || c == '_' { c } else { '_' }).collect();

@@ -93,13 +93,7 @@ impl PtxasReport {
 
     /// Whether the kernel spills registers to local memory.
     pub fn spills(&self) -> bool {
-        self.spills_beyond(0)
-    }
-
-    /// Whether it spills more than `planned` bytes (stores or loads; see
-    /// [`crate::planned_local_bytes`]).
-    pub fn spills_beyond(&self, planned: u64) -> bool {
-        self.spill_stores > planned || self.spill_loads > planned
+        self.spill_stores > 0 || self.spill_loads > 0
     }
 }
 

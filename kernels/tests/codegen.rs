@@ -640,9 +640,28 @@ fn attention_kernel_shape_and_launch() {
     assert_eq!(k.launch.grid, [4 * 2 * 8, 1, 1]);
     assert_eq!(k.launch.block, [128, 1, 1]);
     assert_eq!(k.workspace_bytes, 0);
+    // head_dim 64: both products on wgmma (K K-major, V MN-major: the transposed B), operands
+    // behind a proxy fence, no mma.sync left.
+    assert!(k.ptx.contains("wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16"));
+    assert_eq!(k.ptx.matches("wgmma.mma_async").count(), 2 * (4 + 4), "4 + 4 k-steps, unmasked loop and diagonal tile");
+    assert!(k.ptx.contains("p, 1, 1, 1;") && k.ptx.contains("p, 1, 1, 0;"));
+    assert!(k.ptx.contains("fence.proxy.async.shared::cta"));
+    assert!(!k.ptx.contains("mma.sync") && !k.ptx.contains("ldmatrix"));
+    assert!(k.ptx.contains("cp.async.cg.shared.global"));
+    // The backward's dQ pass (the module's `_dq` entry) runs its three products on wgmma too.
+    let id = attention_bwd_body(&mut g, [2, 256, 8, 2, 64], true);
+    let k = compile(&g, id, KernelKind::AttentionBwd, "layer_bwd.attn");
+    let dq = &k.ptx[k.ptx.find(".entry layer_bwd_attn_dq(").expect("dq entry")..];
+    let dq = &dq[..dq[1..].find(".entry").map_or(dq.len(), |i| i + 1)];
+    assert_eq!(dq.matches("wgmma.fence.sync.aligned").count(), 2 * 3, "S, dP and dQ chains in the unmasked and the diagonal loop");
+    assert_eq!(dq.matches("wgmma.mma_async.sync.aligned.m64n64k16").count(), 2 * 3 * 4, "four k-steps a chain at head_dim 64");
+    assert!(dq.contains("fence.proxy.async.shared::cta"));
+    // head_dim 16 (rows below the 128-byte swizzle) keeps mma.sync with ldmatrix fragments.
+    let id = attention_body(&mut g, [1, 128, 4, 2, 16], true);
+    let k = compile(&g, id, KernelKind::Attention, "layer.attn16");
     assert!(k.ptx.contains("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"));
     assert!(k.ptx.contains("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16"));
-    assert!(k.ptx.contains("cp.async.cg.shared.global"));
+    assert!(!k.ptx.contains("wgmma"));
 }
 
 #[test]
@@ -787,9 +806,8 @@ fn every_kernel_assembles_without_spills() {
                     k.workspace_bytes,
                     codegen.as_secs_f64() * 1e3
                 );
-                let allowed = titan_kernels::planned_local_bytes(kind);
-                if r.spill_stores > allowed || r.spill_loads > allowed {
-                    failures.push(format!("{name}: {} bytes spill stores, {} bytes spill loads (allowed {allowed})", r.spill_stores, r.spill_loads));
+                if r.spill_stores > 0 || r.spill_loads > 0 {
+                    failures.push(format!("{name}: {} bytes spill stores, {} bytes spill loads", r.spill_stores, r.spill_loads));
                 }
             }
             Err(e) => failures.push(format!("{name}: {e}")),

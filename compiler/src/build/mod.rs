@@ -35,7 +35,7 @@ use titan_ir::artifact::{
 };
 use titan_ir::attr::fmt_float;
 use titan_ir::{AttrValue, BlockId, Graph, KernelKind};
-use titan_kernels::{Assembled, KernelError, PtxasReport, planned_local_bytes};
+use titan_kernels::{Assembled, KernelError, PtxasReport};
 use titan_passes::activation_checkpoint::AcPolicy;
 use titan_passes::fuse::FusionReport;
 use titan_passes::pipeline::{BUILD_PIPELINE, EVAL_BUILD_PIPELINE, SPMD_BUILD_PIPELINE, SPMD_EVAL_BUILD_PIPELINE};
@@ -183,10 +183,9 @@ pub struct BuildSummary {
     pub ptx_files: usize,
     /// Cubins written next to the PTX (0 without `ptxas`).
     pub cubin_files: usize,
-    /// What ptxas reported on each assembled kernel (training step, then eval step), with the
-    /// kernel's kind (whose generator may plan some local memory, `planned_local_bytes`):
-    /// registers, spills, shared memory.
-    pub ptxas_reports: Vec<(String, KernelKind, PtxasReport)>,
+    /// What ptxas reported on each assembled kernel (training step, then eval step): registers,
+    /// spills, shared memory.
+    pub ptxas_reports: Vec<(String, PtxasReport)>,
     pub launches_per_step: u64,
     pub buffers: usize,
     pub arenas: Vec<ArenaPlan>,
@@ -251,10 +250,9 @@ impl fmt::Display for BuildSummary {
             self.cubin_files,
             self.launches_per_step
         )?;
-        if let Some(regs) = self.ptxas_reports.iter().map(|(.., r)| r.registers).max() {
-            let spilling: Vec<&str> =
-                self.ptxas_reports.iter().filter(|(_, kind, r)| r.spills_beyond(planned_local_bytes(*kind))).map(|(k, ..)| k.as_str()).collect();
-            let smem = self.ptxas_reports.iter().map(|(.., r)| r.shared_bytes).max().unwrap_or(0);
+        if let Some(regs) = self.ptxas_reports.iter().map(|(_, r)| r.registers).max() {
+            let spilling: Vec<&str> = self.ptxas_reports.iter().filter(|(_, r)| r.spills()).map(|(k, _)| k.as_str()).collect();
+            let smem = self.ptxas_reports.iter().map(|(_, r)| r.shared_bytes).max().unwrap_or(0);
             let spills = match spilling.as_slice() {
                 [] => "no register spills".to_string(),
                 ks => format!("warning: {} kernel(s) spill registers to local memory: {}", ks.len(), ks.join(", ")),
@@ -943,7 +941,7 @@ fn attach_cubins(
     kernels: &mut [Kernel],
     ptx: &[(String, String)],
     notes: &mut Vec<String>,
-    reports: &mut Vec<(String, KernelKind, PtxasReport)>,
+    reports: &mut Vec<(String, PtxasReport)>,
 ) -> Vec<(String, Vec<u8>)> {
     let mut cubins = Vec::new();
     match ptxas {
@@ -962,7 +960,7 @@ fn attach_cubins(
                 let path = format!("{KERNEL_DIR}/{}.cubin", kernels[i].name);
                 kernels[i].cubin = Some(path.clone());
                 cubins.push((path, a.cubin));
-                reports.push((kernels[i].name.clone(), kernels[i].kind, a.report));
+                reports.push((kernels[i].name.clone(), a.report));
             }
         }
         None if !ptx.is_empty() => notes.push(

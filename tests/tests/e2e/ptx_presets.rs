@@ -1,14 +1,13 @@
 //! Every PTX file `titanc build` emits for the debug and the 8B presets (real dims: dim 4096,
 //! ffn 14336, vocab 128256, seq 8192) is assembled by ptxas for sm_90a. Prints registers,
-//! spills and shared memory per kernel; fails on any ptxas error or any local-memory spill beyond
-//! what the kernel's generator plans for (`titan_kernels::planned_local_bytes`).
+//! spills and shared memory per kernel; fails on any ptxas error or any local-memory spill.
 //! ptxas comes from PyPI (`pip install nvidia-cuda-nvcc`, done by scripts/setup.sh); a missing
 //! ptxas fails the test rather than skipping it.
 
 use titan_compiler::build::{BuildOptions, compile_artifact};
 use titan_compiler::{LlamaConfig, Preset, build_llama3};
 use titan_ir::print::print_graph;
-use titan_kernels::{find_ptxas, planned_local_bytes};
+use titan_kernels::find_ptxas;
 
 /// The build assembles every kernel with `ptxas -v` once (or takes the cubin and its report from
 /// the cubin cache, keyed by ptxas's version and the PTX): its reports are what is checked.
@@ -20,9 +19,9 @@ fn assemble_preset(preset: Preset) {
     assert!(summary.notes.iter().all(|n| !n.contains("cubin")), "ptxas rejected kernels: {:?}", summary.notes);
     let mut failures = Vec::new();
     println!("{:<44} {:>5} {:>7} {:>7} {:>7}", format!("{} kernel", preset.name()), "regs", "st-spl", "ld-spl", "smem");
-    for (k, kind, r) in &summary.ptxas_reports {
+    for (k, r) in &summary.ptxas_reports {
         println!("{:<44} {:>5} {:>7} {:>7} {:>7}", k, r.registers, r.spill_stores, r.spill_loads, r.shared_bytes);
-        if r.spills_beyond(planned_local_bytes(*kind)) {
+        if r.spills() {
             failures.push(format!("{k}: {} spill stores, {} spill loads", r.spill_stores, r.spill_loads));
         }
     }
