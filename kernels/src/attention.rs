@@ -478,38 +478,67 @@ pub(crate) fn sw128_descriptor(e: &mut Em, base: &str, lbo: i64, sbo: i64) -> St
     e.bin("ori", &a4, &fields, "i64")
 }
 
-/// A chain of `wgmma.mma_async.m64n{n}k16` (bf16 in, f32 accumulators), one per A fragment
-/// (16-wide k-steps, the `mma.sync` A layout, from registers), B through `desc` advanced by
-/// `offs[k]` 16-byte units at k-step `k` (`trans_b`: B is MN-major), issued then waited for at
-/// once. `acc` (`n / 2` per thread, the `mma.sync` C layout of `n / 8` n-tiles) is added to; the
-/// sums come back the same way. Inline PTX: the accumulators are tied outputs.
-pub(crate) fn wgmma_chain(e: &mut Em, n: usize, acc: &[String], a: &[[String; 4]], desc: &str, offs: &[i64], trans_b: bool) -> Vec<String> {
+/// The A operand of a [`wgmma_chain`]: one `mma.sync`-layout fragment per 16-wide k-step from
+/// registers, or a K-major shared-memory descriptor (i64) advanced by the given 16-byte units
+/// per k-step.
+pub(crate) enum WgA<'a> {
+    Regs(&'a [[String; 4]]),
+    Smem(&'a str, &'a [i64]),
+}
+
+/// A chain of `wgmma.mma_async.m64n{n}k16` (bf16 in, f32 accumulators) over the k-steps of `a`,
+/// B through `desc` advanced by `offs[k]` 16-byte units at k-step `k` (`trans_b`: B is
+/// MN-major), issued then waited for at once. `acc` (`n / 2` per thread, the `mma.sync` C layout
+/// of `n / 8` n-tiles) is added to; the sums come back the same way. Inline PTX: the
+/// accumulators are tied outputs.
+pub(crate) fn wgmma_chain(e: &mut Em, n: usize, acc: &[String], a: WgA, desc: &str, offs: &[i64], trans_b: bool) -> Vec<String> {
     let na = n / 2;
     let a0 = 2 * na;
-    let dsc = a0 + 4 * a.len();
+    let (n_areg, ksteps) = match a {
+        WgA::Regs(f) => (4 * f.len(), f.len()),
+        WgA::Smem(_, o) => (1, o.len()),
+    };
+    let dsc = a0 + n_areg;
     let accs: Vec<String> = (0..na).map(|i| format!("${i}")).collect();
-    let mut asm = format!("{{ .reg .pred p; .reg .b64 d; setp.ne.b32 p, ${}, 0; wgmma.fence.sync.aligned; ", dsc + 1);
-    for (k, off) in offs.iter().enumerate().take(a.len()) {
-        let ar: Vec<String> = (0..4).map(|i| format!("${}", a0 + 4 * k + i)).collect();
+    let regs = if matches!(a, WgA::Smem(..)) { "d, da" } else { "d" };
+    let mut asm = format!("{{ .reg .pred p; .reg .b64 {regs}; setp.ne.b32 p, ${}, 0; wgmma.fence.sync.aligned; ", dsc + 1);
+    for (k, off) in offs.iter().enumerate().take(ksteps) {
+        let aop = match a {
+            WgA::Regs(_) => format!("{{{}}}", (0..4).map(|i| format!("${}", a0 + 4 * k + i)).collect::<Vec<_>>().join(", ")),
+            WgA::Smem(_, ao) => {
+                let _ = write!(asm, "add.s64 da, ${a0}, {}; ", ao[k]);
+                "da".to_string()
+            }
+        };
+        // The register-A form has no transpose-A immediate; the descriptor form's is 0 (K-major).
+        let ta = if matches!(a, WgA::Smem(..)) { "0, " } else { "" };
         let _ = write!(
             asm,
-            "add.s64 d, ${dsc}, {off}; wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16 {{{}}}, {{{}}}, d, p, 1, 1, {}; ",
+            "add.s64 d, ${dsc}, {off}; wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16 {{{}}}, {aop}, d, p, 1, 1, {ta}{}; ",
             accs.join(", "),
-            ar.join(", "),
             u8::from(trans_b)
         );
     }
     asm += "wgmma.commit_group.sync.aligned; wgmma.wait_group.sync.aligned 0; }";
     let mut cons: Vec<String> = (0..na).map(|_| "=f".to_string()).collect();
     cons.extend((0..na).map(|i| i.to_string()));
-    cons.extend((0..4 * a.len()).map(|_| "r".to_string()));
+    let mut args: Vec<String> = acc.to_vec();
+    let mut tys = vec!["f32"; na];
+    match a {
+        WgA::Regs(f) => {
+            cons.extend((0..n_areg).map(|_| "r".to_string()));
+            args.extend(f.iter().flat_map(|x| x.iter().cloned()));
+            tys.extend(vec!["i32"; n_areg]);
+        }
+        WgA::Smem(ad, _) => {
+            cons.push("l".to_string());
+            args.push(ad.to_string());
+            tys.push("i64");
+        }
+    }
     cons.extend(["l".to_string(), "r".to_string()]);
     let one = e.i32c(1);
-    let mut args: Vec<String> = acc.to_vec();
-    args.extend(a.iter().flat_map(|f| f.iter().cloned()));
     args.extend([desc.to_string(), one]);
-    let mut tys = vec!["f32"; na];
-    tys.extend(vec!["i32"; 4 * a.len()]);
     tys.extend(["i64", "i32"]);
     let sty = format!("!llvm.struct<({})>", vec!["f32"; na].join(", "));
     let r = e.op(&format!("llvm.inline_asm has_side_effects \"{asm}\", \"{}\" {} : ({}) -> {sty}", cons.join(","), args.join(", "), tys.join(", ")));
@@ -536,7 +565,7 @@ fn tile_body(e: &mut Em, cx: &Ctx, j: &str, st: &State, masked: bool) -> State {
         // 16 dims per k-step: 32 bytes along the swizzled rows, the next 64-dim block every 4.
         let offs: Vec<i64> = (0..d / 16).map(|k| (k / 4) * SW_BLOCK / 16 + (k % 4) * 2).collect();
         let flat: Vec<String> = s.iter().flat_map(|t| t.iter().cloned()).collect();
-        s = n_tiles(&wgmma_chain(e, 64, &flat, &cx.qf, &cx.k_desc, &offs, false));
+        s = n_tiles(&wgmma_chain(e, 64, &flat, WgA::Regs(&cx.qf), &cx.k_desc, &offs, false));
     }
     for kstep in (0..(d / 16)).filter(|_| !cx.wgmma) {
         for np in 0..4i64 {
@@ -618,7 +647,7 @@ fn tile_body(e: &mut Em, cx: &Ctx, j: &str, st: &State, masked: bool) -> State {
         // 16 keys per k-step: two groups of eight 128-byte rows.
         let offs: Vec<i64> = (0..4).map(|k| k * 2 * 1024 / 16).collect();
         let flat: Vec<String> = o.iter().flat_map(|t| t.iter().cloned()).collect();
-        o = n_tiles(&wgmma_chain(e, d as usize, &flat, &pf, &cx.v_desc, &offs, true));
+        o = n_tiles(&wgmma_chain(e, d as usize, &flat, WgA::Regs(&pf), &cx.v_desc, &offs, true));
     }
     for (kk, a) in pf.iter().enumerate().filter(|_| !cx.wgmma) {
         for dp in 0..(d / 16) {

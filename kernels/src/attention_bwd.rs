@@ -1,6 +1,7 @@
-//! `attention_bwd` kernel: the FlashAttention-2 backward pass on tensor cores (`mma.sync`
-//! m16n8k16 bf16 -> f32, `ldmatrix` fragments), emitted as MLIR text with NVVM ops, as two
-//! grid-wide phases of one module (the dQ phase is the kernel's prologue launch).
+//! `attention_bwd` kernel: the FlashAttention-2 backward pass on tensor cores (Hopper's `wgmma`
+//! at head_dim 64 and 128, `mma.sync` m16n8k16 with `ldmatrix` fragments at head_dim 16; bf16 ->
+//! f32), emitted as MLIR text with NVVM ops, as two grid-wide phases of one module (the dQ phase
+//! is the kernel's prologue launch).
 //!
 //! Design: dQ and (dK, dV) are computed by separate passes, each owning its output, so neither
 //! needs atomics and the result is deterministic (bitwise reproducible). The dQ pass recomputes
@@ -23,8 +24,12 @@
 //!   128, else 64; from the diagonal on when causal) as one flattened sequence, double-buffering
 //!   Q, dO and the tile's `lse log2 e` and `D` (read back from the workspace). Per tile:
 //!   `S^T = K Q^T`, `P^T`, `dP^T = V dO^T`, `dS^T = P^T o (dP^T - D)`, `dV += P^T dO`,
-//!   `dK += dS^T Q` (scaled at the end), dK and dV in f32 registers throughout.
-//! - Shared memory is dynamic (`@attb_smem`): 70,144 bytes for the dK/dV pass and 34,816 for the
+//!   `dK += dS^T Q` (scaled at the end), dK and dV in f32 registers throughout. At head_dim 64
+//!   and 128 the four products run on `wgmma`: K, V, Q and dO are 128-byte-swizzled blocks of 64
+//!   dims (each stage rounded up to 1 KB so its tiles stay 1024-byte aligned); `S^T` and `dP^T`
+//!   take both operands from shared memory (K or V as A, Q or dO as B, K-major), `dV` and `dK`
+//!   take `P^T` and `dS^T` as register A fragments and read dO and Q MN-major.
+//! - Shared memory is dynamic (`@attb_smem`): 67,584 bytes for the dK/dV pass and 34,816 for the
 //!   dQ pass at head_dim 128. The workspace (`2 b hq s` f32) is scratch: written by the first
 //!   pass before the second reads it.
 //!
@@ -35,7 +40,7 @@ use std::fmt::Write as _;
 
 use titan_ir::{DType, Graph, Op, Region};
 
-use crate::attention::{Em, checked_sizes, output_slots, sw128_descriptor, sw128_slot, uses_wgmma, wgmma_chain};
+use crate::attention::{Em, WgA, checked_sizes, output_slots, sw128_descriptor, sw128_slot, uses_wgmma, wgmma_chain};
 use crate::values::Body;
 use crate::{GenResult, Generated, invalid, unsupported};
 
@@ -56,14 +61,21 @@ fn bnk(d: i64) -> i64 {
 
 /// Dynamic shared memory of the dK/dV pass: K and V, then two stages of (Q, dO, lse, D).
 fn dkdv_smem_bytes(d: i64) -> i64 {
-    let st = d + 8;
-    2 * (2 * BN * st + 2 * stage_elems(d))
+    2 * (2 * BN * row_elems(d) + 2 * stage_elems(d))
 }
 
-/// bf16 elements of one dK/dV stage: Q and dO tiles, then lse and D (f32, 2 elements each).
+/// bf16 elements of a tile row: padded for `ldmatrix` (`mma.sync`), whole swizzled 128-byte rows
+/// for `wgmma` (head_dim 64, 128).
+fn row_elems(d: i64) -> i64 {
+    if uses_wgmma(d as u64) { d } else { d + 8 }
+}
+
+/// bf16 elements of one dK/dV stage: Q and dO tiles, then lse and D (f32, 2 elements each);
+/// with `wgmma` rounded up to 1 KB so every stage's tiles stay 1024-byte aligned.
 fn stage_elems(d: i64) -> i64 {
     let bm = bmq(d);
-    2 * bm * (d + 8) + 4 * bm
+    let n = 2 * bm * row_elems(d) + 4 * bm;
+    if uses_wgmma(d as u64) { (n as u64).next_multiple_of(512) as i64 } else { n }
 }
 
 /// Dynamic shared memory of the dQ pass: two stages of K, then two of V.
@@ -509,7 +521,7 @@ fn dq_body(p: &Problem, io: &Io) -> String {
         let koffs: Vec<i64> = (0..d / 16).map(|k| (k / 4) * bn * 128 / 16 + (k % 4) * 2).collect();
         let wprod = |e: &mut Em, a: &[[String; 4]], base: &str| -> Vec<[String; 4]> {
             let z = frag_names(&zeros(e, nk));
-            frags_of(&wgmma_chain(e, bn as usize, &z, a, base, &koffs, false))
+            frags_of(&wgmma_chain(e, bn as usize, &z, WgA::Regs(a), base, &koffs, false))
         };
         let s = if wg {
             let kd = desc_at(e, &kmaj, &kb);
@@ -555,7 +567,7 @@ fn dq_body(p: &Problem, io: &Io) -> String {
             let a: Vec<[String; 4]> = (0..(bn / 16) as usize).map(|kk| to_a(e, &ds, kk)).collect();
             let kd = desc_at(e, &mnmaj, &kb);
             let offs: Vec<i64> = (0..bn / 16).map(|kk| kk * 2048 / 16).collect();
-            dq = frags_of(&wgmma_chain(e, d as usize, &frag_names(&dq), &a, &kd, &offs, true));
+            dq = frags_of(&wgmma_chain(e, d as usize, &frag_names(&dq), WgA::Regs(&a), &kd, &offs, true));
         }
         for kk in (0..(bn / 16) as usize).filter(|_| !wg) {
             let a = to_a(e, &ds, kk);
@@ -593,7 +605,8 @@ fn dq_body(p: &Problem, io: &Io) -> String {
 fn dkdv_body(p: &Problem, io: &Io) -> String {
     let mut e = Em::new();
     let d = p.d;
-    let st = d + 8;
+    let wg = uses_wgmma(d as u64);
+    let st = row_elems(d);
     let grp = p.hq / p.hkv;
     let bm = bmq(d);
     let nqt = p.s / bm;
@@ -618,13 +631,30 @@ fn dkdv_body(p: &Problem, io: &Io) -> String {
     let sq = e.i64c(p.s * p.hq * d);
     let q_bbase = e.bin("muli", &bi64, &sq, "i64");
     let smem = e.op("llvm.mlir.addressof @attb_smem : !llvm.ptr<3>");
-    let cpr = d / 8;
+    // Copies: `mma.sync`, chunk (tid / cpr, tid % cpr) of padded rows; `wgmma`, row tid / 8,
+    // chunk tid % 8 of a 64-dim block of 128-byte swizzled rows (the forward's layout; K and V
+    // blocks of 64 keys, Q and dO blocks of `bm` queries).
+    let cpr = if wg { 8 } else { d / 8 };
     let rows_per_iter = THREADS / cpr;
     let crow = e.divk(&tid, cpr);
     let cch = e.remk(&tid, cpr);
     let cc8 = e.mulk(&cch, 8);
-    let s_row = e.mulk(&crow, st);
-    let s_off = e.addi(&s_row, &cc8);
+    let s_off = if wg {
+        sw128_slot(&mut e, &crow, &cch)
+    } else {
+        let s_row = e.mulk(&crow, st);
+        e.addi(&s_row, &cc8)
+    };
+    // (global, shared) element offsets of copy `it` of a tile of `rows` rows.
+    let copy_at = |it: i64, rows: i64, grow: i64| -> (i64, i64) {
+        if wg {
+            let q = it * THREADS;
+            let (b, r0) = (q / (rows * 8), q % (rows * 8) / 8);
+            (r0 * grow + b * 64, b * rows * 64 + r0 * 64)
+        } else {
+            (it * rows_per_iter * grow, it * rows_per_iter * st)
+        }
+    };
     let cc864 = e.ext64(&cc8);
     // K and V -> shared (cp.async, once; in the first stage's group).
     {
@@ -639,9 +669,10 @@ fn dkdv_body(p: &Problem, io: &Io) -> String {
             let so = e.addk(&s_off, base);
             let s0 = sptr(&mut e, &smem, &so, "bf16");
             for it in 0..BN * d / 8 / THREADS {
-                let gk = e.i64c(it * rows_per_iter * kv_row);
+                let (gk, sk) = copy_at(it, BN, kv_row);
+                let gk = e.i64c(gk);
                 let gp = e.gep(&g0, 1, &gk, "i64", "bf16");
-                let sp = e.gepk(&s0, 3, it * rows_per_iter * st);
+                let sp = e.gepk(&s0, 3, sk);
                 e.cp_async16(&sp, &gp);
             }
         }
@@ -685,9 +716,10 @@ fn dkdv_body(p: &Problem, io: &Io) -> String {
             let so = e.addi(&so, &s_off);
             let s0 = sptr(e, &smem, &so, "bf16");
             for it in 0..bm * d / 8 / THREADS {
-                let gk = e.i64c(it * rows_per_iter * q_row);
+                let (gk, sk) = copy_at(it, bm, q_row);
+                let gk = e.i64c(gk);
                 let gp = e.gep(&g0, 1, &gk, "i64", "bf16");
-                let sp = e.gepk(&s0, 3, it * rows_per_iter * st);
+                let sp = e.gepk(&s0, 3, sk);
                 e.cp_async16(&sp, &gp);
             }
         }
@@ -745,6 +777,20 @@ fn dkdv_body(p: &Problem, io: &Io) -> String {
     let c = e.f32c((p.scale * std::f64::consts::LOG2_E) as f32);
     let zf = e.f32c(0.0);
     let nt_d = (d / 8) as usize;
+    // wgmma descriptors at element offset 0 (an offset adds offset / 8 16-byte units): K-major
+    // for K and V as A and Q, dO as B of S^T = K Q^T and dP^T = V dO^T; MN-major for Q and dO as
+    // B of dV += P^T dO and dK += dS^T Q (64-dim blocks `bm * 128` bytes apart).
+    let kmaj = sw128_descriptor(&mut e, &smem, 16, 1024);
+    let mnmaj = sw128_descriptor(&mut e, &smem, bm * 128, 1024);
+    let desc_at = |e: &mut Em, base: &str, off: &str| -> String {
+        let u = e.divk(off, 8);
+        let u64v = e.ext64(&u);
+        e.bin("addi", base, &u64v, "i64")
+    };
+    // k-step offsets along d (32 bytes in a row, the next 64-dim block every four k-steps).
+    let kstep_offs = |rows: i64| -> Vec<i64> { (0..d / 16).map(|k| (k / 4) * rows * 128 / 16 + (k % 4) * 2).collect() };
+    let a_offs = kstep_offs(BN);
+    let b_offs = kstep_offs(bm);
     let init = frag_names(&zeros(&mut e, 2 * nt_d));
     let res = for_f32(&mut e, &zero_i, &total, &init, |e, f, carried| {
         let (mut dk, mut dv) = (frags_of(&carried[..4 * nt_d]), frags_of(&carried[4 * nt_d..]));
@@ -754,6 +800,9 @@ fn dkdv_body(p: &Problem, io: &Io) -> String {
         if_then(e, &has_next, |e| load(e, &f1));
         e.commit();
         e.wait_group(1);
+        if wg {
+            e.fence_proxy_async();
+        }
         e.barrier();
         let (_, q0) = locate(e, f);
         let stage = e.remk(f, 2);
@@ -785,7 +834,17 @@ fn dkdv_body(p: &Problem, io: &Io) -> String {
             }
             s
         };
-        let s = prod(e, &k_a, &q_bn);
+        // wgmma: A (K or V rows) from shared memory, B the stage's Q or dO tile, both K-major.
+        let wprod = |e: &mut Em, a_off: i64, b_off: &str| -> Vec<[String; 4]> {
+            let z = frag_names(&zeros(e, qn));
+            let ac = e.i32c(a_off);
+            let ad = desc_at(e, &kmaj, &ac);
+            let bd = desc_at(e, &kmaj, b_off);
+            frags_of(&wgmma_chain(e, bm as usize, &z, WgA::Smem(&ad, &a_offs), &bd, &b_offs, false))
+        };
+        let q_tile = sb.clone();
+        let do_tile = e.addk(&sb, bm * st);
+        let s = if wg { wprod(e, 0, &q_tile) } else { prod(e, &k_a, &q_bn) };
         // The columns (queries) of the thread's fragments and their statistics.
         let cols: Vec<String> = (0..qn as i64).flat_map(|nt| [0, 1].map(|i| nt * 8 + i)).map(|k| e.addk(&kcol, k)).collect();
         let stat = |e: &mut Em, col: &str, which: i64| -> String {
@@ -817,7 +876,7 @@ fn dkdv_body(p: &Problem, io: &Io) -> String {
             }
             pt.push(out);
         }
-        let dpt = prod(e, &v_a, &do_bn);
+        let dpt = if wg { wprod(e, BN * st, &do_tile) } else { prod(e, &v_a, &do_bn) };
         let dcol: Vec<String> = cols.iter().map(|col| stat(e, col, 1)).collect();
         let dst: Vec<[String; 4]> = pt
             .iter()
@@ -830,8 +889,16 @@ fn dkdv_body(p: &Problem, io: &Io) -> String {
                 })
             })
             .collect();
-        // dV += P^T dO, dK += dS^T Q.
-        for (src, b_lm, acc) in [(&pt, &do_bt, &mut dv), (&dst, &q_bt, &mut dk)] {
+        // dV += P^T dO, dK += dS^T Q (wgmma: B MN-major, 16 queries = two 1 KB row groups).
+        if wg {
+            let offs: Vec<i64> = (0..bm / 16).map(|kk| kk * 2048 / 16).collect();
+            for (src, tile, acc) in [(&pt, &do_tile, &mut dv), (&dst, &q_tile, &mut dk)] {
+                let a: Vec<[String; 4]> = (0..(bm / 16) as usize).map(|kk| to_a(e, src, kk)).collect();
+                let bd = desc_at(e, &mnmaj, tile);
+                *acc = frags_of(&wgmma_chain(e, d as usize, &frag_names(acc), WgA::Regs(&a), &bd, &offs, true));
+            }
+        }
+        for (src, b_lm, acc) in [(&pt, &do_bt, &mut dv), (&dst, &q_bt, &mut dk)].into_iter().filter(|_| !wg) {
             for kk in 0..(bm / 16) as usize {
                 let a = to_a(e, src, kk);
                 for dp in 0..d / 16 {

@@ -656,6 +656,14 @@ fn attention_kernel_shape_and_launch() {
     assert_eq!(dq.matches("wgmma.fence.sync.aligned").count(), 2 * 3, "S, dP and dQ chains in the unmasked and the diagonal loop");
     assert_eq!(dq.matches("wgmma.mma_async.sync.aligned.m64n64k16").count(), 2 * 3 * 4, "four k-steps a chain at head_dim 64");
     assert!(dq.contains("fence.proxy.async.shared::cta"));
+    // And the dK/dV pass (the main entry): S^T and dP^T with both operands from shared memory,
+    // dV and dK with P^T and dS^T as register fragments, four chains of four k-steps.
+    let dkdv = &k.ptx[k.ptx.find(".entry layer_bwd_attn(").expect("dK/dV entry")..];
+    let dkdv = &dkdv[..dkdv[1..].find(".entry").map_or(dkdv.len(), |i| i + 1)];
+    assert_eq!(dkdv.matches("wgmma.fence.sync.aligned").count(), 4, "S^T, dP^T, dV and dK chains");
+    assert_eq!(dkdv.matches("wgmma.mma_async.sync.aligned.m64n64k16").count(), 4 * 4, "four k-steps a chain at head_dim 64");
+    assert!(dkdv.contains("fence.proxy.async.shared::cta"));
+    assert!(!dkdv.contains("mma.sync") && !dkdv.contains("ldmatrix"));
     // head_dim 16 (rows below the 128-byte swizzle) keeps mma.sync with ldmatrix fragments.
     let id = attention_body(&mut g, [1, 128, 4, 2, 16], true);
     let k = compile(&g, id, KernelKind::Attention, "layer.attn16");
