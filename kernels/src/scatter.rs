@@ -8,7 +8,8 @@
 //!    its own);
 //! 3. per group, a block-wide ordered compaction lists the matching `i` in increasing order, a
 //!    stable counting sort (one thread per row) orders them by row, and each row's sources are
-//!    summed in f32 in increasing `i` and stored once, rounded to the output dtype;
+//!    summed in f32 in increasing `i` (the loads of several rows issued before their adds) and
+//!    stored once, rounded to the output dtype;
 //! 4. a row with more than 4096 matches is summed chunk by chunk of `idx` instead.
 //!
 //! Sums run in the reference interpreter's order (increasing `i`), so results are bitwise those
@@ -33,6 +34,9 @@ const RB: u64 = 256;
 const CAP: u64 = 4096;
 /// Column chunks a thread accumulates in registers.
 const MAX_COL_CHUNKS: u64 = 8;
+/// 16-byte source loads a thread keeps in flight while summing rows (rows ahead = this over
+/// its column chunks).
+const LOADS_AHEAD: usize = 8;
 
 #[derive(Clone, Copy)]
 struct Shared {
@@ -325,15 +329,60 @@ struct Columns {
 impl Columns {
     /// Add source row `i` (i64) into the accumulators.
     fn add_row(&self, f: &mut Func, c: &Ctx, i: Val, acc: &[Val]) -> Vec<Val> {
+        let row = self.load_row(f, c, i);
+        Self::add_loaded(f, acc, row)
+    }
+
+    /// `acc + row`, chunk by chunk, the loaded chunks widened to f32.
+    fn add_loaded(f: &mut Func, acc: &[Val], row: Vec<Val>) -> Vec<Val> {
+        acc.iter()
+            .zip(row)
+            .map(|(&a, x)| {
+                let x = widen(f, x);
+                f.addf(a, x)
+            })
+            .collect()
+    }
+
+    /// Sum source rows `list[e]`, `e` in `[es, ee)` (i64), into the accumulators in increasing
+    /// `e`. The loads of `ahead` rows are issued before their adds, so that many row loads are in
+    /// flight instead of one (a CTA summing thousands of rows of one hot token was bound by one
+    /// load's latency per row); the adds are the same in the same order, so the sum is bitwise
+    /// the one-row-at-a-time sum.
+    fn add_listed(&self, f: &mut Func, c: &Ctx, list: Val, es: Val, ee: Val, acc: &[Val]) -> Vec<Val> {
+        let ahead = (LOADS_AHEAD / self.cols.len()).max(1) as i64;
+        let n = f.subi(ee, es);
+        let step = f.i64c(ahead);
+        let whole = f.divui(n, step);
+        let whole = f.muli(whole, step);
+        let mid = f.addi(es, whole);
+        let acc = f.for_loop(es, mid, step, acc, |f, e, acc| {
+            let rows: Vec<Vec<Val>> = (0..ahead)
+                .map(|k| {
+                    let ek = f.i64c(k);
+                    let ek = f.addi(e, ek);
+                    let j = ld(f, list, ek);
+                    let j = f.extsi(j, Elem::I64);
+                    self.load_row(f, c, j)
+                })
+                .collect();
+            rows.into_iter().fold(acc.to_vec(), |acc, row| Self::add_loaded(f, &acc, row))
+        });
+        f.for_loop(mid, ee, c.one64, &acc, |f, e, acc| {
+            let j = ld(f, list, e);
+            let j = f.extsi(j, Elem::I64);
+            self.add_row(f, c, j, acc)
+        })
+    }
+
+    /// This thread's chunks of source row `i` (i64), as stored.
+    fn load_row(&self, f: &mut Func, c: &Ctx, i: Val) -> Vec<Val> {
         let base = f.muli(i, self.dd);
         self.cols
             .iter()
-            .zip(acc)
-            .map(|(&(col, _), &a)| {
+            .map(|&(col, _)| {
                 let at = f.addi(base, col);
-                let x = f.load_at(c.sp, at, self.vt, self.align_src);
-                let x = widen(f, x);
-                f.addf(a, x)
+                f.load_at(c.sp, at, self.vt, self.align_src)
             })
             .collect()
     }
@@ -433,11 +482,7 @@ fn sum_big_row(f: &mut Func, s: &Scatter, c: &Ctx, cl: &Columns, inits: &[Val], 
         f.if_then(flag, |f| st(f, i32v, sh.list, excl));
         f.barrier();
         let tot64 = f.extsi(tot, Elem::I64);
-        let acc2 = f.for_loop(z64, tot64, one64, acc, |f, e, acc| {
-            let j = ld(f, sh.list, e);
-            let j = f.extsi(j, Elem::I64);
-            cl.add_row(f, c, j, acc)
-        });
+        let acc2 = cl.add_listed(f, c, sh.list, z64, tot64, acc);
         f.barrier();
         acc2
     });
@@ -520,11 +565,7 @@ fn sum_group(f: &mut Func, s: &Scatter, c: &Ctx, cl: &Columns, inits: &[Val], ch
         let ee = f.select(has64, ee, zero);
         let es = f.extsi(es, Elem::I64);
         let ee = f.extsi(ee, Elem::I64);
-        let acc = f.for_loop(es, ee, one64, inits, |f, e, acc| {
-            let j = ld(f, sh.sorted, e);
-            let j = f.extsi(j, Elem::I64);
-            cl.add_row(f, c, j, acc)
-        });
+        let acc = cl.add_listed(f, c, sh.sorted, es, ee, inits);
         cl.store_row(f, c, row, &acc);
         vec![]
     });

@@ -602,6 +602,7 @@ fn attention_bwd_assembles_without_spills() {
         ("attention_bwd_d128_gqa_causal", [1, 512, 8, 2, 128], true),
         ("attention_bwd_d128_gqa", [1, 512, 8, 2, 128], false),
         ("attention_bwd_d64", [2, 256, 4, 4, 64], false),
+        ("attention_bwd_d64_gqa_causal", [2, 256, 8, 2, 64], true),
         ("attention_bwd_d16_debug", [8, 64, 4, 4, 16], true),
     ] {
         let id = attention_bwd_body(&mut g, shape, causal);
@@ -1228,6 +1229,8 @@ fn gpu_reference_dump() {
     cases.push(("attention_bwd_gqa_causal", attention_bwd_body(&mut g, [1, 512, 8, 2, 128], true), KernelKind::AttentionBwd, (-2.0, 2.0), 1, 0.0, 0.05));
     cases.push(("attention_bwd_gqa", attention_bwd_body(&mut g, [1, 512, 8, 2, 128], false), KernelKind::AttentionBwd, (-2.0, 2.0), 1, 0.0, 0.05));
     cases.push(("attention_bwd_d64", attention_bwd_body(&mut g, [2, 256, 4, 4, 64], false), KernelKind::AttentionBwd, (-2.0, 2.0), 1, 0.0, 0.05));
+    // Llama-3.2 1B's attention: head_dim 64, GQA 4:1, causal.
+    cases.push(("attention_bwd_d64_gqa_causal", attention_bwd_body(&mut g, [2, 256, 8, 2, 64], true), KernelKind::AttentionBwd, (-2.0, 2.0), 1, 0.0, 0.05));
     cases.push(("attention_bwd_debug_causal", attention_bwd_body(&mut g, [8, 64, 4, 4, 16], true), KernelKind::AttentionBwd, (-2.0, 2.0), 1, 0.0, 0.05));
     // The vocab-parallel loss on shard 1 of 2 (8B's vocabulary: rows looped) and of 8 (70B's:
     // rows in registers); targets over the whole vocabulary, so about 1 in n is in the shard.
@@ -1473,6 +1476,16 @@ fn perf_manifest(dir: &std::path::Path) -> String {
             }),
             KernelKind::ScatterAdd,
             v as i64,
+        ),
+        // The same with byte-level token ids (the bundled corpus): every index in the first 256
+        // rows, so one CTA owns all the work (the skew of real text's frequent tokens, extreme).
+        (
+            "perf_scatter_add_bytes",
+            body(&mut g, "p_scatter_bytes", &[i32t(&[t]), bf16(&[t, d])], |b, a| {
+                vec![b.push_typed(Op::ScatterAdd, &[a[0], a[1]], bf16(&[v, d])).expect("scatter_add")]
+            }),
+            KernelKind::ScatterAdd,
+            256,
         ),
         ("perf_grad_norm_clip", grad_norm_body(&mut g, [&[ffn, d], &[d], &[d, d]]), KernelKind::Fused, 1),
         // float8's K-major operand of grad_weight (x per column, stored transposed): tiled through
