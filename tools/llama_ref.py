@@ -1,7 +1,8 @@
 """A reference Llama-3 in PyTorch whose every op mirrors titan's model and dtypes.
 
 titan's model (`titanc new llama3`): HF rotate-half RoPE, HF-order RMSNorm, SwiGLU, GQA and an
-untied output head; parameters are fp32 masters and every step computes with bf16 copies of them.
+output head of its own or tied to the embedding (`tie_embeddings`); parameters are fp32 masters
+and every step computes with bf16 copies of them.
 This module mirrors that op by op:
 
 - parameters are fp32 (`nn.Parameter`), cast to bf16 where titan casts its masters (the matmuls
@@ -151,13 +152,15 @@ class Llama(nn.Module):
 
     def __init__(self, c):
         super().__init__()
-        if c.tie_embeddings:
-            raise ValueError("tied embeddings are not mirrored by llama_ref.py; build the model with --no-tie-embeddings")
         self.c = c
         self.tok_embeddings = nn.Embedding(c.vocab_size, c.dim)
         self.layers = nn.ModuleList([Block(c) for _ in range(c.n_layers)])
         self.norm = RMSNorm(c.dim, c.norm_eps)
         self.output = nn.Linear(c.dim, c.vocab_size, bias=False)
+        if c.tie_embeddings:
+            # One parameter serves the embedding and the head (Llama 3.2 1B/3B): `parameters()`
+            # and the optimizer see it once, its gradient is the sum of both uses.
+            self.output.weight = self.tok_embeddings.weight
 
     def forward(self, tokens, targets, cos, sin):
         w = self.tok_embeddings.weight
@@ -214,7 +217,12 @@ def init_like_titan(model, seed):
     g = torch.Generator(device=dev).manual_seed(seed)
     std_out = model.c.dim**-0.5
     with torch.no_grad():
-        model.tok_embeddings.weight.normal_(0.0, 1.0, generator=g)
+        if model.c.tie_embeddings:
+            # titan's tied table (`llama.rs`, `embedding_init`): trunc-normal(min(dim^-0.5, 0.02), +-3 std).
+            std_emb = min(std_out, 0.02)
+            nn.init.trunc_normal_(model.tok_embeddings.weight, 0.0, std_emb, -3 * std_emb, 3 * std_emb, generator=g)
+        else:
+            model.tok_embeddings.weight.normal_(0.0, 1.0, generator=g)
         for i, blk in enumerate(model.layers):
             depth = 0.02 / (2 * (i + 1)) ** 0.5
             for lin, std in [(blk.wq, 0.02), (blk.wk, 0.02), (blk.wv, 0.02), (blk.w1, 0.02), (blk.wo, depth), (blk.w2, depth), (blk.w3, depth)]:
@@ -222,4 +230,5 @@ def init_like_titan(model, seed):
             blk.attention_norm.weight.fill_(1.0)
             blk.ffn_norm.weight.fill_(1.0)
         model.norm.weight.fill_(1.0)
-        nn.init.trunc_normal_(model.output.weight, 0.0, std_out, -3 * std_out, 3 * std_out, generator=g)
+        if not model.c.tie_embeddings:
+            nn.init.trunc_normal_(model.output.weight, 0.0, std_out, -3 * std_out, 3 * std_out, generator=g)

@@ -1,7 +1,7 @@
 """Side-by-side benchmark: titan-run vs PyTorch (eager and per-block torch.compile) on one GPU.
 
 Runs, in ONE process on the GPU machine, a PyTorch Llama-3 written to match titan's model
-(tools/llama_ref.py: HF rotate-half RoPE, HF-order RMSNorm, SwiGLU, GQA, untied head, AdamW) on
+(tools/llama_ref.py: HF rotate-half RoPE, HF-order RMSNorm, SwiGLU, GQA, an untied or tied head, AdamW) on
 random tokens, then, on uniform random tokens too (a u32 token file),
 `titan-run ARTIFACT --backend cuda --metrics`, and prints tok/s, MFU and peak memory side by side,
 then where the time goes: titan-run's per-kernel profile (`--profile`, top 10 with their share,
@@ -13,7 +13,7 @@ Precision policies: "fp32-master" = fp32 parameters and AdamW state under bf16 a
 policy); "bf16" = bf16 parameters and state (the peer's default in PERFORMANCE.md).
 
 usage: python3 llama_baseline.py --dim 4096 --n-layers 4 --n-heads 32 --n-kv-heads 8 \
-           --ffn 14336 --vocab 128256 --seq 8192 --batch 1 [--titan-run BIN --artifact DIR]
+           --ffn 14336 --vocab 128256 --seq 8192 --batch 1 [--tie-embeddings] [--titan-run BIN --artifact DIR]
 """
 
 import argparse
@@ -36,13 +36,14 @@ PEAK_FLOPS = 989e12
 def ref_config(a):
     """The reference model's sizes from this script's arguments."""
     return LlamaConfig(dim=a.dim, n_layers=a.n_layers, n_heads=a.n_heads, n_kv_heads=a.n_kv_heads, ffn_dim=a.ffn, vocab_size=a.vocab,
-                       seq_len=a.seq, batch_size=a.batch, rope_theta=a.rope_theta, norm_eps=a.norm_eps)
+                       seq_len=a.seq, batch_size=a.batch, rope_theta=a.rope_theta, norm_eps=a.norm_eps, tie_embeddings=a.tie_embeddings)
 
 
 def flops_per_token(a):
     hd = a.dim // a.n_heads
     per_layer = a.dim * (a.n_heads * hd) * 2 + a.dim * (a.n_kv_heads * hd) * 2 + 3 * a.dim * a.ffn + 2 * a.dim
-    n = a.n_layers * per_layer + a.dim + a.vocab * a.dim  # norms + head; tok_embeddings excluded
+    # norms + head; tok_embeddings excluded, and so is a head tied to them (titanc's --summary)
+    n = a.n_layers * per_layer + a.dim + (0 if a.tie_embeddings else a.vocab * a.dim)
     return 6 * n + 12 * a.n_layers * a.n_heads * hd * a.seq
 
 
@@ -226,6 +227,7 @@ def main():
         ap.add_argument(f"--{k.replace('_', '-')}", type=int, default=v)
     ap.add_argument("--rope-theta", type=float, default=500000.0)
     ap.add_argument("--norm-eps", type=float, default=1e-5)
+    ap.add_argument("--tie-embeddings", action="store_true", help="one table for the embedding and the output head (Llama 3.2 1B/3B)")
     ap.add_argument("--titan-run")
     ap.add_argument("--artifact")
     ap.add_argument("--only", default="all", help="all | torch | titan")
