@@ -2,7 +2,7 @@
 # Issue 15's and issue 12's side-by-side benchmarks on one GPU, as one job:
 #
 #   bench/side_by_side.sh build TITANC DIR    # where titanc is (no GPU needed): the artifacts
-#   bench/side_by_side.sh run TITAN_RUN DIR [all|models|float8]   # on the GPU, with PyTorch
+#   bench/side_by_side.sh run TITAN_RUN DIR [all|models|float8|gemms]   # on the GPU, with PyTorch
 #
 # `build` writes into DIR the 8b-4l artifact (Llama-3 8B dims, 4 layers, seq 8192), Llama-3.2
 # 1B's (16 layers, seq 8192, tied embeddings as the released model), and 8b-4l's float8
@@ -12,12 +12,14 @@
 # per-class breakdown (`models`), then the float8 side by side against torch.compile + torchao
 # with the same recipe and filter (`float8`; needs torchao, e.g. 0.18). Every run goes one after
 # the other on the same GPU. (The PyTorch model computes RoPE without Llama 3.1's frequency
-# scaling, which titan's 1B applies: the same work, so it does not change the speed.)
+# scaling, which titan's 1B applies: the same work, so it does not change the speed.) `gemms`
+# times every GEMM of 8b-4l's bf16 and rowwise steps as PyTorch runs it, beside titan's
+# (bench/torch/gemm_compare.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 usage() {
-    sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//' >&2
+    sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//' >&2
     exit 2
 }
 
@@ -50,6 +52,12 @@ run)
         "${base[@]}" --artifact "$dir/8b4"
         echo "## Llama-3.2 1B"
         "${base[@]}" --artifact "$dir/1b" --dim 2048 --n-layers 16 --n-heads 32 --n-kv-heads 8 --ffn 8192 --tie-embeddings
+    fi
+    if [ "$what" = all ] || [ "$what" = gemms ]; then
+        for a in 8b4 8b4-rowwise; do
+            echo "## GEMMs of $a"
+            python3 bench/torch/gemm_compare.py "$dir/$a" --titan-run "$tool"
+        done
     fi
     if [ "$what" = all ] || [ "$what" = float8 ]; then
         echo "## 8b-4l float8"
