@@ -21,6 +21,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "kernels", "tests"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "torch"))
 
 # [b, s, hq, hkv, d]; the names of the perf cases that codegen.rs writes for them.
 SHAPES = [(4, 2048, 32, 8, 128), (2, 4096, 32, 8, 128), (1, 8192, 32, 8, 128), (4, 2048, 64, 16, 64), (2, 4096, 64, 16, 64), (1, 8192, 64, 16, 64)]
@@ -54,6 +55,7 @@ def sdpa_times(shape, iters=20):
     """(forward ms, backward ms, backend kernel names) of PyTorch's SDPA on `shape`."""
     import torch
     import torch.nn.functional as F
+    from cuda_timing import cuda_ms
 
     b, s, hq, hkv, d = shape
     dev = torch.device("cuda")
@@ -66,21 +68,10 @@ def sdpa_times(shape, iters=20):
     def fwd():
         return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=True)
 
-    def timed(fn):
-        for _ in range(3):
-            fn()
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            fn()
-        stop.record()
-        stop.synchronize()
-        return start.elapsed_time(stop) / iters
-
     with torch.no_grad():
-        t_fwd = timed(fwd)
+        t_fwd = cuda_ms(fwd, iters=iters)
     out = fwd()
-    t_bwd = timed(lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True))
+    t_bwd = cuda_ms(lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True), iters=iters)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         torch.autograd.grad(fwd(), (q, k, v), do)
         torch.cuda.synchronize()

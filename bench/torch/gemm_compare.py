@@ -19,11 +19,12 @@ event around every launch), divided by the kernel's launches per step. PyTorch: 
 import argparse
 import json
 import os
-import re
 import subprocess
 import sys
 
 import torch
+
+from cuda_timing import cuda_ms, parse_titan_profile
 
 DTYPES = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32, "f8e4m3": torch.float8_e4m3fn, "f8e5m2": torch.float8_e5m2}
 
@@ -76,32 +77,14 @@ def product(g, device):
     return (lambda: torch.matmul(a, b)), (lambda: torch.matmul(b.transpose(1, 2), a.transpose(1, 2)))
 
 
-def timed(f, warmup=3, iters=20):
-    for _ in range(warmup):
-        f()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(iters):
-        f()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
-
-
 def titan_profile(titan_run, artifact):
-    """{kernel name: (ms per step, launches per step)} from `titan-run --profile`."""
+    """{kernel name: (ms per step, launches per step)} of the GEMMs in `titan-run --profile`."""
     cmd = [titan_run, artifact, "--backend", "cuda", "--steps", "4", "--profile"]
     p = subprocess.run(cmd, capture_output=True, text=True)
     if p.returncode != 0:
         sys.stderr.write(p.stderr[-3000:])
         raise SystemExit(f"titan-run failed: {' '.join(cmd)}")
-    out = {}
-    for line in p.stderr.splitlines():
-        r = re.match(r"^\s+([0-9.]+)\s+[0-9.]+%\s+([0-9]+)\s+[0-9.]+\s+[0-9.]*\s+(\S+) \((\w+)\)$", line)
-        if r and r.group(4) == "gemm":
-            out[r.group(3)] = (float(r.group(1)), int(r.group(2)))
-    return out
+    return {name: (ms, launches) for _, name, kind, ms, launches in parse_titan_profile(p.stderr) if kind == "gemm"}
 
 
 def describe(g):
@@ -134,8 +117,8 @@ def main():
     for name, g in items:
         flops = 2.0 * g["m"] * g["n"] * g["k"] * g["batch"]
         same, swapped = product(g, "cuda")
-        t_same = timed(same) * 1e3
-        t_swap = timed(swapped) * 1e3 if swapped else float("nan")
+        t_same = cuda_ms(same) * 1e3
+        t_swap = cuda_ms(swapped) * 1e3 if swapped else float("nan")
         ms, launches = prof.get(name, (float("nan"), 1))
         t_titan = ms * 1e3 / launches
         best = min(t_same, t_swap) if swapped else t_same

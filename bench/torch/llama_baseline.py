@@ -17,9 +17,7 @@ usage: python3 llama_baseline.py --dim 4096 --n-layers 4 --n-heads 32 --n-kv-hea
 """
 
 import argparse
-import re
 import json
-import math
 import os
 import subprocess
 import sys
@@ -29,6 +27,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tools"))
 from llama_ref import Llama, LlamaConfig, float8_convert, rope_tables  # noqa: E402  (the model lives in tools/llama_ref.py)
+from cuda_timing import parse_titan_profile  # noqa: E402
 
 PEAK_FLOPS = 989e12
 
@@ -175,14 +174,7 @@ def titan_profile(a):
     if p.returncode != 0:
         sys.stderr.write(p.stderr[-3000:])
         return None
-    rows = []
-    for line in p.stderr.splitlines():
-        m = re.match(r"^\s+([0-9.]+)\s+[0-9.]+%\s+[0-9]+\s+[0-9.]+\s+[0-9.]*\s+(\S+) \((\w+)\)$", line)
-        if m:
-            rows.append((line, m.group(2), m.group(3), float(m.group(1))))
-        elif "time per kernel" in line or "ms/step" in line or "copies and memsets" in line:
-            rows.append((line, None, None, 0.0))
-    return rows
+    return [r[:4] for r in parse_titan_profile(p.stderr)]
 
 
 def random_tokens(a):

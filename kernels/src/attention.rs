@@ -438,14 +438,7 @@ fn load_tile(e: &mut Em, cx: &Ctx, j: &str, v: bool) {
     let g0 = e.gep(gbase, 1, &off, "i64", "bf16");
     let s0 = e.gep(sbase, 3, &cx.s_off, "i32", "bf16");
     for it in 0..iters {
-        let (gk, sk) = if cx.wgmma {
-            // 128 chunks per copy, in storage order: block `b` of 64 dims, 16 rows from `r0`.
-            let q = it * THREADS as i64;
-            let (b, r0) = (q / 512, q % 512 / 8);
-            (r0 * cx.kv_row + b * 64, b * SW_BLOCK / 2 + r0 * 64)
-        } else {
-            (it * rows_per_iter * cx.kv_row, it * rows_per_iter * cx.stride)
-        };
+        let (gk, sk) = if cx.wgmma { sw128_copy(it, BN as i64, cx.kv_row) } else { (it * rows_per_iter * cx.kv_row, it * rows_per_iter * cx.stride) };
         let gk = e.i64c(gk);
         let gp = e.gep(&g0, 1, &gk, "i64", "bf16");
         let sp = e.gepk(&s0, 3, sk);
@@ -461,6 +454,36 @@ pub(crate) fn sw128_slot(e: &mut Em, row: &str, chunk: &str) -> String {
     let ro = e.mulk(row, 64);
     let xo = e.mulk(&x, 8);
     e.addi(&ro, &xo)
+}
+
+/// (global, shared) element offsets of copy `it` of a tile of `rows` rows into 128-byte-swizzled
+/// blocks of 64 dims: a copy is one warpgroup's 128 16-byte chunks in storage order (block `b`,
+/// 16 rows from `r0`), global rows `grow` elements apart. Each thread adds its own row and
+/// swizzled slot ([`sw128_slot`] of row `tid / 8`, chunk `tid % 8`).
+pub(crate) fn sw128_copy(it: i64, rows: i64, grow: i64) -> (i64, i64) {
+    let q = it * THREADS as i64;
+    let (b, r0) = (q / (rows * 8), q % (rows * 8) / 8);
+    (r0 * grow + b * 64, b * rows * 64 + r0 * 64)
+}
+
+/// The k-step advances (16-byte units) of a K-major `wgmma` operand of `rows` rows over `d`
+/// dims: 16 dims are 32 bytes along the swizzled rows, the next 64-dim block every four steps.
+pub(crate) fn sw128_kmajor_steps(d: i64, rows: i64) -> Vec<i64> {
+    (0..d / 16).map(|k| (k / 4) * rows * 128 / 16 + (k % 4) * 2).collect()
+}
+
+/// The k-step advances (16-byte units) of an MN-major `wgmma` B operand whose K runs over
+/// `k_rows` rows: 16 rows, two 1 KB groups of eight, per step.
+pub(crate) fn sw128_mnmajor_steps(k_rows: i64) -> Vec<i64> {
+    (0..k_rows / 16).map(|k| k * 2048 / 16).collect()
+}
+
+/// Descriptor `desc` (of the tile at shared element offset 0) moved to element offset `off`
+/// (i32): `off / 8` 16-byte units added to its start address.
+pub(crate) fn sw128_desc_at(e: &mut Em, desc: &str, off: &str) -> String {
+    let u = e.divk(off, 8);
+    let u = e.ext64(&u);
+    e.bin("addi", desc, &u, "i64")
 }
 
 /// A `wgmma` shared-memory matrix descriptor (i64) for the tile at `base` in the 128-byte swizzle
@@ -562,8 +585,7 @@ fn tile_body(e: &mut Em, cx: &Ctx, j: &str, st: &State, masked: bool) -> State {
     let zero = e.f32c(0.0);
     let mut s: Vec<[String; 4]> = (0..8).map(|_| [0; 4].map(|_| zero.clone())).collect();
     if cx.wgmma {
-        // 16 dims per k-step: 32 bytes along the swizzled rows, the next 64-dim block every 4.
-        let offs: Vec<i64> = (0..d / 16).map(|k| (k / 4) * SW_BLOCK / 16 + (k % 4) * 2).collect();
+        let offs = sw128_kmajor_steps(d, BN as i64);
         let flat: Vec<String> = s.iter().flat_map(|t| t.iter().cloned()).collect();
         s = n_tiles(&wgmma_chain(e, 64, &flat, WgA::Regs(&cx.qf), &cx.k_desc, &offs, false));
     }
@@ -644,8 +666,7 @@ fn tile_body(e: &mut Em, cx: &Ctx, j: &str, st: &State, masked: bool) -> State {
     }
     e.barrier();
     if cx.wgmma {
-        // 16 keys per k-step: two groups of eight 128-byte rows.
-        let offs: Vec<i64> = (0..4).map(|k| k * 2 * 1024 / 16).collect();
+        let offs = sw128_mnmajor_steps(BN as i64);
         let flat: Vec<String> = o.iter().flat_map(|t| t.iter().cloned()).collect();
         o = n_tiles(&wgmma_chain(e, d as usize, &flat, WgA::Regs(&pf), &cx.v_desc, &offs, true));
     }

@@ -40,7 +40,10 @@ use std::fmt::Write as _;
 
 use titan_ir::{DType, Graph, Op, Region};
 
-use crate::attention::{Em, WgA, checked_sizes, output_slots, sw128_descriptor, sw128_slot, uses_wgmma, wgmma_chain};
+use crate::attention::{
+    Em, WgA, checked_sizes, output_slots, sw128_copy, sw128_desc_at, sw128_descriptor, sw128_kmajor_steps, sw128_mnmajor_steps, sw128_slot, uses_wgmma,
+    wgmma_chain,
+};
 use crate::values::Body;
 use crate::{GenResult, Generated, invalid, unsupported};
 
@@ -447,14 +450,7 @@ fn dq_body(p: &Problem, io: &Io) -> String {
             let so = e.addi(base, &s_off);
             let s0 = sptr(e, &smem, &so, "bf16");
             for it in 0..bn * d / 8 / THREADS {
-                let (gk, sk) = if wg {
-                    // 128 chunks per copy in storage order: block `b` of 64 dims, 16 rows from `r0`.
-                    let q = it * THREADS;
-                    let (b, r0) = (q / (bn * 8), q % (bn * 8) / 8);
-                    (r0 * kv_row + b * 64, b * bn * 64 + r0 * 64)
-                } else {
-                    (it * rows_per_iter * kv_row, it * rows_per_iter * st)
-                };
+                let (gk, sk) = if wg { sw128_copy(it, bn, kv_row) } else { (it * rows_per_iter * kv_row, it * rows_per_iter * st) };
                 let gk = e.i64c(gk);
                 let gp = e.gep(&g0, 1, &gk, "i64", "bf16");
                 let sp = e.gepk(&s0, 3, sk);
@@ -491,12 +487,6 @@ fn dq_body(p: &Problem, io: &Io) -> String {
         let stage = e.remk(j, 2);
         let kb = e.mulk(&stage, tile);
         let vb = e.addk(&kb, 2 * tile);
-        // The stage's descriptors (element offsets / 8 = 16-byte units).
-        let desc_at = |e: &mut Em, base: &str, off: &str| -> String {
-            let u = e.divk(off, 8);
-            let u64v = e.ext64(&u);
-            e.bin("addi", base, &u64v, "i64")
-        };
         let ko = e.addi(&kb, &k_off);
         let k_lm = sptr(e, &smem, &ko, "bf16");
         let vo = e.addi(&vb, &k_off);
@@ -517,14 +507,13 @@ fn dq_body(p: &Problem, io: &Io) -> String {
             }
             s
         };
-        // wgmma: 16 dims per k-step, 32 bytes along the rows, the next 64-dim block every 4.
-        let koffs: Vec<i64> = (0..d / 16).map(|k| (k / 4) * bn * 128 / 16 + (k % 4) * 2).collect();
+        let koffs = sw128_kmajor_steps(d, bn);
         let wprod = |e: &mut Em, a: &[[String; 4]], base: &str| -> Vec<[String; 4]> {
             let z = frag_names(&zeros(e, nk));
             frags_of(&wgmma_chain(e, bn as usize, &z, WgA::Regs(a), base, &koffs, false))
         };
         let s = if wg {
-            let kd = desc_at(e, &kmaj, &kb);
+            let kd = sw128_desc_at(e, &kmaj, &kb);
             wprod(e, &qf, &kd)
         } else {
             prod(e, &qf, &k_lm)
@@ -547,7 +536,7 @@ fn dq_body(p: &Problem, io: &Io) -> String {
             pm.push(out);
         }
         let dp = if wg {
-            let vd = desc_at(e, &kmaj, &vb);
+            let vd = sw128_desc_at(e, &kmaj, &vb);
             wprod(e, &dof, &vd)
         } else {
             prod(e, &dof, &v_lm)
@@ -565,8 +554,8 @@ fn dq_body(p: &Problem, io: &Io) -> String {
         // dQ += dS K (wgmma: K MN-major, 16 keys = two 1 KB groups of rows per k-step).
         if wg {
             let a: Vec<[String; 4]> = (0..(bn / 16) as usize).map(|kk| to_a(e, &ds, kk)).collect();
-            let kd = desc_at(e, &mnmaj, &kb);
-            let offs: Vec<i64> = (0..bn / 16).map(|kk| kk * 2048 / 16).collect();
+            let kd = sw128_desc_at(e, &mnmaj, &kb);
+            let offs = sw128_mnmajor_steps(bn);
             dq = frags_of(&wgmma_chain(e, d as usize, &frag_names(&dq), WgA::Regs(&a), &kd, &offs, true));
         }
         for kk in (0..(bn / 16) as usize).filter(|_| !wg) {
@@ -646,15 +635,8 @@ fn dkdv_body(p: &Problem, io: &Io) -> String {
         e.addi(&s_row, &cc8)
     };
     // (global, shared) element offsets of copy `it` of a tile of `rows` rows.
-    let copy_at = |it: i64, rows: i64, grow: i64| -> (i64, i64) {
-        if wg {
-            let q = it * THREADS;
-            let (b, r0) = (q / (rows * 8), q % (rows * 8) / 8);
-            (r0 * grow + b * 64, b * rows * 64 + r0 * 64)
-        } else {
-            (it * rows_per_iter * grow, it * rows_per_iter * st)
-        }
-    };
+    let copy_at =
+        |it: i64, rows: i64, grow: i64| -> (i64, i64) { if wg { sw128_copy(it, rows, grow) } else { (it * rows_per_iter * grow, it * rows_per_iter * st) } };
     let cc864 = e.ext64(&cc8);
     // K and V -> shared (cp.async, once; in the first stage's group).
     {
@@ -782,15 +764,8 @@ fn dkdv_body(p: &Problem, io: &Io) -> String {
     // B of dV += P^T dO and dK += dS^T Q (64-dim blocks `bm * 128` bytes apart).
     let kmaj = sw128_descriptor(&mut e, &smem, 16, 1024);
     let mnmaj = sw128_descriptor(&mut e, &smem, bm * 128, 1024);
-    let desc_at = |e: &mut Em, base: &str, off: &str| -> String {
-        let u = e.divk(off, 8);
-        let u64v = e.ext64(&u);
-        e.bin("addi", base, &u64v, "i64")
-    };
-    // k-step offsets along d (32 bytes in a row, the next 64-dim block every four k-steps).
-    let kstep_offs = |rows: i64| -> Vec<i64> { (0..d / 16).map(|k| (k / 4) * rows * 128 / 16 + (k % 4) * 2).collect() };
-    let a_offs = kstep_offs(BN);
-    let b_offs = kstep_offs(bm);
+    let a_offs = sw128_kmajor_steps(d, BN);
+    let b_offs = sw128_kmajor_steps(d, bm);
     let init = frag_names(&zeros(&mut e, 2 * nt_d));
     let res = for_f32(&mut e, &zero_i, &total, &init, |e, f, carried| {
         let (mut dk, mut dv) = (frags_of(&carried[..4 * nt_d]), frags_of(&carried[4 * nt_d..]));
@@ -838,8 +813,8 @@ fn dkdv_body(p: &Problem, io: &Io) -> String {
         let wprod = |e: &mut Em, a_off: i64, b_off: &str| -> Vec<[String; 4]> {
             let z = frag_names(&zeros(e, qn));
             let ac = e.i32c(a_off);
-            let ad = desc_at(e, &kmaj, &ac);
-            let bd = desc_at(e, &kmaj, b_off);
+            let ad = sw128_desc_at(e, &kmaj, &ac);
+            let bd = sw128_desc_at(e, &kmaj, b_off);
             frags_of(&wgmma_chain(e, bm as usize, &z, WgA::Smem(&ad, &a_offs), &bd, &b_offs, false))
         };
         let q_tile = sb.clone();
@@ -891,10 +866,10 @@ fn dkdv_body(p: &Problem, io: &Io) -> String {
             .collect();
         // dV += P^T dO, dK += dS^T Q (wgmma: B MN-major, 16 queries = two 1 KB row groups).
         if wg {
-            let offs: Vec<i64> = (0..bm / 16).map(|kk| kk * 2048 / 16).collect();
+            let offs = sw128_mnmajor_steps(bm);
             for (src, tile, acc) in [(&pt, &do_tile, &mut dv), (&dst, &q_tile, &mut dk)] {
                 let a: Vec<[String; 4]> = (0..(bm / 16) as usize).map(|kk| to_a(e, src, kk)).collect();
-                let bd = desc_at(e, &mnmaj, tile);
+                let bd = sw128_desc_at(e, &mnmaj, tile);
                 *acc = frags_of(&wgmma_chain(e, d as usize, &frag_names(acc), WgA::Regs(&a), &bd, &offs, true));
             }
         }

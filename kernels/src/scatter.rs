@@ -346,9 +346,9 @@ impl Columns {
 
     /// Sum source rows `list[e]`, `e` in `[es, ee)` (i64), into the accumulators in increasing
     /// `e`. The loads of `ahead` rows are issued before their adds, so that many row loads are in
-    /// flight instead of one (a CTA summing thousands of rows of one hot token was bound by one
-    /// load's latency per row); the adds are the same in the same order, so the sum is bitwise
-    /// the one-row-at-a-time sum.
+    /// flight instead of one (a CTA summing thousands of source rows, as the one owning the most
+    /// frequent tokens does, was bound by one load's latency per row); the adds are the same in
+    /// the same order, so the sum is bitwise the one-row-at-a-time sum.
     fn add_listed(&self, f: &mut Func, c: &Ctx, list: Val, es: Val, ee: Val, acc: &[Val]) -> Vec<Val> {
         let ahead = (LOADS_AHEAD / self.cols.len()).max(1) as i64;
         let n = f.subi(ee, es);
