@@ -6,8 +6,8 @@
 #
 # `build` writes into DIR the 8b-4l artifact (Llama-3 8B dims, 4 layers, seq 8192), Llama-3.2
 # 1B's (16 layers, seq 8192, tied embeddings as the released model), and 8b-4l's float8
-# variants (rowwise, rowwise with the output head filtered, rowwise_with_gw_hp with the head
-# filtered, tensorwise). `run` runs bench/torch/llama_baseline.py on them: titan-run against
+# variants (each recipe, rowwise, rowwise_with_gw_hp and tensorwise, with the filter empty and
+# with the output head filtered). `run` runs bench/torch/llama_baseline.py on them: titan-run against
 # PyTorch eager and torch.compile per block at both precision policies, per config, with the
 # per-class breakdown (`models`), then the float8 side by side against torch.compile + torchao
 # with the same recipe and filter (`float8`; needs torchao, e.g. 0.18). Every run goes one after
@@ -37,8 +37,10 @@ build)
     for spec in "8b4:8b4.ir:" "1b:1b.ir:" \
         "8b4-rowwise:8b4.ir:--float8 rowwise" \
         "8b4-rowwise-head-bf16:8b4.ir:--float8 rowwise --float8-filter output" \
+        "8b4-rowwise_with_gw_hp:8b4.ir:--float8 rowwise_with_gw_hp" \
         "8b4-rowwise_with_gw_hp-head-bf16:8b4.ir:--float8 rowwise_with_gw_hp --float8-filter output" \
-        "8b4-tensorwise:8b4.ir:--float8 tensorwise"; do
+        "8b4-tensorwise:8b4.ir:--float8 tensorwise" \
+        "8b4-tensorwise-head-bf16:8b4.ir:--float8 tensorwise --float8-filter output"; do
         IFS=: read -r name ir flags <<<"$spec"
         # shellcheck disable=SC2086  # flags are words
         "$tool" build "$dir/$ir" -o "$dir/$name" $flags >"$dir/$name.build.log"
@@ -61,7 +63,7 @@ run)
     fi
     if [ "$what" = all ] || [ "$what" = float8 ]; then
         echo "## 8b-4l float8"
-        "${base[@]}" --float8-artifacts "bf16=$dir/8b4,rowwise=$dir/8b4-rowwise,rowwise:output=$dir/8b4-rowwise-head-bf16,rowwise_with_gw_hp:output=$dir/8b4-rowwise_with_gw_hp-head-bf16,tensorwise=$dir/8b4-tensorwise"
+        "${base[@]}" --float8-artifacts "bf16=$dir/8b4,rowwise=$dir/8b4-rowwise,rowwise:output=$dir/8b4-rowwise-head-bf16,rowwise_with_gw_hp=$dir/8b4-rowwise_with_gw_hp,rowwise_with_gw_hp:output=$dir/8b4-rowwise_with_gw_hp-head-bf16,tensorwise=$dir/8b4-tensorwise,tensorwise:output=$dir/8b4-tensorwise-head-bf16"
     fi
     ;;
 *)

@@ -26,7 +26,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tools"))
-from llama_ref import Llama, LlamaConfig, float8_convert, rope_tables  # noqa: E402  (the model lives in tools/llama_ref.py)
+from llama_ref import Llama, LlamaConfig, float8_convert, init_like_titan, rope_tables  # noqa: E402  (the model lives in tools/llama_ref.py)
 from cuda_timing import parse_titan_profile  # noqa: E402
 
 PEAK_FLOPS = 989e12
@@ -109,6 +109,10 @@ def run_torch(a, compile_blocks, bf16_params, profile=False, ac="none", float8=N
     torch.manual_seed(0)
     dev = torch.device("cuda")
     model = Llama(ref_config(a)).to(dev)
+    # titan's (TorchTitan's) initial weights: what a GEMM multiplies sets its power draw, and
+    # under the H200's 700 W cap its clock (PyTorch's default init made the tied 1B's logits
+    # ~45x too large, a loss of ~165).
+    init_like_titan(model, 0)
     if bf16_params:
         model = model.to(torch.bfloat16)
     if float8:
@@ -151,20 +155,30 @@ def run_torch(a, compile_blocks, bf16_params, profile=False, ac="none", float8=N
         from torch.profiler import ProfilerActivity
         from torch.profiler import profile as torch_profile
 
-        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
             step()
             torch.cuda.synchronize()
-        kernels = []
-        for e in prof.key_averages():
+
+        def device_ms(e):
             us = getattr(e, "device_time_total", None)
-            if us is None:
-                us = getattr(e, "cuda_time_total", 0.0)
-            if us > 0:
-                kernels.append((e.key, us / 1e3, e.count))
+            return (us if us is not None else getattr(e, "cuda_time_total", 0.0)) / 1e3
+
+        kernels = []
+        gemms = []
+        for e in prof.key_averages():
+            # The kernels themselves (an op's device time is its kernels': counted once, here).
+            # (Ranges such as "## Call CompiledFxGraph ##" carry device time too: not kernels.)
+            if e.device_type == torch.autograd.DeviceType.CUDA and not getattr(e, "is_user_annotation", False) and device_ms(e) > 0:
+                kernels.append((e.key, device_ms(e), e.count))
+        for e in prof.key_averages(group_by_input_shape=True):
+            if e.key in ("aten::mm", "aten::addmm", "aten::bmm", "aten::_scaled_mm") and device_ms(e) > 0:
+                gemms.append((e.key, str(e.input_shapes), device_ms(e), e.count))
         kernels.sort(key=lambda r: -r[1])
+        gemms.sort(key=lambda r: -r[2])
     del model, opt
     torch.cuda.empty_cache()
-    return dict(tps=tps, mfu=tps * flops_per_token(a) / PEAK_FLOPS, peak=peak, warmup_s=warm, loss=float(loss.detach()), kernels=kernels)
+    return dict(tps=tps, mfu=tps * flops_per_token(a) / PEAK_FLOPS, peak=peak, warmup_s=warm, loss=float(loss.detach()), kernels=kernels,
+                gemms=gemms if profile else None)
 
 
 def titan_profile(a):
@@ -222,7 +236,7 @@ def main():
     ap.add_argument("--tie-embeddings", action="store_true", help="one table for the embedding and the output head (Llama 3.2 1B/3B)")
     ap.add_argument("--titan-run")
     ap.add_argument("--artifact")
-    ap.add_argument("--only", default="all", help="all | torch | titan")
+    ap.add_argument("--only", default="all", help="all | torch | titan | compile (torch.compile at the same policy alone, profiled)")
     ap.add_argument("--float8-artifacts", help="float8 side by side: LABEL=DIR,... where LABEL is bf16 or RECIPE[:FILTER] "
                     "(e.g. rowwise, rowwise:output); each titan artifact against torch.compile per block + torchao "
                     "convert_to_float8_training with that recipe and filter_fqns (fp32 params + bf16 autocast)")
@@ -237,6 +251,8 @@ def main():
     results = {}
     if a.only in ("all", "titan") and a.titan_run and a.artifact:
         results["titan-run (fp32 master, bf16 compute)"] = run_titan(a)
+    if a.only == "compile":
+        results["torch.compile per block, fp32 params + bf16 autocast"] = run_torch(a, True, False, profile=True)
     if a.only in ("all", "torch"):
         results["pytorch eager, fp32 params + bf16 autocast"] = run_torch(a, False, False)
         results["torch.compile per block, fp32 params + bf16 autocast"] = run_torch(a, True, False, profile=True)
@@ -264,6 +280,12 @@ def main():
         for name, ms, count in ks[:10]:
             print(f"  {ms:>10.3f} {100 * ms / total:>5.1f}% {count:>8}  {name[:110]}")
         print_groups("torch.compile", [(name, ms) for name, ms, _ in ks])
+        if compiled.get("gemms"):
+            gs = compiled["gemms"]
+            print(f"\n# torch.compile's GEMM ops in that step, by input shapes ({sum(ms for _, _, ms, _ in gs):.1f} ms; device time of each op's kernels)")
+            print(f"  {'ms':>8} {'calls':>5} {'us/call':>8}  op, input shapes")
+            for key, shapes, ms, count in gs:
+                print(f"  {ms:>8.3f} {count:>5} {1e3 * ms / count:>8.1f}  {key} {shapes}")
 
 
 def float8_side_by_side(a):
@@ -286,6 +308,8 @@ def float8_side_by_side(a):
             print(f"torch.compile + torchao {what}: {type(e).__name__}: {str(e)[:300]}")
             r = None
         rows.append((f"torch.compile{'' if f8 is None else ' + torchao'} {what}", r))
+        for k, r in rows[-2:]:  # as they come, so a run cut short still reports what it measured
+            print(f"# {k}: " + ("failed" if r is None else f"{r['tps']:.0f} tok/s, peak {r['peak'] / 2**30:.2f} GiB, loss {r['loss']:.4f}"), flush=True)
     base = {k: r for k, r in rows if r is not None}
     tb = base.get("titan-run bf16")
     print(f"{'variant':<62} {'tok/s':>10} {'vs titan bf16':>13} {'MFU':>7} {'peak GiB':>9} {'loss':>8}")

@@ -62,6 +62,12 @@ pub const WARMUP_STEPS: u64 = 2;
 
 const ARENAS: [Arena; 4] = [Arena::Inputs, Arena::Params, Arena::OptimizerState, Arena::Activations];
 
+/// The byte an arena starts as: NaN (`0xff`) for activations and gradients, so a kernel that
+/// reads what nothing wrote shows it; zeros elsewhere.
+fn arena_fill(a: Arena) -> u8 {
+    if a == Arena::Activations { 0xff } else { 0 }
+}
+
 fn slot(a: Arena) -> usize {
     match a {
         Arena::Inputs => 0,

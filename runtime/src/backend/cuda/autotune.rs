@@ -7,7 +7,7 @@ use titan_ir::op::KernelKind;
 
 use super::bad;
 use super::driver::{Event, Gpu};
-use super::gemm::pow2_align;
+use super::gemm::{operand_bytes, pow2_align};
 use super::module::{Loaded, LoadedCode};
 use super::unroll::{Arenas, Frame};
 use crate::RuntimeError;
@@ -30,7 +30,7 @@ impl LoadedCode {
     /// warm-up. Choices are cached per device and cuBLASLt version
     /// ([`gemm_cache_file`]), so later runs reuse them and stay bitwise reproducible.
     /// `TITAN_GEMM_AUTOTUNE=0` keeps the heuristic's first choice. Returns a summary line.
-    pub(super) fn autotune_gemms(&mut self, gpu: &Gpu, first: &[Option<GemmPtrs>]) -> Result<Option<String>, RuntimeError> {
+    pub(super) fn autotune_gemms(&mut self, gpu: &Gpu, first: &[Option<GemmPtrs>]) -> Result<Option<Tuned>, RuntimeError> {
         if std::env::var("TITAN_GEMM_AUTOTUNE").is_ok_and(|v| v == "0") || self.plans.is_empty() {
             return Ok(None);
         }
@@ -46,6 +46,11 @@ impl LoadedCode {
         }
         let (start, stop) = (Event::new()?, Event::new()?);
         let (mut timed, mut cached, mut changed) = (0, 0, 0);
+        // The plans to time get operands of the step's kind first: the arenas hold their fill
+        // patterns (NaN activations, zero gradients), on which a GEMM draws far less power than
+        // on data and so ranks the algorithms by the wrong clock.
+        let mut filled = false;
+        let mut patterns = Vec::new();
         for (i, plan) in self.plans.iter_mut().enumerate() {
             let n = plan.candidates();
             let Some((abc, scales)) = operands[i] else { continue };
@@ -57,6 +62,8 @@ impl LoadedCode {
                 cached += 1;
                 continue;
             }
+            fill_operands(gpu, plan, abc, scales, &mut patterns)?;
+            filled = true;
             let mut best: Option<(f32, usize)> = None;
             for cand in 0..n {
                 plan.choose(cand);
@@ -88,12 +95,91 @@ impl LoadedCode {
                 eprintln!("titan-run: warning: cannot write the GEMM algorithm cache `{}`: {e}", f.display());
             }
         }
-        Ok(Some(format!(
+        let line = format!(
             "GEMM algorithms: {} plans, {timed} timed ({changed} faster than the heuristic's first choice), {cached} from the cache{}",
             self.plans.len(),
             cache_file.map_or(String::new(), |f| format!(" `{}`", f.display()))
-        )))
+        );
+        Ok(Some(Tuned { line, filled }))
     }
+}
+
+/// What [`LoadedCode::autotune_gemms`] did: its summary line, and whether it wrote timing data
+/// into the arenas (the caller restores their fill patterns).
+pub(super) struct Tuned {
+    pub line: String,
+    pub filled: bool,
+}
+
+/// Values for timing a GEMM of `dtype`: about normal with unit variance (the sum of four
+/// uniforms, fixed seed), encoded; for fp8, random codes with the exponent's top bit cleared
+/// (no NaN or infinity: magnitudes up to 1.875 in e4m3 and 1.75 in e5m2), as quantized
+/// operands spread over their code range.
+fn timing_pattern(dtype: titan_ir::DType, bytes: usize) -> Vec<u8> {
+    use titan_ir::DType;
+    let mut state = 0x9e37_79b9_7f4a_7c15u64;
+    let mut next = move || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state
+    };
+    let mut normal = move || {
+        let r = next();
+        let sum: f32 = (0..4).map(|i| ((r >> (16 * i)) & 0xffff) as f32 / 65536.0).sum();
+        (sum - 2.0) * 1.732_050_8
+    };
+    let mut out = Vec::with_capacity(bytes);
+    while out.len() < bytes {
+        match dtype {
+            DType::BF16 => out.extend_from_slice(&half::bf16::from_f32(normal()).to_le_bytes()),
+            DType::F16 => out.extend_from_slice(&half::f16::from_f32(normal()).to_le_bytes()),
+            DType::F32 => out.extend_from_slice(&normal().to_le_bytes()),
+            _ => out.push((normal().to_bits() >> 16) as u8 & 0xbf),
+        }
+    }
+    out.truncate(bytes);
+    out
+}
+
+/// Fill a plan's A and B with [`timing_pattern`] data (one 16 MiB upload, then doubling copies
+/// on the device) and its dequantization scales with 1.0.
+fn fill_operands(
+    gpu: &Gpu,
+    plan: &super::gemm::GemmPlan,
+    abc: [u64; 3],
+    scales: [u64; 2],
+    patterns: &mut Vec<(titan_ir::DType, Vec<u8>)>,
+) -> Result<(), RuntimeError> {
+    const PATTERN: usize = 16 << 20;
+    for ((bytes, dtype), ptr) in plan.operands.into_iter().zip([abc[0], abc[1]]) {
+        let first = bytes.min(PATTERN as u64);
+        if first == 0 {
+            continue;
+        }
+        let what = || format!("filling an operand of GEMM `{}` to time its algorithms", plan.name);
+        let at = match patterns.iter().position(|(d, _)| *d == dtype) {
+            Some(i) => i,
+            None => {
+                patterns.push((dtype, timing_pattern(dtype, PATTERN)));
+                patterns.len() - 1
+            }
+        };
+        gpu.upload_sync(ptr, &patterns[at].1[..first as usize], what)?;
+        let mut done = first;
+        while done < bytes {
+            let n = done.min(bytes - done);
+            gpu.copy(ptr + done, ptr, n as usize, what)?;
+            done += n;
+        }
+    }
+    for (len, ptr) in plan.scale_lens.into_iter().zip(scales) {
+        if len > 0 && ptr != 0 {
+            let ones: Vec<u8> = (0..len).flat_map(|_| 1.0f32.to_le_bytes()).collect();
+            gpu.upload_sync(ptr, &ones, || format!("filling a scale of GEMM `{}` to time its algorithms", plan.name))?;
+        }
+    }
+    Ok(())
 }
 
 /// A GEMM launch's device pointers: A, B, C and the scales of A and B (0 when unscaled).
@@ -102,21 +188,13 @@ pub(super) type GemmPtrs = ([u64; 3], [u64; 2]);
 /// Check that a GEMM's operands hold what its description addresses (so cuBLASLt never reads or
 /// writes outside a buffer), given the byte sizes the schedule binds.
 pub(super) fn check_gemm_extent(k: &Kernel, g: &titan_ir::artifact::GemmDesc, bound: [u64; 3]) -> Result<(), RuntimeError> {
-    let batch = g.batch.max(1);
-    // Stored (rows, cols, ld, stride, dtype) of A, B, C (row-major).
-    let (ar, ac) = if g.transpose_a { (g.k, g.m) } else { (g.m, g.k) };
-    let (br, bc) = if g.transpose_b { (g.n, g.k) } else { (g.k, g.n) };
-    let specs = [(ar, ac, g.lda, g.stride_a, g.a_dtype, "A"), (br, bc, g.ldb, g.stride_b, g.b_dtype, "B"), (g.m, g.n, g.ldc, g.stride_c, g.c_dtype, "C")];
-    for ((rows, cols, ld, stride, dtype, name), have) in specs.into_iter().zip(bound) {
+    let cols = [if g.transpose_a { g.m } else { g.k }, if g.transpose_b { g.k } else { g.n }, g.n];
+    let need = operand_bytes(g);
+    for ((((name, ld), cols), need), have) in ["A", "B", "C"].into_iter().zip([g.lda, g.ldb, g.ldc]).zip(cols).zip(need).zip(bound) {
         if ld < cols {
             return Err(bad(format!("GEMM `{}`: operand {name} has leading dimension {ld} below its {cols} columns; rebuild the artifact", k.name)));
         }
-        let need = (batch - 1)
-            .checked_mul(stride)
-            .and_then(|x| x.checked_add(rows.saturating_sub(1).checked_mul(ld)?))
-            .and_then(|x| x.checked_add(cols))
-            .and_then(|x| x.checked_mul(dtype.size_bytes() as u64));
-        if rows > 0 && need.is_none_or(|n| n > have) {
+        if need.is_none_or(|n| n > have) {
             return Err(bad(format!(
                 "GEMM `{}`: operand {name} needs {} bytes, the schedule binds {have}; the GEMM description and the plan disagree, rebuild the artifact",
                 k.name,
@@ -172,4 +250,91 @@ pub(super) fn gemm_operands(
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use titan_ir::DType;
+    use titan_ir::artifact::GemmDesc;
+
+    use super::super::gemm::operand_bytes;
+    use super::timing_pattern;
+
+    /// The values the autotuner times on are finite, about zero-mean and unit-variance in the
+    /// float dtypes; fp8 codes are never NaN or infinite.
+    #[test]
+    fn timing_patterns_are_finite_data() {
+        let n = 1 << 16;
+        for dtype in [DType::BF16, DType::F16, DType::F32] {
+            let bytes = timing_pattern(dtype, n * dtype.size_bytes());
+            let xs: Vec<f64> = match dtype {
+                DType::BF16 => bytes.chunks(2).map(|c| f64::from(half::bf16::from_le_bytes([c[0], c[1]]).to_f32())).collect(),
+                DType::F16 => bytes.chunks(2).map(|c| f64::from(half::f16::from_le_bytes([c[0], c[1]]).to_f32())).collect(),
+                _ => bytes.chunks(4).map(|c| f64::from(f32::from_le_bytes([c[0], c[1], c[2], c[3]]))).collect(),
+            };
+            assert!(xs.iter().all(|x| x.is_finite()), "{dtype}");
+            let mean = xs.iter().sum::<f64>() / n as f64;
+            let var = xs.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / n as f64;
+            assert!(mean.abs() < 0.02 && (0.9..1.1).contains(&var), "{dtype}: mean {mean}, variance {var}");
+            let distinct: std::collections::BTreeSet<u64> = xs.iter().map(|x| x.to_bits()).collect();
+            assert!(distinct.len() > 1000, "{dtype}: {} distinct values", distinct.len());
+        }
+        // NaN in e4m3 is S.1111.111; infinity and NaN in e5m2 have the exponent 11111.
+        for (dtype, special) in [(DType::F8E4M3, 0x7fu8), (DType::F8E5M2, 0x7c)] {
+            let codes = timing_pattern(dtype, n);
+            assert!(!codes.iter().any(|&b| b & special == special), "{dtype}: a NaN or infinity code");
+            let distinct: std::collections::BTreeSet<u8> = codes.iter().copied().collect();
+            assert!(distinct.len() >= 100, "{dtype}: {} distinct codes", distinct.len());
+        }
+        assert_eq!(timing_pattern(DType::BF16, 7).len(), 7);
+    }
+
+    fn desc(m: u64, n: u64, k: u64) -> GemmDesc {
+        GemmDesc {
+            m,
+            n,
+            k,
+            batch: 1,
+            transpose_a: false,
+            transpose_b: false,
+            lda: k,
+            ldb: n,
+            ldc: n,
+            stride_a: 0,
+            stride_b: 0,
+            stride_c: 0,
+            a_dtype: DType::BF16,
+            b_dtype: DType::BF16,
+            c_dtype: DType::F32,
+            compute: DType::F32,
+            epilogue: "none".into(),
+            scale_a: Default::default(),
+            scale_b: Default::default(),
+            fast_accum: false,
+        }
+    }
+
+    /// What each stored operand spans: rows x leading dimension up to the last row's end, over
+    /// the batch, in bytes of its dtype; transposed operands are stored the other way round.
+    #[test]
+    fn operand_bytes_follow_the_stored_layout() {
+        assert_eq!(operand_bytes(&desc(8, 16, 32)), [Some(8 * 32 * 2), Some(32 * 16 * 2), Some(8 * 16 * 4)]);
+        // A transposed ([k, m] stored, ld 10 >= m 8), B transposed ([n, k], ld 40), batch 3.
+        let g = GemmDesc {
+            transpose_a: true,
+            transpose_b: true,
+            lda: 10,
+            ldb: 40,
+            ldc: 20,
+            batch: 3,
+            stride_a: 400,
+            stride_b: 1000,
+            stride_c: 200,
+            ..desc(8, 16, 32)
+        };
+        assert_eq!(operand_bytes(&g), [Some((2 * 400 + 31 * 10 + 8) * 2), Some((2 * 1000 + 15 * 40 + 32) * 2), Some((2 * 200 + 7 * 20 + 16) * 4)]);
+        assert_eq!(operand_bytes(&desc(0, 16, 32))[0], Some(0));
+        let huge = GemmDesc { lda: u64::MAX / 2, ..desc(8, 16, 32) };
+        assert_eq!(operand_bytes(&huge)[0], None);
+    }
 }

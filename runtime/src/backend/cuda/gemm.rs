@@ -103,6 +103,29 @@ pub struct GemmPlan {
     pub flops: f64,
     /// A scaled fp8 GEMM: the scale pointers are set before each call.
     scaled: bool,
+    /// Bytes the stored A and B span and their dtypes, and the element counts of the two
+    /// dequantization scales (0 when unscaled): what the autotuner fills before timing.
+    pub operands: [(u64, DType); 2],
+    pub scale_lens: [u64; 2],
+}
+
+/// Bytes each stored operand (A, B, C, row-major) of `g` spans, `None` where that overflows.
+pub fn operand_bytes(g: &GemmDesc) -> [Option<u64>; 3] {
+    let batch = g.batch.max(1);
+    let (ar, ac) = if g.transpose_a { (g.k, g.m) } else { (g.m, g.k) };
+    let (br, bc) = if g.transpose_b { (g.n, g.k) } else { (g.k, g.n) };
+    [(ar, ac, g.lda, g.stride_a, g.a_dtype), (br, bc, g.ldb, g.stride_b, g.b_dtype), (g.m, g.n, g.ldc, g.stride_c, g.c_dtype)].map(
+        |(rows, cols, ld, stride, dtype)| {
+            if rows == 0 || cols == 0 {
+                return Some(0);
+            }
+            (batch - 1)
+                .checked_mul(stride)
+                .and_then(|x| x.checked_add((rows - 1).checked_mul(ld)?))
+                .and_then(|x| x.checked_add(cols))
+                .and_then(|x| x.checked_mul(dtype.size_bytes() as u64))
+        },
+    )
 }
 
 fn scale_mode(s: GemmScale) -> i32 {
@@ -170,7 +193,15 @@ impl GemmPlan {
         let desc = lt::create_matmul_desc(sys::cublasComputeType_t::CUBLAS_COMPUTE_32F, sys::cudaDataType::CUDA_R_32F).map_err(err("matmul descriptor"))?;
         // SAFETY: takes no arguments.
         let version = unsafe { sys::cublasLtGetVersion() };
-        let key = format!("{g:?} align {align:?} cublasLt {version}");
+        // "timed on data": choices timed on random operands (earlier caches timed the arenas'
+        // fill patterns, NaN and zeros, whose power draw is not the step's).
+        let key = format!("{g:?} align {align:?} cublasLt {version} timed on data");
+        let bytes = operand_bytes(g);
+        let scale_len = |s: GemmScale, rows: u64| match s {
+            GemmScale::None => 0,
+            GemmScale::Tensor => 1,
+            GemmScale::Vector => rows * g.batch.max(1),
+        };
         let mut plan = GemmPlan {
             name: name.to_string(),
             desc,
@@ -182,6 +213,8 @@ impl GemmPlan {
             key,
             flops: 2.0 * (g.m * g.n * g.k * g.batch.max(1)) as f64,
             scaled,
+            operands: [(bytes[0].unwrap_or(0), g.a_dtype), (bytes[1].unwrap_or(0), g.b_dtype)],
+            scale_lens: [scale_len(g.scale_a, g.m), scale_len(g.scale_b, g.n)],
         };
         let batch = i32::try_from(g.batch.max(1)).map_err(|_| CudaError::Call { what: what.clone(), message: format!("batch {} is too large", g.batch) })?;
         // SAFETY: every descriptor was just created; attribute buffers match their documented types.

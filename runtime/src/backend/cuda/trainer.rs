@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use titan_ir::DType;
 use titan_ir::artifact::timeline::{COMM_STREAMS, comm_stream};
-use titan_ir::artifact::{Arena, Buffer, BufferClass, Kernel};
+use titan_ir::artifact::{Buffer, BufferClass, Kernel};
 use titan_ir::interp::Tensor;
 
 use super::autotune::gemm_operands;
@@ -15,7 +15,7 @@ use super::collective::{self, Action, Loc};
 use super::driver::{CudaError, DeviceBuffer, Event, Gpu, Graph};
 use super::module::{LoadedCode, check_gpu_code};
 use super::unroll::{Arenas, Op, Table};
-use super::{ARENAS, WARMUP_STEPS, bad, comm_profile, slot};
+use super::{ARENAS, WARMUP_STEPS, arena_fill, bad, comm_profile, slot};
 use crate::RuntimeError;
 use crate::artifact::{Artifact, StepFeeds, arena_name};
 use crate::backend::KernelTime;
@@ -262,8 +262,7 @@ impl<'a> CudaArtifactTrainer<'a> {
         let mut bytes = [0u64; ARENAS.len()];
         for a in ARENAS {
             let n = artifact.arena_bytes(a);
-            let fill = if a == Arena::Activations { 0xff } else { 0 };
-            let buf = gpu.alloc(n, fill, &format!("the `{}` arena", arena_name(a)))?;
+            let buf = gpu.alloc(n, arena_fill(a), &format!("the `{}` arena", arena_name(a)))?;
             base[slot(a)] = buf.ptr;
             bytes[slot(a)] = n;
             memory.push(buf);
@@ -284,8 +283,15 @@ impl<'a> CudaArtifactTrainer<'a> {
         startup.load_s += t.elapsed().as_secs_f64();
         eprintln!("titan-run: loaded {} kernels from cubins and {} from PTX (JIT) in {:.1} s", code.from_cubin, code.from_ptx, t.elapsed().as_secs_f64());
         let t = Instant::now();
-        if let Some(line) = code.autotune_gemms(&gpu, &first)? {
-            eprintln!("titan-run: {line} in {:.1} s", t.elapsed().as_secs_f64());
+        if let Some(tuned) = code.autotune_gemms(&gpu, &first)? {
+            if tuned.filled {
+                // Back to the arenas' fill patterns (the timing data is no training state).
+                for (a, buf) in ARENAS.into_iter().zip(&memory) {
+                    gpu.memset(buf.ptr, arena_fill(a), buf.bytes as usize, || format!("restoring the `{}` arena after timing GEMMs", arena_name(a)))?;
+                }
+                gpu.sync(|| "restoring the arenas after timing GEMMs".into())?;
+            }
+            eprintln!("titan-run: {} in {:.1} s", tuned.line, t.elapsed().as_secs_f64());
         }
         startup.load_s += t.elapsed().as_secs_f64();
         let usize_of = |x: u64, what: &str| usize::try_from(x).map_err(|_| bad(format!("{what} {x} does not fit this machine")));
