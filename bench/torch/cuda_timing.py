@@ -1,7 +1,10 @@
 """What the GPU benchmarks share: timing a PyTorch callable with CUDA events, and reading
 `titan-run --profile`'s per-kernel table."""
 
+import os
 import re
+import subprocess
+import tempfile
 
 import torch
 
@@ -36,3 +39,69 @@ def parse_titan_profile(stderr):
         elif "time per kernel" in line or "ms/step" in line or "copies and memsets" in line:
             rows.append((line, None, None, 0.0, 0))
     return rows
+
+
+class ClockSampler:
+    """`nvidia-smi` sampling the SM clock, board power and throttle reasons every `ms` while the
+    `with` block runs. The H200 runs a training step at its power cap (docs/notes.md, Runtime),
+    so tok/s moves with the clock; each benchmark row reports what the GPU ran at.
+    `summary()`: median SM MHz, median watts and the fraction of samples with the software power
+    cap active (reason bit 0x4), over the samples taken while busy (above `busy_watts`, which
+    leaves out start-up and compilation); None without nvidia-smi or samples."""
+
+    POWER_CAP = 0x4
+
+    def __init__(self, ms=100, busy_watts=150.0):
+        self.ms, self.busy_watts, self.proc, self.samples = ms, busy_watts, None, []
+
+    def __enter__(self):
+        dev = (os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0]
+        cmd = ["nvidia-smi", "--query-gpu=clocks.sm,power.draw,clocks_throttle_reasons.active", "--format=csv,noheader,nounits",
+               "-lms", str(self.ms), "-i", dev if dev.isdigit() else "0"]
+        # Samples go to a file, not a pipe: a pipe nobody reads fills and stalls nvidia-smi.
+        self.out = tempfile.TemporaryFile(mode="w+")
+        try:
+            self.proc = subprocess.Popen(cmd, stdout=self.out, stderr=subprocess.DEVNULL, text=True)
+        except OSError:
+            self.proc = None
+        return self
+
+    def __exit__(self, *exc):
+        if self.proc is not None:
+            self.proc.terminate()
+            self.proc.wait()
+            self.out.seek(0)
+            self.samples = parse_clock_samples(self.out.read())
+        self.out.close()
+        return False
+
+    def summary(self):
+        busy = [s for s in self.samples if s[1] > self.busy_watts]
+        if not busy:
+            return None
+        mid = len(busy) // 2
+        return dict(sm_mhz=sorted(s[0] for s in busy)[mid], watts=sorted(s[1] for s in busy)[mid],
+                    capped=sum(1 for s in busy if s[2] & ClockSampler.POWER_CAP) / len(busy))
+
+
+def parse_clock_samples(text):
+    """[(SM MHz, watts, throttle reasons)] from `nvidia-smi --format=csv,noheader,nounits` lines
+    of `clocks.sm, power.draw, clocks_throttle_reasons.active`; lines that do not parse (e.g.
+    `[N/A]`) are skipped."""
+    samples = []
+    for line in text.splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) != 3:
+            continue
+        try:
+            samples.append((float(parts[0]), float(parts[1]), int(parts[2], 16)))
+        except ValueError:
+            continue
+    return samples
+
+
+def clock_note(summary):
+    """`SM MHz, W, capped %` columns of a benchmark row ('-' without samples)."""
+    if not summary:
+        return f"{'-':>7} {'-':>5} {'-':>6}"
+    return f"{summary['sm_mhz']:>7.0f} {summary['watts']:>5.0f} {100 * summary['capped']:>5.0f}%"

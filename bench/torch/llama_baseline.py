@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tools"))
 from llama_ref import Llama, LlamaConfig, float8_convert, init_like_titan, rope_tables  # noqa: E402  (the model lives in tools/llama_ref.py)
-from cuda_timing import parse_titan_profile  # noqa: E402
+from cuda_timing import ClockSampler, clock_note, parse_titan_profile  # noqa: E402
 
 PEAK_FLOPS = 989e12
 
@@ -144,9 +144,10 @@ def run_torch(a, compile_blocks, bf16_params, profile=False, ac="none", float8=N
     torch.cuda.synchronize()
     warm = time.perf_counter() - t0
     t0 = time.perf_counter()
-    for _ in range(a.steps):
-        loss = step()
-    torch.cuda.synchronize()
+    with ClockSampler() as clocks:
+        for _ in range(a.steps):
+            loss = step()
+        torch.cuda.synchronize()
     dt = (time.perf_counter() - t0) / a.steps
     tps = a.batch * a.seq / dt
     peak = torch.cuda.max_memory_allocated()
@@ -178,7 +179,7 @@ def run_torch(a, compile_blocks, bf16_params, profile=False, ac="none", float8=N
     del model, opt
     torch.cuda.empty_cache()
     return dict(tps=tps, mfu=tps * flops_per_token(a) / PEAK_FLOPS, peak=peak, warmup_s=warm, loss=float(loss.detach()), kernels=kernels,
-                gemms=gemms if profile else None)
+                gemms=gemms if profile else None, clocks=clocks.summary())
 
 
 def titan_profile(a):
@@ -213,7 +214,8 @@ def run_titan(a):
     steps = a.warmup + a.steps
     cmd = titan_cmd(a, "--steps", str(steps), "--metrics", metrics, "--log-every", "1")
     t0 = time.perf_counter()
-    p = subprocess.run(cmd, capture_output=True, text=True)
+    with ClockSampler() as clocks:  # start-up draws under 150 W: left out of the summary
+        p = subprocess.run(cmd, capture_output=True, text=True)
     wall = time.perf_counter() - t0
     sys.stdout.write(p.stdout[-3000:])
     sys.stderr.write(p.stderr[-3000:])
@@ -224,7 +226,8 @@ def run_titan(a):
     tps = sum(r["tokens_per_s"] for r in timed) / len(timed)
     peak = max((r.get("measured_peak_bytes") or 0) for r in rows) or rows[-1].get("predicted_peak_bytes", 0)
     predicted = max((r.get("predicted_peak_bytes") or 0) for r in rows)
-    return dict(tps=tps, mfu=tps * flops_per_token(a) / PEAK_FLOPS, peak=peak, predicted=predicted, warmup_s=wall, loss=rows[-1]["loss"])
+    return dict(tps=tps, mfu=tps * flops_per_token(a) / PEAK_FLOPS, peak=peak, predicted=predicted, warmup_s=wall, loss=rows[-1]["loss"],
+                clocks=clocks.summary())
 
 
 def main():
@@ -258,12 +261,14 @@ def main():
         results["torch.compile per block, fp32 params + bf16 autocast"] = run_torch(a, True, False, profile=True)
         results["pytorch eager, bf16 params"] = run_torch(a, False, True)
         results["torch.compile per block, bf16 params"] = run_torch(a, True, True)
-    print(f"{'variant':<56} {'tok/s':>10} {'MFU':>7} {'peak GiB':>9} {'warm-up s':>9} {'loss':>8}")
+    print(f"{'variant':<56} {'tok/s':>10} {'MFU':>7} {'peak GiB':>9} {'warm-up s':>9} {'loss':>8} {'SM MHz':>7} {'W':>5} {'capped':>6}")
     for k, r in results.items():
         if r is None:
             print(f"{k:<56} failed")
             continue
-        print(f"{k:<56} {r['tps']:>10.0f} {100 * r['mfu']:>6.1f}% {r['peak'] / 2**30:>9.1f} {r['warmup_s']:>9.1f} {r['loss']:>8.4f}")
+        print(f"{k:<56} {r['tps']:>10.0f} {100 * r['mfu']:>6.1f}% {r['peak'] / 2**30:>9.1f} {r['warmup_s']:>9.1f} {r['loss']:>8.4f} "
+              + clock_note(r.get("clocks")))
+    print("(SM MHz and W: medians of nvidia-smi samples every 100 ms while busy; capped: share of them at the software power cap)")
     if a.only in ("all", "titan") and a.titan_run and a.artifact:
         prof = titan_profile(a)
         if prof:
@@ -312,13 +317,13 @@ def float8_side_by_side(a):
             print(f"# {k}: " + ("failed" if r is None else f"{r['tps']:.0f} tok/s, peak {r['peak'] / 2**30:.2f} GiB, loss {r['loss']:.4f}"), flush=True)
     base = {k: r for k, r in rows if r is not None}
     tb = base.get("titan-run bf16")
-    print(f"{'variant':<62} {'tok/s':>10} {'vs titan bf16':>13} {'MFU':>7} {'peak GiB':>9} {'loss':>8}")
+    print(f"{'variant':<62} {'tok/s':>10} {'vs titan bf16':>13} {'MFU':>7} {'peak GiB':>9} {'loss':>8} {'SM MHz':>7} {'W':>5} {'capped':>6}")
     for k, r in rows:
         if r is None:
             print(f"{k:<62} failed")
             continue
         rel = f"{r['tps'] / tb['tps']:>13.3f}" if tb else f"{'-':>13}"
-        print(f"{k:<62} {r['tps']:>10.0f} {rel} {100 * r['mfu']:>6.1f}% {r['peak'] / 2**30:>9.2f} {r['loss']:>8.4f}")
+        print(f"{k:<62} {r['tps']:>10.0f} {rel} {100 * r['mfu']:>6.1f}% {r['peak'] / 2**30:>9.2f} {r['loss']:>8.4f} " + clock_note(r.get("clocks")))
     for item in a.float8_artifacts.split(","):
         label, path = item.split("=", 1)
         if label == "bf16":
