@@ -151,7 +151,7 @@ def run_torch(a, compile_blocks, bf16_params, profile=False, ac="none", float8=N
     dt = (time.perf_counter() - t0) / a.steps
     tps = a.batch * a.seq / dt
     peak = torch.cuda.max_memory_allocated()
-    kernels = None
+    kernels = gemms = None
     if profile:
         from torch.profiler import ProfilerActivity
         from torch.profiler import profile as torch_profile
@@ -164,8 +164,7 @@ def run_torch(a, compile_blocks, bf16_params, profile=False, ac="none", float8=N
             us = getattr(e, "device_time_total", None)
             return (us if us is not None else getattr(e, "cuda_time_total", 0.0)) / 1e3
 
-        kernels = []
-        gemms = []
+        kernels, gemms = [], []
         for e in prof.key_averages():
             # The kernels themselves (an op's device time is its kernels': counted once, here).
             # (Ranges such as "## Call CompiledFxGraph ##" carry device time too: not kernels.)
@@ -179,7 +178,7 @@ def run_torch(a, compile_blocks, bf16_params, profile=False, ac="none", float8=N
     del model, opt
     torch.cuda.empty_cache()
     return dict(tps=tps, mfu=tps * flops_per_token(a) / PEAK_FLOPS, peak=peak, warmup_s=warm, loss=float(loss.detach()), kernels=kernels,
-                gemms=gemms if profile else None, clocks=clocks.summary())
+                gemms=gemms, clocks=clocks.summary())
 
 
 def titan_profile(a):
