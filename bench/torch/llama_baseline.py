@@ -2,8 +2,9 @@
 
 Runs, in ONE process on the GPU machine, a PyTorch Llama-3 written to match titan's model
 (tools/llama_ref.py: HF rotate-half RoPE, HF-order RMSNorm, SwiGLU, GQA, an untied or tied head, AdamW) on
-random tokens, then, on uniform random tokens too (a u32 token file),
-`titan-run ARTIFACT --backend cuda --metrics`, and prints tok/s, MFU and peak memory side by side,
+uniform random tokens (a fresh batch each step), then, on uniform random tokens too (a u32 token
+file), `titan-run ARTIFACT --backend cuda --metrics`, and prints tok/s (of the median timed step
+on both sides), MFU and peak memory side by side,
 then where the time goes: titan-run's per-kernel profile (`--profile`, top 10 with their share,
 GB/s and TFLOP/s) and torch.compile's (torch.profiler over one step, top 10 CUDA kernels), with
 both grouped into attention / GEMM / optimizer / other.
@@ -19,6 +20,7 @@ usage: python3 llama_baseline.py --dim 4096 --n-layers 4 --n-heads 32 --n-kv-hea
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -125,13 +127,20 @@ def run_torch(a, compile_blocks, bf16_params, profile=False, ac="none", float8=N
             model.layers[i] = torch.compile(blk)
     opt = torch.optim.AdamW(model.parameters(), lr=8e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fused=True)
     cos, sin = rope_tables(a.seq, a.dim // a.n_heads, a.rope_theta, dev)
-    tokens = torch.randint(0, a.vocab, (a.batch, a.seq), device=dev)
-    targets = torch.randint(0, a.vocab, (a.batch, a.seq), device=dev)
+    # A fresh batch every step, as titan-run reads its token file: repeating one batch lets the
+    # model memorize it (loss ~6 by step 13 on 8b-4l), and a memorizing model's activations and
+    # gradients are not the workload titan runs (under the power cap, values move the clock).
+    batches = a.warmup + a.steps + 1
+    tokens = torch.randint(0, a.vocab, (batches, a.batch, a.seq), device=dev)
+    targets = torch.randint(0, a.vocab, (batches, a.batch, a.seq), device=dev)
     torch.cuda.reset_peak_memory_stats()
+    drawn = [0]
 
     def step():
+        i = drawn[0] % batches
+        drawn[0] += 1
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=not bf16_params):
-            loss = model(tokens, targets, cos, sin)
+            loss = model(tokens[i], targets[i], cos, sin)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -143,12 +152,16 @@ def run_torch(a, compile_blocks, bf16_params, profile=False, ac="none", float8=N
         step()
     torch.cuda.synchronize()
     warm = time.perf_counter() - t0
-    t0 = time.perf_counter()
+    # An event between steps (no host sync, so the queue stays ahead as in training); tok/s from
+    # the median step, as titan's side, so one step's host stall does not move the row.
+    marks = [torch.cuda.Event(enable_timing=True) for _ in range(a.steps + 1)]
     with ClockSampler() as clocks:
-        for _ in range(a.steps):
+        marks[0].record()
+        for k in range(a.steps):
             loss = step()
+            marks[k + 1].record()
         torch.cuda.synchronize()
-    dt = (time.perf_counter() - t0) / a.steps
+    dt = statistics.median(marks[k].elapsed_time(marks[k + 1]) for k in range(a.steps)) / 1e3
     tps = a.batch * a.seq / dt
     peak = torch.cuda.max_memory_allocated()
     kernels = gemms = None
@@ -222,7 +235,7 @@ def run_titan(a):
         return None
     rows = [json.loads(l) for l in open(metrics)]
     timed = rows[a.warmup:]
-    tps = sum(r["tokens_per_s"] for r in timed) / len(timed)
+    tps = statistics.median(r["tokens_per_s"] for r in timed)
     peak = max((r.get("measured_peak_bytes") or 0) for r in rows) or rows[-1].get("predicted_peak_bytes", 0)
     predicted = max((r.get("predicted_peak_bytes") or 0) for r in rows)
     return dict(tps=tps, mfu=tps * flops_per_token(a) / PEAK_FLOPS, peak=peak, predicted=predicted, warmup_s=wall, loss=rows[-1]["loss"],
@@ -267,7 +280,7 @@ def main():
             continue
         print(f"{k:<56} {r['tps']:>10.0f} {100 * r['mfu']:>6.1f}% {r['peak'] / 2**30:>9.1f} {r['warmup_s']:>9.1f} {r['loss']:>8.4f} "
               + clock_note(r.get("clocks")))
-    print("(SM MHz and W: medians of nvidia-smi samples every 100 ms while busy; capped: share of them at the software power cap)")
+    print("(tok/s of the median timed step; SM MHz and W: medians of nvidia-smi samples every 100 ms while busy; capped: share of them at the software power cap)")
     if a.only in ("all", "titan") and a.titan_run and a.artifact:
         prof = titan_profile(a)
         if prof:
