@@ -23,6 +23,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 import torch
@@ -219,6 +220,15 @@ def titan_cmd(a, *extra):
     return [a.titan_run, a.artifact, "--backend", "cuda", "--data", random_tokens(a), "--data-format", "u32", *extra]
 
 
+def metrics_lines(path):
+    """Complete lines in titan-run's metrics file so far (0 before it exists)."""
+    try:
+        with open(path) as f:
+            return f.read().count("\n")
+    except OSError:
+        return 0
+
+
 def run_titan(a):
     metrics = "/tmp/titan_metrics.jsonl"
     if os.path.exists(metrics):
@@ -226,11 +236,24 @@ def run_titan(a):
     steps = a.warmup + a.steps
     cmd = titan_cmd(a, "--steps", str(steps), "--metrics", metrics, "--log-every", "1")
     t0 = time.perf_counter()
-    with ClockSampler() as clocks:  # start-up draws under 150 W: left out of the summary
-        p = subprocess.run(cmd, capture_output=True, text=True)
+    out, err = tempfile.TemporaryFile(mode="w+"), tempfile.TemporaryFile(mode="w+")
+    p = subprocess.Popen(cmd, stdout=out, stderr=err, text=True)
+    # The clock samples cover the timed steps only, as on the PyTorch side: the sampler starts
+    # once the last warm-up step's metrics line is written (start-up, GEMM timing and warm-up
+    # left out) and stops when titan-run exits.
+    clocks, sampling = ClockSampler(), False
+    while p.poll() is None:
+        if not sampling and metrics_lines(metrics) >= a.warmup:
+            clocks.__enter__()
+            sampling = True
+        time.sleep(0.01)
+    if sampling:
+        clocks.__exit__(None, None, None)
     wall = time.perf_counter() - t0
-    sys.stdout.write(p.stdout[-3000:])
-    sys.stderr.write(p.stderr[-3000:])
+    for f, dst in ((out, sys.stdout), (err, sys.stderr)):
+        f.seek(0)
+        dst.write(f.read()[-3000:])
+        f.close()
     if p.returncode != 0:
         return None
     rows = [json.loads(l) for l in open(metrics)]
