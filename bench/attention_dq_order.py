@@ -40,7 +40,7 @@ def makespan(durations, slots):
 
 
 def orders(seq, groups, heads_per_kv, key_tile=64, query_tile=32):
-    """(ideal per slot, {order name: durations in block order}) for causal attention."""
+    """{order name: CTA durations in block order} for causal attention."""
     nk, nq = seq // key_tile, seq // query_tile
     per_key = key_tile // query_tile  # query tiles before key tile 1's diagonal
 

@@ -43,7 +43,7 @@ def parse_titan_profile(stderr):
 
 class ClockSampler:
     """`nvidia-smi` sampling the SM clock, board power and throttle reasons every `ms` while the
-    `with` block runs. The H200 runs a training step at its power cap (docs/notes.md, Runtime),
+    `with` block runs (or between `start()` and `stop()`). The H200 runs a training step at its power cap (docs/notes.md, Runtime),
     so tok/s moves with the clock; each benchmark row reports what the GPU ran at.
     `summary()`: median SM MHz, median watts and the fraction of samples with the software power
     cap active (reason bit 0x4), over the samples taken while busy (above `busy_watts`, which
@@ -52,9 +52,14 @@ class ClockSampler:
     POWER_CAP = 0x4
 
     def __init__(self, ms=100, busy_watts=150.0):
-        self.ms, self.busy_watts, self.proc, self.samples = ms, busy_watts, None, []
+        self.ms, self.busy_watts, self.proc, self.out, self.samples = ms, busy_watts, None, None, []
 
-    def __enter__(self):
+    @property
+    def started(self):
+        return self.out is not None
+
+    def start(self):
+        """Start sampling (also `with`); without nvidia-smi there will be no samples."""
         dev = (os.environ.get("CUDA_VISIBLE_DEVICES") or "0").split(",")[0]
         cmd = ["nvidia-smi", "--query-gpu=clocks.sm,power.draw,clocks_throttle_reasons.active", "--format=csv,noheader,nounits",
                "-lms", str(self.ms), "-i", dev if dev.isdigit() else "0"]
@@ -64,15 +69,24 @@ class ClockSampler:
             self.proc = subprocess.Popen(cmd, stdout=self.out, stderr=subprocess.DEVNULL, text=True)
         except OSError:
             self.proc = None
-        return self
 
-    def __exit__(self, *exc):
+    def stop(self):
+        """Stop sampling and read the samples; nothing to do if never started."""
         if self.proc is not None:
             self.proc.terminate()
             self.proc.wait()
             self.out.seek(0)
             self.samples = parse_clock_samples(self.out.read())
-        self.out.close()
+            self.proc = None
+        if self.out is not None:
+            self.out.close()
+
+    def __enter__(self):
+        self.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
         return False
 
     def summary(self):

@@ -135,11 +135,8 @@ def run_torch(a, compile_blocks, bf16_params, profile=False, ac="none", float8=N
     tokens = torch.randint(0, a.vocab, (batches, a.batch, a.seq), device=dev)
     targets = torch.randint(0, a.vocab, (batches, a.batch, a.seq), device=dev)
     torch.cuda.reset_peak_memory_stats()
-    drawn = [0]
 
-    def step():
-        i = drawn[0] % batches
-        drawn[0] += 1
+    def step(i):
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=not bf16_params):
             loss = model(tokens[i], targets[i], cos, sin)
         loss.backward()
@@ -149,8 +146,8 @@ def run_torch(a, compile_blocks, bf16_params, profile=False, ac="none", float8=N
         return loss
 
     t0 = time.perf_counter()
-    for _ in range(a.warmup):
-        step()
+    for i in range(a.warmup):
+        step(i)
     torch.cuda.synchronize()
     warm = time.perf_counter() - t0
     # An event between steps (no host sync, so the queue stays ahead as in training); tok/s from
@@ -159,7 +156,7 @@ def run_torch(a, compile_blocks, bf16_params, profile=False, ac="none", float8=N
     with ClockSampler() as clocks:
         marks[0].record()
         for k in range(a.steps):
-            loss = step()
+            loss = step(a.warmup + k)
             marks[k + 1].record()
         torch.cuda.synchronize()
     dt = statistics.median(marks[k].elapsed_time(marks[k + 1]) for k in range(a.steps)) / 1e3
@@ -171,7 +168,7 @@ def run_torch(a, compile_blocks, bf16_params, profile=False, ac="none", float8=N
         from torch.profiler import profile as torch_profile
 
         with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
-            step()
+            step(batches - 1)
             torch.cuda.synchronize()
 
         def device_ms(e):
@@ -241,14 +238,12 @@ def run_titan(a):
     # The clock samples cover the timed steps only, as on the PyTorch side: the sampler starts
     # once the last warm-up step's metrics line is written (start-up, GEMM timing and warm-up
     # left out) and stops when titan-run exits.
-    clocks, sampling = ClockSampler(), False
+    clocks = ClockSampler()
     while p.poll() is None:
-        if not sampling and metrics_lines(metrics) >= a.warmup:
-            clocks.__enter__()
-            sampling = True
+        if not clocks.started and metrics_lines(metrics) >= a.warmup:
+            clocks.start()
         time.sleep(0.01)
-    if sampling:
-        clocks.__exit__(None, None, None)
+    clocks.stop()
     wall = time.perf_counter() - t0
     for f, dst in ((out, sys.stdout), (err, sys.stderr)):
         f.seek(0)
