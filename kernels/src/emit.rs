@@ -587,6 +587,16 @@ impl Func {
     }
 
     /// A device-scope acquire-release fence (`fence.acq_rel.gpu`).
+    /// `cp.async.bulk.prefetch.L2`: start bringing `bytes` (a multiple of 16, `ptr` 16-byte
+    /// aligned) of global memory into L2 without waiting for it or using registers.
+    pub(crate) fn prefetch_l2(&mut self, ptr: Val, bytes: Val) {
+        debug_assert_eq!(bytes.ty, Ty::S(Elem::I32));
+        self.line(&format!(
+            "llvm.inline_asm has_side_effects \"cp.async.bulk.prefetch.L2.global [$0], $1;\", \"l,r\" {ptr}, {bytes} : ({}, i32) -> ()",
+            ptr.ty.mlir()
+        ));
+    }
+
     pub(crate) fn fence(&mut self) {
         self.line("llvm.fence syncscope(\"device\") acq_rel");
     }

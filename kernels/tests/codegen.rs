@@ -333,7 +333,8 @@ fn colmax_cases(g: &mut Graph) -> Vec<(&'static str, BlockId, (f64, f64))> {
         ("colmax_elem_200x264", colmax_body(g, "colmax_elem", &[200, 264], true), (-8.0, 8.0)),
         ("colmax_head_48x128256", colmax_body(g, "colmax_head", &[48, 128256], false), (-2.0, 2.0)),
         // A row kernel holding a column amax next to its row quantization: more rows than the
-        // grid (1100 > 1056 CTAs), so CTAs visit several rows, and 33 groups of CTA partials.
+        // grid (1100 > 264 CTAs), so CTAs visit several rows (prefetching the next), and 9 groups
+        // of CTA partials, the last one partial.
         ("row_quant_colmax_1100x4096", row_quant_body(g, "rq_colmax", 1100, 4096, false, true), (-6.0, 6.0)),
         // SwiGLU's 14336-wide rows with their row quantization: looped by 448-thread CTAs, two
         // per SM, the quantizing pass reading back the stored product.
@@ -1416,6 +1417,15 @@ fn perf_manifest(dir: &std::path::Path) -> String {
         (
             "perf_rmsnorm_bwd_add",
             body(&mut g, "p_norm_bwd", &[bf16(&[t, d]), bf16(&[d]), bf16(&[t, d]), bf16(&[t, d])], |b, a| {
+                let r = b.push(Op::RmsNormBwd { eps: 1e-5 }, &[a[0], a[1], a[2]]).expect("rmsnorm_bwd");
+                vec![push(b, Op::Binary(BinaryOp::Add), &[a[3], r[0]]), r[1]]
+            }),
+            KernelKind::Fused,
+            1,
+        ),
+        (
+            "perf_rmsnorm_bwd_add_1b",
+            body(&mut g, "p_norm_bwd_1b", &[bf16(&[8192, 2048]), bf16(&[2048]), bf16(&[8192, 2048]), bf16(&[8192, 2048])], |b, a| {
                 let r = b.push(Op::RmsNormBwd { eps: 1e-5 }, &[a[0], a[1], a[2]]).expect("rmsnorm_bwd");
                 vec![push(b, Op::Binary(BinaryOp::Add), &[a[3], r[0]]), r[1]]
             }),

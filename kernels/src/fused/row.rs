@@ -14,8 +14,14 @@ use crate::emit::{Elem, FCmp, Func, ICmp, Ty, Val};
 use crate::values::{Body, Eval, Lay, Pos, RopeRow, RowKey, rope_freqs, storage};
 use crate::{GenResult, Generated, invalid, math, unsupported};
 
-/// Grid cap of kernels with cross-block sums (bounds the workspace: one partial per CTA).
-const ACC_GRID_CAP: u64 = 1056;
+/// Grid cap of kernels with cross-block sums: one wave of two CTAs on each of the H200's 132 SMs
+/// (also bounds the workspace: one partial per CTA). Each CTA loops over its rows, prefetching
+/// the next one into L2 ([`prefetch_rows`]). The rmsnorm backward with `dw` (bf16, 16384 x 4096,
+/// 256 threads; 8192 x 2048, 128 threads) took 262-266 / 93-98 us at the old 1056 (8 per SM:
+/// partial waves, more partials to fold), 211-220 / 89-90 at 264 without the prefetch and
+/// 179-185 / 64-65 with it; with the prefetch, 132 CTAs took 204-205 / 90, 396 took 210 / 65
+/// and prefetching two rows ahead 198-204 / 65 (`gpu_check.py perf`, H200, 2026-12-03).
+const ACC_GRID_CAP: u64 = 264;
 /// Work items a thread holds in registers across passes.
 const UNROLL_MAX: u64 = 4;
 const MAX_BLOCK: u64 = 1024;
@@ -642,6 +648,19 @@ impl<'g> RowGen<'_, '_, 'g> {
     }
 }
 
+/// The arguments a row kernel reads one full row of per row (`[rows, d]`, per element), as
+/// (pointer, storage, bytes per row), where a row is a whole number of 16-byte units: the
+/// kernel ABI then aligns the tensor to 16 bytes, as `cp.async.bulk.prefetch` needs.
+fn prefetch_rows(b: &Body, a: &Analysis, ev: &Eval) -> Vec<(Val, Elem, u64)> {
+    b.r.args
+        .iter()
+        .enumerate()
+        .filter(|(_, arg)| a.lay[arg.value.index()] == Lay::Elem && b.numel(arg.value) == a.rows * a.d)
+        .filter_map(|(i, arg)| storage(b.dtype(arg.value)).ok().map(|st| (ev.args[i], st, a.d * u64::from(st.bytes()))))
+        .filter(|&(_, _, bytes)| bytes % 16 == 0 && bytes < 1 << 31)
+        .collect()
+}
+
 pub(super) fn gen_rows(b: &Body, a: &Analysis, entry: &str) -> GenResult<Generated> {
     let geo = row_geometry(a)?;
     let has_cacc = a.accs.iter().any(|x| x.col);
@@ -654,9 +673,7 @@ pub(super) fn gen_rows(b: &Body, a: &Analysis, entry: &str) -> GenResult<Generat
     if a.rows > i32::MAX as u64 {
         return unsupported(format!("{} rows exceed the grid limit", a.rows));
     }
-    // Looped (vocabulary-long) rows use 1024-thread CTAs: fewer of them keep every SM busy.
-    let cap = if geo.unrolled { ACC_GRID_CAP } else { ACC_GRID_CAP / 4 };
-    let grid = if a.accs.is_empty() { a.rows } else { a.rows.min(cap) };
+    let grid = if a.accs.is_empty() { a.rows } else { a.rows.min(ACC_GRID_CAP) };
     let ws_bytes = workspace_bytes(a, grid, a.d);
     let Top { mut f, ev, p, tid, bid, is_t0 } = kernel_top(b, a, ws_bytes > 0)?;
     if !geo.unrolled && geo.threads <= WIDE_BLOCK {
@@ -683,7 +700,25 @@ pub(super) fn gen_rows(b: &Body, a: &Analysis, entry: &str) -> GenResult<Generat
     }
     let rows = f.i64c(a.rows as i64);
     let gstep = f.i64c(grid as i64);
+    // Unrolled rows: the next row's arguments stream into L2 while this one is reduced (looped,
+    // vocabulary-long rows already keep LOOP_UNROLL chunks of loads in flight).
+    let next_rows = if rg.geo.unrolled && grid < a.rows { prefetch_rows(b, a, &rg.ev) } else { Vec::new() };
+    let t0 = rg.is_t0;
     let carried = f.try_for_loop(bid64, rows, gstep, &init, |f, row, st| {
+        if !next_rows.is_empty() {
+            let next = f.addi(row, gstep);
+            let inside = f.cmpi(ICmp::Slt, next, rows);
+            let go = f.andi(inside, t0);
+            let dd = f.i64c(a.d as i64);
+            let at = f.muli(next, dd);
+            f.if_then(go, |f| {
+                for &(base, st, bytes) in &next_rows {
+                    let ptr = f.gep(base, at, st);
+                    let n = f.i32c(bytes as i64);
+                    f.prefetch_l2(ptr, n);
+                }
+            });
+        }
         let mut sacc: Vec<Vec<Val>> = st[..n_s].iter().map(|&x| vec![x]).collect();
         let mut cacc: Vec<Vec<Val>> = (0..cacc_ops.len()).map(|i| st[n_s + i * chunks..n_s + (i + 1) * chunks].to_vec()).collect();
         rg.row(f, row, max_level, grid, &mut sacc, &mut cacc)?;
