@@ -18,8 +18,8 @@ use crate::{GenResult, Generated, invalid, math, unsupported};
 /// (also bounds the workspace: one partial per CTA). Each CTA loops over its rows, prefetching
 /// the next one into L2 ([`prefetch_rows`]). The rmsnorm backward with `dw` (bf16, 16384 x 4096,
 /// 256 threads; 8192 x 2048, 128 threads) took 262-266 / 93-98 us at the old 1056 (8 per SM:
-/// partial waves, more partials to fold), 211-220 / 89-90 at 264 without the prefetch and
-/// 179-185 / 64-65 with it; with the prefetch, 132 CTAs took 204-205 / 90, 396 took 210 / 65
+/// partial waves, more partials to fold), 211-220 / 89-91 at 264 without the prefetch and
+/// 177-185 / 64-66 with it; with the prefetch, 132 CTAs took 204-205 / 90, 396 took 210 / 65
 /// and prefetching two rows ahead 198-204 / 65 (`gpu_check.py perf`, H200, 2026-12-03).
 const ACC_GRID_CAP: u64 = 264;
 /// Work items a thread holds in registers across passes.
