@@ -4,7 +4,8 @@ gpu_reference_dump` on a GPU and compare them with the reference interpreter's o
 
 Usage: python3 kernels/tests/gpu_check.py <dir> [perf]   (needs only the CUDA driver, libcuda.so.1)
 `perf` times the kernels of <dir>/perf.json on device-filled inputs instead (TFLOP/s for cases
-with `flops`). `TITAN_GPU_ONLY=<substring>` restricts both modes to the matching case names.
+with `flops`; float inputs all 1.0, or standard normal with `TITAN_GPU_RANDOM=1`).
+`TITAN_GPU_ONLY=<substring>` restricts both modes to the matching case names.
 
 Each kernel runs twice on the same inputs with one zeroed workspace: the second run checks
 that the kernel left the workspace zeroed (unless it is `scratch`, then it is poisoned before each
@@ -219,14 +220,16 @@ def launch(c, fns, params):
 
 def perf(d):
     """Time kernels listed in perf.json on device-filled inputs; print achieved bandwidth."""
-    for c, t in timed(d, lambda name: ONLY in name):
+    for c, t in timed(d, lambda name: ONLY in name, random_floats=os.environ.get("TITAN_GPU_RANDOM") == "1"):
         rate = f"{c['flops'] / (t * 1e-3) / 1e12:.0f} TFLOP/s" if "flops" in c else f"{c['bytes'] / (t * 1e-3) / 1e9:.0f} GB/s"
         print(f"{c['name']}: {t*1e3:.1f} us, {rate} (grid {c['grid']}, block {c['block']})", flush=True)
 
 
-def timed(d, keep, iters=20):
+def timed(d, keep, iters=20, random_floats=False):
     """Yield (case, ms per launch) for each case of `d`/perf.json whose name `keep` accepts: three
-    warm-up launches, then the mean of `iters` timed by CUDA events."""
+    warm-up launches, then the mean of `iters` timed by CUDA events. Float inputs are all 1.0, or
+    with `random_floats` standard normal (numpy): compute-bound kernels run slower on random bits
+    (more power, a lower clock), so timings to compare with PyTorch's on `randn` need them."""
     import random
 
     cases = [c for c in json.load(open(os.path.join(d, "perf.json"))) if keep(c["name"])]
@@ -256,6 +259,12 @@ def timed(d, keep, iters=20):
             if "int_hi" in a:
                 vals = [rng.randrange(a["int_hi"]) for _ in range(a["numel"])]
                 raw = struct.pack(f"<{len(vals)}i", *vals)
+                check(cu.cuMemcpyHtoD_v2(p, raw, len(raw)), "h2d")
+            elif random_floats and a["dtype"] in ("bf16", "f16", "f32"):
+                import numpy as np
+
+                x = np.random.default_rng(len(ptrs)).standard_normal(a["numel"], dtype=np.float32)
+                raw = {"f32": lambda: x, "f16": lambda: x.astype(np.float16), "bf16": lambda: (x.view(np.uint32) >> 16).astype(np.uint16)}[a["dtype"]]().tobytes()
                 check(cu.cuMemcpyHtoD_v2(p, raw, len(raw)), "h2d")
             elif a["dtype"] in ("bf16", "f16"):
                 check(cu.cuMemsetD16_v2(p, 0x3C00, a["numel"]), "fill")
