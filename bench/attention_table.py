@@ -7,7 +7,7 @@ Shapes: causal, 8192 tokens per launch (batch 4 x seq 2048, 2 x 4096, 1 x 8192),
 kernels come from a perf dump (`TITAN_GPU_DUMP=DIR cargo test --release -p titan-kernels --test
 codegen gpu_reference_dump`: the `perf_attention_*` cases), timed as `kernels/tests/gpu_check.py
 DIR perf` times them (3 warm-up launches, mean of 20, CUDA events; the backward includes its dQ
-prologue launch; the forward on standard normal inputs, see `titan_times`). PyTorch runs SDPA
+prologue launch; on standard normal inputs, see `titan_times`). PyTorch runs SDPA
 on `[b, h, s, d]` views of `[b, s, h, d]` tensors with
 `enable_gqa=True`, as `tools/llama_ref.py` calls it in the step; its backward is timed alone
 (`torch.autograd.grad` of a saved forward). TFLOP/s count the causal matmul flops: forward
@@ -41,22 +41,48 @@ def flops(shape):
 
 
 def titan_times(dump):
-    """{case name: ms per launch} of titan's attention perf cases: the forward on standard normal
-    q, k, v like SDPA's (a kernel's speed depends on its inputs' bits through power and clock: the
+    """{case name: ms per launch} of titan's attention perf cases on inputs like SDPA's: standard
+    normal q, k, v (and dout), the backward's `out` and `lse` computed from them by PyTorch in
+    f32 (`bwd_inputs`). A kernel's speed depends on its inputs' bits through power and clock: the
     H200 ran the seq 8192, head_dim 128 forward at 544 TFLOP/s on gpu_check's all-ones fill and
-    at 528-529 on these, 2026-12-03), the backward still on the constant fill (its o and lse
-    inputs would have to come from a forward of the same q, k, v)."""
+    at 528-529 on normal inputs (2026-12-03)."""
     import gpu_check
 
     fwd = {case_names(sh)[0] for sh in SHAPES}
-    bwd = {case_names(sh)[1] for sh in SHAPES}
-    wanted = fwd | bwd
+    bwd = {case_names(sh)[1]: sh for sh in SHAPES}
+    wanted = fwd | set(bwd)
     got = {c["name"]: ms for c, ms in gpu_check.timed(dump, lambda name: name in fwd, random_floats=True)}
-    got.update({c["name"]: ms for c, ms in gpu_check.timed(dump, lambda name: name in bwd)})
+    for name, sh in bwd.items():
+        args = bwd_inputs(sh)
+        got.update({c["name"]: ms for c, ms in gpu_check.timed(dump, lambda n, name=name: n == name, inputs=lambda c, args=args: args)})
     missing = sorted(wanted - set(got))
     if missing:
         sys.exit(f"attention_table: {dump}/perf.json lacks {missing}; regenerate the dump with this checkout's codegen tests")
     return got
+
+
+def bwd_inputs(shape, seed=0):
+    """The bytes of titan's attention backward arguments `(q, k, v, out, lse, dout)` for `shape`:
+    standard normal bf16 q, k, v, dout (`[b, s, h, d]`), and the causal forward's `out` (bf16) and
+    natural-log `lse` (f32, `[b, hq, s]`) from them, computed per head in f32 by PyTorch."""
+    import torch
+
+    b, s, hq, hkv, d = shape
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(seed)
+    q, k, v, do = (torch.randn(b, s, h, d, device=dev, generator=g).to(torch.bfloat16) for h in (hq, hkv, hkv, hq))
+    out = torch.empty_like(q)
+    lse = torch.empty(b, hq, s, device=dev, dtype=torch.float32)
+    causal = torch.ones(s, s, device=dev, dtype=torch.bool).tril()
+    for bi in range(b):
+        for h in range(hq):
+            kv = h // (hq // hkv)
+            sc = (q[bi, :, h].float() @ k[bi, :, kv].float().T) / d**0.5
+            sc = sc.masked_fill(~causal, float("-inf"))
+            lse[bi, h] = torch.logsumexp(sc, dim=-1)
+            out[bi, :, h] = (torch.exp(sc - lse[bi, h, :, None]) @ v[bi, :, kv].float()).to(torch.bfloat16)
+    raw = lambda t: t.contiguous().view(torch.uint8).cpu().numpy().tobytes()  # noqa: E731
+    return [raw(t) for t in (q, k, v, out, lse, do)]
 
 
 def sdpa_times(shape, iters=20):

@@ -124,6 +124,7 @@ def main(d):
             ok_all = False
             continue
         fns = loader(c, mod)
+        given = inputs(c) if inputs else None
         ptrs = []
         for a in c["args"]:
             raw = open(os.path.join(d, a["file"]), "rb").read()
@@ -225,11 +226,13 @@ def perf(d):
         print(f"{c['name']}: {t*1e3:.1f} us, {rate} (grid {c['grid']}, block {c['block']})", flush=True)
 
 
-def timed(d, keep, iters=20, random_floats=False):
+def timed(d, keep, iters=20, random_floats=False, inputs=None):
     """Yield (case, ms per launch) for each case of `d`/perf.json whose name `keep` accepts: three
     warm-up launches, then the mean of `iters` timed by CUDA events. Float inputs are all 1.0, or
     with `random_floats` standard normal (numpy): compute-bound kernels run slower on random bits
-    (more power, a lower clock), so timings to compare with PyTorch's on `randn` need them."""
+    (more power, a lower clock), so timings to compare with PyTorch's on `randn` need them.
+    `inputs(case)`, if given, may return the bytes of every argument instead (a list in
+    argument order, or None for the fills above)."""
     import random
 
     cases = [c for c in json.load(open(os.path.join(d, "perf.json"))) if keep(c["name"])]
@@ -245,6 +248,7 @@ def timed(d, keep, iters=20, random_floats=False):
         mod = ctypes.c_void_p()
         check(cu.cuModuleLoadData(ctypes.byref(mod), ctypes.c_char_p(ptx)), "load " + c["name"])
         fns = loader(c, mod)
+        given = inputs(c) if inputs else None
         ptrs = []
         # `alias`: {"<output index>": <argument index>}: that output is written in place over
         # the argument (as the step's optimizer updates its states), not to a buffer of its own.
@@ -256,7 +260,10 @@ def timed(d, keep, iters=20, random_floats=False):
             nbytes = a["numel"] * SIZES[a["dtype"]]
             p = ctypes.c_uint64()
             check(cu.cuMemAlloc_v2(ctypes.byref(p), max(nbytes, 16)), "alloc")
-            if "int_hi" in a:
+            if given is not None and ai < len(given):
+                assert len(given[ai]) == nbytes, f"{c['name']}: argument {ai} is {len(given[ai])} bytes, not {nbytes}"
+                check(cu.cuMemcpyHtoD_v2(p, given[ai], nbytes), "h2d")
+            elif "int_hi" in a:
                 vals = [rng.randrange(a["int_hi"]) for _ in range(a["numel"])]
                 raw = struct.pack(f"<{len(vals)}i", *vals)
                 check(cu.cuMemcpyHtoD_v2(p, raw, len(raw)), "h2d")
