@@ -586,7 +586,6 @@ impl Func {
         self.op(Ty::S(Elem::I32), &format!("llvm.atomicrmw add {ptr}, {v} monotonic : {}, i32", ptr.ty.mlir()))
     }
 
-    /// A device-scope acquire-release fence (`fence.acq_rel.gpu`).
     /// `cp.async.bulk.prefetch.L2`: start bringing `bytes` (a multiple of 16, `ptr` 16-byte
     /// aligned) of global memory into L2 without waiting for it or using registers.
     pub(crate) fn prefetch_l2(&mut self, ptr: Val, bytes: Val) {
@@ -597,6 +596,7 @@ impl Func {
         ));
     }
 
+    /// A device-scope acquire-release fence (`fence.acq_rel.gpu`).
     pub(crate) fn fence(&mut self) {
         self.line("llvm.fence syncscope(\"device\") acq_rel");
     }

@@ -138,6 +138,28 @@ fn column_amax_of_any_width_is_a_column_kernel() {
     assert_eq!(k.workspace_bytes, 4 * (16 + 32 * 4096));
 }
 
+/// A row kernel with column sums (rmsnorm's backward with `dw`) over more rows than one wave
+/// runs 264 CTAs, two per SM, each bulk-prefetching its next row of every row-shaped argument
+/// into L2 (`x` and `dy`, not the weight); over fewer rows it runs one CTA per row and
+/// prefetches nothing.
+#[test]
+fn row_kernels_with_cross_block_sums_run_one_wave_and_prefetch_the_next_row() {
+    let mut g = graph();
+    let norm_bwd = |g: &mut Graph, name: &str, rows: u64| {
+        body(g, name, &[bf16(&[rows, 2048]), bf16(&[2048]), bf16(&[rows, 2048])], |b, a| {
+            b.push(Op::RmsNormBwd { eps: 1e-5 }, &[a[0], a[1], a[2]]).expect("rmsnorm_bwd")
+        })
+    };
+    let id = norm_bwd(&mut g, "norm_bwd_8192", 8192);
+    let k = compile(&g, id, KernelKind::Fused, "layer_bwd.k7_rmsnorm_bwd");
+    assert_eq!(k.launch.grid, [264, 1, 1]);
+    assert_eq!(k.ptx.matches("cp.async.bulk.prefetch.L2.global").count(), 2, "{}", k.ptx);
+    let id = norm_bwd(&mut g, "norm_bwd_200", 200);
+    let k = compile(&g, id, KernelKind::Fused, "layer_bwd.k7_rmsnorm_bwd");
+    assert_eq!(k.launch.grid, [200, 1, 1]);
+    assert!(!k.ptx.contains("cp.async.bulk.prefetch"));
+}
+
 /// The cross entropy of an output head over the vocabulary, its gradient and, with `quant`, the
 /// gradient's float8 row quantization (float8 rowwise's head).
 fn ce_head_body(g: &mut Graph, name: &str, rows: u64, quant: bool) -> BlockId {
