@@ -129,7 +129,7 @@ def run_torch(a, compile_blocks, bf16_params, profile=False, ac="none", float8=N
     opt = torch.optim.AdamW(model.parameters(), lr=8e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fused=True)
     cos, sin = rope_tables(a.seq, a.dim // a.n_heads, a.rope_theta, dev)
     # A fresh batch every step, as titan-run reads its token file: repeating one batch lets the
-    # model memorize it (loss ~6 by step 13 on 8b-4l), and a memorizing model's activations and
+    # model memorize it (loss 6.4-7.9 by step 13, session 12), and a memorizing model's activations and
     # gradients are not the workload titan runs (under the power cap, values move the clock).
     batches = a.warmup + a.steps + 1
     tokens = torch.randint(0, a.vocab, (batches, a.batch, a.seq), device=dev)

@@ -124,7 +124,6 @@ def main(d):
             ok_all = False
             continue
         fns = loader(c, mod)
-        given = inputs(c) if inputs else None
         ptrs = []
         for a in c["args"]:
             raw = open(os.path.join(d, a["file"]), "rb").read()
@@ -271,8 +270,11 @@ def timed(d, keep, iters=20, random_floats=False, inputs=None):
                 import numpy as np
 
                 x = np.random.default_rng(len(ptrs)).standard_normal(a["numel"], dtype=np.float32)
-                raw = {"f32": lambda: x, "f16": lambda: x.astype(np.float16), "bf16": lambda: (x.view(np.uint32) >> 16).astype(np.uint16)}[a["dtype"]]().tobytes()
-                check(cu.cuMemcpyHtoD_v2(p, raw, len(raw)), "h2d")
+                if a["dtype"] == "bf16":
+                    x = (x.view(np.uint32) >> 16).astype(np.uint16)  # truncated to bf16
+                elif a["dtype"] == "f16":
+                    x = x.astype(np.float16)
+                check(cu.cuMemcpyHtoD_v2(p, x.tobytes(), nbytes), "h2d")
             elif a["dtype"] in ("bf16", "f16"):
                 check(cu.cuMemsetD16_v2(p, 0x3C00, a["numel"]), "fill")
             else:
