@@ -813,7 +813,12 @@ fn check_kernels(m: &Manifest, graph: &Graph, dir: &Path) -> Check {
         // body may hold anything the interpreter runs: without a generator it has no PTX.)
         let count = |f: fn(&Op) -> bool| ops.iter().filter(|o| f(o)).count();
         let fits = match k.kind {
-            KernelKind::Gemm => matches!(ops.as_slice(), [Op::Linear | Op::Matmul { .. } | Op::ScaledMatmul { .. }]),
+            // With the residual-add epilogue (`epilogue = "add"`) the add follows the product.
+            KernelKind::Gemm => match (ops.as_slice(), k.gemm.as_ref().map(|g| g.epilogue.as_str())) {
+                ([Op::Linear | Op::Matmul { .. }, Op::Binary(titan_ir::BinaryOp::Add)], Some("add")) => region.args.len() == 3,
+                ([Op::Linear | Op::Matmul { .. } | Op::ScaledMatmul { .. }], Some("none")) => true,
+                _ => false,
+            },
             KernelKind::Attention => matches!(ops.as_slice(), [Op::Attention { .. }]),
             KernelKind::AttentionBwd => matches!(ops.as_slice(), [Op::AttentionBwd { .. }]),
             KernelKind::Gather => count(|o| matches!(o, Op::Embedding | Op::Gather | Op::GatherShard)) == 1,
@@ -879,8 +884,11 @@ fn check_gemm(at: &str, g: &titan_ir::artifact::GemmDesc) -> Check {
     if g.compute != DType::F32 {
         return Err(fail(format!("{at}.compute"), format!("`{}`; titan GEMMs accumulate in f32", g.compute)));
     }
-    if g.epilogue != "none" {
-        return Err(fail(format!("{at}.epilogue"), format!("`{}`; only `none` is supported", g.epilogue)));
+    match g.epilogue.as_str() {
+        "none" => {}
+        "add" if g.scale_a.is_none() && g.scale_b.is_none() => {}
+        "add" => return Err(fail(format!("{at}.epilogue"), "`add` on a scaled fp8 GEMM is not supported")),
+        other => return Err(fail(format!("{at}.epilogue"), format!("`{other}`; `none` or `add` (D = A B + C, C the body's argument 2)"))),
     }
     Ok(())
 }

@@ -15,7 +15,7 @@
 //! elements between consecutive batch matrices.
 
 use titan_ir::artifact::{GemmDesc, GemmScale};
-use titan_ir::{DType, Graph, Op, Region, Value, ValueDef};
+use titan_ir::{BinaryOp, DType, Graph, Op, Region, Value, ValueDef};
 
 use super::BuildError;
 use super::memory::{internal, shape_of};
@@ -43,6 +43,7 @@ fn prod(xs: &[u64]) -> u64 {
 /// The GEMM of the `gemm` kernel body `body`.
 pub fn gemm_desc(g: &Graph, body: &Region) -> Result<GemmDesc, BuildError> {
     let mut found = None;
+    let mut epilogue = None;
     for n in &body.order {
         let node = body.node(*n);
         match node.op {
@@ -52,6 +53,7 @@ pub fn gemm_desc(g: &Graph, body: &Region) -> Result<GemmDesc, BuildError> {
                 }
                 found = Some(node);
             }
+            Op::Binary(BinaryOp::Add) if found.is_some() && epilogue.is_none() => epilogue = Some(node),
             Op::Reshape => {}
             ref other => return Err(internal(format!("gemm kernel @{} holds `{}`", body.name, other.name()))),
         }
@@ -61,6 +63,22 @@ pub fn gemm_desc(g: &Graph, body: &Region) -> Result<GemmDesc, BuildError> {
         (Some(a), Some(b), Some(c)) => (a, b, c),
         _ => return Err(internal(format!("gemm kernel @{}: malformed op", body.name))),
     };
+    // The residual-add epilogue (`fuse` rule 11): `D = A B + C`, C the body's argument 2 with
+    // D's type, the product read by the add only.
+    if let Some(add) = epilogue {
+        let other = match add.inputs.as_slice() {
+            [x, y] if *x == c && *y != c => *y,
+            [x, y] if *y == c && *x != c => *x,
+            _ => return Err(internal(format!("gemm kernel @{}: the epilogue add must read the product once and one argument", body.name))),
+        };
+        let d = add.results.first().copied().ok_or_else(|| internal(format!("gemm kernel @{}: malformed add", body.name)))?;
+        if matches!(node.op, Op::ScaledMatmul { .. }) || arg_index(body, other) != Some(2) || body.ty(other) != body.ty(c) || body.ty(d) != body.ty(c) {
+            return Err(internal(format!("gemm kernel @{}: the epilogue add's C must be argument 2, typed like the product", body.name)));
+        }
+        if body.outputs.iter().any(|o| o.value == c) {
+            return Err(internal(format!("gemm kernel @{}: with an add epilogue the product is not an output", body.name)));
+        }
+    }
     // The runtime binds A and B to the body's arguments 0 and 1 (or 0 twice).
     match (arg_index(body, a), arg_index(body, b)) {
         (Some(0), Some(1)) | (Some(0), Some(0)) => {}
@@ -104,7 +122,7 @@ pub fn gemm_desc(g: &Graph, body: &Region) -> Result<GemmDesc, BuildError> {
         b_dtype,
         c_dtype,
         compute: DType::F32,
-        epilogue: "none".into(),
+        epilogue: if epilogue.is_some() { "add" } else { "none" }.into(),
         scale_a: scales.map_or(GemmScale::None, |s| s.0[0]),
         scale_b: scales.map_or(GemmScale::None, |s| s.0[1]),
         fast_accum: scales.is_some_and(|s| s.1),

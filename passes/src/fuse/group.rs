@@ -516,6 +516,44 @@ impl<'r> Grouper<'r> {
         Ok(())
     }
 
+    /// Rule 11: a GEMM's residual add becomes its epilogue. An `add` of two same-typed
+    /// tensors, one of them the result of a `linear`/`matmul` that nothing else reads, joins
+    /// that GEMM's kernel (cuBLASLt's `D = A B + C`, `beta = 1`), so the product is never
+    /// written out and read back. Where both operands are such products, the later one takes
+    /// the add (the earlier is then its `C`, already computed). The add's other operand must not
+    /// be an operand of the GEMM itself, so the body's arguments stay `A, B, C`.
+    fn gemm_epilogues(&mut self) {
+        let region = self.region;
+        let is_gemm = |op: &Op| matches!(op, Op::Linear | Op::Matmul { .. });
+        for &n in &region.order {
+            let node = &region.nodes[n.index()];
+            if !matches!(node.op, Op::Binary(titan_ir::BinaryOp::Add)) || self.group_of[n.index()].is_some() {
+                continue;
+            }
+            let ([x, y], [r]) = (node.inputs.as_slice(), node.results.as_slice()) else { continue };
+            let (x, y, r) = (*x, *y, *r);
+            let ty = region.ty(r);
+            if x == y || region.ty(x) != ty || region.ty(y) != ty || ty.rank() == 0 {
+                continue;
+            }
+            let candidate = |v: Value, other: Value| -> Option<(usize, NodeId)> {
+                let p = self.producer[v.index()]?;
+                let pn = &region.nodes[p.index()];
+                let ok = is_gemm(&pn.op)
+                    && self.group_of[p.index()].is_none()
+                    && pn.results.as_slice() == [v]
+                    && !self.escapes[v.index()]
+                    && self.users[v.index()].as_slice() == [n]
+                    && pn.inputs.len() == 2
+                    && pn.inputs[0] != pn.inputs[1]
+                    && !pn.inputs.contains(&other);
+                ok.then(|| (self.pos[p.index()].unwrap_or(0), p))
+            };
+            let Some((_, gemm)) = [candidate(x, y), candidate(y, x)].into_iter().flatten().max() else { continue };
+            self.new_group(KernelKind::Gemm, vec![gemm, n], Space::Alone);
+        }
+    }
+
     /// Greedy merging in program order (module documentation, rules 1-5).
     fn fuse_pointwise(&mut self) {
         let region = self.region;
@@ -632,7 +670,9 @@ impl<'r> Grouper<'r> {
     /// Every gemm, attention, gather and scatter node gets a kernel of its own.
     fn single_kernels(&mut self) {
         for &n in &self.region.order {
-            if let Some(Class::Single(kind)) = self.node_class(n) {
+            if let Some(Class::Single(kind)) = self.node_class(n)
+                && self.group_of[n.index()].is_none()
+            {
                 self.new_group(kind, vec![n], Space::Alone);
             }
         }
@@ -713,6 +753,7 @@ pub fn group_region(region: &Region, dims: &DimTable) -> Result<Grouping, PassDi
 pub fn group_region_with(region: &Region, dims: &DimTable, recomputed: &HashSet<NodeId>) -> Result<Grouping, PassDiag> {
     let mut g = Grouper::new(region, dims, recomputed)?;
     g.optimizer_group()?;
+    g.gemm_epilogues();
     g.fuse_pointwise();
     g.single_kernels();
     g.materialize_constants();

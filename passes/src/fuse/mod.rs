@@ -99,6 +99,18 @@
 //!     widened by the optimizer; the head weight's bf16 copy, not an f32 cast of it, is what the
 //!     column quantization reads). Recomputing is exact: a clone is the same op on the same
 //!     operands.
+//! 11. **Residual adds are GEMM epilogues.** Before pointwise grouping, an `add` of two tensors
+//!     of one type, one of them the product of a `linear`/`matmul` that nothing else reads and
+//!     whose operands the add's other operand is not, joins that GEMM's kernel: the body is
+//!     `[linear | matmul, add]` with the other operand as argument 2, which cuBLASLt runs as
+//!     `D = A B + C` (`beta = 1`), so the product is never written and read back (a block's two
+//!     residual adds; in the backward the sums of the q/k/v and w1/w3 input gradients, and
+//!     the tied embedding's head gradient plus the embedding's `scatter_add`). Where both
+//!     operands are such products the later GEMM takes the add, the earlier product being its
+//!     `C`. The interpreter runs the body op by op (the product rounded to its dtype, then the
+//!     add); cuBLASLt adds C to the f32 accumulator and rounds once, which is closer to the
+//!     exact sum, within the tolerance every GEMM already has against the reference
+//!     (accumulation order). Scaled fp8 GEMMs keep their epilogue-free form.
 //!
 //! Kernels are scheduled in a topological order, earliest first op first. The interpreter runs
 //! a kernel's body op by op, so the fused graph computes bit-identical results.
@@ -196,7 +208,10 @@ pub fn check_kernel_graph(g: &Graph) -> Vec<String> {
             };
             let ops: Vec<&Op> = b.order.iter().filter_map(|n| b.nodes.get(n.index())).map(|n| &n.op).collect();
             let single = match kind {
-                KernelKind::Gemm => matches!(ops.as_slice(), [Op::Linear | Op::Matmul { .. } | Op::ScaledMatmul { .. }]),
+                KernelKind::Gemm => matches!(
+                    ops.as_slice(),
+                    [Op::Linear | Op::Matmul { .. } | Op::ScaledMatmul { .. }] | [Op::Linear | Op::Matmul { .. }, Op::Binary(titan_ir::BinaryOp::Add)]
+                ),
                 KernelKind::Attention => matches!(ops.as_slice(), [Op::Attention { .. }]),
                 KernelKind::AttentionBwd => matches!(ops.as_slice(), [Op::AttentionBwd { .. }]),
                 KernelKind::Gather => matches!(ops.as_slice(), [Op::Embedding | Op::Gather | Op::GatherShard]),

@@ -133,14 +133,67 @@ fn a_cycle_through_another_kernel_is_not_merged() {
         let bb = binary(b, BinaryOp::Mul, g1, s)?;
         let c = binary(b, BinaryOp::Mul, y, s)?;
         let g2 = matmul(b, c, w)?;
-        let d = binary(b, BinaryOp::Add, a, g2)?;
+        // (`max`, not `add`: an add of a GEMM's product would be its epilogue, rule 11.)
+        let d = binary(b, BinaryOp::Max, a, g2)?;
         Ok(vec![bb, d])
     });
     let (f, _) = fused(&g);
     let ks = kernels(&f);
     assert!(ks.contains(&(Fused, vec!["mul", "mul"])), "{ks:?}");
-    assert!(ks.contains(&(Fused, vec!["exp"])) && ks.contains(&(Fused, vec!["add"])), "{ks:?}");
+    assert!(ks.contains(&(Fused, vec!["exp"])) && ks.contains(&(Fused, vec!["max"])), "{ks:?}");
     assert_eq!(ks.len(), 5, "{ks:?}");
+}
+
+/// Rule 11: the residual add of a GEMM's product becomes the GEMM's epilogue (`D = A B + C`),
+/// the add's other operand the body's argument 2; a chain of adds of products (the backward's
+/// q/k/v input gradients) goes to the later GEMM each time.
+#[test]
+fn a_residual_add_becomes_the_gemm_epilogue() {
+    let g = graph(3, |b, x| {
+        let m = matmul(b, x[0], x[1])?;
+        Ok(vec![binary(b, BinaryOp::Add, x[2], m)?])
+    });
+    let (f, _) = fused(&g);
+    assert_eq!(kernels(&f), vec![(Gemm, vec!["matmul", "add"])]);
+    let body = f.blocks.iter().find(|r| r.order.len() == 2).expect("the gemm body");
+    assert_eq!(body.args.len(), 3, "A, B, C");
+    assert!(check_kernel_graph(&f).is_empty(), "{:?}", check_kernel_graph(&f));
+
+    let g = graph(5, |b, x| {
+        let m1 = matmul(b, x[0], x[3])?;
+        let m2 = matmul(b, x[1], x[3])?;
+        let m3 = matmul(b, x[2], x[4])?;
+        let s = binary(b, BinaryOp::Add, m1, m2)?;
+        Ok(vec![binary(b, BinaryOp::Add, s, m3)?])
+    });
+    let (f, _) = fused(&g);
+    assert_eq!(kernels(&f), vec![(Gemm, vec!["matmul"]), (Gemm, vec!["matmul", "add"]), (Gemm, vec!["matmul", "add"])]);
+}
+
+/// The add stays a pointwise kernel when the product is read elsewhere (it must be written
+/// anyway), and when the add reads the product twice or an operand of the GEMM (the body's
+/// arguments would not be `A, B, C`).
+#[test]
+fn a_gemm_epilogue_needs_a_private_product_and_a_separate_c() {
+    let shared = graph(3, |b, x| {
+        let m = matmul(b, x[0], x[1])?;
+        let s = binary(b, BinaryOp::Add, x[2], m)?;
+        Ok(vec![s, unary(b, UnaryOp::Exp, m)?])
+    });
+    let twice = graph(2, |b, x| {
+        let m = matmul(b, x[0], x[1])?;
+        Ok(vec![binary(b, BinaryOp::Add, m, m)?])
+    });
+    let own_operand = graph(2, |b, x| {
+        let m = matmul(b, x[0], x[1])?;
+        Ok(vec![binary(b, BinaryOp::Add, x[0], m)?])
+    });
+    for g in [shared, twice, own_operand] {
+        let (f, _) = fused(&g);
+        let ks = kernels(&f);
+        assert!(ks.contains(&(Gemm, vec!["matmul"])), "{ks:?}");
+        assert!(ks.iter().all(|(k, ops)| *k != Gemm || ops.len() == 1), "{ks:?}");
+    }
 }
 
 #[test]

@@ -241,7 +241,8 @@ fn llama3_70b_tp8_fsdp4_report_follows_the_documented_arithmetic() {
     // without it, plus what the planner reused within a layer before (a gathered weight's
     // bytes after its last reader; now its slot lives to the end of the layer), at most a
     // second layer's: 330 MiB since the dp_shard reduce-scatters' operands live across the
-    // backward loop (format 10; 328 MiB before, 240.5 MiB with a separate gradient arena).
+    // backward loop (format 10; 328 MiB before, 240.5 MiB with a separate gradient arena), 208.7
+    // MiB since residual adds are GEMM epilogues (`fuse` rule 11).
     // The communication is the same: no layer is gathered twice.
     let opts = BuildOptions { train: train_options(), mesh: Mesh::new(1, 4, 8), prefetch_next_layer: false, ..BuildOptions::default() };
     let (dir_off, summary_off) = build_with(&m, opts, "70b-no-prefetch");
@@ -250,7 +251,7 @@ fn llama3_70b_tp8_fsdp4_report_follows_the_documented_arithmetic() {
     let one_layer = 2 * (layer_weights / n_layers / 8 + 2 * dim);
     let delta = r.memory.peak - off.memory.peak;
     println!("peak {} without prefetch, {} with (+{delta} B; one layer's gathered weights {one_layer} B)", off.memory.peak, r.memory.peak);
-    assert_eq!((off.memory.peak, r.memory.peak), (58_850_849_792, 59_203_875_584), "the numbers docs/distributed.md states");
+    assert_eq!((off.memory.peak, r.memory.peak), (58_850_849_792, 59_069_657_856), "the numbers docs/distributed.md states");
     assert!(delta >= one_layer && delta <= one_layer * 2, "+{delta} B vs {one_layer} B");
     assert_eq!(r.comm, off.comm);
 }

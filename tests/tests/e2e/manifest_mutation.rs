@@ -199,6 +199,17 @@ fn corruptions(m: &Manifest) -> Vec<Case> {
                     g.compute = DType::BF16;
                 }
             }));
+            cases.push(case(format!("{at}: gemm.epilogue unknown"), format!("{at}.gemm.epilogue"), move |m| {
+                if let Some(g) = &mut m.kernels[k].gemm {
+                    g.epilogue = "relu".into();
+                }
+            }));
+            // The residual-add epilogue must match the body: [product, add] with three arguments.
+            cases.push(case(format!("{at}: gemm.epilogue against the body"), format!("{at}.kind"), move |m| {
+                if let Some(g) = &mut m.kernels[k].gemm {
+                    g.epilogue = if g.epilogue == "add" { "none" } else { "add" }.into();
+                }
+            }));
         }
     }
     // Header, model, dims, mesh, training, memory plan, schedule.

@@ -103,9 +103,11 @@ pub struct GemmPlan {
     pub flops: f64,
     /// A scaled fp8 GEMM: the scale pointers are set before each call.
     scaled: bool,
-    /// Bytes the stored A and B span and their dtypes, and the element counts of the two
+    /// The residual-add epilogue: `D = A B + C` (`beta = 1`), C a separate input with D's layout.
+    pub accumulate: bool,
+    /// Bytes the stored A, B and C span and their dtypes, and the element counts of the two
     /// dequantization scales (0 when unscaled): what the autotuner fills before timing.
-    pub operands: [(u64, DType); 2],
+    pub operands: [(u64, DType); 3],
     pub scale_lens: [u64; 2],
 }
 
@@ -140,11 +142,13 @@ impl GemmPlan {
     /// `align` bytes (A, B, C).
     pub fn new(blas: &Blas, name: &str, g: &GemmDesc, align: [u64; 3]) -> Result<GemmPlan, CudaError> {
         let what = format!("GEMM `{name}`");
-        if g.compute != DType::F32 || g.epilogue != "none" {
-            return Err(CudaError::Call {
-                what,
-                message: format!("compute {} with epilogue `{}` is not supported yet (f32 compute, no epilogue)", g.compute, g.epilogue),
-            });
+        let accumulate = match g.epilogue.as_str() {
+            "none" => false,
+            "add" => true,
+            other => return Err(CudaError::Call { what, message: format!("epilogue `{other}` is not supported (`none` or `add`); rebuild the artifact") }),
+        };
+        if g.compute != DType::F32 {
+            return Err(CudaError::Call { what, message: format!("compute {} is not supported yet (f32 compute)", g.compute) });
         }
         let fp8 = |d: DType| matches!(d, DType::F8E4M3 | DType::F8E5M2);
         let scaled = !g.scale_a.is_none() || !g.scale_b.is_none();
@@ -213,7 +217,8 @@ impl GemmPlan {
             key,
             flops: 2.0 * (g.m * g.n * g.k * g.batch.max(1)) as f64,
             scaled,
-            operands: [(bytes[0].unwrap_or(0), g.a_dtype), (bytes[1].unwrap_or(0), g.b_dtype)],
+            accumulate,
+            operands: [(bytes[0].unwrap_or(0), g.a_dtype), (bytes[1].unwrap_or(0), g.b_dtype), (bytes[2].unwrap_or(0), g.c_dtype)],
             scale_lens: [scale_len(g.scale_a, g.m), scale_len(g.scale_b, g.n)],
         };
         let batch = i32::try_from(g.batch.max(1)).map_err(|_| CudaError::Call { what: what.clone(), message: format!("batch {} is too large", g.batch) })?;
@@ -324,17 +329,21 @@ impl GemmPlan {
         }
     }
 
-    /// Enqueue `C = A @ B` on `stream` (device pointers); `scales` are the dequantization
-    /// scales of A and B for a scaled fp8 GEMM (ignored otherwise).
+    /// Enqueue `C = A @ B` on `stream` (device pointers), or `C = A @ B + c_in` for the
+    /// residual-add epilogue (`c_in` then holds a matrix of C's layout; ignored otherwise);
+    /// `scales` are the dequantization scales of A and B for a scaled fp8 GEMM (ignored
+    /// otherwise).
     pub fn run(
         &self,
         blas: &Blas,
         [a, b, c]: [u64; 3],
+        c_in: u64,
         scales: [u64; 2],
         workspace: u64,
         stream: cudarc::driver::sys::CUstream,
     ) -> Result<(), lt::CublasError> {
-        let (alpha, beta) = (1.0f32, 0.0f32);
+        let (alpha, beta) = (1.0f32, if self.accumulate { 1.0f32 } else { 0.0f32 });
+        let c_src = if self.accumulate { c_in } else { c };
         // SAFETY: the descriptors are alive, the pointers hold the shapes the plan was made for
         // (checked against the kernel's body types when the artifact was loaded); a scale
         // pointer attribute is a `void*` (8 bytes) read when the call is enqueued.
@@ -354,7 +363,7 @@ impl GemmPlan {
                 self.la,
                 a as *const c_void,
                 self.lb,
-                c as *const c_void,
+                c_src as *const c_void,
                 self.lc,
                 c as *mut c_void,
                 self.lc,

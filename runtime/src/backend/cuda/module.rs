@@ -229,10 +229,14 @@ impl LoadedCode {
                     return Err(CudaError::Call { what: format!("GEMM `{name}` ({})", at()), message: "needs two inputs and one output".into() });
                 };
                 // A scaled GEMM's dequantization scales are its inputs 2 and 3, or 2 for both when
-                // the body reads one scale twice.
+                // the body reads one scale twice; the residual-add epilogue's C is input 2.
                 let scales = [ins.get(2).copied().unwrap_or(0), ins.get(3).or(ins.get(2)).copied().unwrap_or(0)];
+                let c_in = ins.get(2).copied().unwrap_or(0);
+                if self.plans[*plan].accumulate && c_in == 0 {
+                    return Err(CudaError::Call { what: format!("GEMM `{name}` ({})", at()), message: "adds its input 2, which is not bound".into() });
+                }
                 self.plans[*plan]
-                    .run(&self.blas, [a, b, c], scales, self.blas_workspace.ptr, gpu.stream)
+                    .run(&self.blas, [a, b, c], c_in, scales, self.blas_workspace.ptr, gpu.stream)
                     .map_err(|e| CudaError::Call { what: format!("GEMM `{name}` ({})", at()), message: format!("cublasLtMatmul failed with {:?}", e.0) })
             }
             Loaded::Missing => Err(CudaError::Call { what: format!("kernel `{name}`"), message: "has no GPU code yet; use --backend cpu".into() }),
