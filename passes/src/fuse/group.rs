@@ -521,7 +521,11 @@ impl<'r> Grouper<'r> {
     /// that GEMM's kernel (cuBLASLt's `D = A B + C`, `beta = 1`), so the product is never
     /// written out and read back. Where both operands are such products, the later one takes
     /// the add (the earlier is then its `C`, already computed). The add's other operand must not
-    /// be an operand of the GEMM itself, so the body's arguments stay `A, B, C`.
+    /// be an operand of the GEMM itself, so the body's arguments stay `A, B, C`, and must be
+    /// made before the GEMM in program order: waiting for a later `C` would move the GEMM, and
+    /// with it its operands' lifetimes (the tied embedding's head gradient plus the embedding's
+    /// `scatter_add`, made after the whole backward, kept the logits' gradient alive across it:
+    /// 1B's peak +384 MiB).
     fn gemm_epilogues(&mut self) {
         let region = self.region;
         let is_gemm = |op: &Op| matches!(op, Op::Linear | Op::Matmul { .. });
@@ -546,7 +550,8 @@ impl<'r> Grouper<'r> {
                     && self.users[v.index()].as_slice() == [n]
                     && pn.inputs.len() == 2
                     && pn.inputs[0] != pn.inputs[1]
-                    && !pn.inputs.contains(&other);
+                    && !pn.inputs.contains(&other)
+                    && self.producer[other.index()].is_none_or(|q| self.pos[q.index()] < self.pos[p.index()]);
                 ok.then(|| (self.pos[p.index()].unwrap_or(0), p))
             };
             let Some((_, gemm)) = [candidate(x, y), candidate(y, x)].into_iter().flatten().max() else { continue };

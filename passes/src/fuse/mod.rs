@@ -104,10 +104,12 @@
 //!     whose operands the add's other operand is not, joins that GEMM's kernel: the body is
 //!     `[linear | matmul, add]` with the other operand as argument 2, which cuBLASLt runs as
 //!     `D = A B + C` (`beta = 1`), so the product is never written and read back (a block's two
-//!     residual adds; in the backward the sums of the q/k/v and w1/w3 input gradients, and
-//!     the tied embedding's head gradient plus the embedding's `scatter_add`). Where both
-//!     operands are such products the later GEMM takes the add, the earlier product being its
-//!     `C`. The interpreter runs the body op by op (the product rounded to its dtype, then the
+//!     residual adds; in the backward the sums of the q/k/v and w1/w3 input gradients). Where
+//!     both operands are such products the later GEMM takes the add, the earlier product being
+//!     its `C`. The other operand must be made before the GEMM in program order, so that no
+//!     GEMM waits for its `C` (which would stretch its operands' lifetimes: the tied embedding's
+//!     head gradient, added to the embedding's `scatter_add` after the whole backward, stays a
+//!     plain GEMM). The interpreter runs the body op by op (the product rounded to its dtype, then the
 //!     add); cuBLASLt adds C to the f32 accumulator and rounds once, which is closer to the
 //!     exact sum, within the tolerance every GEMM already has against the reference
 //!     (accumulation order). Scaled fp8 GEMMs keep their epilogue-free form.

@@ -162,8 +162,8 @@ fn a_residual_add_becomes_the_gemm_epilogue() {
     let g = graph(5, |b, x| {
         let m1 = matmul(b, x[0], x[3])?;
         let m2 = matmul(b, x[1], x[3])?;
-        let m3 = matmul(b, x[2], x[4])?;
         let s = binary(b, BinaryOp::Add, m1, m2)?;
+        let m3 = matmul(b, x[2], x[4])?;
         Ok(vec![binary(b, BinaryOp::Add, s, m3)?])
     });
     let (f, _) = fused(&g);
@@ -171,8 +171,8 @@ fn a_residual_add_becomes_the_gemm_epilogue() {
 }
 
 /// The add stays a pointwise kernel when the product is read elsewhere (it must be written
-/// anyway), and when the add reads the product twice or an operand of the GEMM (the body's
-/// arguments would not be `A, B, C`).
+/// anyway), when the add reads the product twice or an operand of the GEMM (the body's
+/// arguments would not be `A, B, C`), and when its other operand is made after the GEMM.
 #[test]
 fn a_gemm_epilogue_needs_a_private_product_and_a_separate_c() {
     let shared = graph(3, |b, x| {
@@ -188,7 +188,14 @@ fn a_gemm_epilogue_needs_a_private_product_and_a_separate_c() {
         let m = matmul(b, x[0], x[1])?;
         Ok(vec![binary(b, BinaryOp::Add, x[0], m)?])
     });
-    for g in [shared, twice, own_operand] {
+    // C made after the product: the GEMM would wait for it (the tied embedding's head gradient
+    // and the embedding's scatter_add), stretching its operands' lifetimes.
+    let late_c = graph(3, |b, x| {
+        let m = matmul(b, x[0], x[1])?;
+        let c = unary(b, UnaryOp::Exp, x[2])?;
+        Ok(vec![binary(b, BinaryOp::Add, c, m)?])
+    });
+    for g in [shared, twice, own_operand, late_c] {
         let (f, _) = fused(&g);
         let ks = kernels(&f);
         assert!(ks.contains(&(Gemm, vec!["matmul"])), "{ks:?}");
