@@ -231,7 +231,8 @@ pub struct GemmDesc {
     pub c_dtype: DType,
     /// Always `f32` for now.
     pub compute: DType,
-    /// `none` for now (bias/activation epilogues come with fusion into GEMMs).
+    /// `none`, or `add`: the residual-add epilogue `D = A B + C_in`, `C_in` the kernel's
+    /// input 2 with the output's type and layout (cuBLASLt's `beta = 1`; `fuse` rule 11).
     pub epilogue: String,
     /// How A's rows are scaled (fp8 `scaled_matmul`: the body's argument 2); absent for
     /// unscaled GEMMs.

@@ -1,7 +1,10 @@
 //! cuBLASLt descriptions of `gemm` kernels.
 //!
-//! A `gemm` body holds one `linear` or `matmul` (and possibly views). Shapes are row-major; the
-//! body's argument feeding the op's first operand is `A`, the second `B`, the result `C`.
+//! A `gemm` body holds one `linear` or `matmul` (and possibly views), and with the residual-add
+//! epilogue (`fuse` rule 11) the `add` of its product and the body's argument 2: `epilogue =
+//! "add"`, `D = A B + C` with that argument as C (cuBLASLt's `beta = 1`), typed like the
+//! product. Shapes are row-major; the body's argument feeding the op's first operand is `A`, the
+//! second `B`, the result `C` (written as D when there is an epilogue).
 //!
 //! - `linear(x [..., K], w [N, K])`: `C[M, N] = A[M, K] @ B[N, K]^T` with `M` the product of
 //!   `x`'s leading dims, `batch = 1`.

@@ -9,7 +9,8 @@
 //!
 //! # Kernels
 //!
-//! - `gemm`: one `linear` or `matmul`. `attention`, `attention_bwd`: one node.
+//! - `gemm`: one `linear` or `matmul`, and by rule 11 the `add` of its product (the
+//!   residual add as the GEMM's epilogue). `attention`, `attention_bwd`: one node.
 //!   `gather`: one `embedding` or `gather`. `scatter_add`: one `scatter_add`.
 //! - `optimizer`: every `adamw` and `lr_schedule` of the region in one multi-tensor kernel,
 //!   plus the pointwise producers of each `adamw` gradient operand whose results nothing else
@@ -184,7 +185,8 @@ pub fn kernel_bodies(g: &Graph) -> HashSet<BlockId> {
 /// Check the shape of a kernel graph: regions (other than kernel bodies) hold only `kernel`,
 /// view (`reshape`, `slice`, `concat`) and collective nodes, plus `repeat` in `main`; bodies hold no `kernel`, `reshape`,
 /// `repeat` or collective; a `gemm`, `attention`, `attention_bwd`, `gather` or `scatter_add` kernel holds
-/// exactly its one op. Returns every violation.
+/// exactly its one op (a `gemm` may add its residual-add epilogue, rule 11). Returns every
+/// violation.
 pub fn check_kernel_graph(g: &Graph) -> Vec<String> {
     let bodies = kernel_bodies(g);
     let mut errors = Vec::new();
