@@ -246,6 +246,16 @@ pub struct GemmDesc {
     pub fast_accum: bool,
 }
 
+impl GemmDesc {
+    /// The `epilogue` value of the residual-add epilogue.
+    pub const ADD: &'static str = "add";
+
+    /// Whether the GEMM adds its launch's input 2 (`epilogue = "add"`: `D = A B + C_in`).
+    pub fn adds_input(&self) -> bool {
+        self.epilogue == Self::ADD
+    }
+}
+
 /// The dequantization scale of one fp8 GEMM operand (f32, the reciprocal of the quantization
 /// scale): none, one for the tensor, or one per row of A / per column of B (cuBLASLt's outer
 /// vector scaling).

@@ -20,7 +20,7 @@ use std::fmt::Display;
 use std::path::Path;
 
 use titan_ir::artifact::liveness::{Lifetime, buffer_lifetimes};
-use titan_ir::artifact::{Arena, ArtifactError, BufRef, BufferClass, KERNEL_DIR, MANIFEST_FILE, Manifest, Step};
+use titan_ir::artifact::{Arena, ArtifactError, BufRef, BufferClass, GemmDesc, KERNEL_DIR, MANIFEST_FILE, Manifest, Step};
 use titan_ir::{AttrValue, DType, Graph, Init, KernelKind, Op};
 
 use crate::artifact::{arena_name, arena_of, class_name, tensor_bytes};
@@ -815,7 +815,7 @@ fn check_kernels(m: &Manifest, graph: &Graph, dir: &Path) -> Check {
         let fits = match k.kind {
             // With the residual-add epilogue (`epilogue = "add"`) the add follows the product.
             KernelKind::Gemm => match (ops.as_slice(), k.gemm.as_ref().map(|g| g.epilogue.as_str())) {
-                ([Op::Linear | Op::Matmul { .. }, Op::Binary(titan_ir::BinaryOp::Add)], Some("add")) => region.args.len() == 3,
+                ([Op::Linear | Op::Matmul { .. }, Op::Binary(titan_ir::BinaryOp::Add)], Some(GemmDesc::ADD)) => region.args.len() == 3,
                 ([Op::Linear | Op::Matmul { .. } | Op::ScaledMatmul { .. }], Some("none")) => true,
                 _ => false,
             },
@@ -855,7 +855,7 @@ fn check_kernels(m: &Manifest, graph: &Graph, dir: &Path) -> Check {
 }
 
 /// A GEMM descriptor against `docs/artifact.md`'s rules.
-fn check_gemm(at: &str, g: &titan_ir::artifact::GemmDesc) -> Check {
+fn check_gemm(at: &str, g: &GemmDesc) -> Check {
     for (field, v) in [("m", g.m), ("n", g.n), ("k", g.k), ("batch", g.batch)] {
         if v == 0 {
             return Err(fail(format!("{at}.{field}"), "is 0"));
@@ -886,8 +886,8 @@ fn check_gemm(at: &str, g: &titan_ir::artifact::GemmDesc) -> Check {
     }
     match g.epilogue.as_str() {
         "none" => {}
-        "add" if g.scale_a.is_none() && g.scale_b.is_none() => {}
-        "add" => return Err(fail(format!("{at}.epilogue"), "`add` on a scaled fp8 GEMM is not supported")),
+        GemmDesc::ADD if g.scale_a.is_none() && g.scale_b.is_none() => {}
+        GemmDesc::ADD => return Err(fail(format!("{at}.epilogue"), "`add` on a scaled fp8 GEMM is not supported")),
         other => return Err(fail(format!("{at}.epilogue"), format!("`{other}`; `none` or `add` (D = A B + C, C the body's argument 2)"))),
     }
     Ok(())

@@ -295,7 +295,7 @@ fn every_generated_kernel_and_gemm_matches_the_cpu_backend() {
         let want = interp.run_region(body, &args).unwrap_or_else(|e| panic!("the interpreter on `{}`: {e}", k.name));
         // The residual-add epilogue: the product alone (the body's first op on A and B), for
         // the tolerance of the rounding the GPU leaves out.
-        let product = k.gemm.as_ref().filter(|g| g.epilogue == "add").map(|_| {
+        let product = k.gemm.as_ref().filter(|g| g.adds_input()).map(|_| {
             let n = body.node(body.order[0]);
             let types = [body.ty(n.results[0]).clone()];
             eval_op(&n.op, &[&args[0], &args[1]], &types, &a.graph.dims, Precision::Emulate)

@@ -125,7 +125,7 @@ pub fn gemm_desc(g: &Graph, body: &Region) -> Result<GemmDesc, BuildError> {
         b_dtype,
         c_dtype,
         compute: DType::F32,
-        epilogue: if epilogue.is_some() { "add" } else { "none" }.into(),
+        epilogue: if epilogue.is_some() { GemmDesc::ADD } else { "none" }.into(),
         scale_a: scales.map_or(GemmScale::None, |s| s.0[0]),
         scale_b: scales.map_or(GemmScale::None, |s| s.0[1]),
         fast_accum: scales.is_some_and(|s| s.1),

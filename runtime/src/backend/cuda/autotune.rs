@@ -243,7 +243,7 @@ pub(super) fn gemm_operands(
                 check_gemm_extent(k, g, bound)?;
                 let mut scales = [0u64; 2];
                 let mut c_in = 0u64;
-                if g.epilogue == "add" {
+                if g.adds_input() {
                     // The residual-add epilogue's C input (input 2) has the output's layout.
                     let r = inputs.get(2).ok_or_else(|| bad(format!("GEMM `{}` adds its input 2, which the schedule does not bind", k.name)))?;
                     let (p, len) = arenas.view(r, frame)?;

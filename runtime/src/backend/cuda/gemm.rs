@@ -144,7 +144,7 @@ impl GemmPlan {
         let what = format!("GEMM `{name}`");
         let accumulate = match g.epilogue.as_str() {
             "none" => false,
-            "add" => true,
+            GemmDesc::ADD => true,
             other => return Err(CudaError::Call { what, message: format!("epilogue `{other}` is not supported (`none` or `add`); rebuild the artifact") }),
         };
         if g.compute != DType::F32 {

@@ -108,7 +108,7 @@ impl<'a> KernelRunner<'a> {
             let (Some(a), Some(c)) = (din.first(), dout.first()) else { return Err(bad(format!("GEMM `{}` needs two inputs and one output", k.name))) };
             let b = din.get(1).unwrap_or(a);
             check_gemm_extent(k, g, [a.bytes, b.bytes, c.bytes])?;
-            if g.epilogue == "add" {
+            if g.adds_input() {
                 let Some(c_in) = din.get(2) else { return Err(bad(format!("GEMM `{}` adds its input 2, which it does not have", k.name))) };
                 check_gemm_extent(k, g, [a.bytes, b.bytes, c_in.bytes])?;
             }

@@ -231,10 +231,8 @@ impl LoadedCode {
                 // A scaled GEMM's dequantization scales are its inputs 2 and 3, or 2 for both when
                 // the body reads one scale twice; the residual-add epilogue's C is input 2.
                 let scales = [ins.get(2).copied().unwrap_or(0), ins.get(3).or(ins.get(2)).copied().unwrap_or(0)];
+                // (Load checked that an adding GEMM's schedule binds input 2: `gemm_operands`.)
                 let c_in = ins.get(2).copied().unwrap_or(0);
-                if self.plans[*plan].accumulate && c_in == 0 {
-                    return Err(CudaError::Call { what: format!("GEMM `{name}` ({})", at()), message: "adds its input 2, which is not bound".into() });
-                }
                 self.plans[*plan]
                     .run(&self.blas, [a, b, c], c_in, scales, self.blas_workspace.ptr, gpu.stream)
                     .map_err(|e| CudaError::Call { what: format!("GEMM `{name}` ({})", at()), message: format!("cublasLtMatmul failed with {:?}", e.0) })
