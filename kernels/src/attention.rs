@@ -8,29 +8,34 @@
 //! - One CTA of 4 warps (128 threads) per 64-query tile of one (batch, query head); each warp owns
 //!   16 query rows. The 1-D grid is ordered so the longest causal tiles (the last query tiles)
 //!   start first; `block -> (query tile, batch, head)` is decoded in the kernel.
-//! - Q fragments stay in registers for the whole kernel (loaded once from global memory in the
-//!   mma A-fragment layout, which is also `wgmma`'s register A layout: the 4 warps are one
-//!   warpgroup, warp `w` owning rows `16 w..16 w + 16` of the m64 tile). K and V tiles of 64 keys
-//!   are staged in static shared memory by `cp.async` (16 bytes per thread per copy). The next K
-//!   tile is fetched while the softmax and `P V` of the current tile run, the next V tile while
-//!   the next `Q K^T` runs.
-//! - `wgmma` path (head_dim 64, 128): a tile is stored as `d / 64` blocks of 64 keys x 64 dims,
-//!   each key's 128-byte row with its 16-byte chunk `c` at `c ^ (key % 8)` (the 128-byte swizzle
-//!   `wgmma` reads; blocks 8 KB apart, 1024-byte aligned); each thread copies the chunks at a
-//!   fixed slot, conflict-free. `S = Q K^T` is `d / 16` chained `m64n64k16` (K K-major), `O += P V`
-//!   four `m64n{d}k16` (V MN-major, the transposed B), each chain issued and waited for at once
-//!   (`wait_group 0`), after `fence.proxy.async` makes the copies visible to `wgmma`'s reads.
-//!   The accumulators come back in the `mma.sync` C layout, so the softmax is shared.
-//! - `mma.sync` path (head_dim 16): tiles `64 x (d + 8)` bf16 (the 16-byte row padding makes
-//!   `ldmatrix` conflict-free); S = Q K^T with `ldmatrix` (K is the col-major B operand as
-//!   stored), `O += P V` with `ldmatrix.trans` of V.
+//! - `wgmma` path (head_dim 64, 128): a K or V tile of 64 keys is stored as `d / 64` blocks of 64
+//!   keys x 64 dims, each key's 128-byte row with its 16-byte chunk `c` at `c ^ (key % 8)` (the
+//!   128-byte swizzle `wgmma` reads; blocks 8 KB apart, 1024-byte aligned), copied by `cp.async`
+//!   (16 bytes per thread per copy, each thread at a fixed conflict-free slot) into dynamic
+//!   shared memory, and made visible to `wgmma` by `fence.proxy.async`. `S = Q K^T` is `d / 16`
+//!   chained `m64n64k16` (K K-major), `O += P V` four `m64n{d}k16` (V MN-major, the transposed
+//!   B); the accumulators come back in the `mma.sync` C layout, so the softmax is shared. Q is
+//!   the first product's A operand: register fragments at head_dim 64 (loaded once in the
+//!   `mma.sync` A layout, which is `wgmma`'s register A layout: warp `w` owns rows `16 w..16 w +
+//!   16` of the m64 tile), a swizzled K-major shared tile at head_dim 128 ([`Variant`]).
+//! - The key loop is software-pipelined inside the warpgroup (FA3's intra-warpgroup overlap):
+//!   tiles run last to first, and iteration `j` issues `S_j = Q K_j^T` and `O += P_{j+1} V_{j+1}`
+//!   as two `wgmma` groups, waits for the first only, and runs tile `j`'s softmax while the
+//!   tensor cores finish the second; O is scaled by the new max after that wait. V has two
+//!   buffers (V_j loads while `P_{j+1} V_{j+1}` reads the other), K two at head_dim 64 and one at
+//!   128 (K_{j-1} loads once every warp's `S_j` is done). See [`forward_wgmma`].
+//! - `mma.sync` path (head_dim 16): Q fragments in registers, one K and one V tile `64 x (d + 8)`
+//!   bf16 (the 16-byte row padding makes `ldmatrix` conflict-free); S = Q K^T with `ldmatrix` (K
+//!   is the col-major B operand as stored), `O += P V` with `ldmatrix.trans` of V; the next K
+//!   tile loads during the softmax and `P V`, the next V tile during the next `Q K^T`.
 //! - The online softmax keeps
 //!   the running row max in the `log2` domain (`exp2(s * scale * log2 e - m)`, `ex2.approx`),
 //!   per-thread partial row sums reduced across the quad only at the end (FA2); P is converted
 //!   in registers from the C-fragment layout to the A-fragment layout (`cvt.rn.bf16x2`).
-//! - Causal: query tile `m` visits key tiles `0..m` unmasked (an `scf.for`) and the diagonal
-//!   tile `m` with the `key > query` mask (a second, straight-line copy of the tile body); tiles
-//!   beyond the diagonal are never loaded. GQA: query head `h` reads kv head `h / (hq / hkv)`.
+//! - Causal: query tile `m` visits key tiles `0..=m`; only the diagonal tile `m` is masked (`key >
+//!   query`): the `wgmma` path takes it first (its prologue), the `mma.sync` path last (a
+//!   straight-line copy of the tile body after the loop); tiles beyond the diagonal are never
+//!   loaded. GQA: query head `h` reads kv head `h / (hq / hkv)`.
 //! - Epilogue: `O / l` rounded to bf16 (4-byte stores), `lse = (m + log2 l) ln 2` (f32).
 //!
 //! Supported: bf16 q/k/v/out, f32 lse, head_dim 16, 64 or 128, sequence length a multiple of 64,
@@ -50,8 +55,8 @@ const BN: u64 = 64;
 /// Threads per CTA (4 warps).
 const THREADS: u64 = 128;
 /// Resident CTAs per SM asked of ptxas (`.minnctapersm`) at head_dim 128: three CTAs of 128
-/// threads leave 168 registers a thread (without asking ptxas takes 175 and fits two). Smaller
-/// head dims fit three CTAs without asking.
+/// threads leave 168 registers a thread (the pipelined loop with Q in shared memory takes
+/// 141-143). Smaller head dims fit four CTAs without asking.
 const CTAS_PER_SM_D128: u32 = 3;
 /// Bytes of one swizzled block: 64 keys' 128-byte rows.
 const SW_BLOCK: i64 = 64 * 128;
@@ -350,15 +355,12 @@ pub(crate) fn generate(g: &Graph, r: &Region, entry: &str) -> GenResult<Generate
     let op = params[n_args + outs[0]].clone();
     let lp = params[n_args + outs[1]].clone();
     let grid = ((p.s / BM) * p.b * p.hq) as u32;
-    let body = forward_body(&p, &qp, &kp, &vp, &op, &lp);
-    let stride = p.d + 8;
+    let var = Variant::for_head_dim(p.d);
+    let body = forward_body(&p, var, &qp, &kp, &vp, &op, &lp);
     let mut m = String::new();
     m.push_str("module attributes {gpu.container_module} {\n  gpu.module @titan {\n");
-    // wgmma: unpadded swizzled blocks, 1024-byte aligned (the swizzle pattern repeats every 1 KB).
-    let (elems, align) = if uses_wgmma(p.d) { (BN * p.d, 1024) } else { (BN * stride, 16) };
-    for name in ["att_k", "att_v"] {
-        let _ = writeln!(m, "    llvm.mlir.global internal @{name}() {{addr_space = 3 : i32, alignment = {align} : i64}} : !llvm.array<{elems} x bf16>");
-    }
+    // 1024-byte aligned: the swizzled `wgmma` tiles repeat their pattern every 1 KB.
+    m.push_str("    llvm.mlir.global external @att_smem() {addr_space = 3 : i32, alignment = 1024 : i64} : !llvm.array<0 x i8>\n");
     let ps: Vec<String> = params.iter().map(|p| format!("{p}: !llvm.ptr<1>")).collect();
     let occupancy = if p.d == 128 { format!(", nvvm.minctasm = {CTAS_PER_SM_D128} : i32") } else { String::new() };
     let _ = writeln!(
@@ -368,7 +370,45 @@ pub(crate) fn generate(g: &Graph, r: &Region, entry: &str) -> GenResult<Generate
     );
     m.push_str(&body);
     m.push_str("      gpu.return\n    }\n  }\n}\n");
-    Ok(Generated::new(m, THREADS as u32, grid, 0))
+    let (bytes, _, _) = smem_layout(p.d, var);
+    Ok(Generated { shared_bytes: bytes as u32, ..Generated::new(m, THREADS as u32, grid, 0) })
+}
+
+/// Dynamic shared memory of the forward kernel at head_dim `d`: (bytes, element offset of the
+/// V buffers). `wgmma` path: two K then two V buffers of 64 keys in 128-byte-swizzled 64-dim
+/// blocks (each a multiple of 1 KB, so every buffer keeps the swizzle's alignment);
+/// `mma.sync` path: one K and one V tile of `64 x (d + 8)` (padded rows for `ldmatrix`).
+fn smem_layout(d: u64, v: Variant) -> (u64, i64, i64) {
+    if uses_wgmma(d) {
+        let tile = BN * d;
+        let kv = (v.k_bufs + 2) * tile;
+        let q = if v.q_smem { BM * d } else { 0 };
+        ((kv + q) * 2, (v.k_bufs * tile) as i64, kv as i64)
+    } else {
+        let tile = BN * (d + 8);
+        (2 * tile * 2, tile as i64, 0)
+    }
+}
+
+/// How the `wgmma` path holds Q and K, by head_dim (measured on the H200, 2026-12-03, perf
+/// cases on normal inputs: docs/performance.md, session 15). head_dim 128: Q in shared memory
+/// (the first product's A operand from a descriptor) and one K buffer, which leaves 141-143
+/// registers and 64 KB a CTA, so three CTAs fit an SM (Q in registers with two K buffers
+/// needs more than the 168 registers of three CTAs: ptxas spills and serializes the `wgmma`s;
+/// at two CTAs an SM it ran 530 against 554 TFLOP/s at seq 8192). head_dim 64: Q in registers
+/// and two K buffers (128 registers, 32 KB, four CTAs an SM): 436 against 423 TFLOP/s with Q
+/// in shared memory.
+#[derive(Clone, Copy, Debug)]
+struct Variant {
+    q_smem: bool,
+    k_bufs: u64,
+}
+
+impl Variant {
+    fn for_head_dim(d: u64) -> Variant {
+        let q_smem = d == 128;
+        Variant { q_smem, k_bufs: if q_smem { 1 } else { 2 } }
+    }
 }
 
 /// The loop-carried state of the forward pass: O fragments (`d / 8` n-tiles of 4), then the
@@ -401,6 +441,16 @@ struct Ctx {
     /// `scale * log2(e)`.
     c: String,
     qf: Vec<[String; 4]>,
+    /// `wgmma` path with Q in shared memory (`Variant::q_smem`): its descriptor (Q is the
+    /// first product's A operand, K-major like K); `qf` is then empty.
+    q_desc: Option<String>,
+    /// K buffers of the `wgmma` path (1 or 2).
+    k_bufs: i64,
+    /// Q's shared buffer, and the global pointer at this thread's first copy chunk of the
+    /// CTA's Q tile (`Variant::q_smem`), elements between query rows.
+    qs: String,
+    q_g: String,
+    q_row: i64,
     ks: String,
     vs: String,
     /// The `wgmma` path (else `mma.sync`).
@@ -426,9 +476,9 @@ struct Ctx {
     kcol: String,
 }
 
-/// Issue the cp.async copies of key tile `j` (i32) of K or V into shared memory.
-fn load_tile(e: &mut Em, cx: &Ctx, j: &str, v: bool) {
-    let (gbase, sbase) = if v { (&cx.v_g, &cx.vs) } else { (&cx.k_g, &cx.ks) };
+/// Issue the cp.async copies of key tile `j` (i32) of K or V into the shared buffer at `sbase`.
+fn load_tile(e: &mut Em, cx: &Ctx, j: &str, v: bool, sbase: &str) {
+    let gbase = if v { &cx.v_g } else { &cx.k_g };
     let cpr = (cx.d / 8) as i64;
     let iters = (BN * cx.d / 8 / THREADS) as i64;
     let rows_per_iter = THREADS as i64 / cpr;
@@ -441,6 +491,20 @@ fn load_tile(e: &mut Em, cx: &Ctx, j: &str, v: bool) {
         let (gk, sk) = if cx.wgmma { sw128_copy(it, BN as i64, cx.kv_row) } else { (it * rows_per_iter * cx.kv_row, it * rows_per_iter * cx.stride) };
         let gk = e.i64c(gk);
         let gp = e.gep(&g0, 1, &gk, "i64", "bf16");
+        let sp = e.gepk(&s0, 3, sk);
+        e.cp_async16(&sp, &gp);
+    }
+}
+
+/// Issue the cp.async copies of this CTA's Q tile into its shared buffer (`Variant::q_smem`):
+/// the swizzled K-major layout of a K tile, 64 query rows `hq * d` elements apart.
+fn load_q_tile(e: &mut Em, cx: &Ctx) {
+    let iters = (BM * cx.d / 8 / THREADS) as i64;
+    let s0 = e.gep(&cx.qs, 3, &cx.s_off, "i32", "bf16");
+    for it in 0..iters {
+        let (gk, sk) = sw128_copy(it, BM as i64, cx.q_row);
+        let gk = e.i64c(gk);
+        let gp = e.gep(&cx.q_g, 1, &gk, "i64", "bf16");
         let sp = e.gepk(&s0, 3, sk);
         e.cp_async16(&sp, &gp);
     }
@@ -515,6 +579,19 @@ pub(crate) enum WgA<'a> {
 /// of `n / 8` n-tiles) is added to; the sums come back the same way. Inline PTX: the
 /// accumulators are tied outputs.
 pub(crate) fn wgmma_chain(e: &mut Em, n: usize, acc: &[String], a: WgA, desc: &str, offs: &[i64], trans_b: bool) -> Vec<String> {
+    wgmma_asm(e, n, acc, a, desc, offs, trans_b, true, true)
+}
+
+/// [`wgmma_chain`] issued and committed as one `wgmma` group, not waited for: the results are
+/// in flight until a [`wgmma_wait`] that passes them through. `accumulate: false` computes
+/// `A B` alone (scale-d 0: `acc` is not read, `llvm.mlir.undef` will do).
+#[allow(clippy::too_many_arguments)]
+fn wgmma_issue(e: &mut Em, n: usize, acc: &[String], a: WgA, desc: &str, offs: &[i64], trans_b: bool, accumulate: bool) -> Vec<String> {
+    wgmma_asm(e, n, acc, a, desc, offs, trans_b, accumulate, false)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn wgmma_asm(e: &mut Em, n: usize, acc: &[String], a: WgA, desc: &str, offs: &[i64], trans_b: bool, accumulate: bool, wait: bool) -> Vec<String> {
     let na = n / 2;
     let a0 = 2 * na;
     let (n_areg, ksteps) = match a {
@@ -524,7 +601,13 @@ pub(crate) fn wgmma_chain(e: &mut Em, n: usize, acc: &[String], a: WgA, desc: &s
     let dsc = a0 + n_areg;
     let accs: Vec<String> = (0..na).map(|i| format!("${i}")).collect();
     let regs = if matches!(a, WgA::Smem(..)) { "d, da" } else { "d" };
-    let mut asm = format!("{{ .reg .pred p; .reg .b64 {regs}; setp.ne.b32 p, ${}, 0; wgmma.fence.sync.aligned; ", dsc + 1);
+    // p: scale-d (from the i32 argument: 1 accumulates). A non-accumulating chain's first
+    // k-step takes p (0: the accumulators are not read), its later k-steps q (1).
+    let mut asm = if accumulate {
+        format!("{{ .reg .pred p; .reg .b64 {regs}; setp.ne.b32 p, ${}, 0; wgmma.fence.sync.aligned; ", dsc + 1)
+    } else {
+        format!("{{ .reg .pred p, q; .reg .b64 {regs}; setp.ne.b32 p, ${0}, 0; setp.eq.b32 q, ${0}, 0; wgmma.fence.sync.aligned; ", dsc + 1)
+    };
     for (k, off) in offs.iter().enumerate().take(ksteps) {
         let aop = match a {
             WgA::Regs(_) => format!("{{{}}}", (0..4).map(|i| format!("${}", a0 + 4 * k + i)).collect::<Vec<_>>().join(", ")),
@@ -535,14 +618,19 @@ pub(crate) fn wgmma_chain(e: &mut Em, n: usize, acc: &[String], a: WgA, desc: &s
         };
         // The register-A form has no transpose-A immediate; the descriptor form's is 0 (K-major).
         let ta = if matches!(a, WgA::Smem(..)) { "0, " } else { "" };
+        let pd = if k == 0 || accumulate { "p" } else { "q" };
         let _ = write!(
             asm,
-            "add.s64 d, ${dsc}, {off}; wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16 {{{}}}, {aop}, d, p, 1, 1, {ta}{}; ",
+            "add.s64 d, ${dsc}, {off}; wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16 {{{}}}, {aop}, d, {pd}, 1, 1, {ta}{}; ",
             accs.join(", "),
             u8::from(trans_b)
         );
     }
-    asm += "wgmma.commit_group.sync.aligned; wgmma.wait_group.sync.aligned 0; }";
+    asm += "wgmma.commit_group.sync.aligned; ";
+    if wait {
+        asm += "wgmma.wait_group.sync.aligned 0; ";
+    }
+    asm += "}";
     let mut cons: Vec<String> = (0..na).map(|_| "=f".to_string()).collect();
     cons.extend((0..na).map(|i| i.to_string()));
     let mut args: Vec<String> = acc.to_vec();
@@ -560,12 +648,33 @@ pub(crate) fn wgmma_chain(e: &mut Em, n: usize, acc: &[String], a: WgA, desc: &s
         }
     }
     cons.extend(["l".to_string(), "r".to_string()]);
-    let one = e.i32c(1);
-    args.extend([desc.to_string(), one]);
+    let scale_d = e.i32c(i64::from(accumulate));
+    args.extend([desc.to_string(), scale_d]);
     tys.extend(["i64", "i32"]);
     let sty = format!("!llvm.struct<({})>", vec!["f32"; na].join(", "));
     let r = e.op(&format!("llvm.inline_asm has_side_effects \"{asm}\", \"{}\" {} : ({}) -> {sty}", cons.join(","), args.join(", "), tys.join(", ")));
     (0..na).map(|i| e.extract(&r, i, &sty)).collect()
+}
+
+/// `wgmma.wait_group.sync.aligned pending`: every `wgmma` group but the newest `pending` is
+/// done. `f` (f32) and `r` (i32) pass through tied, so each later use reads the value after the
+/// wait (the accumulators of a finished chain) and the register A fragments of a chain still in
+/// flight stay allocated, unchanged, until it is waited for (the PTX rule for async operands).
+fn wgmma_wait(e: &mut Em, pending: u32, f: &[String], r: &[String]) -> (Vec<String>, Vec<String>) {
+    let n = f.len() + r.len();
+    let mut cons: Vec<String> = f.iter().map(|_| "=f".to_string()).chain(r.iter().map(|_| "=r".to_string())).collect();
+    cons.extend((0..n).map(|i| i.to_string()));
+    let args: Vec<String> = f.iter().chain(r).cloned().collect();
+    let tys: Vec<&str> = f.iter().map(|_| "f32").chain(r.iter().map(|_| "i32")).collect();
+    let sty = format!("!llvm.struct<({})>", tys.join(", "));
+    let v = e.op(&format!(
+        "llvm.inline_asm has_side_effects \"wgmma.wait_group.sync.aligned {pending};\", \"{}\" {} : ({}) -> {sty}",
+        cons.join(","),
+        args.join(", "),
+        tys.join(", ")
+    ));
+    let out: Vec<String> = (0..n).map(|i| e.extract(&v, i, &sty)).collect();
+    (out[..f.len()].to_vec(), out[f.len()..].to_vec())
 }
 
 /// Accumulators grouped as `mma.sync` n-tiles of 4.
@@ -573,54 +682,24 @@ fn n_tiles(v: &[String]) -> Vec<[String; 4]> {
     v.chunks(4).map(|c| [0, 1, 2, 3].map(|i| c[i].clone())).collect()
 }
 
-/// One key tile `j`: S = Q K^T, (mask), online softmax, O += P V. Returns the new state.
-fn tile_body(e: &mut Em, cx: &Ctx, j: &str, st: &State, masked: bool) -> State {
-    let d = cx.d as i64;
-    // K_j ready (V_j may still be in flight).
-    e.wait_group(1);
-    if cx.wgmma {
-        e.fence_proxy_async();
-    }
-    e.barrier();
-    let zero = e.f32c(0.0);
-    let mut s: Vec<[String; 4]> = (0..8).map(|_| [0; 4].map(|_| zero.clone())).collect();
-    if cx.wgmma {
-        let offs = sw128_kmajor_steps(d, BN as i64);
-        let flat: Vec<String> = s.iter().flat_map(|t| t.iter().cloned()).collect();
-        s = n_tiles(&wgmma_chain(e, 64, &flat, WgA::Regs(&cx.qf), &cx.k_desc, &offs, false));
-    }
-    for kstep in (0..(d / 16)).filter(|_| !cx.wgmma) {
-        for np in 0..4i64 {
-            let ptr = e.gepk(&cx.k_lm, 3, 16 * np * cx.stride + 16 * kstep);
-            let r = e.ldmatrix4(&ptr, false);
-            let a = &cx.qf[kstep as usize];
-            let n0 = (2 * np) as usize;
-            s[n0] = e.mma(a, [&r[0], &r[1]], &s[n0]);
-            s[n0 + 1] = e.mma(a, [&r[2], &r[3]], &s[n0 + 1]);
+/// Diagonal tile: key (n-tile * 8 + kcol + i) > query row (both within their 64-wide tiles)
+/// -> -inf.
+fn mask_diagonal(e: &mut Em, cx: &Ctx, s: &mut [[String; 4]]) {
+    let ninf = e.f32c(f32::NEG_INFINITY);
+    for (nt, t) in s.iter_mut().enumerate() {
+        for (i, x) in t.iter_mut().enumerate() {
+            let key = e.addk(&cx.kcol, nt as i64 * 8 + (i % 2) as i64);
+            let gt = e.op(&format!("arith.cmpi ugt, {key}, {} : i32", cx.qrow[i / 2]));
+            *x = e.op(&format!("arith.select {gt}, {ninf}, {x} : f32"));
         }
     }
-    e.barrier();
-    // Prefetch K_{j+1} into the buffer every warp is done with.
-    let j1 = e.addk(j, 1);
-    let has_next = e.op(&format!("arith.cmpi slt, {j1}, {} : i32", cx.n_tiles));
-    e.line(&format!("scf.if {has_next} {{"));
-    e.indent += 1;
-    load_tile(e, cx, &j1, false);
-    e.indent -= 1;
-    e.line("}");
-    e.commit();
-    if masked {
-        // Diagonal tile: key (n-tile * 8 + kcol + i) > query row -> -inf.
-        let ninf = e.f32c(f32::NEG_INFINITY);
-        for (nt, t) in s.iter_mut().enumerate() {
-            for (i, x) in t.iter_mut().enumerate() {
-                let key = e.addk(&cx.kcol, nt as i64 * 8 + (i % 2) as i64);
-                let gt = e.op(&format!("arith.cmpi ugt, {key}, {} : i32", cx.qrow[i / 2]));
-                *x = e.op(&format!("arith.select {gt}, {ninf}, {x} : f32"));
-            }
-        }
-    }
-    // Online softmax for the thread's two rows (c0, c1: row g; c2, c3: row g + 8).
+}
+
+/// The online softmax of one S tile (8 n-tiles in the C layout: c0, c1 in row g, c2, c3 in row
+/// g + 8) against the running max `m` and partial sums `l` of the thread's two rows. Returns
+/// the new max, `alpha = exp2(m - m_new)` (what O must be scaled by), `l alpha` plus this tile's
+/// row sums, and P as A fragments (key step kk covers n-tiles 2kk and 2kk + 1).
+fn online_softmax(e: &mut Em, cx: &Ctx, s: &mut [[String; 4]], m: &[String; 2], l: &[String; 2]) -> ([String; 2], [String; 2], [String; 2], Vec<[String; 4]>) {
     let mut m_new = [String::new(), String::new()];
     let mut alpha = [String::new(), String::new()];
     for r in 0..2 {
@@ -638,12 +717,12 @@ fn tile_body(e: &mut Em, cx: &Ctx, j: &str, st: &State, masked: bool) -> State {
             mx = e.fmax(&mx, &o);
         }
         let mxs = e.fmul(&mx, &cx.c);
-        m_new[r] = e.fmax(&st.m[r], &mxs);
-        let dm = e.fsub(&st.m[r], &m_new[r]);
+        m_new[r] = e.fmax(&m[r], &mxs);
+        let dm = e.fsub(&m[r], &m_new[r]);
         alpha[r] = e.ex2(&dm);
     }
     let neg_m = [0, 1].map(|r| e.op(&format!("arith.negf {} : f32", m_new[r])));
-    let mut l = [e.fmul(&st.l[0], &alpha[0]), e.fmul(&st.l[1], &alpha[1])];
+    let mut l = [e.fmul(&l[0], &alpha[0]), e.fmul(&l[1], &alpha[1])];
     for t in s.iter_mut() {
         for (i, x) in t.iter_mut().enumerate() {
             let y = e.fma(x, &cx.c, &neg_m[i / 2]);
@@ -651,26 +730,53 @@ fn tile_body(e: &mut Em, cx: &Ctx, j: &str, st: &State, masked: bool) -> State {
             l[i / 2] = e.fadd(&l[i / 2], x);
         }
     }
-    let mut o: Vec<[String; 4]> = st.o.iter().map(|t| [0, 1, 2, 3].map(|i| e.fmul(&t[i], &alpha[i / 2]))).collect();
-    // P as A fragments: key step kk covers n-tiles 2kk (a0, a1) and 2kk + 1 (a2, a3).
     let pf: Vec<[String; 4]> = (0..4)
         .map(|kk| {
             let (t0, t1) = (&s[2 * kk], &s[2 * kk + 1]);
             [e.pack_bf16(&t0[0], &t0[1]), e.pack_bf16(&t0[2], &t0[3]), e.pack_bf16(&t1[0], &t1[1]), e.pack_bf16(&t1[2], &t1[3])]
         })
         .collect();
-    // V_j ready (K_{j+1} may still be in flight).
+    (m_new, alpha, l, pf)
+}
+
+/// One key tile `j` on `mma.sync` (head_dim 16): S = Q K^T, (mask), online softmax, O += P V,
+/// each product waited for before the next step. Returns the new state.
+fn tile_body(e: &mut Em, cx: &Ctx, j: &str, st: &State, masked: bool) -> State {
+    let d = cx.d as i64;
+    // K_j ready (V_j may still be in flight).
     e.wait_group(1);
-    if cx.wgmma {
-        e.fence_proxy_async();
+    e.barrier();
+    let zero = e.f32c(0.0);
+    let mut s: Vec<[String; 4]> = (0..8).map(|_| [0; 4].map(|_| zero.clone())).collect();
+    for kstep in 0..(d / 16) {
+        for np in 0..4i64 {
+            let ptr = e.gepk(&cx.k_lm, 3, 16 * np * cx.stride + 16 * kstep);
+            let r = e.ldmatrix4(&ptr, false);
+            let a = &cx.qf[kstep as usize];
+            let n0 = (2 * np) as usize;
+            s[n0] = e.mma(a, [&r[0], &r[1]], &s[n0]);
+            s[n0 + 1] = e.mma(a, [&r[2], &r[3]], &s[n0 + 1]);
+        }
     }
     e.barrier();
-    if cx.wgmma {
-        let offs = sw128_mnmajor_steps(BN as i64);
-        let flat: Vec<String> = o.iter().flat_map(|t| t.iter().cloned()).collect();
-        o = n_tiles(&wgmma_chain(e, d as usize, &flat, WgA::Regs(&pf), &cx.v_desc, &offs, true));
+    // Prefetch K_{j+1} into the buffer every warp is done with.
+    let j1 = e.addk(j, 1);
+    let has_next = e.op(&format!("arith.cmpi slt, {j1}, {} : i32", cx.n_tiles));
+    e.line(&format!("scf.if {has_next} {{"));
+    e.indent += 1;
+    load_tile(e, cx, &j1, false, &cx.ks);
+    e.indent -= 1;
+    e.line("}");
+    e.commit();
+    if masked {
+        mask_diagonal(e, cx, &mut s);
     }
-    for (kk, a) in pf.iter().enumerate().filter(|_| !cx.wgmma) {
+    let (m_new, alpha, l, pf) = online_softmax(e, cx, &mut s, &st.m, &st.l);
+    let mut o: Vec<[String; 4]> = st.o.iter().map(|t| [0, 1, 2, 3].map(|i| e.fmul(&t[i], &alpha[i / 2]))).collect();
+    // V_j ready (K_{j+1} may still be in flight).
+    e.wait_group(1);
+    e.barrier();
+    for (kk, a) in pf.iter().enumerate() {
         for dp in 0..(d / 16) {
             let ptr = e.gepk(&cx.v_lm, 3, 16 * kk as i64 * cx.stride + 16 * dp);
             let r = e.ldmatrix4(&ptr, true);
@@ -682,14 +788,207 @@ fn tile_body(e: &mut Em, cx: &Ctx, j: &str, st: &State, masked: bool) -> State {
     e.barrier();
     e.line(&format!("scf.if {has_next} {{"));
     e.indent += 1;
-    load_tile(e, cx, &j1, true);
+    load_tile(e, cx, &j1, true, &cx.vs);
     e.indent -= 1;
     e.line("}");
     e.commit();
     State { o, m: m_new, l }
 }
 
-fn forward_body(p: &Problem, qp: &str, kp: &str, vp: &str, op: &str, lp: &str) -> String {
+/// The `mma.sync` path's key loop (head_dim 16): tiles in order, the diagonal last and masked.
+fn forward_mma_sync(e: &mut Em, cx: &Ctx, mblk: &str) -> State {
+    let d = cx.d as i64;
+    // Prologue: K_0 and V_0 in two groups.
+    let zero_i = e.i32c(0);
+    load_tile(e, cx, &zero_i, false, &cx.ks);
+    e.commit();
+    load_tile(e, cx, &zero_i, true, &cx.vs);
+    e.commit();
+    let zf = e.f32c(0.0);
+    let ninf = e.f32c(f32::NEG_INFINITY);
+    let nt = (d / 8) as usize;
+    let init = State { o: (0..nt).map(|_| [0; 4].map(|_| zf.clone())).collect(), m: [ninf.clone(), ninf.clone()], l: [zf.clone(), zf.clone()] };
+    // Unmasked tiles: all of them, or those before the diagonal.
+    let n_full = if cx.causal { mblk.to_string() } else { cx.n_tiles.clone() };
+    let flat = init.flat();
+    let tys = vec!["f32"; flat.len()];
+    let res = scf_for(e, &zero_i, &n_full, &flat, &tys, |e, j, args| tile_body(e, cx, j, &State::from_flat(args, nt), false).flat());
+    let mut st = State::from_flat(&res, nt);
+    if cx.causal {
+        st = tile_body(e, cx, mblk, &st, true);
+    }
+    st
+}
+
+/// `scf.for iv = lo to hi step 1` carrying `init` (of types `tys`); `body(e, iv, args)` returns
+/// the values to yield. Returns the loop's results.
+pub(crate) fn scf_for(
+    e: &mut Em,
+    lo: &str,
+    hi: &str,
+    init: &[String],
+    tys: &[&str],
+    body: impl FnOnce(&mut Em, &str, &[String]) -> Vec<String>,
+) -> Vec<String> {
+    let results: Vec<String> = init.iter().map(|_| e.fresh()).collect();
+    let args: Vec<String> = init.iter().map(|_| e.fresh()).collect();
+    let iv = e.fresh();
+    let one = e.i32c(1);
+    let pairs: Vec<String> = args.iter().zip(init).map(|(a, i)| format!("{a} = {i}")).collect();
+    let tys = tys.join(", ");
+    e.line(&format!("{} = scf.for {iv} = {lo} to {hi} step {one} iter_args({}) -> ({tys}) : i32 {{", results.join(", "), pairs.join(", ")));
+    e.indent += 1;
+    let next = body(e, &iv, &args);
+    e.line(&format!("scf.yield {} : {tys}", next.join(", ")));
+    e.indent -= 1;
+    e.line("}");
+    results
+}
+
+/// The A operand of `S = Q K^T`: Q's register fragments, or its shared tile (K-major, the
+/// same k-steps as K's).
+fn q_operand<'a>(cx: &'a Ctx, koffs: &'a [i64]) -> WgA<'a> {
+    match &cx.q_desc {
+        Some(q) => WgA::Smem(q, koffs),
+        None => WgA::Regs(&cx.qf),
+    }
+}
+
+/// The `wgmma` path's key loop (head_dim 64, 128), software-pipelined within the warpgroup
+/// (FA3's intra-warpgroup overlap). Key tiles run last to first (causal: the diagonal first, so
+/// only the prologue's tile is masked), K and V double-buffered. Iteration `t` (tile `j`):
+/// wait for K_j and V_{j+1}; prefetch K_{j-1} and V_j into the buffers freed by iteration
+/// `t - 1`; issue `S_j = Q K_j^T` and `O += P_{j+1} V_{j+1}` as two `wgmma` groups; wait for
+/// the first and run tile `j`'s softmax while the tensor cores finish the second; then wait for
+/// it and scale O by `alpha_j`. The last tile's `P V` follows the loop.
+fn forward_wgmma(e: &mut Em, cx: &Ctx) -> State {
+    let d = cx.d as i64;
+    let nt = (d / 8) as usize;
+    let tile = BN as i64 * d;
+    let koffs = sw128_kmajor_steps(d, BN as i64);
+    let voffs = sw128_mnmajor_steps(BN as i64);
+    // Buffer `b` (i32, 0 or 1) of K or V: its shared pointer and `wgmma` descriptor.
+    let buf = |e: &mut Em, v: bool, b: &str| -> (String, String) {
+        let off = e.mulk(b, tile);
+        let (base, desc) = if v { (&cx.vs, &cx.v_desc) } else { (&cx.ks, &cx.k_desc) };
+        let ptr = e.gep(base, 3, &off, "i32", "bf16");
+        (ptr, sw128_desc_at(e, desc, &off))
+    };
+    let one = e.i32c(1);
+    let last = e.addk(&cx.n_tiles, -1);
+    // Prologue: tile `last` (causal: the diagonal) into buffers 0, K_{last - 1} into K buffer 1.
+    load_tile(e, cx, &last, false, &cx.ks);
+    load_tile(e, cx, &last, true, &cx.vs);
+    if cx.q_desc.is_some() {
+        load_q_tile(e, cx);
+    }
+    e.commit();
+    e.wait_group(0);
+    e.fence_proxy_async();
+    e.barrier();
+    let zero = e.i32c(0);
+    let prev = e.addk(&last, -1);
+    // K_{last - 1} (if any) into K buffer `kb` once buffer `kb` is free.
+    let prefetch_k = |e: &mut Em, kb: &str| {
+        let has = e.op(&format!("arith.cmpi sgt, {last}, {zero} : i32"));
+        e.line(&format!("scf.if {has} {{"));
+        e.indent += 1;
+        let (kp, _) = buf(e, false, kb);
+        load_tile(e, cx, &prev, false, &kp);
+        e.indent -= 1;
+        e.line("}");
+        e.commit();
+    };
+    if cx.k_bufs == 2 {
+        prefetch_k(e, &one);
+    }
+    let undef = e.op("llvm.mlir.undef : f32");
+    let u = vec![undef; 32];
+    let s = wgmma_issue(e, 64, &u, q_operand(cx, &koffs), &cx.k_desc, &koffs, false, false);
+    let (s, _) = wgmma_wait(e, 0, &s, &[]);
+    if cx.k_bufs == 1 {
+        e.barrier();
+        prefetch_k(e, &zero);
+    }
+    let mut s = n_tiles(&s);
+    if cx.causal {
+        mask_diagonal(e, cx, &mut s);
+    }
+    let ninf = e.f32c(f32::NEG_INFINITY);
+    let zf = e.f32c(0.0);
+    let (m, _, l, pf) = online_softmax(e, cx, &mut s, &[ninf.clone(), ninf], &[zf.clone(), zf.clone()]);
+    // Carried: O (zero: tile `last`'s P V is issued in the first iteration), m, l, P.
+    let mut init: Vec<String> = vec![zf; 4 * nt];
+    init.extend(m);
+    init.extend(l);
+    init.extend(pf.iter().flat_map(|f| f.iter().cloned()));
+    let mut tys = vec!["f32"; 4 * nt + 4];
+    tys.extend(vec!["i32"; 16]);
+    let res = scf_for(e, &one, &cx.n_tiles, &init, &tys, |e, t, a| {
+        let o: Vec<String> = a[..4 * nt].to_vec();
+        let (m, l) = ([a[4 * nt].clone(), a[4 * nt + 1].clone()], [a[4 * nt + 2].clone(), a[4 * nt + 3].clone()]);
+        let pf_flat: Vec<String> = a[4 * nt + 4..].to_vec();
+        let j = e.bin("subi", &last, t, "i32");
+        let b = e.remk(t, 2);
+        let bp = e.bin("subi", &one, &b, "i32");
+        // K_j and V_{j + 1} landed (every copy this thread issued), visible to `wgmma`, and every
+        // warp is past iteration t - 1's products (their buffers are free).
+        e.wait_group(0);
+        e.fence_proxy_async();
+        e.barrier();
+        let has_next = e.op(&format!("arith.cmpi sgt, {j}, {zero} : i32"));
+        let jm1 = e.addk(&j, -1);
+        let prefetch_k = |e: &mut Em, kb: &str| {
+            e.line(&format!("scf.if {has_next} {{"));
+            e.indent += 1;
+            let (kn, _) = buf(e, false, kb);
+            load_tile(e, cx, &jm1, false, &kn);
+            e.indent -= 1;
+            e.line("}");
+        };
+        if cx.k_bufs == 2 {
+            prefetch_k(e, &bp);
+        }
+        let (vn, _) = buf(e, true, &b);
+        load_tile(e, cx, &j, true, &vn);
+        e.commit();
+        let kb = if cx.k_bufs == 2 { b.clone() } else { zero.clone() };
+        let (_, kd) = buf(e, false, &kb);
+        let (_, vd) = buf(e, true, &bp);
+        let undef = e.op("llvm.mlir.undef : f32");
+        let u = vec![undef; 32];
+        let s = wgmma_issue(e, 64, &u, q_operand(cx, &koffs), &kd, &koffs, false, false);
+        let pf_prev: Vec<[String; 4]> = pf_flat.chunks(4).map(|c| [0, 1, 2, 3].map(|i| c[i].clone())).collect();
+        let o = wgmma_issue(e, d as usize, &o, WgA::Regs(&pf_prev), &vd, &voffs, true, true);
+        // S_j done; P_{j+1} stays allocated while `P V` reads it.
+        let (s, pf_live) = wgmma_wait(e, 1, &s, &pf_flat);
+        if cx.k_bufs == 1 {
+            // Every warp's S_j is done: K_{j-1} into the one K buffer.
+            e.barrier();
+            prefetch_k(e, &zero);
+            e.commit();
+        }
+        let mut s = n_tiles(&s);
+        let (m_new, alpha, l, pf) = online_softmax(e, cx, &mut s, &m, &l);
+        let (o, _) = wgmma_wait(e, 0, &o, &pf_live);
+        let mut next: Vec<String> = o.iter().enumerate().map(|(i, x)| e.fmul(x, &alpha[(i % 4) / 2])).collect();
+        next.extend(m_new);
+        next.extend(l);
+        next.extend(pf.iter().flat_map(|f| f.iter().cloned()));
+        next
+    });
+    // The last tile's P V, from V buffer (n_tiles - 1) % 2.
+    e.wait_group(0);
+    e.fence_proxy_async();
+    e.barrier();
+    let pf: Vec<[String; 4]> = res[4 * nt + 4..].chunks(4).map(|c| [0, 1, 2, 3].map(|i| c[i].clone())).collect();
+    let bl = e.remk(&last, 2);
+    let (_, vd) = buf(e, true, &bl);
+    let o = wgmma_chain(e, d as usize, &res[..4 * nt], WgA::Regs(&pf), &vd, &voffs, true);
+    State { o: n_tiles(&o), m: [res[4 * nt].clone(), res[4 * nt + 1].clone()], l: [res[4 * nt + 2].clone(), res[4 * nt + 3].clone()] }
+}
+
+fn forward_body(p: &Problem, var: Variant, qp: &str, kp: &str, vp: &str, op: &str, lp: &str) -> String {
     let mut e = Em::new();
     let d = p.d as i64;
     let stride = d + 8;
@@ -745,7 +1044,7 @@ fn forward_body(p: &Problem, qp: &str, kp: &str, vp: &str, op: &str, lp: &str) -
         e.gep(base, 1, &o, "i64", "bf16")
     };
     let qrow_p = [row_ptr(&mut e, qp, &row0), row_ptr(&mut e, qp, &row1)];
-    let qf: Vec<[String; 4]> = (0..d / 16)
+    let qf: Vec<[String; 4]> = (0..if var.q_smem { 0 } else { d / 16 })
         .map(|ks| {
             let mut a: [String; 4] = Default::default();
             for (i, x) in a.iter_mut().enumerate() {
@@ -756,8 +1055,11 @@ fn forward_body(p: &Problem, qp: &str, kp: &str, vp: &str, op: &str, lp: &str) -
         })
         .collect();
     // Shared buffers and this lane's ldmatrix rows.
-    let ks = e.op("llvm.mlir.addressof @att_k : !llvm.ptr<3>");
-    let vs = e.op("llvm.mlir.addressof @att_v : !llvm.ptr<3>");
+    // Dynamic shared memory: the K buffers, then the V buffers ([`smem_layout`]).
+    let ks = e.op("llvm.mlir.addressof @att_smem : !llvm.ptr<3>");
+    let (_, v_at, q_at) = smem_layout(d as u64, var);
+    let vs = e.gepk(&ks, 3, v_at);
+    let qs = e.gepk(&ks, 3, q_at);
     let mi = e.divk(&lane, 8);
     let r8 = e.remk(&lane, 8);
     let mi_lo = e.remk(&mi, 2);
@@ -801,6 +1103,15 @@ fn forward_body(p: &Problem, qp: &str, kp: &str, vp: &str, op: &str, lp: &str) -
     let g_off = e.bin("addi", &g_off, &kv_base, "i64");
     let k_g = e.gep(kp, 1, &g_off, "i64", "bf16");
     let v_g = e.gep(vp, 1, &g_off, "i64", "bf16");
+    // Q tile copies: row m64 + crow of this (batch, head), chunk cc8.
+    let qr = e.addi(&m64, &crow);
+    let qr64 = e.ext64(&qr);
+    let qrs = e.i64c(q_row);
+    let q_off = e.bin("muli", &qr64, &qrs, "i64");
+    let q_off = e.bin("addi", &q_off, &cc864, "i64");
+    let q_off = e.bin("addi", &q_off, &q_base, "i64");
+    let q_g = e.gep(qp, 1, &q_off, "i64", "bf16");
+    let q_desc = var.q_smem.then(|| sw128_descriptor(&mut e, &qs, 16, 1024));
     let n_tiles = if p.causal { e.addk(&mblk, 1) } else { e.i32c(nm) };
     let c = e.f32c((p.scale * std::f64::consts::LOG2_E) as f32);
     let cx = Ctx {
@@ -809,6 +1120,11 @@ fn forward_body(p: &Problem, qp: &str, kp: &str, vp: &str, op: &str, lp: &str) -
         causal: p.causal,
         c,
         qf,
+        q_desc,
+        k_bufs: var.k_bufs as i64,
+        qs,
+        q_g,
+        q_row,
         ks,
         vs,
         wgmma,
@@ -824,37 +1140,7 @@ fn forward_body(p: &Problem, qp: &str, kp: &str, vp: &str, op: &str, lp: &str) -
         qrow: [qr0, qr1],
         kcol: kcol.clone(),
     };
-    // Prologue: K_0 and V_0 in two groups.
-    let zero_i = e.i32c(0);
-    load_tile(&mut e, &cx, &zero_i, false);
-    e.commit();
-    load_tile(&mut e, &cx, &zero_i, true);
-    e.commit();
-    let zf = e.f32c(0.0);
-    let ninf = e.f32c(f32::NEG_INFINITY);
-    let nt = (d / 8) as usize;
-    let init = State { o: (0..nt).map(|_| [0; 4].map(|_| zf.clone())).collect(), m: [ninf.clone(), ninf.clone()], l: [zf.clone(), zf.clone()] };
-    // Unmasked tiles: all of them, or those before the diagonal.
-    let n_full = if cx.causal { mblk.clone() } else { cx.n_tiles.clone() };
-    let flat = init.flat();
-    let results: Vec<String> = flat.iter().map(|_| e.fresh()).collect();
-    let args: Vec<String> = flat.iter().map(|_| e.fresh()).collect();
-    let iv = e.fresh();
-    let one = e.i32c(1);
-    let pairs: Vec<String> = args.iter().zip(&flat).map(|(a, i)| format!("{a} = {i}")).collect();
-    let tys = vec!["f32"; flat.len()].join(", ");
-    e.line(&format!("{} = scf.for {iv} = {zero_i} to {n_full} step {one} iter_args({}) -> ({tys}) : i32 {{", results.join(", "), pairs.join(", ")));
-    e.indent += 1;
-    let st = State::from_flat(&args, nt);
-    let next = tile_body(&mut e, &cx, &iv, &st, false);
-    let nf = next.flat();
-    e.line(&format!("scf.yield {} : {tys}", nf.join(", ")));
-    e.indent -= 1;
-    e.line("}");
-    let mut st = State::from_flat(&results, nt);
-    if cx.causal {
-        st = tile_body(&mut e, &cx, &mblk, &st, true);
-    }
+    let st = if wgmma { forward_wgmma(&mut e, &cx) } else { forward_mma_sync(&mut e, &cx, &mblk) };
     // Epilogue: full row sums across the quad, O / l, lse.
     let mut inv = [String::new(), String::new()];
     let mut lse = [String::new(), String::new()];
@@ -881,6 +1167,7 @@ fn forward_body(p: &Problem, qp: &str, kp: &str, vp: &str, op: &str, lp: &str) -
             e.line(&format!("llvm.store {pk}, {ptr} {{alignment = 4 : i64}} : i32, !llvm.ptr<1>"));
         }
     }
+    let zero_i = e.i32c(0);
     let is0 = e.op(&format!("arith.cmpi eq, {tq}, {zero_i} : i32"));
     e.line(&format!("scf.if {is0} {{"));
     e.indent += 1;

@@ -41,8 +41,8 @@ use std::fmt::Write as _;
 use titan_ir::{DType, Graph, Op, Region};
 
 use crate::attention::{
-    Em, WgA, checked_sizes, output_slots, sw128_copy, sw128_desc_at, sw128_descriptor, sw128_kmajor_steps, sw128_mnmajor_steps, sw128_slot, uses_wgmma,
-    wgmma_chain,
+    Em, WgA, checked_sizes, output_slots, scf_for, sw128_copy, sw128_desc_at, sw128_descriptor, sw128_kmajor_steps, sw128_mnmajor_steps, sw128_slot,
+    uses_wgmma, wgmma_chain,
 };
 use crate::values::Body;
 use crate::{GenResult, Generated, invalid, unsupported};
@@ -205,19 +205,7 @@ fn frags_of(v: &[String]) -> Vec<[String; 4]> {
 
 /// Emit `scf.for iv = lo to hi step 1` carrying f32 `inits`; returns the results.
 fn for_f32(e: &mut Em, lo: &str, hi: &str, inits: &[String], body: impl FnOnce(&mut Em, &str, &[String]) -> Vec<String>) -> Vec<String> {
-    let results: Vec<String> = inits.iter().map(|_| e.fresh()).collect();
-    let args: Vec<String> = inits.iter().map(|_| e.fresh()).collect();
-    let iv = e.fresh();
-    let one = e.i32c(1);
-    let pairs: Vec<String> = args.iter().zip(inits).map(|(a, i)| format!("{a} = {i}")).collect();
-    let tys = vec!["f32"; inits.len()].join(", ");
-    e.line(&format!("{} = scf.for {iv} = {lo} to {hi} step {one} iter_args({}) -> ({tys}) : i32 {{", results.join(", "), pairs.join(", ")));
-    e.indent += 1;
-    let next = body(e, &iv, &args);
-    e.line(&format!("scf.yield {} : {tys}", next.join(", ")));
-    e.indent -= 1;
-    e.line("}");
-    results
+    scf_for(e, lo, hi, inits, &vec!["f32"; inits.len()], body)
 }
 
 fn if_then(e: &mut Em, cond: &str, then: impl FnOnce(&mut Em)) {

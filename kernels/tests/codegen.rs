@@ -667,11 +667,24 @@ fn attention_kernel_shape_and_launch() {
     // head_dim 64: both products on wgmma (K K-major, V MN-major: the transposed B), operands
     // behind a proxy fence, no mma.sync left.
     assert!(k.ptx.contains("wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16"));
-    assert_eq!(k.ptx.matches("wgmma.mma_async").count(), 2 * (4 + 4), "4 + 4 k-steps, unmasked loop and diagonal tile");
-    assert!(k.ptx.contains("p, 1, 1, 1;") && k.ptx.contains("p, 1, 1, 0;"));
+    assert_eq!(k.ptx.matches("wgmma.mma_async").count(), 4 * 4, "Q K^T in the prologue and the loop, P V in the loop and after it: 4 k-steps each");
+    // S = Q K^T starts from nothing (scale-d p = 0 on its first k-step, q = 1 after); P V adds.
+    assert!(k.ptx.contains("d, p, 1, 1, 0;") && k.ptx.contains("d, q, 1, 1, 0;") && k.ptx.contains("d, p, 1, 1, 1;"));
     assert!(k.ptx.contains("fence.proxy.async.shared::cta"));
     assert!(!k.ptx.contains("mma.sync") && !k.ptx.contains("ldmatrix"));
     assert!(k.ptx.contains("cp.async.cg.shared.global"));
+    // Pipelined: the loop waits for S_j with P_{j+1} V_{j+1} still in flight (wait_group 1),
+    // then for that; Q from registers at head_dim 64; two K and two V buffers of 8 KB.
+    assert!(k.ptx.contains("wgmma.wait_group.sync.aligned 1;") && k.ptx.contains("wgmma.wait_group.sync.aligned 0;"));
+    assert!(!k.ptx.contains("add.s64 da"), "head_dim 64 keeps Q in registers");
+    assert_eq!(k.launch.shared_bytes, 4 * 64 * 64 * 2);
+    // head_dim 128: Q in shared memory (the first product's A operand from a descriptor, eight
+    // k-steps), one K and two V buffers of 16 KB plus Q's 16 KB: three CTAs fit an SM.
+    let id = attention_body(&mut g, [1, 512, 8, 2, 128], true);
+    let k = compile(&g, id, KernelKind::Attention, "layer.attn128");
+    assert_eq!(k.ptx.matches("add.s64 da").count(), 2 * 8, "Q K^T from shared A in the prologue and the loop");
+    assert_eq!(k.launch.shared_bytes, 4 * 64 * 128 * 2);
+    assert!(k.ptx.contains(".minnctapersm 3"));
     // The backward's dQ pass (the module's `_dq` entry) runs its three products on wgmma too.
     let id = attention_bwd_body(&mut g, [2, 256, 8, 2, 64], true);
     let k = compile(&g, id, KernelKind::AttentionBwd, "layer_bwd.attn");

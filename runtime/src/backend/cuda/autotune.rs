@@ -70,7 +70,7 @@ impl LoadedCode {
                     continue;
                 }
                 gpu.record(&start)?;
-                let ok = (0..timed_calls()).all(|_| plan.run(&self.blas, abc, c_in, scales, self.blas_workspace.ptr, gpu.stream).is_ok());
+                let ok = (0..TIMED_CALLS).all(|_| plan.run(&self.blas, abc, c_in, scales, self.blas_workspace.ptr, gpu.stream).is_ok());
                 gpu.record(&stop)?;
                 let ms = start.elapsed_ms(&stop)?;
                 if ok && best.is_none_or(|(t, _)| ms < t) {
@@ -102,13 +102,10 @@ impl LoadedCode {
     }
 }
 
-/// Back-to-back calls timed per candidate: 3, or `TITAN_GEMM_AUTOTUNE_CALLS` (1-1000). More
-/// calls time a candidate in the power-capped regime the step runs in rather than at the
-/// clock a short burst gets (an experiment knob; choices are cached per plan, so compare
-/// settings with separate `TITAN_CACHE_DIR`s).
-fn timed_calls() -> usize {
-    std::env::var("TITAN_GEMM_AUTOTUNE_CALLS").ok().and_then(|v| v.parse::<usize>().ok()).filter(|n| (1..=1000).contains(n)).unwrap_or(3)
-}
+/// Back-to-back calls timed per candidate. 40 (candidates timed in the power-capped regime of
+/// the step rather than a short burst's clock) picked differently for 23 of 1B's and 8b-4l's
+/// 38 shapes and did not change either step rate (docs/performance.md, session 15).
+const TIMED_CALLS: usize = 3;
 
 /// What [`LoadedCode::autotune_gemms`] did: its summary line, and whether it wrote timing data
 /// into the arenas (the caller restores their fill patterns).
