@@ -1,5 +1,5 @@
 //! NVIDIA's `ptxas` (no GPU needed): validation of generated PTX (assemble for sm_90a and report
-//! registers, spills, shared memory and stack from `-v`) and assembly of the sm_90a cubins that
+//! registers, spills, shared memory, stack and serialized `wgmma`s from `-v`) and assembly of the sm_90a cubins that
 //! artifacts ship next to their PTX, so the driver need not JIT-compile PTX at start-up.
 
 use std::path::{Path, PathBuf};
@@ -16,6 +16,10 @@ pub struct PtxasReport {
     pub spill_loads: u64,
     pub shared_bytes: u64,
     pub stack_bytes: u64,
+    /// ptxas serialized the entry's `wgmma.mma_async` instructions (its C7512 "Potential
+    /// Performance Loss" note: e.g. too few registers to keep an async chain's operands in
+    /// place), which turns every asynchronous `wgmma` into issue-and-wait.
+    pub wgmma_serialized: bool,
 }
 
 const INSTALL_HINT: &str = "install it with `pip install nvidia-cuda-nvcc` or point TITAN_PTXAS at a ptxas binary";
@@ -138,12 +142,16 @@ fn number_before(line: &str, what: &str) -> Option<u64> {
     line[..pos].split(|c: char| !c.is_ascii_digit()).rfind(|s| !s.is_empty())?.parse().ok()
 }
 
-/// Read the `Function properties for <entry>` and `Used N registers` lines.
+/// Read the `Function properties for <entry>` and `Used N registers` lines, and a C7512 note
+/// (`wgmma.mma_async instructions are serialized ... function '<entry>'`) wherever it is.
 fn parse_report(text: &str, entry: &str) -> Option<PtxasReport> {
     let mut in_entry = false;
     let mut r = PtxasReport::default();
     let mut seen = false;
     for line in text.lines() {
+        if line.contains("instructions are serialized") && line.contains(&format!("'{entry}'")) {
+            r.wgmma_serialized = true;
+        }
         if line.contains("Function properties for") || line.contains("Compiling entry function") {
             in_entry = line.trim_end().ends_with(&format!("for {entry}")) || line.contains(&format!("'{entry}'"));
             continue;
@@ -177,8 +185,15 @@ ptxas info    : Function properties for k\n\
     8 bytes stack frame, 4 bytes spill stores, 12 bytes spill loads\n\
 ptxas info    : Used 14 registers, used 1 barriers, 256 bytes smem\n";
         let r = parse_report(text, "k").expect("report");
-        assert_eq!(r, PtxasReport { registers: 14, spill_stores: 4, spill_loads: 12, shared_bytes: 256, stack_bytes: 8 });
+        assert_eq!(r, PtxasReport { registers: 14, spill_stores: 4, spill_loads: 12, shared_bytes: 256, stack_bytes: 8, wgmma_serialized: false });
         assert!(parse_report(text, "other").is_none());
+        // ptxas 13's note when an async wgmma chain cannot keep its registers (seen on the
+        // pipelined attention forward with Q in registers at head_dim 128): for that entry only.
+        let note = "ptxas info    : (C7512) Potential Performance Loss: wgmma.mma_async instructions are serialized due to insufficient register resources for the function 'k'\n";
+        let r = parse_report(&format!("{note}{text}"), "k").expect("report");
+        assert!(r.wgmma_serialized);
+        let other = text.replace("'k'", "'k2'").replace("for k", "for k2");
+        assert!(!parse_report(&format!("{note}{other}"), "k2").expect("report").wgmma_serialized);
     }
 
     const TINY: &str = ".version 8.0\n.target sm_90a\n.address_size 64\n.visible .entry tiny()\n{\n\tret;\n}\n";

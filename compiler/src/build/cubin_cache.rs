@@ -80,8 +80,13 @@ impl CubinCache {
         }
         let r = &a.report;
         let report = format!(
-            "registers {}\nspill_stores {}\nspill_loads {}\nshared_bytes {}\nstack_bytes {}\n",
-            r.registers, r.spill_stores, r.spill_loads, r.shared_bytes, r.stack_bytes
+            "registers {}\nspill_stores {}\nspill_loads {}\nshared_bytes {}\nstack_bytes {}\nwgmma_serialized {}\n",
+            r.registers,
+            r.spill_stores,
+            r.spill_loads,
+            r.shared_bytes,
+            r.stack_bytes,
+            u8::from(r.wgmma_serialized)
         );
         let _ = write_renamed(&stem.with_extension("report"), report.as_bytes()) && write_renamed(&stem.with_extension("cubin"), &a.cubin);
     }
@@ -97,7 +102,8 @@ fn write_renamed(path: &Path, bytes: &[u8]) -> bool {
     false
 }
 
-/// The report `put` wrote: `name value` lines, every field present.
+/// The report `put` wrote: `name value` lines, every field present (a report from before a
+/// field existed is no report: the kernel is assembled again).
 fn parse_report(text: &str) -> Option<PtxasReport> {
     let field = |name: &str| text.lines().find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse::<u64>().ok());
     Some(PtxasReport {
@@ -106,6 +112,7 @@ fn parse_report(text: &str) -> Option<PtxasReport> {
         spill_loads: field("spill_loads")?,
         shared_bytes: field("shared_bytes")?,
         stack_bytes: field("stack_bytes")?,
+        wgmma_serialized: field("wgmma_serialized")? != 0,
     })
 }
 

@@ -258,6 +258,15 @@ impl fmt::Display for BuildSummary {
                 ks => format!("warning: {} kernel(s) spill registers to local memory: {}", ks.len(), ks.join(", ")),
             };
             writeln!(f, "ptxas:        at most {regs} registers and {} of shared memory per kernel; {spills}", human_bytes(smem))?;
+            let serialized: Vec<&str> = self.ptxas_reports.iter().filter(|(_, r)| r.wgmma_serialized).map(|(k, _)| k.as_str()).collect();
+            if !serialized.is_empty() {
+                writeln!(
+                    f,
+                    "ptxas:        warning: {} kernel(s) have their wgmma instructions serialized by ptxas: {}",
+                    serialized.len(),
+                    serialized.join(", ")
+                )?;
+            }
         }
         writeln!(f, "memory plan:  {} buffers", self.buffers)?;
         for a in &self.arenas {

@@ -1,6 +1,7 @@
 //! Every PTX file `titanc build` emits for the debug and the 8B presets (real dims: dim 4096,
 //! ffn 14336, vocab 128256, seq 8192) is assembled by ptxas for sm_90a. Prints registers,
-//! spills and shared memory per kernel; fails on any ptxas error or any local-memory spill.
+//! spills and shared memory per kernel; fails on any ptxas error, any local-memory spill or any
+//! kernel whose `wgmma`s ptxas serialized.
 //! ptxas comes from PyPI (`pip install nvidia-cuda-nvcc`, done by scripts/setup.sh); a missing
 //! ptxas fails the test rather than skipping it.
 
@@ -23,6 +24,9 @@ fn assemble_preset(preset: Preset) {
         println!("{:<44} {:>5} {:>7} {:>7} {:>7}", k, r.registers, r.spill_stores, r.spill_loads, r.shared_bytes);
         if r.spills() {
             failures.push(format!("{k}: {} spill stores, {} spill loads", r.spill_stores, r.spill_loads));
+        }
+        if r.wgmma_serialized {
+            failures.push(format!("{k}: ptxas serialized its wgmma instructions"));
         }
     }
     // The training step's kernels and the eval step's (validation), which ship PTX too.
