@@ -876,7 +876,8 @@ fn forward_wgmma(e: &mut Em, cx: &Ctx) -> State {
     };
     let one = e.i32c(1);
     let last = e.addk(&cx.n_tiles, -1);
-    // Prologue: tile `last` (causal: the diagonal) into buffers 0, K_{last - 1} into K buffer 1.
+    // Prologue: tile `last` (causal: the diagonal) into buffers 0 (and Q into its own); K_{last -
+    // 1} into K buffer 1 at once with two K buffers, into buffer 0 once S_last is done with one.
     load_tile(e, cx, &last, false, &cx.ks);
     load_tile(e, cx, &last, true, &cx.vs);
     if cx.q_desc.is_some() {
