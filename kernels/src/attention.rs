@@ -56,7 +56,7 @@ const BN: u64 = 64;
 const THREADS: u64 = 128;
 /// Resident CTAs per SM asked of ptxas (`.minnctapersm`) at head_dim 128: three CTAs of 128
 /// threads leave 168 registers a thread (the pipelined loop with Q in shared memory takes
-/// 141-143). Smaller head dims fit four CTAs without asking.
+/// 141-143). At head_dim 64 (128 registers, 32 KB) four CTAs fit by arithmetic without asking.
 const CTAS_PER_SM_D128: u32 = 3;
 /// Bytes of one swizzled block: 64 keys' 128-byte rows.
 const SW_BLOCK: i64 = 64 * 128;
@@ -273,6 +273,15 @@ impl Em {
     }
 }
 
+/// `scf.if cond { then }` (no results).
+pub(crate) fn if_then(e: &mut Em, cond: &str, then: impl FnOnce(&mut Em)) {
+    e.line(&format!("scf.if {cond} {{"));
+    e.indent += 1;
+    then(e);
+    e.indent -= 1;
+    e.line("}");
+}
+
 /// Where each of `node`'s results sits among the body's outputs: the body must output every
 /// result exactly once (`what` names the kernel, `names` its results, for errors).
 pub(crate) fn output_slots<const N: usize>(r: &Region, node: &Node, what: &str, names: &str) -> GenResult<[usize; N]> {
@@ -374,10 +383,11 @@ pub(crate) fn generate(g: &Graph, r: &Region, entry: &str) -> GenResult<Generate
     Ok(Generated { shared_bytes: bytes as u32, ..Generated::new(m, THREADS as u32, grid, 0) })
 }
 
-/// Dynamic shared memory of the forward kernel at head_dim `d`: (bytes, element offset of the
-/// V buffers). `wgmma` path: two K then two V buffers of 64 keys in 128-byte-swizzled 64-dim
-/// blocks (each a multiple of 1 KB, so every buffer keeps the swizzle's alignment);
-/// `mma.sync` path: one K and one V tile of `64 x (d + 8)` (padded rows for `ldmatrix`).
+/// Dynamic shared memory of the forward kernel at head_dim `d`: (bytes, element offsets of the
+/// V buffers and of Q's tile). `wgmma` path: `v.k_bufs` K buffers, two V buffers, then Q's
+/// tile if it lives there, each of 64 rows in 128-byte-swizzled 64-dim blocks (a multiple of
+/// 1 KB, so every buffer keeps the swizzle's alignment); `mma.sync` path: one K and one V tile
+/// of `64 x (d + 8)` (padded rows for `ldmatrix`).
 fn smem_layout(d: u64, v: Variant) -> (u64, i64, i64) {
     if uses_wgmma(d) {
         let tile = BN * d;
@@ -396,7 +406,7 @@ fn smem_layout(d: u64, v: Variant) -> (u64, i64, i64) {
 /// registers and 64 KB a CTA, so three CTAs fit an SM (Q in registers with two K buffers
 /// needs more than the 168 registers of three CTAs: ptxas spills and serializes the `wgmma`s;
 /// at two CTAs an SM it ran 530 against 554 TFLOP/s at seq 8192). head_dim 64: Q in registers
-/// and two K buffers (128 registers, 32 KB, four CTAs an SM): 436 against 423 TFLOP/s with Q
+/// and two K buffers (128 registers and 32 KB: four CTAs an SM by arithmetic): 436 against 423 TFLOP/s with Q
 /// in shared memory.
 #[derive(Clone, Copy, Debug)]
 struct Variant {
@@ -433,6 +443,18 @@ impl State {
     }
 }
 
+/// Q's shared tile (`Variant::q_smem`).
+struct QTile {
+    /// Its shared buffer.
+    smem: String,
+    /// The global pointer at this thread's first copy chunk of the CTA's Q tile.
+    g: String,
+    /// Elements between query rows in global memory (`hq * d`).
+    row: i64,
+    /// Its `wgmma` descriptor: Q is the first product's A operand, K-major like K.
+    desc: String,
+}
+
 /// Per-thread values the tile body needs.
 struct Ctx {
     d: u64,
@@ -441,16 +463,10 @@ struct Ctx {
     /// `scale * log2(e)`.
     c: String,
     qf: Vec<[String; 4]>,
-    /// `wgmma` path with Q in shared memory (`Variant::q_smem`): its descriptor (Q is the
-    /// first product's A operand, K-major like K); `qf` is then empty.
-    q_desc: Option<String>,
-    /// K buffers of the `wgmma` path (1 or 2).
-    k_bufs: i64,
-    /// Q's shared buffer, and the global pointer at this thread's first copy chunk of the
-    /// CTA's Q tile (`Variant::q_smem`), elements between query rows.
-    qs: String,
-    q_g: String,
-    q_row: i64,
+    /// Q in shared memory (`Variant::q_smem`; `qf` is then empty).
+    q_tile: Option<QTile>,
+    /// How the `wgmma` path holds Q and K.
+    var: Variant,
     ks: String,
     vs: String,
     /// The `wgmma` path (else `mma.sync`).
@@ -496,15 +512,17 @@ fn load_tile(e: &mut Em, cx: &Ctx, j: &str, v: bool, sbase: &str) {
     }
 }
 
-/// Issue the cp.async copies of this CTA's Q tile into its shared buffer (`Variant::q_smem`):
-/// the swizzled K-major layout of a K tile, 64 query rows `hq * d` elements apart.
+/// Issue the cp.async copies of this CTA's Q tile into its shared buffer, if Q lives there
+/// (`Variant::q_smem`): the swizzled K-major layout of a K tile, 64 query rows `hq * d`
+/// elements apart.
 fn load_q_tile(e: &mut Em, cx: &Ctx) {
     let iters = (BM * cx.d / 8 / THREADS) as i64;
-    let s0 = e.gep(&cx.qs, 3, &cx.s_off, "i32", "bf16");
+    let Some(q) = &cx.q_tile else { return };
+    let s0 = e.gep(&q.smem, 3, &cx.s_off, "i32", "bf16");
     for it in 0..iters {
-        let (gk, sk) = sw128_copy(it, BM as i64, cx.q_row);
+        let (gk, sk) = sw128_copy(it, BM as i64, q.row);
         let gk = e.i64c(gk);
-        let gp = e.gep(&cx.q_g, 1, &gk, "i64", "bf16");
+        let gp = e.gep(&q.g, 1, &gk, "i64", "bf16");
         let sp = e.gepk(&s0, 3, sk);
         e.cp_async16(&sp, &gp);
     }
@@ -762,11 +780,7 @@ fn tile_body(e: &mut Em, cx: &Ctx, j: &str, st: &State, masked: bool) -> State {
     // Prefetch K_{j+1} into the buffer every warp is done with.
     let j1 = e.addk(j, 1);
     let has_next = e.op(&format!("arith.cmpi slt, {j1}, {} : i32", cx.n_tiles));
-    e.line(&format!("scf.if {has_next} {{"));
-    e.indent += 1;
-    load_tile(e, cx, &j1, false, &cx.ks);
-    e.indent -= 1;
-    e.line("}");
+    if_then(e, &has_next, |e| load_tile(e, cx, &j1, false, &cx.ks));
     e.commit();
     if masked {
         mask_diagonal(e, cx, &mut s);
@@ -786,11 +800,7 @@ fn tile_body(e: &mut Em, cx: &Ctx, j: &str, st: &State, masked: bool) -> State {
         }
     }
     e.barrier();
-    e.line(&format!("scf.if {has_next} {{"));
-    e.indent += 1;
-    load_tile(e, cx, &j1, true, &cx.vs);
-    e.indent -= 1;
-    e.line("}");
+    if_then(e, &has_next, |e| load_tile(e, cx, &j1, true, &cx.vs));
     e.commit();
     State { o, m: m_new, l }
 }
@@ -848,8 +858,8 @@ pub(crate) fn scf_for(
 /// The A operand of `S = Q K^T`: Q's register fragments, or its shared tile (K-major, the
 /// same k-steps as K's).
 fn q_operand<'a>(cx: &'a Ctx, koffs: &'a [i64]) -> WgA<'a> {
-    match &cx.q_desc {
-        Some(q) => WgA::Smem(q, koffs),
+    match &cx.q_tile {
+        Some(q) => WgA::Smem(&q.desc, koffs),
         None => WgA::Regs(&cx.qf),
     }
 }
@@ -880,9 +890,7 @@ fn forward_wgmma(e: &mut Em, cx: &Ctx) -> State {
     // 1} into K buffer 1 at once with two K buffers, into buffer 0 once S_last is done with one.
     load_tile(e, cx, &last, false, &cx.ks);
     load_tile(e, cx, &last, true, &cx.vs);
-    if cx.q_desc.is_some() {
-        load_q_tile(e, cx);
-    }
+    load_q_tile(e, cx);
     e.commit();
     e.wait_group(0);
     e.fence_proxy_async();
@@ -892,22 +900,20 @@ fn forward_wgmma(e: &mut Em, cx: &Ctx) -> State {
     // K_{last - 1} (if any) into K buffer `kb` once buffer `kb` is free.
     let prefetch_k = |e: &mut Em, kb: &str| {
         let has = e.op(&format!("arith.cmpi sgt, {last}, {zero} : i32"));
-        e.line(&format!("scf.if {has} {{"));
-        e.indent += 1;
-        let (kp, _) = buf(e, false, kb);
-        load_tile(e, cx, &prev, false, &kp);
-        e.indent -= 1;
-        e.line("}");
+        if_then(e, &has, |e| {
+            let (kp, _) = buf(e, false, kb);
+            load_tile(e, cx, &prev, false, &kp);
+        });
         e.commit();
     };
-    if cx.k_bufs == 2 {
+    if cx.var.k_bufs == 2 {
         prefetch_k(e, &one);
     }
     let undef = e.op("llvm.mlir.undef : f32");
     let u = vec![undef; 32];
     let s = wgmma_issue(e, 64, &u, q_operand(cx, &koffs), &cx.k_desc, &koffs, false, false);
     let (s, _) = wgmma_wait(e, 0, &s, &[]);
-    if cx.k_bufs == 1 {
+    if cx.var.k_bufs == 1 {
         e.barrier();
         prefetch_k(e, &zero);
     }
@@ -940,20 +946,18 @@ fn forward_wgmma(e: &mut Em, cx: &Ctx) -> State {
         let has_next = e.op(&format!("arith.cmpi sgt, {j}, {zero} : i32"));
         let jm1 = e.addk(&j, -1);
         let prefetch_k = |e: &mut Em, kb: &str| {
-            e.line(&format!("scf.if {has_next} {{"));
-            e.indent += 1;
-            let (kn, _) = buf(e, false, kb);
-            load_tile(e, cx, &jm1, false, &kn);
-            e.indent -= 1;
-            e.line("}");
+            if_then(e, &has_next, |e| {
+                let (kn, _) = buf(e, false, kb);
+                load_tile(e, cx, &jm1, false, &kn);
+            });
         };
-        if cx.k_bufs == 2 {
+        if cx.var.k_bufs == 2 {
             prefetch_k(e, &bp);
         }
         let (vn, _) = buf(e, true, &b);
         load_tile(e, cx, &j, true, &vn);
         e.commit();
-        let kb = if cx.k_bufs == 2 { b.clone() } else { zero.clone() };
+        let kb = if cx.var.k_bufs == 2 { b.clone() } else { zero.clone() };
         let (_, kd) = buf(e, false, &kb);
         let (_, vd) = buf(e, true, &bp);
         let undef = e.op("llvm.mlir.undef : f32");
@@ -963,7 +967,7 @@ fn forward_wgmma(e: &mut Em, cx: &Ctx) -> State {
         let o = wgmma_issue(e, d as usize, &o, WgA::Regs(&pf_prev), &vd, &voffs, true, true);
         // S_j done; P_{j+1} stays allocated while `P V` reads it.
         let (s, pf_live) = wgmma_wait(e, 1, &s, &pf_flat);
-        if cx.k_bufs == 1 {
+        if cx.var.k_bufs == 1 {
             // Every warp's S_j is done: K_{j-1} into the one K buffer.
             e.barrier();
             prefetch_k(e, &zero);
@@ -1060,7 +1064,6 @@ fn forward_body(p: &Problem, var: Variant, qp: &str, kp: &str, vp: &str, op: &st
     let ks = e.op("llvm.mlir.addressof @att_smem : !llvm.ptr<3>");
     let (_, v_at, q_at) = smem_layout(d as u64, var);
     let vs = e.gepk(&ks, 3, v_at);
-    let qs = e.gepk(&ks, 3, q_at);
     let mi = e.divk(&lane, 8);
     let r8 = e.remk(&lane, 8);
     let mi_lo = e.remk(&mi, 2);
@@ -1104,15 +1107,19 @@ fn forward_body(p: &Problem, var: Variant, qp: &str, kp: &str, vp: &str, op: &st
     let g_off = e.bin("addi", &g_off, &kv_base, "i64");
     let k_g = e.gep(kp, 1, &g_off, "i64", "bf16");
     let v_g = e.gep(vp, 1, &g_off, "i64", "bf16");
-    // Q tile copies: row m64 + crow of this (batch, head), chunk cc8.
-    let qr = e.addi(&m64, &crow);
-    let qr64 = e.ext64(&qr);
-    let qrs = e.i64c(q_row);
-    let q_off = e.bin("muli", &qr64, &qrs, "i64");
-    let q_off = e.bin("addi", &q_off, &cc864, "i64");
-    let q_off = e.bin("addi", &q_off, &q_base, "i64");
-    let q_g = e.gep(qp, 1, &q_off, "i64", "bf16");
-    let q_desc = var.q_smem.then(|| sw128_descriptor(&mut e, &qs, 16, 1024));
+    // Q's tile in shared memory: copies of row m64 + crow of this (batch, head), chunk cc8.
+    let q_tile = var.q_smem.then(|| {
+        let smem = e.gepk(&ks, 3, q_at);
+        let qr = e.addi(&m64, &crow);
+        let qr64 = e.ext64(&qr);
+        let qrs = e.i64c(q_row);
+        let q_off = e.bin("muli", &qr64, &qrs, "i64");
+        let q_off = e.bin("addi", &q_off, &cc864, "i64");
+        let q_off = e.bin("addi", &q_off, &q_base, "i64");
+        let g = e.gep(qp, 1, &q_off, "i64", "bf16");
+        let desc = sw128_descriptor(&mut e, &smem, 16, 1024);
+        QTile { smem, g, row: q_row, desc }
+    });
     let n_tiles = if p.causal { e.addk(&mblk, 1) } else { e.i32c(nm) };
     let c = e.f32c((p.scale * std::f64::consts::LOG2_E) as f32);
     let cx = Ctx {
@@ -1121,11 +1128,8 @@ fn forward_body(p: &Problem, var: Variant, qp: &str, kp: &str, vp: &str, op: &st
         causal: p.causal,
         c,
         qf,
-        q_desc,
-        k_bufs: var.k_bufs as i64,
-        qs,
-        q_g,
-        q_row,
+        q_tile,
+        var,
         ks,
         vs,
         wgmma,

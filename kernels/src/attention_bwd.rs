@@ -41,7 +41,7 @@ use std::fmt::Write as _;
 use titan_ir::{DType, Graph, Op, Region};
 
 use crate::attention::{
-    Em, WgA, checked_sizes, output_slots, scf_for, sw128_copy, sw128_desc_at, sw128_descriptor, sw128_kmajor_steps, sw128_mnmajor_steps, sw128_slot,
+    Em, WgA, checked_sizes, if_then, output_slots, scf_for, sw128_copy, sw128_desc_at, sw128_descriptor, sw128_kmajor_steps, sw128_mnmajor_steps, sw128_slot,
     uses_wgmma, wgmma_chain,
 };
 use crate::values::Body;
@@ -206,14 +206,6 @@ fn frags_of(v: &[String]) -> Vec<[String; 4]> {
 /// Emit `scf.for iv = lo to hi step 1` carrying f32 `inits`; returns the results.
 fn for_f32(e: &mut Em, lo: &str, hi: &str, inits: &[String], body: impl FnOnce(&mut Em, &str, &[String]) -> Vec<String>) -> Vec<String> {
     scf_for(e, lo, hi, inits, &vec!["f32"; inits.len()], body)
-}
-
-fn if_then(e: &mut Em, cond: &str, then: impl FnOnce(&mut Em)) {
-    e.line(&format!("scf.if {cond} {{"));
-    e.indent += 1;
-    then(e);
-    e.indent -= 1;
-    e.line("}");
 }
 
 /// Thread and lane indices both passes use.

@@ -1,6 +1,7 @@
 //! NVIDIA's `ptxas` (no GPU needed): validation of generated PTX (assemble for sm_90a and report
-//! registers, spills, shared memory, stack and serialized `wgmma`s from `-v`) and assembly of the sm_90a cubins that
-//! artifacts ship next to their PTX, so the driver need not JIT-compile PTX at start-up.
+//! registers, spills, shared memory, stack and serialized `wgmma`s from `-v`) and assembly of
+//! the sm_90a cubins that artifacts ship next to their PTX, so the driver need not JIT-compile
+//! PTX at start-up.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -99,6 +100,18 @@ impl PtxasReport {
     pub fn spills(&self) -> bool {
         self.spill_stores > 0 || self.spill_loads > 0
     }
+
+    /// What the tests refuse in a generated kernel: spills and serialized `wgmma`s, one line each.
+    pub fn problems(&self) -> Vec<String> {
+        let mut p = Vec::new();
+        if self.spills() {
+            p.push(format!("{} bytes spill stores, {} bytes spill loads", self.spill_stores, self.spill_loads));
+        }
+        if self.wgmma_serialized {
+            p.push("ptxas serialized its wgmma instructions (C7512)".to_string());
+        }
+        p
+    }
 }
 
 /// Assemble `ptx` into an sm_90a cubin ([`CUBIN_FLAGS`]) with the `ptxas` that [`find_ptxas`]
@@ -145,15 +158,16 @@ fn number_before(line: &str, what: &str) -> Option<u64> {
 /// Read the `Function properties for <entry>` and `Used N registers` lines, and a C7512 note
 /// (`wgmma.mma_async instructions are serialized ... function '<entry>'`) wherever it is.
 fn parse_report(text: &str, entry: &str) -> Option<PtxasReport> {
+    let (quoted, for_entry) = (format!("'{entry}'"), format!("for {entry}"));
     let mut in_entry = false;
     let mut r = PtxasReport::default();
     let mut seen = false;
     for line in text.lines() {
-        if line.contains("instructions are serialized") && line.contains(&format!("'{entry}'")) {
+        if line.contains("instructions are serialized") && line.contains(&quoted) {
             r.wgmma_serialized = true;
         }
         if line.contains("Function properties for") || line.contains("Compiling entry function") {
-            in_entry = line.trim_end().ends_with(&format!("for {entry}")) || line.contains(&format!("'{entry}'"));
+            in_entry = line.trim_end().ends_with(&for_entry) || line.contains(&quoted);
             continue;
         }
         if !in_entry {

@@ -644,12 +644,7 @@ fn attention_bwd_assembles_without_spills() {
                         "{name} {entry}: {} registers, {} spill stores, {} spill loads, {} bytes static smem, {} bytes dynamic (grid {})",
                         r.registers, r.spill_stores, r.spill_loads, r.shared_bytes, launch.shared_bytes, launch.grid[0]
                     );
-                    if r.wgmma_serialized {
-                        failures.push(format!("{name} {entry}: ptxas serialized its wgmma instructions"));
-                    }
-                    if r.spill_stores > 0 || r.spill_loads > 0 {
-                        failures.push(format!("{name} {entry}: spills"));
-                    }
+                    failures.extend(r.problems().into_iter().map(|p| format!("{name} {entry}: {p}")));
                 }
                 Err(e) => failures.push(format!("{name}: {e}")),
             }
@@ -854,12 +849,7 @@ fn every_kernel_assembles_without_spills() {
                     k.workspace_bytes,
                     codegen.as_secs_f64() * 1e3
                 );
-                if r.wgmma_serialized {
-                    failures.push(format!("{name}: ptxas serialized its wgmma instructions (C7512)"));
-                }
-                if r.spill_stores > 0 || r.spill_loads > 0 {
-                    failures.push(format!("{name}: {} bytes spill stores, {} bytes spill loads", r.spill_stores, r.spill_loads));
-                }
+                failures.extend(r.problems().into_iter().map(|p| format!("{name}: {p}")));
             }
             Err(e) => failures.push(format!("{name}: {e}")),
         }

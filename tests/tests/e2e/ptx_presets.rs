@@ -22,12 +22,7 @@ fn assemble_preset(preset: Preset) {
     println!("{:<44} {:>5} {:>7} {:>7} {:>7}", format!("{} kernel", preset.name()), "regs", "st-spl", "ld-spl", "smem");
     for (k, r) in &summary.ptxas_reports {
         println!("{:<44} {:>5} {:>7} {:>7} {:>7}", k, r.registers, r.spill_stores, r.spill_loads, r.shared_bytes);
-        if r.spills() {
-            failures.push(format!("{k}: {} spill stores, {} spill loads", r.spill_stores, r.spill_loads));
-        }
-        if r.wgmma_serialized {
-            failures.push(format!("{k}: ptxas serialized its wgmma instructions"));
-        }
+        failures.extend(r.problems().into_iter().map(|p| format!("{k}: {p}")));
     }
     // The training step's kernels and the eval step's (validation), which ship PTX too.
     let eval = artifact.manifest.eval.iter().flat_map(|e| &e.kernels);
