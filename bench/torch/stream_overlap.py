@@ -15,6 +15,22 @@ import torch
 import torch.nn.functional as F
 
 
+def on_two_streams(first, first_stream, second, second_stream):
+    """Run `first()` on `first_stream` and `second()` on `second_stream`, both after the work
+    queued on the current stream so far, and make the current stream wait for both."""
+    cur = torch.cuda.current_stream()
+    ev = torch.cuda.Event()
+    ev.record(cur)
+    first_stream.wait_event(ev)
+    second_stream.wait_event(ev)
+    with torch.cuda.stream(first_stream):
+        first()
+    with torch.cuda.stream(second_stream):
+        second()
+    cur.wait_stream(first_stream)
+    cur.wait_stream(second_stream)
+
+
 def main():
     dev = "cuda"
     torch.manual_seed(0)
@@ -57,20 +73,7 @@ def main():
 
     def together(work, priority):
         s0 = high if priority else plain
-
-        def run():
-            cur = torch.cuda.current_stream()
-            ev = torch.cuda.Event()
-            ev.record(cur)
-            s0.wait_event(ev)
-            low.wait_event(ev)
-            with torch.cuda.stream(s0):
-                work()
-            with torch.cuda.stream(low):
-                adamw()
-            cur.wait_stream(s0)
-            cur.wait_stream(low)
-        return run
+        return lambda: on_two_streams(work, s0, adamw, low)
 
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}")
     for name, work in [("12 GEMMs [8192x4096]x[4096x14336]", gemms), ("3 causal SDPA forwards", attention)]:

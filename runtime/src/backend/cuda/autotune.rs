@@ -12,6 +12,35 @@ use super::module::{Loaded, LoadedCode};
 use super::unroll::{Arenas, Frame};
 use crate::RuntimeError;
 
+/// How the GEMMs' algorithms are chosen: `TITAN_GEMM_AUTOTUNE`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum TuneMode {
+    /// Unset or `0`: cuBLASLt's first heuristic choice, nothing timed. The default: on the H200
+    /// under its 700 W cap neither timing picked faster steps (timed over 3 calls: 8b-4l 0.7%
+    /// slower, 1B the same; timed sustained at the capped clock: 1B 0.8% slower, 8b-4l the same;
+    /// docs/performance.md, session 16), and timing made a machine's first start-up 0.8-1.5 s
+    /// longer.
+    Off,
+    /// `1`: the fastest of the candidates over [`TIMED_CALLS`] calls each.
+    Quick,
+}
+
+impl TuneMode {
+    pub(super) fn from_env() -> Result<TuneMode, RuntimeError> {
+        Self::parse(std::env::var("TITAN_GEMM_AUTOTUNE").ok().as_deref())
+    }
+
+    fn parse(value: Option<&str>) -> Result<TuneMode, RuntimeError> {
+        match value {
+            None | Some("0") | Some("") => Ok(TuneMode::Off),
+            Some("1") => Ok(TuneMode::Quick),
+            Some(v) => Err(bad(format!(
+                "TITAN_GEMM_AUTOTUNE={v}: expected 0 (cuBLASLt's first heuristic choice, the default) or 1 (time the candidates, keep the fastest)"
+            ))),
+        }
+    }
+}
+
 /// The GEMM algorithm cache of device `name`: `$TITAN_CACHE_DIR`, else `$XDG_CACHE_HOME/titan`,
 /// else `~/.cache/titan`; `gemm-<device>.json` (`None` without any of them).
 fn gemm_cache_file(name: &str) -> Option<std::path::PathBuf> {
@@ -26,12 +55,12 @@ fn gemm_cache_file(name: &str) -> Option<std::path::PathBuf> {
 impl LoadedCode {
     /// Pick each GEMM plan's algorithm among the heuristic's candidates by timing them on the
     /// operands of the plan's first launch (`first`, by kernel position; the arenas hold no
-    /// state yet, and GEMMs only write activations and gradients), fastest of 3 calls after a
-    /// warm-up. Choices are cached per device and cuBLASLt version
-    /// ([`gemm_cache_file`]), so later runs reuse them and stay bitwise reproducible.
-    /// `TITAN_GEMM_AUTOTUNE=0` keeps the heuristic's first choice. Returns a summary line.
-    pub(super) fn autotune_gemms(&mut self, gpu: &Gpu, first: &[Option<GemmPtrs>]) -> Result<Option<Tuned>, RuntimeError> {
-        if std::env::var("TITAN_GEMM_AUTOTUNE").is_ok_and(|v| v == "0") || self.plans.is_empty() {
+    /// state yet, and GEMMs only write activations and gradients), as `mode` says
+    /// ([`TuneMode`]; `Off` keeps the heuristic's first choice and returns `None`). Choices are
+    /// cached per device and cuBLASLt version ([`gemm_cache_file`]), so later runs reuse them
+    /// and stay bitwise reproducible. Returns a summary line.
+    pub(super) fn autotune_gemms(&mut self, gpu: &Gpu, first: &[Option<GemmPtrs>], mode: TuneMode) -> Result<Option<Tuned>, RuntimeError> {
+        if mode == TuneMode::Off || self.plans.is_empty() {
             return Ok(None);
         }
         let cache_file = gemm_cache_file(&gpu.name);
@@ -275,7 +304,18 @@ mod tests {
     use titan_ir::artifact::GemmDesc;
 
     use super::super::gemm::operand_bytes;
-    use super::timing_pattern;
+    use super::{TuneMode, timing_pattern};
+
+    /// `TITAN_GEMM_AUTOTUNE`: off by default, `1` times, anything else is refused with the values
+    /// it takes.
+    #[test]
+    fn the_autotune_setting_is_off_unless_asked_for() {
+        assert_eq!(TuneMode::parse(None).unwrap(), TuneMode::Off);
+        assert_eq!(TuneMode::parse(Some("0")).unwrap(), TuneMode::Off);
+        assert_eq!(TuneMode::parse(Some("1")).unwrap(), TuneMode::Quick);
+        let e = TuneMode::parse(Some("yes")).unwrap_err().to_string();
+        assert!(e.contains("TITAN_GEMM_AUTOTUNE=yes") && e.contains("expected 0"), "{e}");
+    }
 
     /// The values the autotuner times on are finite, about zero-mean and unit-variance in the
     /// float dtypes; fp8 codes are never NaN or infinite.

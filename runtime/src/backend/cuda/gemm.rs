@@ -27,8 +27,9 @@ use titan_ir::artifact::{GemmDesc, GemmScale};
 
 use super::driver::CudaError;
 
-/// Algorithms asked of the heuristic per GEMM shape by default; the CUDA backend times them once
-/// per device and library version and keeps the fastest (`TITAN_GEMM_AUTOTUNE=0`: the first).
+/// Algorithms asked of the heuristic per GEMM shape by default; the CUDA backend runs the first,
+/// or with `TITAN_GEMM_AUTOTUNE` times them once per device and library version and keeps the
+/// fastest (`autotune.rs`).
 pub const MAX_CANDIDATES: usize = 6;
 
 /// Algorithms asked of the heuristic per GEMM shape: `TITAN_GEMM_CANDIDATES` (1 to 64), else

@@ -10,7 +10,7 @@ use titan_ir::artifact::timeline::{COMM_STREAMS, comm_stream};
 use titan_ir::artifact::{Buffer, BufferClass, Kernel};
 use titan_ir::interp::Tensor;
 
-use super::autotune::gemm_operands;
+use super::autotune::{TuneMode, gemm_operands};
 use super::collective::{self, Action, Loc};
 use super::driver::{CudaError, DeviceBuffer, Event, Gpu, Graph};
 use super::module::{LoadedCode, check_gpu_code};
@@ -283,7 +283,7 @@ impl<'a> CudaArtifactTrainer<'a> {
         startup.load_s += t.elapsed().as_secs_f64();
         eprintln!("titan-run: loaded {} kernels from cubins and {} from PTX (JIT) in {:.1} s", code.from_cubin, code.from_ptx, t.elapsed().as_secs_f64());
         let t = Instant::now();
-        if let Some(tuned) = code.autotune_gemms(&gpu, &first)? {
+        if let Some(tuned) = code.autotune_gemms(&gpu, &first, TuneMode::from_env()?)? {
             if tuned.filled {
                 // Back to the arenas' fill patterns (the timing data is no training state).
                 for (a, buf) in ARENAS.into_iter().zip(&memory) {
