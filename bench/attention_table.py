@@ -14,7 +14,11 @@ on `[b, h, s, d]` views of `[b, s, h, d]` tensors with
 `2 b s^2 hq d`, backward 2.5x that (the five GEMM-sized products of FlashAttention-2; titan's
 deterministic backward does seven).
 
-    python3 bench/attention_table.py --dump DIR [--markdown FILE]
+    python3 bench/attention_table.py --dump DIR [--markdown FILE] [--sdpa-backend cudnn|flash]
+
+PyTorch picks SDPA's backend per machine (FlashAttention-2 on some H200s, cuDNN's fused flash
+kernels on others with the same torch 2.11: docs/performance.md, session 16); `--sdpa-backend`
+pins it (`torch.nn.attention.sdpa_kernel`), and the table's first line names the kernels that ran.
 """
 
 import argparse
@@ -118,8 +122,17 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dump", required=True, help="the perf dump directory (see the module doc)")
     ap.add_argument("--markdown", help="also write the table to this file")
+    ap.add_argument("--sdpa-backend", choices=["default", "cudnn", "flash"], default="default", help="pin SDPA's backend")
     a = ap.parse_args()
+    import contextlib
+
     import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from cuda_timing import require_cudnn
+
+    cudnn = require_cudnn()
+    pin = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}.get(a.sdpa_backend)
 
     titan = titan_times(a.dump)
     rows = []
@@ -127,7 +140,8 @@ def main():
     for sh in SHAPES:
         f_name, b_name = case_names(sh)
         tf, tb = titan[f_name], titan[b_name]
-        pf, pb, ks = sdpa_times(sh)
+        with sdpa_kernel(pin) if pin is not None else contextlib.nullcontext():
+            pf, pb, ks = sdpa_times(sh)
         backends.update(ks)
         fl = flops(sh)
         rate = lambda ms, mult=1.0: fl * mult / (ms * 1e-3) / 1e12  # noqa: E731
@@ -136,7 +150,7 @@ def main():
             f"| {s} | {d} | {b} x {hq}/{hkv} | {tf:.3f} | {rate(tf):.0f} | {pf:.3f} | {rate(pf):.0f} | {tb:.3f} | {rate(tb, 2.5):.0f} | {pb:.3f} | {rate(pb, 2.5):.0f} | {(pf + pb) / (tf + tb):.2f} |"
         )
     head = [
-        f"{torch.cuda.get_device_name()}, torch {torch.__version__}; SDPA kernels: {', '.join(sorted(backends)) or 'unknown'}",
+        f"{torch.cuda.get_device_name()}, torch {torch.__version__}, cuDNN {cudnn}; SDPA kernels: {', '.join(sorted(backends)) or 'unknown'}",
         "",
         "| seq | head_dim | batch x heads (q/kv) | titan fwd ms | TFLOP/s | SDPA fwd ms | TFLOP/s | titan bwd ms | TFLOP/s | SDPA bwd ms | TFLOP/s | SDPA / titan (fwd+bwd time) |",
         "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",

@@ -58,7 +58,9 @@ prepare)
     echo "prepared $dir; on the GPU machine run: tools/parity.sh run $dir (carry $dir)"
     ;;
 run)
-    export LD_LIBRARY_PATH=/usr/local/cuda-13.0/targets/x86_64-linux/lib:/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+    # The CUDA libraries for titan-run only: the system's directory holds another cuDNN than
+    # PyTorch's, which PyTorch then refuses (docs/performance.md, session 16).
+    titan_libs=/usr/local/cuda-13.0/targets/x86_64-linux/lib:/usr/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
     export PYTHONUNBUFFERED=1
     out=${OUT:-$dir/logs}
     mkdir -p "$out"
@@ -70,7 +72,7 @@ run)
         rm -f "$d/metrics.jsonl" "$d/batches.bin"
         python3 tools/torch_parity.py init --ir "$d/model.ir" --out "$d/init.safetensors" --seed 0 || { rc=1; continue; }
         limit=$([ "$m" = debug ] && echo 120 || echo 300)
-        if ! timeout "$limit" "$dir/titan-run" "$d/artifact" --backend cuda --steps "$steps" --init-from "$d/init.safetensors" \
+        if ! LD_LIBRARY_PATH=$titan_libs timeout "$limit" "$dir/titan-run" "$d/artifact" --backend cuda --steps "$steps" --init-from "$d/init.safetensors" \
             --metrics "$d/metrics.jsonl" --dump-batches "$d/batches.bin" --log-every 1 2>&1 | tee "$out/$m-titan.log"; then
             echo "error: titan-run failed on $m" >&2
             rc=1

@@ -9,6 +9,27 @@ import tempfile
 import torch
 
 
+def require_cudnn():
+    """PyTorch's own cuDNN must load, or the baseline is not PyTorch as users run it: on the
+    H200 machines, an `LD_LIBRARY_PATH` holding the system's cuDNN 9.14 made torch 2.11 (built
+    against 9.19) refuse cuDNN, and SDPA fell back from cuDNN's fused flash kernels to
+    FlashAttention-2, which took 6.58 ms fwd+bwd at seq 8192, head_dim 128 where cuDNN's took 3.56
+    (docs/performance.md, session 16).
+    Returns cuDNN's version; exits with what to change otherwise."""
+    try:
+        if not torch.backends.cudnn.is_available():
+            raise RuntimeError("torch.backends.cudnn.is_available() is False")
+        version = torch.backends.cudnn.version()
+    except RuntimeError as e:
+        ld = os.environ.get("LD_LIBRARY_PATH", "")
+        raise SystemExit(
+            f"error: PyTorch cannot use its cuDNN ({e}); its attention would not be what a PyTorch user gets. "
+            f"Run the PyTorch side without the directories of another cuDNN on LD_LIBRARY_PATH (now {ld!r}), "
+            f"e.g. `env -u LD_LIBRARY_PATH ...`"
+        ) from e
+    return version
+
+
 def cuda_ms(fn, warmup=3, iters=20):
     """Mean milliseconds of `fn()` on the current stream: `warmup` untimed calls, then `iters`
     between two CUDA events."""

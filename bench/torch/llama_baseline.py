@@ -30,7 +30,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tools"))
 from llama_ref import Llama, LlamaConfig, float8_convert, init_like_titan, rope_tables  # noqa: E402  (the model lives in tools/llama_ref.py)
-from cuda_timing import ClockSampler, clock_note, parse_titan_profile  # noqa: E402
+from cuda_timing import ClockSampler, clock_note, parse_titan_profile, require_cudnn  # noqa: E402
 
 PEAK_FLOPS = 989e12
 
@@ -276,11 +276,12 @@ def main():
     ap.add_argument("--ac-artifacts", help="activation checkpointing side by side: MODE=DIR,... (none, selective, full) "
                     "titan artifacts, each against torch.compile per block with TorchTitan's policy of that mode")
     a = ap.parse_args()
+    cudnn = require_cudnn()
     if a.ac_artifacts:
         return ac_side_by_side(a)
     if a.float8_artifacts:
         return float8_side_by_side(a)
-    print(f"# {torch.cuda.get_device_name()} torch {torch.__version__}; flops/token {flops_per_token(a):.4g}")
+    print(f"# {torch.cuda.get_device_name()} torch {torch.__version__} cuDNN {cudnn}; flops/token {flops_per_token(a):.4g}")
     results = {}
     if a.only in ("all", "titan") and a.titan_run and a.artifact:
         results["titan-run (fp32 master, bf16 compute)"] = run_titan(a)
