@@ -316,6 +316,9 @@ def main():
         for name, ms, count in ks[:10]:
             print(f"  {ms:>10.3f} {100 * ms / total:>5.1f}% {count:>8}  {name[:110]}")
         print_groups("torch.compile", [(name, ms) for name, ms, _ in ks])
+        sdpa = sorted({"cuDNN" if "cudnn" in n.lower() else "FlashAttention-2" if "pytorch_flash" in n else "other"
+                       for n, _, _ in ks if kernel_group(n) == "attention"})
+        print(f"torch.compile's attention kernels: {', '.join(sdpa) or 'none seen'}")
         if compiled.get("gemms"):
             gs = compiled["gemms"]
             print(f"\n# torch.compile's GEMM ops in that step, by input shapes ({sum(ms for _, _, ms, _ in gs):.1f} ms; device time of each op's kernels)")
