@@ -16,9 +16,11 @@ deterministic backward does seven).
 
     python3 bench/attention_table.py --dump DIR [--markdown FILE] [--sdpa-backend cudnn|flash]
 
-PyTorch picks SDPA's backend per machine (FlashAttention-2 on some H200s, cuDNN's fused flash
-kernels on others with the same torch 2.11: docs/performance.md, session 16); `--sdpa-backend`
-pins it (`torch.nn.attention.sdpa_kernel`), and the table's first line names the kernels that ran.
+PyTorch must load its own cuDNN (`require_cudnn`): with another cuDNN on `LD_LIBRARY_PATH`,
+torch 2.11 refuses it and SDPA falls back from cuDNN's fused flash kernels to FlashAttention-2
+(docs/performance.md, session 16). `--sdpa-backend` pins the backend
+(`torch.nn.attention.sdpa_kernel`; not yet run pinned), and the table's first line names the
+kernels that ran.
 """
 
 import argparse

@@ -165,6 +165,16 @@ impl Em {
         self.op(&format!("arith.extui {a} : i32 to i64"))
     }
 
+    /// `row * stride + col + base` (i64 elements): column `col` (i64) of row `row` (i32) of a
+    /// row-major tensor whose rows are `stride` elements apart, from `base` (i64).
+    pub(crate) fn row_offset(&mut self, row: &str, stride: i64, col: &str, base: &str) -> String {
+        let r64 = self.ext64(row);
+        let s = self.i64c(stride);
+        let o = self.bin("muli", &r64, &s, "i64");
+        let o = self.bin("addi", &o, col, "i64");
+        self.bin("addi", &o, base, "i64")
+    }
+
     pub(crate) fn fadd(&mut self, a: &str, b: &str) -> String {
         self.bin("addf", a, b, "f32")
     }
@@ -1099,23 +1109,15 @@ fn forward_body(p: &Problem, var: Variant, qp: &str, kp: &str, vp: &str, op: &st
         let s_row = e.mulk(&crow, stride);
         e.addi(&s_row, &cc8)
     };
-    let crow64 = e.ext64(&crow);
-    let kvr = e.i64c(kv_row);
-    let g_row = e.bin("muli", &crow64, &kvr, "i64");
     let cc864 = e.ext64(&cc8);
-    let g_off = e.bin("addi", &g_row, &cc864, "i64");
-    let g_off = e.bin("addi", &g_off, &kv_base, "i64");
+    let g_off = e.row_offset(&crow, kv_row, &cc864, &kv_base);
     let k_g = e.gep(kp, 1, &g_off, "i64", "bf16");
     let v_g = e.gep(vp, 1, &g_off, "i64", "bf16");
     // Q's tile in shared memory: copies of row m64 + crow of this (batch, head), chunk cc8.
     let q_tile = var.q_smem.then(|| {
         let smem = e.gepk(&ks, 3, q_at);
         let qr = e.addi(&m64, &crow);
-        let qr64 = e.ext64(&qr);
-        let qrs = e.i64c(q_row);
-        let q_off = e.bin("muli", &qr64, &qrs, "i64");
-        let q_off = e.bin("addi", &q_off, &cc864, "i64");
-        let q_off = e.bin("addi", &q_off, &q_base, "i64");
+        let q_off = e.row_offset(&qr, q_row, &cc864, &q_base);
         let g = e.gep(qp, 1, &q_off, "i64", "bf16");
         let desc = sw128_descriptor(&mut e, &smem, 16, 1024);
         QTile { smem, g, row: q_row, desc }

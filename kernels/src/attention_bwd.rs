@@ -405,12 +405,8 @@ fn dq_body(p: &Problem, io: &Io) -> String {
     // K = keys; `bn * 128` bytes between 64-dim blocks).
     let kmaj = sw128_descriptor(&mut e, &smem, 16, 1024);
     let mnmaj = sw128_descriptor(&mut e, &smem, bn * 128, 1024);
-    let crow64 = e.ext64(&crow);
-    let kvr = e.i64c(kv_row);
-    let g_row = e.bin("muli", &crow64, &kvr, "i64");
     let cc864 = e.ext64(&cc8);
-    let g_off = e.bin("addi", &g_row, &cc864, "i64");
-    let g_off = e.bin("addi", &g_off, &kv_base, "i64");
+    let g_off = e.row_offset(&crow, kv_row, &cc864, &kv_base);
     let k_g = e.gep(&io.k, 1, &g_off, "i64", "bf16");
     let v_g = e.gep(&io.v, 1, &g_off, "i64", "bf16");
     let tile = if wg { bn * d } else { bn * st };
@@ -618,11 +614,7 @@ fn dkdv_body(p: &Problem, io: &Io) -> String {
     // K and V -> shared (cp.async, once; in the first stage's group).
     {
         let grow = e.addi(&kv0, &crow);
-        let grow64 = e.ext64(&grow);
-        let kvr = e.i64c(kv_row);
-        let go = e.bin("muli", &grow64, &kvr, "i64");
-        let go = e.bin("addi", &go, &cc864, "i64");
-        let go = e.bin("addi", &go, &kv_base, "i64");
+        let go = e.row_offset(&grow, kv_row, &cc864, &kv_base);
         for (src, base) in [(&io.k, 0), (&io.v, BN * st)] {
             let g0 = e.gep(src, 1, &go, "i64", "bf16");
             let so = e.addk(&s_off, base);
@@ -664,11 +656,7 @@ fn dkdv_body(p: &Problem, io: &Io) -> String {
         let hd = e.bin("muli", &h64, &d64, "i64");
         let q_base = e.bin("addi", &q_bbase, &hd, "i64");
         let grow = e.addi(&q0, &crow);
-        let grow64 = e.ext64(&grow);
-        let qr = e.i64c(q_row);
-        let go = e.bin("muli", &grow64, &qr, "i64");
-        let go = e.bin("addi", &go, &cc864, "i64");
-        let go = e.bin("addi", &go, &q_base, "i64");
+        let go = e.row_offset(&grow, q_row, &cc864, &q_base);
         for (src, off) in [(&io.q, 0), (&io.dout, bm * st)] {
             let g0 = e.gep(src, 1, &go, "i64", "bf16");
             let so = e.addk(&sb, off);
