@@ -1409,11 +1409,14 @@ fn gpu_reference_dump() {
 }
 
 /// Launch fields beyond grid, block and workspace for `gpu_check.py`: dynamic shared memory, a
-/// scratch workspace, and the prologue phase (entry, grid, shared memory).
+/// scratch workspace, and the prologue phase (entry, grid, block, shared memory).
 fn launch_extras(k: &titan_kernels::CompiledKernel) -> String {
     let mut s = format!(", \"shared\": {}, \"scratch\": {}", k.launch.shared_bytes, k.workspace_scratch);
     if let Some(p) = &k.prologue {
-        s += &format!(", \"pre_entry\": \"{}\", \"pre_grid\": {}, \"pre_shared\": {}", p.entry, p.launch.grid[0], p.launch.shared_bytes);
+        s += &format!(
+            ", \"pre_entry\": \"{}\", \"pre_grid\": {}, \"pre_block\": {}, \"pre_shared\": {}",
+            p.entry, p.launch.grid[0], p.launch.block[0], p.launch.shared_bytes
+        );
     }
     s
 }

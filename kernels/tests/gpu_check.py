@@ -10,7 +10,8 @@ with `flops`; float inputs all 1.0, or standard normal with `TITAN_GPU_RANDOM=1`
 Each kernel runs twice on the same inputs with one zeroed workspace: the second run checks
 that the kernel left the workspace zeroed (unless it is `scratch`, then it is poisoned before each
 run) and that results are bitwise reproducible. A case with `pre_entry` launches that entry of the
-same module first (a kernel's prologue phase), with the same arguments.
+same module first (a kernel's prologue phase: its own grid, block and shared memory), with the
+same arguments.
 """
 import ctypes
 import json
@@ -199,9 +200,12 @@ def main(d):
 
 
 def loader(c, mod):
-    """The case's launches in order: [(function, grid, shared bytes)], prologue first."""
+    """The case's launches in order: [(function, grid, block, shared bytes)], prologue first."""
     out = []
-    for entry, grid, shared in [(c.get("pre_entry"), c.get("pre_grid"), c.get("pre_shared", 0)), (c["entry"], c["grid"], c.get("shared", 0))]:
+    for entry, grid, block, shared in [
+        (c.get("pre_entry"), c.get("pre_grid"), c.get("pre_block", c["block"]), c.get("pre_shared", 0)),
+        (c["entry"], c["grid"], c["block"], c.get("shared", 0)),
+    ]:
         if entry is None:
             continue
         fn = ctypes.c_void_p()
@@ -209,13 +213,13 @@ def loader(c, mod):
         if shared > 48 * 1024:
             # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
             check(cu.cuFuncSetAttribute(fn, 8, shared), "allow shared memory")
-        out.append((fn, grid, shared))
+        out.append((fn, grid, block, shared))
     return out
 
 
 def launch(c, fns, params):
-    for fn, grid, shared in fns:
-        check(cu.cuLaunchKernel(fn, grid, 1, 1, c["block"], 1, 1, shared, None, params, None), "launch")
+    for fn, grid, block, shared in fns:
+        check(cu.cuLaunchKernel(fn, grid, 1, 1, block, 1, 1, shared, None, params, None), "launch")
 
 
 def perf(d):
