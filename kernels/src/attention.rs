@@ -270,6 +270,40 @@ impl Em {
         self.line("llvm.inline_asm has_side_effects \"fence.proxy.async.shared::cta;\", \"\" : () -> ()");
     }
 
+    /// The 32-bit shared-memory address of `ptr` (`!llvm.ptr<3>`), as PTX's `[reg]` operands of
+    /// the `mbarrier` instructions take it.
+    pub(crate) fn smem_addr32(&mut self, ptr: &str) -> String {
+        self.op(&format!("llvm.ptrtoint {ptr} : !llvm.ptr<3> to i32"))
+    }
+
+    /// `mbarrier.init`: the barrier at shared address `bar` (i32) expects `count` arrivals a phase.
+    pub(crate) fn mbar_init(&mut self, bar: &str, count: i64) {
+        let c = self.i32c(count);
+        self.line(&format!("llvm.inline_asm has_side_effects \"mbarrier.init.shared::cta.b64 [$0], $1;\", \"r,r,~{{memory}}\" {bar}, {c} : (i32, i32) -> ()"));
+    }
+
+    /// `mbarrier.arrive` (release): this thread's earlier shared-memory accesses happen before the
+    /// phase completes for any thread that waits for it.
+    pub(crate) fn mbar_arrive(&mut self, bar: &str) {
+        self.line(&format!("llvm.inline_asm has_side_effects \"mbarrier.arrive.shared::cta.b64 _, [$0];\", \"r,~{{memory}}\" {bar} : (i32) -> ()"));
+    }
+
+    /// Wait (acquire) until the phase of parity `parity` (i32, 0 or 1) of barrier `bar` has
+    /// completed. A barrier starts in phase 0, so waiting for parity 1 before any phase has
+    /// completed returns at once (the first use of an empty slot).
+    pub(crate) fn mbar_wait(&mut self, bar: &str, parity: &str) {
+        self.line(&format!(
+            "llvm.inline_asm has_side_effects \"{{ .reg .pred P; WAIT: mbarrier.try_wait.parity.shared::cta.b64 P, [$0], $1; @!P bra WAIT; }}\", \"r,r,~{{memory}}\" {bar}, {parity} : (i32, i32) -> ()"
+        ));
+    }
+
+    /// `setmaxnreg`: every warp of the warpgroup moves its register allocation to `n` (a multiple
+    /// of 8 in 24..=256; `inc` to grow, else shrink). The warpgroup must execute it together.
+    pub(crate) fn setmaxnreg(&mut self, inc: bool, n: u32) {
+        let dir = if inc { "inc" } else { "dec" };
+        self.line(&format!("llvm.inline_asm has_side_effects \"setmaxnreg.{dir}.sync.aligned.u32 {n};\", \"~{{memory}}\" : () -> ()"));
+    }
+
     pub(crate) fn cp_async16(&mut self, dst: &str, src: &str) {
         self.line(&format!("nvvm.cp.async.shared.global {dst}, {src}, 16, cache = cg : !llvm.ptr<3>, !llvm.ptr<1>"));
     }
@@ -288,6 +322,30 @@ pub(crate) fn if_then(e: &mut Em, cond: &str, then: impl FnOnce(&mut Em)) {
     e.line(&format!("scf.if {cond} {{"));
     e.indent += 1;
     then(e);
+    e.indent -= 1;
+    e.line("}");
+}
+
+/// `scf.if cond { then } else { other }` (no results).
+pub(crate) fn if_else(e: &mut Em, cond: &str, then: impl FnOnce(&mut Em), other: impl FnOnce(&mut Em)) {
+    e.line(&format!("scf.if {cond} {{"));
+    e.indent += 1;
+    then(e);
+    e.indent -= 1;
+    e.line("} else {");
+    e.indent += 1;
+    other(e);
+    e.indent -= 1;
+    e.line("}");
+}
+
+/// `scf.for iv = lo to hi step 1` carrying nothing.
+pub(crate) fn for_each(e: &mut Em, lo: &str, hi: &str, body: impl FnOnce(&mut Em, &str)) {
+    let iv = e.fresh();
+    let one = e.i32c(1);
+    e.line(&format!("scf.for {iv} = {lo} to {hi} step {one} : i32 {{"));
+    e.indent += 1;
+    body(e, &iv);
     e.indent -= 1;
     e.line("}");
 }

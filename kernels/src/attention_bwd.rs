@@ -41,8 +41,8 @@ use std::fmt::Write as _;
 use titan_ir::{DType, Graph, Op, Region};
 
 use crate::attention::{
-    Em, WgA, checked_sizes, if_then, output_slots, scf_for, sw128_copy, sw128_desc_at, sw128_descriptor, sw128_kmajor_steps, sw128_mnmajor_steps, sw128_slot,
-    uses_wgmma, wgmma_chain,
+    Em, WgA, checked_sizes, for_each, if_else, if_then, output_slots, scf_for, sw128_copy, sw128_desc_at, sw128_descriptor, sw128_kmajor_steps,
+    sw128_mnmajor_steps, sw128_slot, uses_wgmma, wgmma_chain,
 };
 use crate::values::Body;
 use crate::{GenResult, Generated, invalid, unsupported};
@@ -74,7 +74,12 @@ fn row_elems(d: i64) -> i64 {
 /// bf16 elements of one dK/dV stage: Q and dO tiles, then lse and D (f32, 2 elements each);
 /// with `wgmma` rounded up to 1 KB so every stage's tiles stay 1024-byte aligned.
 fn stage_elems(d: i64) -> i64 {
-    let n = 2 * BMQ * row_elems(d) + 4 * BMQ;
+    stage_elems_rows(d, BMQ)
+}
+
+/// [`stage_elems`] of a stage of `bm` query rows.
+fn stage_elems_rows(d: i64, bm: i64) -> i64 {
+    let n = 2 * bm * row_elems(d) + 4 * bm;
     if uses_wgmma(d as u64) { (n as u64).next_multiple_of(512) as i64 } else { n }
 }
 
@@ -154,17 +159,23 @@ pub(crate) fn generate(g: &Graph, r: &Region, entry: &str) -> GenResult<Generate
         dv: ptr(na + outs[2]),
         ws: ptr(na + 3),
     };
-    let grid = ((p.s / BN) * p.b * p.hkv) as u32;
-    let dq_grid = ((p.s / BM) * p.b * p.hq) as u32;
+    let (ws, dq_ws) = uses_ws(&p);
+    let (keys, threads) = if ws { (WS_KEYS, WS_THREADS) } else { (BN, THREADS) };
+    let grid = ((p.s / keys) * p.b * p.hkv) as u32;
+    let (queries, dq_threads) = if dq_ws { (WS_QUERIES, WS_THREADS) } else { (BM, THREADS) };
+    let dq_grid = ((p.s / queries) * p.b * p.hq) as u32;
     let mut m = String::new();
     m.push_str("module attributes {gpu.container_module} {\n  gpu.module @titan {\n");
     // 1024-byte aligned: the dQ pass's swizzled `wgmma` tiles repeat their pattern every 1 KB.
     m.push_str("    llvm.mlir.global external @attb_smem() {addr_space = 3 : i32, alignment = 1024 : i64} : !llvm.array<0 x i8>\n");
     let ps: Vec<String> = params.iter().map(|p| format!("{p}: !llvm.ptr<1>")).collect();
-    for (name, grid, body) in [(format!("{entry}_dq"), dq_grid, dq_body(&p, &io)), (entry.to_string(), grid, dkdv_body(&p, &io))] {
+    let ws_regs = format!(", nvvm.maxnreg = {WS_LAUNCH_REGS} : i32");
+    let (dkdv, regs) = if ws { (dkdv_ws_body(&p, &io), ws_regs.clone()) } else { (dkdv_body(&p, &io), String::new()) };
+    let (dq, dq_regs) = if dq_ws { (dq_ws_body(&p, &io), ws_regs) } else { (dq_body(&p, &io), String::new()) };
+    for (name, grid, block, attrs, body) in [(format!("{entry}_dq"), dq_grid, dq_threads, dq_regs, dq), (entry.to_string(), grid, threads, regs, dkdv)] {
         let _ = writeln!(
             m,
-            "    gpu.func @{name}({}) kernel attributes {{known_block_size = array<i32: {THREADS}, 1, 1>, known_grid_size = array<i32: {grid}, 1, 1>}} {{",
+            "    gpu.func @{name}({}) kernel attributes {{known_block_size = array<i32: {block}, 1, 1>, known_grid_size = array<i32: {grid}, 1, 1>{attrs}}} {{",
             ps.join(", ")
         );
         m.push_str(&body);
@@ -173,10 +184,10 @@ pub(crate) fn generate(g: &Graph, r: &Region, entry: &str) -> GenResult<Generate
     m.push_str("  }\n}\n");
     Ok(Generated {
         mlir: m,
-        block: THREADS as u32,
+        block: threads as u32,
         grid,
-        shared_bytes: dkdv_smem_bytes(p.d) as u32,
-        prologue: Some(("_dq", dq_grid, THREADS as u32, dq_smem_bytes(p.d) as u32)),
+        shared_bytes: if ws { dkdv_ws_smem_bytes(p.d) } else { dkdv_smem_bytes(p.d) } as u32,
+        prologue: Some(("_dq", dq_grid, dq_threads as u32, if dq_ws { dq_ws_smem_bytes(p.d) } else { dq_smem_bytes(p.d) } as u32)),
         workspace_bytes: 2 * (p.b * p.hq * p.s) as u64 * 4,
         workspace_scratch: true,
     })
@@ -271,25 +282,28 @@ fn zeros(e: &mut Em, n: usize) -> Vec<[String; 4]> {
     (0..n).map(|_| [0; 4].map(|_| z.clone())).collect()
 }
 
-/// The dQ pass: one CTA per 64-query tile of one (batch, query head).
-fn dq_body(p: &Problem, io: &Io) -> String {
-    let mut e = Em::new();
+/// What a warp of the dQ pass holds before its key loop: its two query rows (absolute) and
+/// column pair, the (batch, head) bases, Q and dO as register A fragments, `D = rowsum(dO o O)`
+/// and `-lse log2 e` of the rows (both also written to the workspace for the dK/dV pass).
+struct DqRows {
+    rows: [String; 2],
+    kcol: String,
+    q_base: String,
+    kv_base: String,
+    qf: Vec<[String; 4]>,
+    dof: Vec<[String; 4]>,
+    dsum: [String; 2],
+    neg_lse: [String; 2],
+}
+
+/// [`DqRows`] of the warp `warp` (0..4) of a warpgroup whose 64 query rows start at `row_base`,
+/// for `(batch, query head)` index `bhi`; `g`, `tq` are the lane's fragment row and column pair.
+#[allow(clippy::too_many_arguments)]
+fn dq_rows(e: &mut Em, p: &Problem, io: &Io, warp: &str, g: &str, tq: &str, row_base: &str, bhi: &str) -> DqRows {
     let d = p.d;
-    let st = d + 8;
-    let bn = BNK;
-    let nm = p.s / BM;
-    let bh = p.b * p.hq;
     let grp = p.hq / p.hkv;
-    let q_row = p.hq * d;
-    let kv_row = p.hkv * d;
-    let id = ids(&mut e);
-    // Longest causal tiles first: block -> (query tile, batch * head).
-    let mb_rev = e.divk(&id.bid, bh);
-    let nm1 = e.i32c(nm - 1);
-    let mblk = e.bin("subi", &nm1, &mb_rev, "i32");
-    let bhi = e.remk(&id.bid, bh);
-    let bi = e.divk(&bhi, p.hq);
-    let h = e.remk(&bhi, p.hq);
+    let bi = e.divk(bhi, p.hq);
+    let h = e.remk(bhi, p.hq);
     let kh = e.divk(&h, grp);
     let bi64 = e.ext64(&bi);
     let h64 = e.ext64(&h);
@@ -303,26 +317,16 @@ fn dq_body(p: &Problem, io: &Io) -> String {
     let kvb = e.bin("muli", &bi64, &skv, "i64");
     let khd = e.bin("muli", &kh64, &d64, "i64");
     let kv_base = e.bin("addi", &kvb, &khd, "i64");
-    // The thread's two query rows (absolute) and column pair.
-    let w16 = e.mulk(&id.warp, 16);
-    let qr0 = e.addi(&w16, &id.g);
-    let m64 = e.mulk(&mblk, BM);
-    let row0 = e.addi(&m64, &qr0);
+    let w16 = e.mulk(warp, 16);
+    let qr0 = e.addi(&w16, g);
+    let row0 = e.addi(row_base, &qr0);
     let row1 = e.addk(&row0, 8);
     let rows = [row0, row1];
-    let kcol = e.mulk(&id.tq, 2);
-    let row_ptr = |e: &mut Em, base: &str, row: &str| -> String {
-        let r64 = e.ext64(row);
-        let rs = e.i64c(q_row);
-        let ro = e.bin("muli", &r64, &rs, "i64");
-        let o = e.bin("addi", &q_base, &ro, "i64");
-        let k64 = e.ext64(&kcol);
-        let o = e.bin("addi", &o, &k64, "i64");
-        e.gep(base, 1, &o, "i64", "bf16")
-    };
+    let kcol = e.mulk(tq, 2);
+    let mut r = DqRows { rows, kcol, q_base, kv_base, qf: Vec::new(), dof: Vec::new(), dsum: Default::default(), neg_lse: Default::default() };
     // A fragments of a [rows, d] bf16 tensor straight from global memory.
-    let frags = |e: &mut Em, base: &str| -> Vec<[String; 4]> {
-        let rp = [row_ptr(e, base, &rows[0]), row_ptr(e, base, &rows[1])];
+    let frags = |e: &mut Em, r: &DqRows, base: &str| -> Vec<[String; 4]> {
+        let rp = [dq_row_ptr(e, p, r, base, &r.rows[0]), dq_row_ptr(e, p, r, base, &r.rows[1])];
         (0..d / 16)
             .map(|ks| {
                 let mut a: [String; 4] = Default::default();
@@ -334,48 +338,47 @@ fn dq_body(p: &Problem, io: &Io) -> String {
             })
             .collect()
     };
-    let qf = frags(&mut e, &io.q);
-    let dof = frags(&mut e, &io.dout);
+    r.qf = frags(e, &r, &io.q);
+    r.dof = frags(e, &r, &io.dout);
     // D = rowsum(dO o O) for the two rows: fragments of O in the same layout, then the quad.
     let zf = e.f32c(0.0);
     let mut dsum = [zf.clone(), zf.clone()];
     {
-        let of = frags(&mut e, &io.o);
-        for (a, b) in dof.iter().zip(&of) {
+        let of = frags(e, &r, &io.o);
+        for (a, b) in r.dof.iter().zip(&of) {
             for i in 0..4 {
-                let x = unpack_bf16(&mut e, &a[i]);
-                let y = unpack_bf16(&mut e, &b[i]);
+                let x = unpack_bf16(e, &a[i]);
+                let y = unpack_bf16(e, &b[i]);
                 for k in 0..2 {
                     dsum[i % 2] = e.fma(&x[k], &y[k], &dsum[i % 2]);
                 }
             }
         }
-        for r in dsum.iter_mut() {
+        for s in dsum.iter_mut() {
             for off in [1, 2] {
-                let o = e.shfl_xor(r, off);
-                *r = e.fadd(r, &o);
+                let o = e.shfl_xor(s, off);
+                *s = e.fadd(s, &o);
             }
         }
     }
     // lse (log2 domain) of the rows; both statistics go to the workspace for the dK/dV pass.
     let log2e = e.f32c(std::f32::consts::LOG2_E);
-    let bh64 = e.ext64(&bhi);
+    let bh64 = e.ext64(bhi);
     let s64 = e.i64c(p.s);
     let bhs = e.bin("muli", &bh64, &s64, "i64");
     let stat_base = e.i64c(p.b * p.hq * p.s);
-    let mut neg_lse = [String::new(), String::new()];
-    let mut idx = [String::new(), String::new()];
-    for r in 0..2 {
-        let r64 = e.ext64(&rows[r]);
-        idx[r] = e.bin("addi", &bhs, &r64, "i64");
-        let lp = e.gep(&io.lse, 1, &idx[r], "i64", "f32");
+    let mut neg_lse: [String; 2] = Default::default();
+    for (k, row) in r.rows.iter().enumerate() {
+        let r64 = e.ext64(row);
+        let i = e.bin("addi", &bhs, &r64, "i64");
+        let lp = e.gep(&io.lse, 1, &i, "i64", "f32");
         let l = e.op(&format!("llvm.load {lp} {{alignment = 4 : i64}} : !llvm.ptr<1> -> f32"));
         let l2 = e.fmul(&l, &log2e);
-        neg_lse[r] = e.op(&format!("arith.negf {l2} : f32"));
+        neg_lse[k] = e.op(&format!("arith.negf {l2} : f32"));
         let zero_i = e.i32c(0);
-        let first = e.op(&format!("arith.cmpi eq, {}, {zero_i} : i32", id.tq));
-        let (dsr, i) = (dsum[r].clone(), idx[r].clone());
-        if_then(&mut e, &first, |e| {
+        let first = e.op(&format!("arith.cmpi eq, {tq}, {zero_i} : i32"));
+        let dsr = dsum[k].clone();
+        if_then(e, &first, |e| {
             let dp = e.gep(&io.ws, 1, &i, "i64", "f32");
             e.line(&format!("llvm.store {dsr}, {dp} {{alignment = 4 : i64}} : f32, !llvm.ptr<1>"));
             let li = e.bin("addi", &i, &stat_base, "i64");
@@ -383,13 +386,177 @@ fn dq_body(p: &Problem, io: &Io) -> String {
             e.line(&format!("llvm.store {l2}, {lp} {{alignment = 4 : i64}} : f32, !llvm.ptr<1>"));
         });
     }
+    r.dsum = dsum;
+    r.neg_lse = neg_lse;
+    r
+}
+
+/// Pointer to the thread's column pair of query row `row` of the `[b, s, hq, d]` tensor `base`.
+fn dq_row_ptr(e: &mut Em, p: &Problem, r: &DqRows, base: &str, row: &str) -> String {
+    let r64 = e.ext64(row);
+    let rs = e.i64c(p.hq * p.d);
+    let ro = e.bin("muli", &r64, &rs, "i64");
+    let o = e.bin("addi", &r.q_base, &ro, "i64");
+    let k64 = e.ext64(&r.kcol);
+    let o = e.bin("addi", &o, &k64, "i64");
+    e.gep(base, 1, &o, "i64", "bf16")
+}
+
+/// dQ (scaled) as bf16 into the thread's rows.
+fn dq_store(e: &mut Em, p: &Problem, io: &Io, r: &DqRows, dq: &[[String; 4]]) {
+    let scale = e.f32c(p.scale as f32);
+    let dqp = [dq_row_ptr(e, p, r, &io.dq, &r.rows[0]), dq_row_ptr(e, p, r, &io.dq, &r.rows[1])];
+    store_rows(e, &dqp, dq, Some(&scale));
+}
+
+/// Accumulator fragments (`mma.sync` C layout: n-tile `n` at columns `8 n ..` of the thread's
+/// two rows) as bf16 pairs at the two row pointers, times `scale` if given.
+fn store_rows(e: &mut Em, rowp: &[String; 2], t: &[[String; 4]], scale: Option<&str>) {
+    for (n, f) in t.iter().enumerate() {
+        for (k, row) in rowp.iter().enumerate() {
+            let (x0, x1) = match scale {
+                Some(sc) => (e.fmul(&f[2 * k], sc), e.fmul(&f[2 * k + 1], sc)),
+                None => (f[2 * k].clone(), f[2 * k + 1].clone()),
+            };
+            let pk = e.pack_bf16(&x0, &x1);
+            let ptr = e.gepk(row, 1, 8 * n as i64);
+            e.line(&format!("llvm.store {pk}, {ptr} {{alignment = 4 : i64}} : i32, !llvm.ptr<1>"));
+        }
+    }
+}
+
+/// The shared-memory side of a dQ tile: the `ldmatrix` lane offsets (`mma.sync`) and the
+/// `wgmma` descriptors at element offset 0 (K-major for `S = Q K^T` and `dP = dO V^T`, MN-major
+/// for `dQ += dS K`: `bn * 128` bytes between 64-dim blocks).
+struct DqSmem {
+    /// Keys of a tile.
+    bn: i64,
+    smem: String,
+    k_off: String,
+    kt_off: String,
+    kmaj: String,
+    mnmaj: String,
+}
+
+/// One key tile `j` of the dQ pass, its K and V at shared element offsets `kb` and `vb`: `S =
+/// Q K^T`, `P = exp2(S scale log2 e - lse log2 e)` (0 above the diagonal when `masked`), `dP = dO
+/// V^T`, `dS = P o (dP - D)`, `dQ += dS K`. At head_dim 64 and 128 the three products run on
+/// `wgmma`, at 16 on `ldmatrix` fragments and `mma.sync`.
+#[allow(clippy::too_many_arguments)]
+fn dq_tile(e: &mut Em, p: &Problem, r: &DqRows, sm: &DqSmem, kb: &str, vb: &str, j: &str, mut dq: Vec<[String; 4]>, masked: bool) -> Vec<[String; 4]> {
+    let d = p.d;
+    let st = d + 8;
+    let bn = sm.bn;
+    let wg = uses_wgmma(d as u64);
+    let nk = (bn / 8) as usize;
+    let c = e.f32c((p.scale * std::f64::consts::LOG2_E) as f32);
+    let zf = e.f32c(0.0);
+    let ko = e.addi(kb, &sm.k_off);
+    let k_lm = sptr(e, &sm.smem, &ko, "bf16");
+    let vo = e.addi(vb, &sm.k_off);
+    let v_lm = sptr(e, &sm.smem, &vo, "bf16");
+    let kto = e.addi(kb, &sm.kt_off);
+    let kt_lm = sptr(e, &sm.smem, &kto, "bf16");
+    // S = Q K^T and dP = dO V^T: 16 rows x bn keys.
+    let prod = |e: &mut Em, a: &[[String; 4]], lm: &str| -> Vec<[String; 4]> {
+        let mut s = zeros(e, nk);
+        for kstep in 0..d / 16 {
+            for np in 0..bn / 16 {
+                let ptr = e.gepk(lm, 3, 16 * np * st + 16 * kstep);
+                let r = e.ldmatrix4(&ptr, false);
+                let n0 = (2 * np) as usize;
+                s[n0] = e.mma(&a[kstep as usize], [&r[0], &r[1]], &s[n0]);
+                s[n0 + 1] = e.mma(&a[kstep as usize], [&r[2], &r[3]], &s[n0 + 1]);
+            }
+        }
+        s
+    };
+    let koffs = sw128_kmajor_steps(d, bn);
+    let wprod = |e: &mut Em, a: &[[String; 4]], base: &str| -> Vec<[String; 4]> {
+        let z = frag_names(&zeros(e, nk));
+        frags_of(&wgmma_chain(e, bn as usize, &z, WgA::Regs(a), base, &koffs, false))
+    };
+    let s = if wg {
+        let kd = sw128_desc_at(e, &sm.kmaj, kb);
+        wprod(e, &r.qf, &kd)
+    } else {
+        prod(e, &r.qf, &k_lm)
+    };
+    let key_base = e.mulk(j, bn);
+    let kb0 = e.addi(&key_base, &r.kcol);
+    let mut pm: Vec<[String; 4]> = Vec::new();
+    for (nt, t) in s.iter().enumerate() {
+        let mut out: [String; 4] = Default::default();
+        for (i, x) in t.iter().enumerate() {
+            let y = e.fma(x, &c, &r.neg_lse[i / 2]);
+            let mut pv = e.ex2(&y);
+            if masked {
+                let key = e.addk(&kb0, nt as i64 * 8 + (i % 2) as i64);
+                let gt = e.op(&format!("arith.cmpi ugt, {key}, {} : i32", r.rows[i / 2]));
+                pv = e.op(&format!("arith.select {gt}, {zf}, {pv} : f32"));
+            }
+            out[i] = pv;
+        }
+        pm.push(out);
+    }
+    let dp = if wg {
+        let vd = sw128_desc_at(e, &sm.kmaj, vb);
+        wprod(e, &r.dof, &vd)
+    } else {
+        prod(e, &r.dof, &v_lm)
+    };
+    let ds: Vec<[String; 4]> = pm
+        .iter()
+        .zip(&dp)
+        .map(|(pt, dt)| {
+            [0, 1, 2, 3].map(|i| {
+                let x = e.fsub(&dt[i], &r.dsum[i / 2]);
+                e.fmul(&pt[i], &x)
+            })
+        })
+        .collect();
+    // dQ += dS K (wgmma: K MN-major, 16 keys = two 1 KB groups of rows per k-step).
+    if wg {
+        let a: Vec<[String; 4]> = (0..(bn / 16) as usize).map(|kk| to_a(e, &ds, kk)).collect();
+        let kd = sw128_desc_at(e, &sm.mnmaj, kb);
+        let offs = sw128_mnmajor_steps(bn);
+        dq = frags_of(&wgmma_chain(e, d as usize, &frag_names(&dq), WgA::Regs(&a), &kd, &offs, true));
+    }
+    for kk in (0..(bn / 16) as usize).filter(|_| !wg) {
+        let a = to_a(e, &ds, kk);
+        for dd in 0..d / 16 {
+            let ptr = e.gepk(&kt_lm, 3, 16 * kk as i64 * st + 16 * dd);
+            let r = e.ldmatrix4(&ptr, true);
+            let n0 = (2 * dd) as usize;
+            dq[n0] = e.mma(&a, [&r[0], &r[1]], &dq[n0]);
+            dq[n0 + 1] = e.mma(&a, [&r[2], &r[3]], &dq[n0 + 1]);
+        }
+    }
+    dq
+}
+
+/// The dQ pass: one CTA per 64-query tile of one (batch, query head).
+fn dq_body(p: &Problem, io: &Io) -> String {
+    let mut e = Em::new();
+    let d = p.d;
+    let st = d + 8;
+    let bn = BNK;
+    let nm = p.s / BM;
+    let bh = p.b * p.hq;
+    let kv_row = p.hkv * d;
+    let id = ids(&mut e);
+    // Longest causal tiles first: block -> (query tile, batch * head).
+    let mb_rev = e.divk(&id.bid, bh);
+    let nm1 = e.i32c(nm - 1);
+    let mblk = e.bin("subi", &nm1, &mb_rev, "i32");
+    let bhi = e.remk(&id.bid, bh);
+    let m64 = e.mulk(&mblk, BM);
+    let r = dq_rows(&mut e, p, io, &id.warp, &id.g, &id.tq, &m64, &bhi);
     // Shared memory: K stages at 0 and one tile, V stages at two and three tiles. A tile is `bn`
     // padded rows (`mma.sync`), or with `wgmma` (head_dim 64, 128) `d / 64` blocks of `bn` keys'
     // 128-byte rows of 64 dims, chunk `c` of row `r` at `c ^ (r % 8)` (the forward's layout).
     let wg = uses_wgmma(d as u64);
     let smem = e.op("llvm.mlir.addressof @attb_smem : !llvm.ptr<3>");
-    let k_off = lm_off(&mut e, &id.mi_hi, &id.mi_lo, &id.r8, st);
-    let kt_off = lm_off(&mut e, &id.mi_lo, &id.mi_hi, &id.r8, st);
     let cpr = if wg { 8 } else { d / 8 };
     let crow = e.divk(&id.tid, cpr);
     let cch = e.remk(&id.tid, cpr);
@@ -400,13 +567,16 @@ fn dq_body(p: &Problem, io: &Io) -> String {
         let s_row = e.mulk(&crow, st);
         e.addi(&s_row, &cc8)
     };
-    // Descriptors of the stage at element offset 0; a stage adds its offset / 8 (16-byte units).
-    // K-major (S = Q K^T, dP = dO V^T: N = keys, K = dims) and MN-major (dQ += dS K: N = dims,
-    // K = keys; `bn * 128` bytes between 64-dim blocks).
-    let kmaj = sw128_descriptor(&mut e, &smem, 16, 1024);
-    let mnmaj = sw128_descriptor(&mut e, &smem, bn * 128, 1024);
+    let sm = DqSmem {
+        bn,
+        k_off: lm_off(&mut e, &id.mi_hi, &id.mi_lo, &id.r8, st),
+        kt_off: lm_off(&mut e, &id.mi_lo, &id.mi_hi, &id.r8, st),
+        kmaj: sw128_descriptor(&mut e, &smem, 16, 1024),
+        mnmaj: sw128_descriptor(&mut e, &smem, bn * 128, 1024),
+        smem: smem.clone(),
+    };
     let cc864 = e.ext64(&cc8);
-    let g_off = e.row_offset(&crow, kv_row, &cc864, &kv_base);
+    let g_off = e.row_offset(&crow, kv_row, &cc864, &r.kv_base);
     let k_g = e.gep(&io.k, 1, &g_off, "i64", "bf16");
     let v_g = e.gep(&io.v, 1, &g_off, "i64", "bf16");
     let tile = if wg { bn * d } else { bn * st };
@@ -438,14 +608,11 @@ fn dq_body(p: &Problem, io: &Io) -> String {
         e.i32c(p.s / bn)
     };
     let n_full = if p.causal { e.mulk(&mblk, BM / bn) } else { n_tiles.clone() };
-    let c = e.f32c((p.scale * std::f64::consts::LOG2_E) as f32);
     let zero_i = e.i32c(0);
     load(&mut e, &zero_i);
     e.commit();
     let nt_d = (d / 8) as usize;
-    let nk = (bn / 8) as usize;
     let tile_body = |e: &mut Em, j: &str, carried: &[String], masked: bool| -> Vec<String> {
-        let mut dq = frags_of(carried);
         // Everyone is done with the stage tile j + 1 goes to; then tile j must have landed.
         e.barrier();
         let j1 = e.addk(j, 1);
@@ -460,107 +627,193 @@ fn dq_body(p: &Problem, io: &Io) -> String {
         let stage = e.remk(j, 2);
         let kb = e.mulk(&stage, tile);
         let vb = e.addk(&kb, 2 * tile);
-        let ko = e.addi(&kb, &k_off);
-        let k_lm = sptr(e, &smem, &ko, "bf16");
-        let vo = e.addi(&vb, &k_off);
-        let v_lm = sptr(e, &smem, &vo, "bf16");
-        let kto = e.addi(&kb, &kt_off);
-        let kt_lm = sptr(e, &smem, &kto, "bf16");
-        // S = Q K^T and dP = dO V^T: 16 rows x bn keys.
-        let prod = |e: &mut Em, a: &[[String; 4]], lm: &str| -> Vec<[String; 4]> {
-            let mut s = zeros(e, nk);
-            for kstep in 0..d / 16 {
-                for np in 0..bn / 16 {
-                    let ptr = e.gepk(lm, 3, 16 * np * st + 16 * kstep);
-                    let r = e.ldmatrix4(&ptr, false);
-                    let n0 = (2 * np) as usize;
-                    s[n0] = e.mma(&a[kstep as usize], [&r[0], &r[1]], &s[n0]);
-                    s[n0 + 1] = e.mma(&a[kstep as usize], [&r[2], &r[3]], &s[n0 + 1]);
-                }
-            }
-            s
-        };
-        let koffs = sw128_kmajor_steps(d, bn);
-        let wprod = |e: &mut Em, a: &[[String; 4]], base: &str| -> Vec<[String; 4]> {
-            let z = frag_names(&zeros(e, nk));
-            frags_of(&wgmma_chain(e, bn as usize, &z, WgA::Regs(a), base, &koffs, false))
-        };
-        let s = if wg {
-            let kd = sw128_desc_at(e, &kmaj, &kb);
-            wprod(e, &qf, &kd)
-        } else {
-            prod(e, &qf, &k_lm)
-        };
-        let key_base = e.mulk(j, bn);
-        let kb0 = e.addi(&key_base, &kcol);
-        let mut pm: Vec<[String; 4]> = Vec::new();
-        for (nt, t) in s.iter().enumerate() {
-            let mut out: [String; 4] = Default::default();
-            for (i, x) in t.iter().enumerate() {
-                let y = e.fma(x, &c, &neg_lse[i / 2]);
-                let mut pv = e.ex2(&y);
-                if masked {
-                    let key = e.addk(&kb0, nt as i64 * 8 + (i % 2) as i64);
-                    let gt = e.op(&format!("arith.cmpi ugt, {key}, {} : i32", rows[i / 2]));
-                    pv = e.op(&format!("arith.select {gt}, {zf}, {pv} : f32"));
-                }
-                out[i] = pv;
-            }
-            pm.push(out);
-        }
-        let dp = if wg {
-            let vd = sw128_desc_at(e, &kmaj, &vb);
-            wprod(e, &dof, &vd)
-        } else {
-            prod(e, &dof, &v_lm)
-        };
-        let ds: Vec<[String; 4]> = pm
-            .iter()
-            .zip(&dp)
-            .map(|(pt, dt)| {
-                [0, 1, 2, 3].map(|i| {
-                    let x = e.fsub(&dt[i], &dsum[i / 2]);
-                    e.fmul(&pt[i], &x)
-                })
-            })
-            .collect();
-        // dQ += dS K (wgmma: K MN-major, 16 keys = two 1 KB groups of rows per k-step).
-        if wg {
-            let a: Vec<[String; 4]> = (0..(bn / 16) as usize).map(|kk| to_a(e, &ds, kk)).collect();
-            let kd = sw128_desc_at(e, &mnmaj, &kb);
-            let offs = sw128_mnmajor_steps(bn);
-            dq = frags_of(&wgmma_chain(e, d as usize, &frag_names(&dq), WgA::Regs(&a), &kd, &offs, true));
-        }
-        for kk in (0..(bn / 16) as usize).filter(|_| !wg) {
-            let a = to_a(e, &ds, kk);
-            for dd in 0..d / 16 {
-                let ptr = e.gepk(&kt_lm, 3, 16 * kk as i64 * st + 16 * dd);
-                let r = e.ldmatrix4(&ptr, true);
-                let n0 = (2 * dd) as usize;
-                dq[n0] = e.mma(&a, [&r[0], &r[1]], &dq[n0]);
-                dq[n0 + 1] = e.mma(&a, [&r[2], &r[3]], &dq[n0 + 1]);
-            }
-        }
-        frag_names(&dq)
+        frag_names(&dq_tile(e, p, &r, &sm, &kb, &vb, j, frags_of(carried), masked))
     };
     let init = frag_names(&zeros(&mut e, nt_d));
     let mut res = for_f32(&mut e, &zero_i, &n_full, &init, |e, j, carried| tile_body(e, j, carried, false));
     if p.causal {
         res = for_f32(&mut e, &n_full, &n_tiles, &res, |e, j, carried| tile_body(e, j, carried, true));
     }
-    let dq = frags_of(&res);
-    let scale = e.f32c(p.scale as f32);
-    let dqp = [row_ptr(&mut e, &io.dq, &rows[0]), row_ptr(&mut e, &io.dq, &rows[1])];
-    for (n, t) in dq.iter().enumerate() {
-        for r in 0..2 {
-            let x0 = e.fmul(&t[2 * r], &scale);
-            let x1 = e.fmul(&t[2 * r + 1], &scale);
-            let pk = e.pack_bf16(&x0, &x1);
-            let ptr = e.gepk(&dqp[r], 1, 8 * n as i64);
-            e.line(&format!("llvm.store {pk}, {ptr} {{alignment = 4 : i64}} : i32, !llvm.ptr<1>"));
-        }
-    }
+    dq_store(&mut e, p, io, &r, &frags_of(&res));
     e.body
+}
+
+/// `cp.async` of a (Q, dO) stage's statistics: `lse log2 e` and `D` of its `bm` query rows (from
+/// the workspace the dQ pass wrote) into the stage at element `sb + at`, lse first, `bm / 4`
+/// 16-byte chunks each, by the copying threads `t < bm / 2`.
+#[allow(clippy::too_many_arguments)]
+fn copy_stats(e: &mut Em, p: &Problem, io: &Io, smem: &str, t: &str, bh0: &str, h: &str, q0: &str, sb: &str, at: i64, bm: i64) {
+    let chunks = bm / 4;
+    let stat_base = e.i64c(p.b * p.hq * p.s);
+    let lim = e.i32c(2 * chunks);
+    let copies = e.op(&format!("arith.cmpi ult, {t}, {lim} : i32"));
+    if_then(e, &copies, |e| {
+        let which = e.divk(t, chunks);
+        let ch = e.remk(t, chunks);
+        let bh = e.addi(bh0, h);
+        let bh64 = e.ext64(&bh);
+        let s64 = e.i64c(p.s);
+        let row0 = e.bin("muli", &bh64, &s64, "i64");
+        let q064 = e.ext64(q0);
+        let row0 = e.bin("addi", &row0, &q064, "i64");
+        let c4 = e.mulk(&ch, 4);
+        let c464 = e.ext64(&c4);
+        let row0 = e.bin("addi", &row0, &c464, "i64");
+        // lse at stat_base + row (which = 0), D at row (which = 1).
+        let w64 = e.ext64(&which);
+        let is_d = e.bin("muli", &w64, &stat_base, "i64");
+        let lse_off = e.bin("subi", &stat_base, &is_d, "i64");
+        let go = e.bin("addi", &row0, &lse_off, "i64");
+        let gp = e.gep(&io.ws, 1, &go, "i64", "f32");
+        let sb2 = e.addk(sb, at);
+        let sb_f = sptr(e, smem, &sb2, "bf16");
+        let wb = e.mulk(&which, bm);
+        let fo = e.addi(&wb, &c4);
+        let sp = sptr(e, &sb_f, &fo, "f32");
+        e.cp_async16(&sp, &gp);
+    });
+}
+
+/// What a dK/dV tile's elementwise steps need: the thread's query columns of the stage (`cols`,
+/// both of each n-tile), the stage's statistics (`stats`: lse then D, `bm` f32 each), the
+/// tile's first query row `q0`, the thread's two keys (absolute) and `scale log2 e`.
+struct DkdvCols<'a> {
+    cols: &'a [String],
+    stats: &'a str,
+    q0: &'a str,
+    keys: &'a [String; 2],
+    c: &'a str,
+    bm: i64,
+}
+
+impl DkdvCols<'_> {
+    fn stat(&self, e: &mut Em, col: &str, which: i64) -> String {
+        let o = e.addk(col, which * self.bm);
+        let ptr = sptr(e, self.stats, &o, "f32");
+        e.op(&format!("llvm.load {ptr} {{alignment = 4 : i64}} : !llvm.ptr<3> -> f32"))
+    }
+
+    /// `P^T = exp2(S^T scale log2 e - lse log2 e)`, 0 where the key is past the query (causal).
+    fn p_t(&self, e: &mut Em, causal: bool, s_t: &[[String; 4]]) -> Vec<[String; 4]> {
+        let zf = e.f32c(0.0);
+        let neg_lse: Vec<String> = self
+            .cols
+            .iter()
+            .map(|col| {
+                let l = self.stat(e, col, 0);
+                e.op(&format!("arith.negf {l} : f32"))
+            })
+            .collect();
+        let mut pt: Vec<[String; 4]> = Vec::new();
+        for (nt, tile) in s_t.iter().enumerate() {
+            let mut out: [String; 4] = Default::default();
+            for (i, x) in tile.iter().enumerate() {
+                let k = nt * 2 + i % 2;
+                let y = e.fma(x, self.c, &neg_lse[k]);
+                let mut pv = e.ex2(&y);
+                if causal {
+                    let qa = e.addi(self.q0, &self.cols[k]);
+                    let gt = e.op(&format!("arith.cmpi ugt, {}, {qa} : i32", self.keys[i / 2]));
+                    pv = e.op(&format!("arith.select {gt}, {zf}, {pv} : f32"));
+                }
+                out[i] = pv;
+            }
+            pt.push(out);
+        }
+        pt
+    }
+
+    /// `dS^T = P^T o (dP^T - D)`.
+    fn ds_t(&self, e: &mut Em, pt: &[[String; 4]], dpt: &[[String; 4]]) -> Vec<[String; 4]> {
+        let dcol: Vec<String> = self.cols.iter().map(|col| self.stat(e, col, 1)).collect();
+        pt.iter()
+            .zip(dpt)
+            .enumerate()
+            .map(|(nt, (p4, d4))| {
+                [0, 1, 2, 3].map(|i| {
+                    let x = e.fsub(&d4[i], &dcol[nt * 2 + i % 2]);
+                    e.fmul(&p4[i], &x)
+                })
+            })
+            .collect()
+    }
+}
+
+/// `dV += P^T dO`, `dK += dS^T Q` on `wgmma`: P^T and dS^T as register A fragments, dO and Q
+/// of the stage (element offsets `do_tile`, `q_tile`) MN-major through `mnmaj` (16 queries =
+/// two 1 KB row groups a k-step).
+#[allow(clippy::too_many_arguments)]
+fn dkdv_update_wgmma(
+    e: &mut Em,
+    d: i64,
+    bm: i64,
+    mnmaj: &str,
+    pt: &[[String; 4]],
+    dst: &[[String; 4]],
+    do_tile: &str,
+    q_tile: &str,
+    dk: &mut Vec<[String; 4]>,
+    dv: &mut Vec<[String; 4]>,
+) {
+    let offs = sw128_mnmajor_steps(bm);
+    for (src, tile, acc) in [(pt, do_tile, dv), (dst, q_tile, dk)] {
+        let a: Vec<[String; 4]> = (0..(bm / 16) as usize).map(|kk| to_a(e, src, kk)).collect();
+        let bd = sw128_desc_at(e, mnmaj, tile);
+        *acc = frags_of(&wgmma_chain(e, d as usize, &frag_names(acc), WgA::Regs(&a), &bd, &offs, true));
+    }
+}
+
+/// dK (scaled) and dV as bf16 into the thread's two key rows `base_key + key0`, `base_key +
+/// key1` of the `[b, s, hkv, d]` gradients, column pair `kcol`.
+#[allow(clippy::too_many_arguments)]
+fn store_dkdv(e: &mut Em, p: &Problem, io: &Io, kv_base: &str, base_key: &str, keys: [&str; 2], kcol: &str, dk: &[[String; 4]], dv: &[[String; 4]]) {
+    let scale = e.f32c(p.scale as f32);
+    let kv_row = p.hkv * p.d;
+    let kv_row_ptr = |e: &mut Em, base: &str, key: &str| -> String {
+        let k = e.addi(base_key, key);
+        let k64 = e.ext64(&k);
+        let rs = e.i64c(kv_row);
+        let o = e.bin("muli", &k64, &rs, "i64");
+        let o = e.bin("addi", &o, kv_base, "i64");
+        let c64 = e.ext64(kcol);
+        let o = e.bin("addi", &o, &c64, "i64");
+        e.gep(base, 1, &o, "i64", "bf16")
+    };
+    let dkrow = [kv_row_ptr(e, &io.dk, keys[0]), kv_row_ptr(e, &io.dk, keys[1])];
+    let dvrow = [kv_row_ptr(e, &io.dv, keys[0]), kv_row_ptr(e, &io.dv, keys[1])];
+    store_rows(e, &dkrow, dk, Some(&scale));
+    store_rows(e, &dvrow, dv, None);
+}
+
+/// A dK/dV CTA's key tile: block -> (key tile `j` of `keys` keys, batch `bi`, kv head `kh`),
+/// low j (the most causal work) first; its first key `kv0` and the element bases of its K/V
+/// head and of its batch's Q.
+struct KeyTile {
+    j: String,
+    bi: String,
+    kh: String,
+    kv0: String,
+    kv_base: String,
+    q_bbase: String,
+}
+
+fn key_tile(e: &mut Em, p: &Problem, bid: &str, keys: i64) -> KeyTile {
+    let d = p.d;
+    let j = e.divk(bid, p.b * p.hkv);
+    let bk = e.remk(bid, p.b * p.hkv);
+    let bi = e.divk(&bk, p.hkv);
+    let kh = e.remk(&bk, p.hkv);
+    let kv0 = e.mulk(&j, keys);
+    let bi64 = e.ext64(&bi);
+    let kh64 = e.ext64(&kh);
+    let d64 = e.i64c(d);
+    let skv = e.i64c(p.s * p.hkv * d);
+    let kvb = e.bin("muli", &bi64, &skv, "i64");
+    let khd = e.bin("muli", &kh64, &d64, "i64");
+    let kv_base = e.bin("addi", &kvb, &khd, "i64");
+    let sq = e.i64c(p.s * p.hq * d);
+    let q_bbase = e.bin("muli", &bi64, &sq, "i64");
+    KeyTile { j, bi, kh, kv0, kv_base, q_bbase }
 }
 
 /// The dK/dV pass: one CTA per 64-key tile of one (batch, kv head).
@@ -577,21 +830,8 @@ fn dkdv_body(p: &Problem, io: &Io) -> String {
     let kv_row = p.hkv * d;
     let id = ids(&mut e);
     let tid = id.tid.clone();
-    // Block -> (key tile j, batch, kv head); low j (the most causal work) first.
-    let j = e.divk(&id.bid, p.b * p.hkv);
-    let bk = e.remk(&id.bid, p.b * p.hkv);
-    let bi = e.divk(&bk, p.hkv);
-    let kh = e.remk(&bk, p.hkv);
-    let kv0 = e.mulk(&j, BN);
-    let bi64 = e.ext64(&bi);
-    let kh64 = e.ext64(&kh);
+    let KeyTile { j, bi, kh, kv0, kv_base, q_bbase } = key_tile(&mut e, p, &id.bid, BN);
     let d64 = e.i64c(d);
-    let skv = e.i64c(p.s * p.hkv * d);
-    let kvb = e.bin("muli", &bi64, &skv, "i64");
-    let khd = e.bin("muli", &kh64, &d64, "i64");
-    let kv_base = e.bin("addi", &kvb, &khd, "i64");
-    let sq = e.i64c(p.s * p.hq * d);
-    let q_bbase = e.bin("muli", &bi64, &sq, "i64");
     let smem = e.op("llvm.mlir.addressof @attb_smem : !llvm.ptr<3>");
     // Copies: `mma.sync`, chunk (tid / cpr, tid % cpr) of padded rows; `wgmma`, row tid / 8,
     // chunk tid % 8 of a 64-dim block of 128-byte swizzled rows (the forward's layout; K and V
@@ -635,7 +875,6 @@ fn dkdv_body(p: &Problem, io: &Io) -> String {
     let total = e.mulk(&ntile, grp);
     let kh_g = e.mulk(&kh, grp);
     let bh0 = e.mulk(&bi, p.hq);
-    let stat_base = e.i64c(p.b * p.hq * p.s);
     let stage0 = 2 * BN * st;
     let se = stage_elems(d);
     // (query head, first query row) of sequence position f.
@@ -670,35 +909,7 @@ fn dkdv_body(p: &Problem, io: &Io) -> String {
                 e.cp_async16(&sp, &gp);
             }
         }
-        // lse (log2 domain) and D of the tile's rows: bm / 4 16-byte chunks each.
-        let chunks = bm / 4;
-        let lim = e.i32c(2 * chunks);
-        let copies = e.op(&format!("arith.cmpi ult, {tid}, {lim} : i32"));
-        if_then(e, &copies, |e| {
-            let which = e.divk(&tid, chunks);
-            let ch = e.remk(&tid, chunks);
-            let bh = e.addi(&bh0, &h);
-            let bh64 = e.ext64(&bh);
-            let s64 = e.i64c(p.s);
-            let row0 = e.bin("muli", &bh64, &s64, "i64");
-            let q064 = e.ext64(&q0);
-            let row0 = e.bin("addi", &row0, &q064, "i64");
-            let c4 = e.mulk(&ch, 4);
-            let c464 = e.ext64(&c4);
-            let row0 = e.bin("addi", &row0, &c464, "i64");
-            // lse at stat_base + row (which = 0), D at row (which = 1).
-            let w64 = e.ext64(&which);
-            let is_d = e.bin("muli", &w64, &stat_base, "i64");
-            let lse_off = e.bin("subi", &stat_base, &is_d, "i64");
-            let go = e.bin("addi", &row0, &lse_off, "i64");
-            let gp = e.gep(&io.ws, 1, &go, "i64", "f32");
-            let sb2 = e.addk(&sb, 2 * bm * st);
-            let sb_f = sptr(e, &smem, &sb2, "bf16");
-            let wb = e.mulk(&which, bm);
-            let fo = e.addi(&wb, &c4);
-            let sp = sptr(e, &sb_f, &fo, "f32");
-            e.cp_async16(&sp, &gp);
-        });
+        copy_stats(e, p, io, &smem, &tid, &bh0, &h, &q0, &sb, 2 * bm * st, bm);
     };
     let zero_i = e.i32c(0);
     load(&mut e, &zero_i);
@@ -722,7 +933,6 @@ fn dkdv_body(p: &Problem, io: &Io) -> String {
     let key1 = e.addk(&key0, 8);
     let kcol = e.mulk(&id.tq, 2);
     let c = e.f32c((p.scale * std::f64::consts::LOG2_E) as f32);
-    let zf = e.f32c(0.0);
     let nt_d = (d / 8) as usize;
     // wgmma descriptors at element offset 0 (an offset adds offset / 8 16-byte units): K-major
     // for K and V as A and Q, dO as B of S^T = K Q^T and dP^T = V dO^T; MN-major for Q and dO as
@@ -787,56 +997,13 @@ fn dkdv_body(p: &Problem, io: &Io) -> String {
         let s = if wg { wprod(e, 0, &q_tile) } else { prod(e, &k_a, &q_bn) };
         // The columns (queries) of the thread's fragments and their statistics.
         let cols: Vec<String> = (0..qn as i64).flat_map(|nt| [0, 1].map(|i| nt * 8 + i)).map(|k| e.addk(&kcol, k)).collect();
-        let stat = |e: &mut Em, col: &str, which: i64| -> String {
-            let o = e.addk(col, which * bm);
-            let ptr = sptr(e, &stats, &o, "f32");
-            e.op(&format!("llvm.load {ptr} {{alignment = 4 : i64}} : !llvm.ptr<3> -> f32"))
-        };
-        let neg_lse: Vec<String> = cols
-            .iter()
-            .map(|col| {
-                let l = stat(e, col, 0);
-                e.op(&format!("arith.negf {l} : f32"))
-            })
-            .collect();
         let ka = [e.addi(&kv0, &key0), e.addi(&kv0, &key1)];
-        let mut pt: Vec<[String; 4]> = Vec::new();
-        for (nt, tile) in s.iter().enumerate() {
-            let mut out: [String; 4] = Default::default();
-            for (i, x) in tile.iter().enumerate() {
-                let k = nt * 2 + i % 2;
-                let y = e.fma(x, &c, &neg_lse[k]);
-                let mut pv = e.ex2(&y);
-                if p.causal {
-                    let qa = e.addi(&q0, &cols[k]);
-                    let gt = e.op(&format!("arith.cmpi ugt, {}, {qa} : i32", ka[i / 2]));
-                    pv = e.op(&format!("arith.select {gt}, {zf}, {pv} : f32"));
-                }
-                out[i] = pv;
-            }
-            pt.push(out);
-        }
+        let cx = DkdvCols { cols: &cols, stats: &stats, q0: &q0, keys: &ka, c: &c, bm };
+        let pt = cx.p_t(e, p.causal, &s);
         let dpt = if wg { wprod(e, BN * st, &do_tile) } else { prod(e, &v_a, &do_bn) };
-        let dcol: Vec<String> = cols.iter().map(|col| stat(e, col, 1)).collect();
-        let dst: Vec<[String; 4]> = pt
-            .iter()
-            .zip(&dpt)
-            .enumerate()
-            .map(|(nt, (p4, d4))| {
-                [0, 1, 2, 3].map(|i| {
-                    let x = e.fsub(&d4[i], &dcol[nt * 2 + i % 2]);
-                    e.fmul(&p4[i], &x)
-                })
-            })
-            .collect();
-        // dV += P^T dO, dK += dS^T Q (wgmma: B MN-major, 16 queries = two 1 KB row groups).
+        let dst = cx.ds_t(e, &pt, &dpt);
         if wg {
-            let offs = sw128_mnmajor_steps(bm);
-            for (src, tile, acc) in [(&pt, &do_tile, &mut dv), (&dst, &q_tile, &mut dk)] {
-                let a: Vec<[String; 4]> = (0..(bm / 16) as usize).map(|kk| to_a(e, src, kk)).collect();
-                let bd = sw128_desc_at(e, &mnmaj, tile);
-                *acc = frags_of(&wgmma_chain(e, d as usize, &frag_names(acc), WgA::Regs(&a), &bd, &offs, true));
-            }
+            dkdv_update_wgmma(e, d, bm, &mnmaj, &pt, &dst, &do_tile, &q_tile, &mut dk, &mut dv);
         }
         for (src, b_lm, acc) in [(&pt, &do_bt, &mut dv), (&dst, &q_bt, &mut dk)].into_iter().filter(|_| !wg) {
             for kk in 0..(bm / 16) as usize {
@@ -855,30 +1022,469 @@ fn dkdv_body(p: &Problem, io: &Io) -> String {
         next
     });
     let (dk, dv) = (frags_of(&res[..4 * nt_d]), frags_of(&res[4 * nt_d..]));
-    let scale = e.f32c(p.scale as f32);
-    let kv_row_ptr = |e: &mut Em, base: &str, key: &str| -> String {
-        let k = e.addi(&kv0, key);
-        let k64 = e.ext64(&k);
-        let rs = e.i64c(kv_row);
-        let o = e.bin("muli", &k64, &rs, "i64");
-        let o = e.bin("addi", &o, &kv_base, "i64");
-        let c64 = e.ext64(&kcol);
-        let o = e.bin("addi", &o, &c64, "i64");
-        e.gep(base, 1, &o, "i64", "bf16")
+    store_dkdv(&mut e, p, io, &kv_base, &kv0, [&key0, &key1], &kcol, &dk, &dv);
+    e.body
+}
+
+/// Keys per CTA of the warp-specialized dK/dV pass: two consumer warpgroups of 64 keys each
+/// share every (Q, dO, lse, D) stage, so a stage is read from L2 once per 128 keys.
+const WS_KEYS: i64 = 128;
+/// Its threads: the two consumer warpgroups, then the producer warpgroup.
+const WS_THREADS: i64 = 384;
+/// Registers a thread launches with (384 x 168 fill the SM's 64K), then what `setmaxnreg` moves
+/// each role to: 2 x 128 x 240 + 128 x 24 = 384 x 168.
+const WS_LAUNCH_REGS: u32 = 168;
+const WS_CONSUMER_REGS: u32 = 240;
+const WS_PRODUCER_REGS: u32 = 24;
+
+/// Stages in flight: 4 at head_dim 64, 3 at 128 (dK/dV: 33 KB each at both; dQ: 32 KB).
+fn ws_stages(d: i64) -> i64 {
+    if d == 64 { 4 } else { 3 }
+}
+
+/// Rows of a stage of the warp-specialized passes (query rows of a dK/dV stage, keys of a dQ
+/// stage): 128 at head_dim 64, so each consumer's `wgmma` chains run at N = 128 with the
+/// registers 240 leave, 64 at head_dim 128.
+fn ws_rows(d: i64) -> i64 {
+    if d == 64 { 128 } else { 64 }
+}
+
+/// Which passes are warp-specialized, (dK/dV, dQ): only `wgmma` head dims with whole 128-row
+/// tiles can be. By default both at head_dim 128 and neither at 64 (measured: docs/performance.md,
+/// session 19). `TITAN_ATT_BWD_WS` at build time overrides, for comparisons: `0` neither, `dkdv`
+/// the dK/dV pass alone, `all` both.
+fn uses_ws(p: &Problem) -> (bool, bool) {
+    if !uses_wgmma(p.d as u64) || p.s % WS_KEYS != 0 {
+        return (false, false);
+    }
+    match std::env::var("TITAN_ATT_BWD_WS").as_deref() {
+        Ok("0") => (false, false),
+        Ok("dkdv") => (true, false),
+        Ok("all") => (true, true),
+        _ => (p.d == 128, p.d == 128),
+    }
+}
+
+/// Dynamic shared memory of the warp-specialized pass: K and V (128 keys), the stages, then a
+/// full and an empty `mbarrier` (8 bytes) per stage.
+fn dkdv_ws_smem_bytes(d: i64) -> i64 {
+    2 * (2 * WS_KEYS * d + ws_stages(d) * stage_elems_rows(d, ws_rows(d))) + 16 * ws_stages(d)
+}
+
+/// The dK/dV pass, warp-specialized (FA3's producer/consumer structure): one CTA per 128-key
+/// tile of one (batch, kv head). Warpgroups 0 and 1 compute the keys `64 w ..` of the tile as the
+/// single-warpgroup pass does, warpgroup 2 copies: K and V once, then each (Q, dO, lse, D) stage
+/// of the flattened (query head, query tile) sequence into a ring of `ws_stages` slots. Per slot
+/// two `mbarrier`s: `full` (128 producer arrivals: the producer waits for its `cp.async` group,
+/// fences the async proxy, arrives) and `empty` (256 consumer arrivals after the slot's last
+/// `wgmma`). Tile `f` uses slot `f % n` in round `r = f / n`: consumers wait for `full`'s phase
+/// of parity `r & 1`, the producer for `empty`'s of parity `(r & 1) ^ 1` (round 0 passes at
+/// once). No CTA-wide barrier after the split, so the two consumers drift apart and one's
+/// softmax overlaps the other's `wgmma`. `setmaxnreg` gives the consumers 240 registers, the
+/// producer 24. Deterministic as the single-warpgroup pass: each warpgroup owns its dK and dV.
+fn dkdv_ws_body(p: &Problem, io: &Io) -> String {
+    let mut e = Em::new();
+    let d = p.d;
+    let grp = p.hq / p.hkv;
+    let bm = ws_rows(d);
+    let nqt = p.s / bm;
+    let q_row = p.hq * d;
+    let kv_row = p.hkv * d;
+    let nst = ws_stages(d);
+    let se = stage_elems_rows(d, bm);
+    let stage0 = 2 * WS_KEYS * d;
+    let bar0 = 2 * (stage0 + nst * se);
+    let id = ids(&mut e);
+    let tid = id.tid.clone();
+    let KeyTile { j, bi, kh, kv0, kv_base, q_bbase } = key_tile(&mut e, p, &id.bid, WS_KEYS);
+    let d64 = e.i64c(d);
+    let smem = e.op("llvm.mlir.addressof @attb_smem : !llvm.ptr<3>");
+    let ring = Ring::new(&mut e, &smem, bar0, nst, &tid);
+    // The flattened (head of the group, query tile) sequence, from the lower warpgroup's
+    // diagonal when causal.
+    let t_start = if p.causal { e.mulk(&j, WS_KEYS / bm) } else { e.i32c(0) };
+    let nqt_c = e.i32c(nqt);
+    let ntile = e.bin("subi", &nqt_c, &t_start, "i32");
+    let total = e.mulk(&ntile, grp);
+    let kh_g = e.mulk(&kh, grp);
+    let bh0 = e.mulk(&bi, p.hq);
+    let locate = |e: &mut Em, f: &str| -> (String, String) {
+        let hh = e.bin("divui", f, &ntile, "i32");
+        let tt = e.bin("remui", f, &ntile, "i32");
+        let h = e.addi(&kh_g, &hh);
+        let t = e.addi(&t_start, &tt);
+        let q0 = e.mulk(&t, bm);
+        (h, q0)
     };
-    let dkrow = [kv_row_ptr(&mut e, &io.dk, &key0), kv_row_ptr(&mut e, &io.dk, &key1)];
-    let dvrow = [kv_row_ptr(&mut e, &io.dv, &key0), kv_row_ptr(&mut e, &io.dv, &key1)];
-    for n in 0..nt_d {
-        for r in 0..2usize {
-            let x0 = e.fmul(&dk[n][2 * r], &scale);
-            let x1 = e.fmul(&dk[n][2 * r + 1], &scale);
-            let pk = e.pack_bf16(&x0, &x1);
-            let ptr = e.gepk(&dkrow[r], 1, 8 * n as i64);
-            e.line(&format!("llvm.store {pk}, {ptr} {{alignment = 4 : i64}} : i32, !llvm.ptr<1>"));
-            let pv = e.pack_bf16(&dv[n][2 * r], &dv[n][2 * r + 1]);
-            let ptr = e.gepk(&dvrow[r], 1, 8 * n as i64);
-            e.line(&format!("llvm.store {pv}, {ptr} {{alignment = 4 : i64}} : i32, !llvm.ptr<1>"));
+    ws_split(
+        &mut e,
+        &tid,
+        |e, cp| {
+            let grow = e.addi(&kv0, &cp.crow);
+            let go = e.row_offset(&grow, kv_row, &cp.cc864, &kv_base);
+            let k_at = e.i32c(0);
+            cp.copy(e, &smem, &io.k, &go, kv_row, WS_KEYS, d, &k_at);
+            let v_at = e.i32c(WS_KEYS * d);
+            cp.copy(e, &smem, &io.v, &go, kv_row, WS_KEYS, d, &v_at);
+            let load = |e: &mut Em, f: &str| {
+                let (h, q0) = locate(e, f);
+                let (s, _) = ring.slot(e, f);
+                let sb = e.mulk(&s, se);
+                let sb = e.addk(&sb, stage0);
+                let h64 = e.ext64(&h);
+                let hd = e.bin("muli", &h64, &d64, "i64");
+                let q_base = e.bin("addi", &q_bbase, &hd, "i64");
+                let grow = e.addi(&q0, &cp.crow);
+                let go = e.row_offset(&grow, q_row, &cp.cc864, &q_base);
+                cp.copy(e, &smem, &io.q, &go, q_row, bm, d, &sb);
+                let dob = e.addk(&sb, bm * d);
+                cp.copy(e, &smem, &io.dout, &go, q_row, bm, d, &dob);
+                copy_stats(e, p, io, &smem, &cp.ptid, &bh0, &h, &q0, &sb, 2 * bm * d, bm);
+            };
+            // Tile 0 (with K and V) as the first group; then tile f's copies are issued before
+            // tile f - 1's are waited for and published.
+            ring.produce(e, &total, &load);
+        },
+        |e, wgi| {
+            dkdv_ws_consumer(e, p, io, &WsCx { wgi, kv0: &kv0, kv_base: &kv_base, smem: &smem, total: &total, ring: &ring }, &|e, f| locate(e, f));
+        },
+    );
+    e.body
+}
+
+/// What the consumer warpgroups of [`dkdv_ws_body`] take from its prologue.
+struct WsCx<'a> {
+    /// The warpgroup (0 or 1): its keys are `kv0 + 64 wgi ..`.
+    wgi: &'a str,
+    kv0: &'a str,
+    kv_base: &'a str,
+    smem: &'a str,
+    total: &'a str,
+    ring: &'a Ring,
+}
+
+/// A consumer warpgroup of [`dkdv_ws_body`]: the single-warpgroup pass's `wgmma` tile loop on
+/// 64 of the CTA's 128 keys, each stage waited for on its `full` barrier and released on its
+/// `empty` one. `locate(f)` gives tile f's (query head, first query row).
+fn dkdv_ws_consumer(e: &mut Em, p: &Problem, io: &Io, cx: &WsCx, locate: &dyn Fn(&mut Em, &str) -> (String, String)) {
+    let d = p.d;
+    let bm = ws_rows(d);
+    let qn = (bm / 8) as usize;
+    let se = stage_elems_rows(d, bm);
+    let stage0 = 2 * WS_KEYS * d;
+    let id = ids(e);
+    let wl = e.remk(&id.warp, 4);
+    let w16 = e.mulk(&wl, 16);
+    let key0 = e.addi(&w16, &id.g);
+    let key1 = e.addk(&key0, 8);
+    // This warpgroup's first key within the CTA's tile.
+    let wk = e.mulk(cx.wgi, 64);
+    let kcol = e.mulk(&id.tq, 2);
+    let c = e.f32c((p.scale * std::f64::consts::LOG2_E) as f32);
+    let nt_d = (d / 8) as usize;
+    let kmaj = sw128_descriptor(e, cx.smem, 16, 1024);
+    let mnmaj = sw128_descriptor(e, cx.smem, bm * 128, 1024);
+    let a_offs = sw128_kmajor_steps(d, WS_KEYS);
+    let b_offs = sw128_kmajor_steps(d, bm);
+    // K and V rows of this warpgroup: 64 rows of 128 bytes into each 64-dim block.
+    let k_at = e.mulk(&wk, 64);
+    let v_at = e.addk(&k_at, WS_KEYS * d);
+    let ka_abs = e.addi(cx.kv0, &wk);
+    let ka = [e.addi(&ka_abs, &key0), e.addi(&ka_abs, &key1)];
+    let zero_i = e.i32c(0);
+    let init = frag_names(&zeros(e, 2 * nt_d));
+    let res = for_f32(e, &zero_i, cx.total, &init, |e, f, carried| {
+        let (mut dk, mut dv) = (frags_of(&carried[..4 * nt_d]), frags_of(&carried[4 * nt_d..]));
+        let s = cx.ring.acquire(e, f);
+        let (_, q0) = locate(e, f);
+        let sb = e.mulk(&s, se);
+        let sb = e.addk(&sb, stage0);
+        let stats_at = e.addk(&sb, 2 * bm * d);
+        let stats = sptr(e, cx.smem, &stats_at, "bf16");
+        let wprod = |e: &mut Em, a_at: &str, b_at: &str| -> Vec<[String; 4]> {
+            let z = frag_names(&zeros(e, qn));
+            let ad = sw128_desc_at(e, &kmaj, a_at);
+            let bd = sw128_desc_at(e, &kmaj, b_at);
+            frags_of(&wgmma_chain(e, bm as usize, &z, WgA::Smem(&ad, &a_offs), &bd, &b_offs, false))
+        };
+        let q_tile = sb.clone();
+        let do_tile = e.addk(&sb, bm * d);
+        let s_t = wprod(e, &k_at, &q_tile);
+        let cols: Vec<String> = (0..qn as i64).flat_map(|nt| [0, 1].map(|i| nt * 8 + i)).map(|k| e.addk(&kcol, k)).collect();
+        let cols = DkdvCols { cols: &cols, stats: &stats, q0: &q0, keys: &ka, c: &c, bm };
+        let pt = cols.p_t(e, p.causal, &s_t);
+        let dpt = wprod(e, &v_at, &do_tile);
+        let dst = cols.ds_t(e, &pt, &dpt);
+        dkdv_update_wgmma(e, d, bm, &mnmaj, &pt, &dst, &do_tile, &q_tile, &mut dk, &mut dv);
+        // Both chains were waited for: the slot's tiles are no longer read.
+        cx.ring.release(e, &s);
+        let mut next = frag_names(&dk);
+        next.extend(frag_names(&dv));
+        next
+    });
+    let (dk, dv) = (frags_of(&res[..4 * nt_d]), frags_of(&res[4 * nt_d..]));
+    store_dkdv(e, p, io, cx.kv_base, &ka_abs, [&key0, &key1], &kcol, &dk, &dv);
+}
+
+/// The ring of stages between the producer warpgroup and the two consumer warpgroups of a
+/// warp-specialized pass: per slot a `full` `mbarrier` (128 producer arrivals) and an `empty`
+/// one (256 consumer arrivals), 8 bytes each at `bars + 8 s` and `bars + 8 (n + s)`. Tile `f`
+/// uses slot `f % n` in round `r = f / n`: consumers wait for `full`'s phase of parity `r & 1`,
+/// the producer for `empty`'s of parity `(r & 1) ^ 1` (round 0 passes at once).
+struct Ring {
+    bars: String,
+    n: i64,
+}
+
+impl Ring {
+    /// Thread 0 initializes the barriers at byte `bar0` of `smem`; a CTA-wide barrier follows.
+    fn new(e: &mut Em, smem: &str, bar0: i64, n: i64, tid: &str) -> Ring {
+        let smem32 = e.smem_addr32(smem);
+        let bars = e.addk(&smem32, bar0);
+        let zero_i = e.i32c(0);
+        let first = e.op(&format!("arith.cmpi eq, {tid}, {zero_i} : i32"));
+        if_then(e, &first, |e| {
+            for s in 0..n {
+                let b = e.addk(&bars, 8 * s);
+                e.mbar_init(&b, THREADS);
+                let b = e.addk(&bars, 8 * (n + s));
+                e.mbar_init(&b, 2 * THREADS);
+            }
+        });
+        e.barrier();
+        Ring { bars, n }
+    }
+
+    /// (slot, phase parity) of tile `f`.
+    fn slot(&self, e: &mut Em, f: &str) -> (String, String) {
+        let s = e.remk(f, self.n);
+        let r = e.divk(f, self.n);
+        let par = e.remk(&r, 2);
+        (s, par)
+    }
+
+    fn bar(&self, e: &mut Em, s: &str, empty: bool) -> String {
+        let o = e.mulk(s, 8);
+        let b = e.addi(&self.bars, &o);
+        if empty { e.addk(&b, 8 * self.n) } else { b }
+    }
+
+    /// The producer's loop over tiles `0..total`: `load(f)` issues tile f's `cp.async` copies
+    /// into slot `f % n` (tile 0's group also holds whatever the caller issued before). Tile f's
+    /// copies go out before tile f - 1's are waited for; a waited group is fenced for the async
+    /// proxy (`wgmma` reads it) and published on its `full` barrier.
+    fn produce(&self, e: &mut Em, total: &str, load: &dyn Fn(&mut Em, &str)) {
+        let publish = |e: &mut Em, f: &str| {
+            e.fence_proxy_async();
+            let (s, _) = self.slot(e, f);
+            let b = self.bar(e, &s, false);
+            e.mbar_arrive(&b);
+        };
+        let zero_i = e.i32c(0);
+        load(e, &zero_i);
+        e.commit();
+        let one = e.i32c(1);
+        for_each(e, &one, total, |e, f| {
+            let (s, par) = self.slot(e, f);
+            let free = e.op(&format!("arith.xori {par}, {one} : i32"));
+            let b = self.bar(e, &s, true);
+            e.mbar_wait(&b, &free);
+            load(e, f);
+            e.commit();
+            e.wait_group(1);
+            let prev = e.addk(f, -1);
+            publish(e, &prev);
+        });
+        e.wait_group(0);
+        let last = e.addk(total, -1);
+        publish(e, &last);
+    }
+
+    /// A consumer waits until tile `f` has landed; returns its slot.
+    fn acquire(&self, e: &mut Em, f: &str) -> String {
+        let (s, par) = self.slot(e, f);
+        let b = self.bar(e, &s, false);
+        e.mbar_wait(&b, &par);
+        s
+    }
+
+    /// A consumer is done reading slot `s` (its `wgmma` chains waited for).
+    fn release(&self, e: &mut Em, s: &str) {
+        let b = self.bar(e, s, true);
+        e.mbar_arrive(&b);
+    }
+}
+
+/// Query rows per CTA of the warp-specialized dQ pass: two consumer warpgroups of 64 rows
+/// share every (K, V) stage.
+const WS_QUERIES: i64 = 128;
+
+/// Dynamic shared memory of the warp-specialized dQ pass: the (K, V) stages, then the barriers.
+fn dq_ws_smem_bytes(d: i64) -> i64 {
+    2 * ws_stages(d) * 2 * ws_rows(d) * d + 16 * ws_stages(d)
+}
+
+/// The dQ pass, warp-specialized as [`dkdv_ws_body`]: one CTA per 128-query tile of one
+/// (batch, query head), longest causal tiles first. Warpgroups 0 and 1 own the rows `64 w ..`
+/// (Q and dO in registers, D and lse written for the dK/dV pass as in [`dq_body`]); warpgroup
+/// 2 copies the key tiles (K, V) both need into the [`Ring`]. Causal: the producer loads the
+/// tiles up to the upper warpgroup's diagonal; the lower one releases that last tile unread.
+fn dq_ws_body(p: &Problem, io: &Io) -> String {
+    let mut e = Em::new();
+    let d = p.d;
+    let bn = ws_rows(d);
+    let nst = ws_stages(d);
+    let nm = p.s / WS_QUERIES;
+    let bh = p.b * p.hq;
+    let grp = p.hq / p.hkv;
+    let kv_row = p.hkv * d;
+    let se = 2 * bn * d;
+    let id = ids(&mut e);
+    let tid = id.tid.clone();
+    let mb_rev = e.divk(&id.bid, bh);
+    let nm1 = e.i32c(nm - 1);
+    let mblk = e.bin("subi", &nm1, &mb_rev, "i32");
+    let bhi = e.remk(&id.bid, bh);
+    let smem = e.op("llvm.mlir.addressof @attb_smem : !llvm.ptr<3>");
+    let ring = Ring::new(&mut e, &smem, 2 * nst * se, nst, &tid);
+    // Key tiles the CTA's rows need: up to the one holding its last row's diagonal when causal.
+    let n_tiles = if p.causal {
+        let m128 = e.mulk(&mblk, WS_QUERIES);
+        let last = e.addk(&m128, WS_QUERIES - 1);
+        let t = e.divk(&last, bn);
+        e.addk(&t, 1)
+    } else {
+        e.i32c(p.s / bn)
+    };
+    ws_split(
+        &mut e,
+        &tid,
+        |e, cp| {
+            let bi = e.divk(&bhi, p.hq);
+            let h = e.remk(&bhi, p.hq);
+            let kh = e.divk(&h, grp);
+            let bi64 = e.ext64(&bi);
+            let kh64 = e.ext64(&kh);
+            let skv = e.i64c(p.s * p.hkv * d);
+            let kvb = e.bin("muli", &bi64, &skv, "i64");
+            let d64 = e.i64c(d);
+            let khd = e.bin("muli", &kh64, &d64, "i64");
+            let kv_base = e.bin("addi", &kvb, &khd, "i64");
+            let g_off = e.row_offset(&cp.crow, kv_row, &cp.cc864, &kv_base);
+            let k_g = e.gep(&io.k, 1, &g_off, "i64", "bf16");
+            let v_g = e.gep(&io.v, 1, &g_off, "i64", "bf16");
+            let load = |e: &mut Em, j: &str| {
+                let (s, _) = ring.slot(e, j);
+                let kb = e.mulk(&s, se);
+                let vb = e.addk(&kb, bn * d);
+                let j64 = e.ext64(j);
+                let tk = e.i64c(bn * kv_row);
+                let off = e.bin("muli", &j64, &tk, "i64");
+                for (src, base) in [(&k_g, &kb), (&v_g, &vb)] {
+                    cp.copy(e, &smem, src, &off, kv_row, bn, d, base);
+                }
+            };
+            ring.produce(e, &n_tiles, &load);
+        },
+        |e, wgi| {
+            let wl = e.remk(&id.warp, 4);
+            let m128 = e.mulk(&mblk, WS_QUERIES);
+            let w64 = e.mulk(wgi, 64);
+            let row_base = e.addi(&m128, &w64);
+            let r = dq_rows(e, p, io, &wl, &id.g, &id.tq, &row_base, &bhi);
+            let sm = DqSmem {
+                bn,
+                k_off: lm_off(e, &id.mi_hi, &id.mi_lo, &id.r8, d + 8),
+                kt_off: lm_off(e, &id.mi_lo, &id.mi_hi, &id.r8, d + 8),
+                kmaj: sw128_descriptor(e, &smem, 16, 1024),
+                mnmaj: sw128_descriptor(e, &smem, bn * 128, 1024),
+                smem: smem.clone(),
+            };
+            // This warpgroup's tiles when causal: those below its first row unmasked, then up to
+            // the one holding its last row's diagonal.
+            let (n_w, n_full) = if p.causal {
+                let last = e.addk(&row_base, 63);
+                let t = e.divk(&last, bn);
+                (e.addk(&t, 1), e.divk(&row_base, bn))
+            } else {
+                (n_tiles.clone(), n_tiles.clone())
+            };
+            let tile_body = |e: &mut Em, j: &str, carried: &[String], masked: bool| -> Vec<String> {
+                let s = ring.acquire(e, j);
+                let kb = e.mulk(&s, se);
+                let vb = e.addk(&kb, bn * d);
+                let dq = dq_tile(e, p, &r, &sm, &kb, &vb, j, frags_of(carried), masked);
+                ring.release(e, &s);
+                frag_names(&dq)
+            };
+            let zero_i = e.i32c(0);
+            let init = frag_names(&zeros(e, (d / 8) as usize));
+            let mut res = for_f32(e, &zero_i, &n_full, &init, |e, j, carried| tile_body(e, j, carried, false));
+            if p.causal {
+                res = for_f32(e, &n_full, &n_w, &res, |e, j, carried| tile_body(e, j, carried, true));
+                // Tiles the other warpgroup needs and this one's rows do not: released unread.
+                for_each(e, &n_w, &n_tiles, |e, j| {
+                    let s = ring.acquire(e, j);
+                    ring.release(e, &s);
+                });
+            }
+            dq_store(e, p, io, &r, &frags_of(&res));
+        },
+    );
+    e.body
+}
+
+/// A copying thread of a warp-specialized pass: its index in the copying warpgroup, its row
+/// (`ptid / 8`) and 16-byte chunk (`ptid % 8`) of a copy, as in the single-warpgroup passes.
+struct Copier {
+    ptid: String,
+    crow: String,
+    cc864: String,
+    s_off: String,
+}
+
+impl Copier {
+    /// `cp.async` of `rows` rows (`grow` elements apart) of `src` from element `go` (the
+    /// thread's row and chunk of the tile's first row) into the 128-byte-swizzled tile of `d`
+    /// dims at shared element offset `base`.
+    #[allow(clippy::too_many_arguments)]
+    fn copy(&self, e: &mut Em, smem: &str, src: &str, go: &str, grow: i64, rows: i64, d: i64, base: &str) {
+        let g0 = e.gep(src, 1, go, "i64", "bf16");
+        let so = e.addi(base, &self.s_off);
+        let s0 = sptr(e, smem, &so, "bf16");
+        for it in 0..rows * d / 8 / THREADS {
+            let (gk, sk) = sw128_copy(it, rows, grow);
+            let gk = e.i64c(gk);
+            let gp = e.gep(&g0, 1, &gk, "i64", "bf16");
+            let sp = e.gepk(&s0, 3, sk);
+            e.cp_async16(&sp, &gp);
         }
     }
-    e.body
+}
+
+/// The warpgroups of a warp-specialized pass part ways: warpgroup 2 shrinks its registers and
+/// runs `producer` with its [`Copier`], warpgroups 0 and 1 grow theirs and run `consumer` with
+/// their index (i32).
+fn ws_split(e: &mut Em, tid: &str, producer: impl FnOnce(&mut Em, &Copier), consumer: impl FnOnce(&mut Em, &str)) {
+    let wgi = e.divk(tid, THREADS);
+    let two = e.i32c(2);
+    let is_producer = e.op(&format!("arith.cmpi eq, {wgi}, {two} : i32"));
+    if_else(
+        e,
+        &is_producer,
+        |e| {
+            e.setmaxnreg(false, WS_PRODUCER_REGS);
+            let ptid = e.remk(tid, THREADS);
+            let crow = e.divk(&ptid, 8);
+            let cch = e.remk(&ptid, 8);
+            let cc8 = e.mulk(&cch, 8);
+            let s_off = sw128_slot(e, &crow, &cch);
+            let cc864 = e.ext64(&cc8);
+            producer(e, &Copier { ptid, crow, cc864, s_off });
+        },
+        |e| {
+            e.setmaxnreg(true, WS_CONSUMER_REGS);
+            consumer(e, &wgi);
+        },
+    );
 }

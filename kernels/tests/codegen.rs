@@ -630,13 +630,15 @@ fn attention_bwd_assembles_without_spills() {
     ] {
         let id = attention_bwd_body(&mut g, shape, causal);
         let k = compile(&g, id, KernelKind::AttentionBwd, name);
-        let [b, s, hq, _, _] = shape;
+        let [b, s, hq, _, d] = shape;
         // Two phases: the dQ pass (which writes D and lse for the second) first; scratch workspace.
         assert_eq!(k.workspace_bytes, 2 * b * s * hq * 4);
         assert!(k.workspace_scratch);
         let pro = k.prologue.as_ref().expect("attention_bwd has a dQ phase");
         assert_eq!(pro.entry, format!("{}_dq", k.entry));
-        assert_eq!(pro.launch.grid[0] as u64, s / 64 * b * hq);
+        // Warp-specialized (head_dim 128: two consumer warpgroups of 64 rows), else 64 rows a CTA.
+        let rows = if d == 128 { 128 } else { 64 };
+        assert_eq!(pro.launch.grid[0] as u64, s / rows * b * hq);
         for (entry, launch) in [(&pro.entry, &pro.launch), (&k.entry, &k.launch)] {
             match ptxas_check(&k.ptx, entry) {
                 Ok(r) => {
@@ -705,6 +707,44 @@ fn attention_kernel_shape_and_launch() {
     assert!(k.ptx.contains("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32"));
     assert!(k.ptx.contains("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16"));
     assert!(!k.ptx.contains("wgmma"));
+}
+
+/// The backward's warp-specialized passes (head_dim 128 by default, sequence a multiple of
+/// 128): three warpgroups a CTA (two computing, one copying), registers moved between them by
+/// `setmaxnreg`, stages handed over by `mbarrier`s, no CTA-wide barrier after the split. A
+/// sequence that is a multiple of 64 only, and head_dim 64, keep the single-warpgroup passes.
+#[test]
+fn attention_bwd_warp_specialized_structure() {
+    let mut g = graph();
+    let id = attention_bwd_body(&mut g, [2, 256, 8, 2, 128], true);
+    let k = compile(&g, id, KernelKind::AttentionBwd, "layer_bwd.ws");
+    assert_eq!(k.launch.block, [384, 1, 1]);
+    assert_eq!(k.launch.grid, [256 / 128 * 2 * 2, 1, 1], "one CTA per 128 keys of each (batch, kv head)");
+    let pro = k.prologue.as_ref().expect("dQ phase");
+    assert_eq!(pro.launch.block, [384, 1, 1]);
+    assert_eq!(pro.launch.grid, [256 / 128 * 2 * 8, 1, 1], "one CTA per 128 queries of each (batch, head)");
+    // Three stages at head_dim 128: K and V of 128 keys and 33 KB (Q, dO, lse, D) stages; (K,
+    // V) stages of 64 keys for dQ; 16 bytes of barriers a stage.
+    assert_eq!(k.launch.shared_bytes, 2 * (2 * 128 * 128 + 3 * 16896) + 16 * 3);
+    assert_eq!(pro.launch.shared_bytes, 3 * 2 * 64 * 128 * 2 + 16 * 3);
+    for entry in ["layer_bwd_ws(", "layer_bwd_ws_dq("] {
+        let body = &k.ptx[k.ptx.find(&format!(".entry {entry}")).expect("entry")..];
+        let body = &body[..body[1..].find(".entry").map_or(body.len(), |i| i + 1)];
+        assert!(body.contains(".maxnreg 168"), "{entry}: 384 threads x 168 registers fill the SM");
+        assert_eq!(body.matches("setmaxnreg.inc.sync.aligned.u32 240;").count(), 1, "{entry}");
+        assert_eq!(body.matches("setmaxnreg.dec.sync.aligned.u32 24;").count(), 1, "{entry}");
+        assert_eq!(body.matches("mbarrier.init.shared::cta.b64").count(), 6, "{entry}: a full and an empty barrier per stage");
+        assert_eq!(body.matches("bar.sync").count() + body.matches("barrier.sync").count(), 1, "{entry}: one CTA-wide barrier, after the init");
+        assert!(body.contains("mbarrier.try_wait.parity.shared::cta.b64") && body.contains("mbarrier.arrive.shared::cta.b64"));
+        assert!(body.contains("fence.proxy.async.shared::cta"), "{entry}: the producer fences its copies for wgmma");
+    }
+    // 192 tokens (whole 64-row tiles, not 128) and head_dim 64: the single-warpgroup passes.
+    for (shape, name) in [([1, 192, 4, 4, 128], "layer_bwd.s192"), ([1, 256, 4, 4, 64], "layer_bwd.d64")] {
+        let id = attention_bwd_body(&mut g, shape, false);
+        let k = compile(&g, id, KernelKind::AttentionBwd, name);
+        assert_eq!(k.launch.block, [128, 1, 1], "{name}");
+        assert!(!k.ptx.contains("setmaxnreg") && !k.ptx.contains("mbarrier"), "{name}");
+    }
 }
 
 #[test]
