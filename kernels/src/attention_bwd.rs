@@ -301,22 +301,7 @@ struct DqRows {
 #[allow(clippy::too_many_arguments)]
 fn dq_rows(e: &mut Em, p: &Problem, io: &Io, warp: &str, g: &str, tq: &str, row_base: &str, bhi: &str) -> DqRows {
     let d = p.d;
-    let grp = p.hq / p.hkv;
-    let bi = e.divk(bhi, p.hq);
-    let h = e.remk(bhi, p.hq);
-    let kh = e.divk(&h, grp);
-    let bi64 = e.ext64(&bi);
-    let h64 = e.ext64(&h);
-    let kh64 = e.ext64(&kh);
-    let d64 = e.i64c(d);
-    let sq = e.i64c(p.s * p.hq * d);
-    let skv = e.i64c(p.s * p.hkv * d);
-    let qb = e.bin("muli", &bi64, &sq, "i64");
-    let hd = e.bin("muli", &h64, &d64, "i64");
-    let q_base = e.bin("addi", &qb, &hd, "i64");
-    let kvb = e.bin("muli", &bi64, &skv, "i64");
-    let khd = e.bin("muli", &kh64, &d64, "i64");
-    let kv_base = e.bin("addi", &kvb, &khd, "i64");
+    let (q_base, kv_base) = head_bases(e, p, bhi);
     let w16 = e.mulk(warp, 16);
     let qr0 = e.addi(&w16, g);
     let row0 = e.addi(row_base, &qr0);
@@ -389,6 +374,26 @@ fn dq_rows(e: &mut Em, p: &Problem, io: &Io, warp: &str, g: &str, tq: &str, row_
     r.dsum = dsum;
     r.neg_lse = neg_lse;
     r
+}
+
+/// Element bases of `(batch, query head)` index `bhi`'s Q rows and of its kv head's K/V rows.
+fn head_bases(e: &mut Em, p: &Problem, bhi: &str) -> (String, String) {
+    let d = p.d;
+    let bi = e.divk(bhi, p.hq);
+    let h = e.remk(bhi, p.hq);
+    let kh = e.divk(&h, p.hq / p.hkv);
+    let bi64 = e.ext64(&bi);
+    let h64 = e.ext64(&h);
+    let kh64 = e.ext64(&kh);
+    let d64 = e.i64c(d);
+    let sq = e.i64c(p.s * p.hq * d);
+    let skv = e.i64c(p.s * p.hkv * d);
+    let qb = e.bin("muli", &bi64, &sq, "i64");
+    let hd = e.bin("muli", &h64, &d64, "i64");
+    let q_base = e.bin("addi", &qb, &hd, "i64");
+    let kvb = e.bin("muli", &bi64, &skv, "i64");
+    let khd = e.bin("muli", &kh64, &d64, "i64");
+    (q_base, e.bin("addi", &kvb, &khd, "i64"))
 }
 
 /// Pointer to the thread's column pair of query row `row` of the `[b, s, hq, d]` tensor `base`.
@@ -1211,10 +1216,10 @@ fn dkdv_ws_consumer(e: &mut Em, p: &Problem, io: &Io, cx: &WsCx, locate: &dyn Fn
         let do_tile = e.addk(&sb, bm * d);
         let s_t = wprod(e, &k_at, &q_tile);
         let cols: Vec<String> = (0..qn as i64).flat_map(|nt| [0, 1].map(|i| nt * 8 + i)).map(|k| e.addk(&kcol, k)).collect();
-        let cols = DkdvCols { cols: &cols, stats: &stats, q0: &q0, keys: &ka, c: &c, bm };
-        let pt = cols.p_t(e, p.causal, &s_t);
+        let tile = DkdvCols { cols: &cols, stats: &stats, q0: &q0, keys: &ka, c: &c, bm };
+        let pt = tile.p_t(e, p.causal, &s_t);
         let dpt = wprod(e, &v_at, &do_tile);
-        let dst = cols.ds_t(e, &pt, &dpt);
+        let dst = tile.ds_t(e, &pt, &dpt);
         dkdv_update_wgmma(e, d, bm, &mnmaj, &pt, &dst, &do_tile, &q_tile, &mut dk, &mut dv);
         // Both chains were waited for: the slot's tiles are no longer read.
         cx.ring.release(e, &s);
@@ -1336,7 +1341,6 @@ fn dq_ws_body(p: &Problem, io: &Io) -> String {
     let nst = ws_stages(d);
     let nm = p.s / WS_QUERIES;
     let bh = p.b * p.hq;
-    let grp = p.hq / p.hkv;
     let kv_row = p.hkv * d;
     let se = 2 * bn * d;
     let id = ids(&mut e);
@@ -1360,16 +1364,7 @@ fn dq_ws_body(p: &Problem, io: &Io) -> String {
         &mut e,
         &tid,
         |e, cp| {
-            let bi = e.divk(&bhi, p.hq);
-            let h = e.remk(&bhi, p.hq);
-            let kh = e.divk(&h, grp);
-            let bi64 = e.ext64(&bi);
-            let kh64 = e.ext64(&kh);
-            let skv = e.i64c(p.s * p.hkv * d);
-            let kvb = e.bin("muli", &bi64, &skv, "i64");
-            let d64 = e.i64c(d);
-            let khd = e.bin("muli", &kh64, &d64, "i64");
-            let kv_base = e.bin("addi", &kvb, &khd, "i64");
+            let (_, kv_base) = head_bases(e, p, &bhi);
             let g_off = e.row_offset(&cp.crow, kv_row, &cp.cc864, &kv_base);
             let k_g = e.gep(&io.k, 1, &g_off, "i64", "bf16");
             let v_g = e.gep(&io.v, 1, &g_off, "i64", "bf16");
