@@ -53,7 +53,10 @@ pub mod workspace;
 /// touching its result, `liveness::held_until_joined`): a format-10 plan may reuse those bytes
 /// (async TP's chunk GEMMs overwrote the partial the previous `ring_shift` still sent), which
 /// this reader's check refuses, and an older reader would accept plans made either way.
-pub const FORMAT_VERSION: u32 = 11;
+///
+/// Version 12 added a kernel's `epilogue` (a phase launched after its entry): a reader of version
+/// 11 would skip it and leave the kernel's output unwritten, so 12 is needed where one is present.
+pub const FORMAT_VERSION: u32 = 12;
 /// The oldest format version this reader reads.
 pub const MIN_FORMAT_VERSION: u32 = 11;
 pub const MANIFEST_FILE: &str = "manifest.json";
@@ -282,9 +285,10 @@ pub struct Launch {
     pub shared_bytes: u32,
 }
 
-/// A first grid-wide phase of a kernel: another entry of the same module, launched just before
-/// the kernel's own entry with the same arguments (the attention backward's dQ pass, which also
-/// writes the row statistics its dK/dV pass reads).
+/// Another grid-wide phase of a kernel: an entry of the same module, launched with the same
+/// arguments just before the kernel's own entry (`prologue`: the attention backward's dQ pass,
+/// which also writes the row statistics its dK/dV pass reads) or just after it (`epilogue`: the
+/// five-product attention backward's f32 -> bf16 dQ conversion).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Prologue {
     pub entry: String,
@@ -315,6 +319,8 @@ pub struct Kernel {
     pub launch: Option<Launch>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub prologue: Option<Prologue>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub epilogue: Option<Prologue>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub gemm: Option<GemmDesc>,
     /// Scratch the kernel needs (cross-block reductions); passed as the last pointer argument.

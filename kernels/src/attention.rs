@@ -652,11 +652,22 @@ pub(crate) fn sw128_descriptor(e: &mut Em, base: &str, lbo: i64, sbo: i64) -> St
 }
 
 /// The A operand of a [`wgmma_chain`]: one `mma.sync`-layout fragment per 16-wide k-step from
-/// registers, or a K-major shared-memory descriptor (i64) advanced by the given 16-byte units
-/// per k-step.
+/// registers, or a shared-memory descriptor (i64) advanced by the given 16-byte units per
+/// k-step, K-major (`Smem`) or MN-major (`SmemMn`: M contiguous, the transpose-A immediate).
 pub(crate) enum WgA<'a> {
     Regs(&'a [[String; 4]]),
     Smem(&'a str, &'a [i64]),
+    SmemMn(&'a str, &'a [i64]),
+}
+
+impl WgA<'_> {
+    /// The shared-memory descriptor and its k-step advances, if A is in shared memory.
+    fn smem(&self) -> Option<(&str, &[i64])> {
+        match self {
+            WgA::Regs(_) => None,
+            WgA::Smem(d, o) | WgA::SmemMn(d, o) => Some((d, o)),
+        }
+    }
 }
 
 /// A chain of `wgmma.mma_async.m64n{n}k16` (bf16 in, f32 accumulators) over the k-steps of `a`,
@@ -680,13 +691,14 @@ fn wgmma_issue(e: &mut Em, n: usize, acc: &[String], a: WgA, desc: &str, offs: &
 fn wgmma_asm(e: &mut Em, n: usize, acc: &[String], a: WgA, desc: &str, offs: &[i64], trans_b: bool, accumulate: bool, wait: bool) -> Vec<String> {
     let na = n / 2;
     let a0 = 2 * na;
-    let (n_areg, ksteps) = match a {
-        WgA::Regs(f) => (4 * f.len(), f.len()),
-        WgA::Smem(_, o) => (1, o.len()),
+    let (n_areg, ksteps) = match (&a, a.smem()) {
+        (WgA::Regs(f), _) => (4 * f.len(), f.len()),
+        (_, Some((_, o))) => (1, o.len()),
+        _ => unreachable!("A is in registers or in shared memory"),
     };
     let dsc = a0 + n_areg;
     let accs: Vec<String> = (0..na).map(|i| format!("${i}")).collect();
-    let regs = if matches!(a, WgA::Smem(..)) { "d, da" } else { "d" };
+    let regs = if a.smem().is_some() { "d, da" } else { "d" };
     // p: scale-d (from the i32 argument: 1 accumulates). A non-accumulating chain's first
     // k-step takes p (0: the accumulators are not read), its later k-steps q (1).
     let mut asm = if accumulate {
@@ -695,15 +707,20 @@ fn wgmma_asm(e: &mut Em, n: usize, acc: &[String], a: WgA, desc: &str, offs: &[i
         format!("{{ .reg .pred p, q; .reg .b64 {regs}; setp.ne.b32 p, ${0}, 0; setp.eq.b32 q, ${0}, 0; wgmma.fence.sync.aligned; ", dsc + 1)
     };
     for (k, off) in offs.iter().enumerate().take(ksteps) {
-        let aop = match a {
-            WgA::Regs(_) => format!("{{{}}}", (0..4).map(|i| format!("${}", a0 + 4 * k + i)).collect::<Vec<_>>().join(", ")),
-            WgA::Smem(_, ao) => {
+        let aop = match a.smem() {
+            None => format!("{{{}}}", (0..4).map(|i| format!("${}", a0 + 4 * k + i)).collect::<Vec<_>>().join(", ")),
+            Some((_, ao)) => {
                 let _ = write!(asm, "add.s64 da, ${a0}, {}; ", ao[k]);
                 "da".to_string()
             }
         };
-        // The register-A form has no transpose-A immediate; the descriptor form's is 0 (K-major).
-        let ta = if matches!(a, WgA::Smem(..)) { "0, " } else { "" };
+        // The register-A form has no transpose-A immediate; the descriptor form's is 0 for
+        // K-major, 1 for MN-major.
+        let ta = match a {
+            WgA::Regs(_) => "",
+            WgA::Smem(..) => "0, ",
+            WgA::SmemMn(..) => "1, ",
+        };
         let pd = if k == 0 || accumulate { "p" } else { "q" };
         let _ = write!(
             asm,
@@ -727,7 +744,7 @@ fn wgmma_asm(e: &mut Em, n: usize, acc: &[String], a: WgA, desc: &str, offs: &[i
             args.extend(f.iter().flat_map(|x| x.iter().cloned()));
             tys.extend(vec!["i32"; n_areg]);
         }
-        WgA::Smem(ad, _) => {
+        WgA::Smem(ad, _) | WgA::SmemMn(ad, _) => {
             cons.push("l".to_string());
             args.push(ad.to_string());
             tys.push("i64");

@@ -47,6 +47,8 @@ use crate::attention::{
 use crate::values::Body;
 use crate::{GenResult, Generated, invalid, unsupported};
 
+mod five;
+
 /// Keys per dK/dV CTA (4 warps x 16 keys) and query rows per dQ CTA (4 warps x 16 rows).
 const BN: i64 = 64;
 const BM: i64 = 64;
@@ -159,38 +161,73 @@ pub(crate) fn generate(g: &Graph, r: &Region, entry: &str) -> GenResult<Generate
         dv: ptr(na + outs[2]),
         ws: ptr(na + 3),
     };
+    if five::enabled(&p) {
+        return Ok(generate_five(&p, &io, &params, entry));
+    }
     let (ws, dq_ws) = uses_ws(&p);
     let (keys, threads) = if ws { (WS_KEYS, WS_THREADS) } else { (BN, THREADS) };
     let grid = ((p.s / keys) * p.b * p.hkv) as u32;
     let (queries, dq_threads) = if dq_ws { (WS_QUERIES, WS_THREADS) } else { (BM, THREADS) };
     let dq_grid = ((p.s / queries) * p.b * p.hq) as u32;
-    let mut m = String::new();
-    m.push_str("module attributes {gpu.container_module} {\n  gpu.module @titan {\n");
-    // 1024-byte aligned: the dQ pass's swizzled `wgmma` tiles repeat their pattern every 1 KB.
-    m.push_str("    llvm.mlir.global external @attb_smem() {addr_space = 3 : i32, alignment = 1024 : i64} : !llvm.array<0 x i8>\n");
-    let ps: Vec<String> = params.iter().map(|p| format!("{p}: !llvm.ptr<1>")).collect();
     let ws_regs = format!(", nvvm.maxnreg = {WS_LAUNCH_REGS} : i32");
     let (dkdv, regs) = if ws { (dkdv_ws_body(&p, &io), ws_regs.clone()) } else { (dkdv_body(&p, &io), String::new()) };
     let (dq, dq_regs) = if dq_ws { (dq_ws_body(&p, &io), ws_regs) } else { (dq_body(&p, &io), String::new()) };
-    for (name, grid, block, attrs, body) in [(format!("{entry}_dq"), dq_grid, dq_threads, dq_regs, dq), (entry.to_string(), grid, threads, regs, dkdv)] {
+    let funcs = [(format!("{entry}_dq"), dq_grid, dq_threads, dq_regs, dq), (entry.to_string(), grid, threads, regs, dkdv)];
+    Ok(Generated {
+        mlir: module_text(&params, &funcs),
+        block: threads as u32,
+        grid,
+        shared_bytes: if ws { dkdv_ws_smem_bytes(p.d) } else { dkdv_smem_bytes(p.d) } as u32,
+        prologue: Some(("_dq", dq_grid, dq_threads as u32, if dq_ws { dq_ws_smem_bytes(p.d) } else { dq_smem_bytes(p.d) } as u32)),
+        epilogue: None,
+        workspace_bytes: 2 * (p.b * p.hq * p.s) as u64 * 4,
+        workspace_scratch: true,
+        deterministic: true,
+    })
+}
+
+/// The five-product backward's module: prep (prologue), the dK/dV/dQ pass, convert (epilogue).
+fn generate_five(p: &Problem, io: &Io, params: &[String], entry: &str) -> Generated {
+    let tiles = ((p.s / BM) * p.b * p.hq) as u32;
+    let grid = ((p.s / WS_KEYS) * p.b * p.hkv) as u32;
+    let ws_regs = format!(", nvvm.maxnreg = {WS_LAUNCH_REGS} : i32");
+    let funcs = [
+        (format!("{entry}_prep"), tiles, THREADS, String::new(), five::prep_body(p, io)),
+        (entry.to_string(), grid, WS_THREADS, ws_regs, five::body(p, io)),
+        (format!("{entry}_dqcvt"), tiles, THREADS, String::new(), five::convert_body(p, io)),
+    ];
+    Generated {
+        mlir: module_text(params, &funcs),
+        block: WS_THREADS as u32,
+        grid,
+        shared_bytes: five::smem_bytes(p.d) as u32,
+        prologue: Some(("_prep", tiles, THREADS as u32, 0)),
+        epilogue: Some(("_dqcvt", tiles, THREADS as u32, 0)),
+        // The statistics, then the f32 dQ accumulator (zeroed by the prologue).
+        workspace_bytes: (2 * p.b * p.hq * p.s + p.b * p.hq * p.s * p.d) as u64 * 4,
+        workspace_scratch: true,
+        deterministic: false,
+    }
+}
+
+/// The module holding `funcs`: (name, grid, block, extra attributes, body).
+fn module_text(params: &[String], funcs: &[(String, u32, i64, String, String)]) -> String {
+    let mut m = String::new();
+    m.push_str("module attributes {gpu.container_module} {\n  gpu.module @titan {\n");
+    // 1024-byte aligned: the swizzled `wgmma` tiles repeat their pattern every 1 KB.
+    m.push_str("    llvm.mlir.global external @attb_smem() {addr_space = 3 : i32, alignment = 1024 : i64} : !llvm.array<0 x i8>\n");
+    let ps: Vec<String> = params.iter().map(|p| format!("{p}: !llvm.ptr<1>")).collect();
+    for (name, grid, block, attrs, body) in funcs {
         let _ = writeln!(
             m,
             "    gpu.func @{name}({}) kernel attributes {{known_block_size = array<i32: {block}, 1, 1>, known_grid_size = array<i32: {grid}, 1, 1>{attrs}}} {{",
             ps.join(", ")
         );
-        m.push_str(&body);
+        m.push_str(body);
         m.push_str("      gpu.return\n    }\n");
     }
     m.push_str("  }\n}\n");
-    Ok(Generated {
-        mlir: m,
-        block: threads as u32,
-        grid,
-        shared_bytes: if ws { dkdv_ws_smem_bytes(p.d) } else { dkdv_smem_bytes(p.d) } as u32,
-        prologue: Some(("_dq", dq_grid, dq_threads as u32, if dq_ws { dq_ws_smem_bytes(p.d) } else { dq_smem_bytes(p.d) } as u32)),
-        workspace_bytes: 2 * (p.b * p.hq * p.s) as u64 * 4,
-        workspace_scratch: true,
-    })
+    m
 }
 
 struct Io {
@@ -1090,71 +1127,96 @@ fn dkdv_ws_smem_bytes(d: i64) -> i64 {
 fn dkdv_ws_body(p: &Problem, io: &Io) -> String {
     let mut e = Em::new();
     let d = p.d;
-    let grp = p.hq / p.hkv;
     let bm = ws_rows(d);
-    let nqt = p.s / bm;
-    let q_row = p.hq * d;
-    let kv_row = p.hkv * d;
     let nst = ws_stages(d);
-    let se = stage_elems_rows(d, bm);
-    let stage0 = 2 * WS_KEYS * d;
-    let bar0 = 2 * (stage0 + nst * se);
+    let bar0 = 2 * (2 * WS_KEYS * d + nst * stage_elems_rows(d, bm));
     let id = ids(&mut e);
     let tid = id.tid.clone();
-    let KeyTile { j, bi, kh, kv0, kv_base, q_bbase } = key_tile(&mut e, p, &id.bid, WS_KEYS);
-    let d64 = e.i64c(d);
-    let smem = e.op("llvm.mlir.addressof @attb_smem : !llvm.ptr<3>");
-    let ring = Ring::new(&mut e, &smem, bar0, nst, &tid);
-    // The flattened (head of the group, query tile) sequence, from the lower warpgroup's
-    // diagonal when causal.
-    let t_start = if p.causal { e.mulk(&j, WS_KEYS / bm) } else { e.i32c(0) };
-    let nqt_c = e.i32c(nqt);
-    let ntile = e.bin("subi", &nqt_c, &t_start, "i32");
-    let total = e.mulk(&ntile, grp);
-    let kh_g = e.mulk(&kh, grp);
-    let bh0 = e.mulk(&bi, p.hq);
-    let locate = |e: &mut Em, f: &str| -> (String, String) {
-        let hh = e.bin("divui", f, &ntile, "i32");
-        let tt = e.bin("remui", f, &ntile, "i32");
-        let h = e.addi(&kh_g, &hh);
-        let t = e.addi(&t_start, &tt);
-        let q0 = e.mulk(&t, bm);
-        (h, q0)
-    };
+    let seq = QuerySeq::new(&mut e, p, &id.bid, bm);
+    let ring = Ring::new(&mut e, &seq.smem, bar0, nst, &tid);
     ws_split(
         &mut e,
         &tid,
         |e, cp| {
-            let grow = e.addi(&kv0, &cp.crow);
-            let go = e.row_offset(&grow, kv_row, &cp.cc864, &kv_base);
-            let k_at = e.i32c(0);
-            cp.copy(e, &smem, &io.k, &go, kv_row, WS_KEYS, d, &k_at);
-            let v_at = e.i32c(WS_KEYS * d);
-            cp.copy(e, &smem, &io.v, &go, kv_row, WS_KEYS, d, &v_at);
-            let load = |e: &mut Em, f: &str| {
-                let (h, q0) = locate(e, f);
-                let (s, _) = ring.slot(e, f);
-                let sb = e.mulk(&s, se);
-                let sb = e.addk(&sb, stage0);
-                let h64 = e.ext64(&h);
-                let hd = e.bin("muli", &h64, &d64, "i64");
-                let q_base = e.bin("addi", &q_bbase, &hd, "i64");
-                let grow = e.addi(&q0, &cp.crow);
-                let go = e.row_offset(&grow, q_row, &cp.cc864, &q_base);
-                cp.copy(e, &smem, &io.q, &go, q_row, bm, d, &sb);
-                let dob = e.addk(&sb, bm * d);
-                cp.copy(e, &smem, &io.dout, &go, q_row, bm, d, &dob);
-                copy_stats(e, p, io, &smem, &cp.ptid, &bh0, &h, &q0, &sb, 2 * bm * d, bm);
-            };
+            seq.copy_kv(e, p, io, cp);
             // Tile 0 (with K and V) as the first group; then tile f's copies are issued before
             // tile f - 1's are waited for and published.
-            ring.produce(e, &total, &load);
+            ring.produce(e, &seq.total, &|e, f| seq.load(e, p, io, cp, &ring, f));
         },
         |e, wgi| {
-            dkdv_ws_consumer(e, p, io, &WsCx { wgi, kv0: &kv0, kv_base: &kv_base, smem: &smem, total: &total, ring: &ring }, &|e, f| locate(e, f));
+            let cx = WsCx { wgi, kv0: &seq.kt.kv0, kv_base: &seq.kt.kv_base, smem: &seq.smem, total: &seq.total, ring: &ring, bm };
+            dkdv_ws_consumer(e, p, io, &cx, &|e, f| seq.locate(e, f), &|_, _, _| {});
         },
     );
     e.body
+}
+
+/// A warp-specialized dK/dV CTA's work: its 128-key tile and the flattened (head of the group,
+/// query tile of `bm` rows) sequence it loops over, from the lower warpgroup's diagonal when
+/// causal; K and V at shared element 0 and `128 d`, the (Q, dO, lse, D) stages after them.
+struct QuerySeq {
+    kt: KeyTile,
+    smem: String,
+    bm: i64,
+    t_start: String,
+    ntile: String,
+    total: String,
+    kh_g: String,
+    bh0: String,
+}
+
+impl QuerySeq {
+    fn new(e: &mut Em, p: &Problem, bid: &str, bm: i64) -> QuerySeq {
+        let kt = key_tile(e, p, bid, WS_KEYS);
+        let smem = e.op("llvm.mlir.addressof @attb_smem : !llvm.ptr<3>");
+        let t_start = if p.causal { e.mulk(&kt.j, WS_KEYS / bm) } else { e.i32c(0) };
+        let nqt_c = e.i32c(p.s / bm);
+        let ntile = e.bin("subi", &nqt_c, &t_start, "i32");
+        let total = e.mulk(&ntile, p.hq / p.hkv);
+        let kh_g = e.mulk(&kt.kh, p.hq / p.hkv);
+        let bh0 = e.mulk(&kt.bi, p.hq);
+        QuerySeq { kt, smem, bm, t_start, ntile, total, kh_g, bh0 }
+    }
+
+    /// (query head, first query row) of tile `f`.
+    fn locate(&self, e: &mut Em, f: &str) -> (String, String) {
+        let hh = e.bin("divui", f, &self.ntile, "i32");
+        let tt = e.bin("remui", f, &self.ntile, "i32");
+        let h = e.addi(&self.kh_g, &hh);
+        let t = e.addi(&self.t_start, &tt);
+        let q0 = e.mulk(&t, self.bm);
+        (h, q0)
+    }
+
+    /// The copier's `cp.async` of the CTA's K and V.
+    fn copy_kv(&self, e: &mut Em, p: &Problem, io: &Io, cp: &Copier) {
+        let (d, kv_row) = (p.d, p.hkv * p.d);
+        let grow = e.addi(&self.kt.kv0, &cp.crow);
+        let go = e.row_offset(&grow, kv_row, &cp.cc864, &self.kt.kv_base);
+        let k_at = e.i32c(0);
+        cp.copy(e, &self.smem, &io.k, &go, kv_row, WS_KEYS, d, &k_at);
+        let v_at = e.i32c(WS_KEYS * d);
+        cp.copy(e, &self.smem, &io.v, &go, kv_row, WS_KEYS, d, &v_at);
+    }
+
+    /// The copier's `cp.async` of tile `f`'s (Q, dO, lse, D) into its slot of `ring`.
+    fn load(&self, e: &mut Em, p: &Problem, io: &Io, cp: &Copier, ring: &Ring, f: &str) {
+        let (d, bm, q_row) = (p.d, self.bm, p.hq * p.d);
+        let (h, q0) = self.locate(e, f);
+        let (s, _) = ring.slot(e, f);
+        let sb = e.mulk(&s, stage_elems_rows(d, bm));
+        let sb = e.addk(&sb, 2 * WS_KEYS * d);
+        let h64 = e.ext64(&h);
+        let d64 = e.i64c(d);
+        let hd = e.bin("muli", &h64, &d64, "i64");
+        let q_base = e.bin("addi", &self.kt.q_bbase, &hd, "i64");
+        let grow = e.addi(&q0, &cp.crow);
+        let go = e.row_offset(&grow, q_row, &cp.cc864, &q_base);
+        cp.copy(e, &self.smem, &io.q, &go, q_row, bm, d, &sb);
+        let dob = e.addk(&sb, bm * d);
+        cp.copy(e, &self.smem, &io.dout, &go, q_row, bm, d, &dob);
+        copy_stats(e, p, io, &self.smem, &cp.ptid, &self.bh0, &h, &q0, &sb, 2 * bm * d, bm);
+    }
 }
 
 /// What the consumer warpgroups of [`dkdv_ws_body`] take from its prologue.
@@ -1166,14 +1228,21 @@ struct WsCx<'a> {
     smem: &'a str,
     total: &'a str,
     ring: &'a Ring,
+    /// Query rows of a stage.
+    bm: i64,
 }
+
+/// What a consumer of [`dkdv_ws_consumer`] does after a tile's dK and dV updates, before it
+/// releases the stage: `(tile f, dS^T)` (the five-product pass's dQ partial).
+type AfterTile<'a> = dyn Fn(&mut Em, &str, &[[String; 4]]) + 'a;
 
 /// A consumer warpgroup of [`dkdv_ws_body`]: the single-warpgroup pass's `wgmma` tile loop on
 /// 64 of the CTA's 128 keys, each stage waited for on its `full` barrier and released on its
-/// `empty` one. `locate(f)` gives tile f's (query head, first query row).
-fn dkdv_ws_consumer(e: &mut Em, p: &Problem, io: &Io, cx: &WsCx, locate: &dyn Fn(&mut Em, &str) -> (String, String)) {
+/// `empty` one, after `after` (nothing for the seven-product pass). `locate(f)` gives tile f's
+/// (query head, first query row).
+fn dkdv_ws_consumer(e: &mut Em, p: &Problem, io: &Io, cx: &WsCx, locate: &dyn Fn(&mut Em, &str) -> (String, String), after: &AfterTile) {
     let d = p.d;
-    let bm = ws_rows(d);
+    let bm = cx.bm;
     let qn = (bm / 8) as usize;
     let se = stage_elems_rows(d, bm);
     let stage0 = 2 * WS_KEYS * d;
@@ -1221,6 +1290,7 @@ fn dkdv_ws_consumer(e: &mut Em, p: &Problem, io: &Io, cx: &WsCx, locate: &dyn Fn
         let dpt = wprod(e, &v_at, &do_tile);
         let dst = tile.ds_t(e, &pt, &dpt);
         dkdv_update_wgmma(e, d, bm, &mnmaj, &pt, &dst, &do_tile, &q_tile, &mut dk, &mut dv);
+        after(e, f, &dst);
         // Both chains were waited for: the slot's tiles are no longer read.
         cx.ring.release(e, &s);
         let mut next = frag_names(&dk);
@@ -1461,6 +1531,18 @@ impl Copier {
 /// runs `producer` with its [`Copier`], warpgroups 0 and 1 grow theirs and run `consumer` with
 /// their index (i32).
 fn ws_split(e: &mut Em, tid: &str, producer: impl FnOnce(&mut Em, &Copier), consumer: impl FnOnce(&mut Em, &str)) {
+    ws_split_regs(e, tid, (WS_CONSUMER_REGS, WS_PRODUCER_REGS), producer, consumer);
+}
+
+/// [`ws_split`] with the (consumer, producer) register counts given: `2 x 128 x consumer + 128
+/// x producer` must not exceed the `384 x 168` the CTA launched with.
+fn ws_split_regs(
+    e: &mut Em,
+    tid: &str,
+    (consumer_regs, producer_regs): (u32, u32),
+    producer: impl FnOnce(&mut Em, &Copier),
+    consumer: impl FnOnce(&mut Em, &str),
+) {
     let wgi = e.divk(tid, THREADS);
     let two = e.i32c(2);
     let is_producer = e.op(&format!("arith.cmpi eq, {wgi}, {two} : i32"));
@@ -1468,7 +1550,7 @@ fn ws_split(e: &mut Em, tid: &str, producer: impl FnOnce(&mut Em, &Copier), cons
         e,
         &is_producer,
         |e| {
-            e.setmaxnreg(false, WS_PRODUCER_REGS);
+            e.setmaxnreg(false, producer_regs);
             let ptid = e.remk(tid, THREADS);
             let crow = e.divk(&ptid, 8);
             let cch = e.remk(&ptid, 8);
@@ -1478,7 +1560,7 @@ fn ws_split(e: &mut Em, tid: &str, producer: impl FnOnce(&mut Em, &Copier), cons
             producer(e, &Copier { ptid, crow, cc864, s_off });
         },
         |e| {
-            e.setmaxnreg(true, WS_CONSUMER_REGS);
+            e.setmaxnreg(true, consumer_regs);
             consumer(e, &wgi);
         },
     );

@@ -40,10 +40,15 @@ pub struct CompiledKernel {
     pub launch: Launch,
     /// A first phase launched before `entry` with the same arguments.
     pub prologue: Option<Prologue>,
+    /// A last phase launched after `entry` with the same arguments.
+    pub epilogue: Option<Prologue>,
     /// Zeroed scratch the kernel needs; passed as the last pointer.
     pub workspace_bytes: u64,
     /// The kernel writes every workspace byte before reading it: no zeroing needed, none left.
     pub workspace_scratch: bool,
+    /// Two launches on the same inputs write the same bits (false: floating-point sums in
+    /// arrival order, as the five-product attention backward's dQ).
+    pub deterministic: bool,
 }
 
 /// Why a kernel could not be generated.
@@ -73,14 +78,17 @@ pub(crate) struct Generated {
     /// A first phase: (entry suffix, grid, block, dynamic shared bytes) of a second `gpu.func`
     /// of the module, named `<entry><suffix>`.
     pub(crate) prologue: Option<(&'static str, u32, u32, u32)>,
+    /// A last phase, as `prologue`, launched after the entry.
+    pub(crate) epilogue: Option<(&'static str, u32, u32, u32)>,
     pub(crate) workspace_bytes: u64,
     pub(crate) workspace_scratch: bool,
+    pub(crate) deterministic: bool,
 }
 
 impl Generated {
     /// One launch, no dynamic shared memory, a zeroed workspace of `workspace_bytes`.
     pub(crate) fn new(mlir: String, block: u32, grid: u32, workspace_bytes: u64) -> Generated {
-        Generated { mlir, block, grid, shared_bytes: 0, prologue: None, workspace_bytes, workspace_scratch: false }
+        Generated { mlir, block, grid, shared_bytes: 0, prologue: None, epilogue: None, workspace_bytes, workspace_scratch: false, deterministic: true }
     }
 }
 
@@ -138,18 +146,22 @@ pub fn compile_kernel(graph: &Graph, body: BlockId, kind: KernelKind, name: &str
 /// Lower a generated module to PTX.
 fn lower(entry: String, generated: Generated) -> Result<CompiledKernel, KernelError> {
     let ptx = pipeline::to_ptx(&generated.mlir)?;
-    let prologue = generated.prologue.map(|(suffix, grid, block, shared_bytes)| Prologue {
+    let phase = |(suffix, grid, block, shared_bytes): (&str, u32, u32, u32)| Prologue {
         entry: format!("{entry}{suffix}"),
         launch: Launch { grid: [grid, 1, 1], block: [block, 1, 1], shared_bytes },
-    });
+    };
+    let prologue = generated.prologue.map(phase);
+    let epilogue = generated.epilogue.map(phase);
     Ok(CompiledKernel {
         entry,
         ptx,
         mlir: generated.mlir,
         launch: Launch { grid: [generated.grid, 1, 1], block: [generated.block, 1, 1], shared_bytes: generated.shared_bytes },
         prologue,
+        epilogue,
         workspace_bytes: generated.workspace_bytes,
         workspace_scratch: generated.workspace_scratch,
+        deterministic: generated.deterministic,
     })
 }
 

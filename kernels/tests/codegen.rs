@@ -1449,14 +1449,17 @@ fn gpu_reference_dump() {
 }
 
 /// Launch fields beyond grid, block and workspace for `gpu_check.py`: dynamic shared memory, a
-/// scratch workspace, and the prologue phase (entry, grid, block, shared memory).
+/// scratch workspace, the prologue and epilogue phases (entry, grid, block, shared memory), and
+/// whether two runs must agree bitwise.
 fn launch_extras(k: &titan_kernels::CompiledKernel) -> String {
-    let mut s = format!(", \"shared\": {}, \"scratch\": {}", k.launch.shared_bytes, k.workspace_scratch);
-    if let Some(p) = &k.prologue {
-        s += &format!(
-            ", \"pre_entry\": \"{}\", \"pre_grid\": {}, \"pre_block\": {}, \"pre_shared\": {}",
-            p.entry, p.launch.grid[0], p.launch.block[0], p.launch.shared_bytes
-        );
+    let mut s = format!(", \"shared\": {}, \"scratch\": {}, \"deterministic\": {}", k.launch.shared_bytes, k.workspace_scratch, k.deterministic);
+    for (tag, phase) in [("pre", &k.prologue), ("post", &k.epilogue)] {
+        if let Some(p) = phase {
+            s += &format!(
+                ", \"{tag}_entry\": \"{}\", \"{tag}_grid\": {}, \"{tag}_block\": {}, \"{tag}_shared\": {}",
+                p.entry, p.launch.grid[0], p.launch.block[0], p.launch.shared_bytes
+            );
+        }
     }
     s
 }

@@ -733,6 +733,7 @@ fn check_kernels(m: &Manifest, graph: &Graph, dir: &Path) -> Check {
                 ("entry", k.entry.is_some()),
                 ("launch", k.launch.is_some()),
                 ("prologue", k.prologue.is_some()),
+                ("epilogue", k.epilogue.is_some()),
             ] {
                 if present {
                     return Err(fail(at(field), "a `gemm` kernel runs on cuBLASLt and has no generated code"));
@@ -749,7 +750,7 @@ fn check_kernels(m: &Manifest, graph: &Graph, dir: &Path) -> Check {
             }
         }
         if !has_code {
-            for (field, present) in [("prologue", k.prologue.is_some()), ("workspace_bytes", k.workspace_bytes > 0)] {
+            for (field, present) in [("prologue", k.prologue.is_some()), ("epilogue", k.epilogue.is_some()), ("workspace_bytes", k.workspace_bytes > 0)] {
                 if present {
                     return Err(fail(at(field), "present without `ptx`"));
                 }
@@ -773,7 +774,12 @@ fn check_kernels(m: &Manifest, graph: &Graph, dir: &Path) -> Check {
         {
             return Err(fail(at("entry"), "is empty"));
         }
-        let launches = k.launch.iter().map(|l| (at("launch"), l)).chain(k.prologue.iter().map(|p| (at("prologue.launch"), &p.launch)));
+        let launches = k
+            .launch
+            .iter()
+            .map(|l| (at("launch"), l))
+            .chain(k.prologue.iter().map(|p| (at("prologue.launch"), &p.launch)))
+            .chain(k.epilogue.iter().map(|p| (at("epilogue.launch"), &p.launch)));
         for (path, l) in launches {
             let threads = l.block.iter().map(|&x| u64::from(x)).product::<u64>();
             if l.grid.contains(&0) || l.block.contains(&0) || threads > MAX_BLOCK_THREADS || l.grid[1] > 65535 || l.grid[2] > 65535 || l.block[2] > 64 {

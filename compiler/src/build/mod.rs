@@ -571,6 +571,7 @@ struct Code {
     ptx: String,
     launch: titan_ir::artifact::Launch,
     prologue: Option<titan_ir::artifact::Prologue>,
+    epilogue: Option<titan_ir::artifact::Prologue>,
     workspace_bytes: u64,
     workspace_scratch: bool,
 }
@@ -592,6 +593,7 @@ fn codegen(fused: &Graph, bodies: &[(BlockId, KernelKind, String)], notes: &mut 
                 ptx: c.ptx,
                 launch: c.launch,
                 prologue: c.prologue,
+                epilogue: c.epilogue,
                 workspace_bytes: c.workspace_bytes,
                 workspace_scratch: c.workspace_scratch,
             })),
@@ -915,6 +917,7 @@ fn kernel_table(fused: &Graph, plan: &Plan) -> Result<KernelTable, BuildError> {
             entry: None,
             launch: None,
             prologue: None,
+            epilogue: None,
             gemm,
             workspace_bytes: 0,
             workspace_scratch: false,
@@ -925,7 +928,7 @@ fn kernel_table(fused: &Graph, plan: &Plan) -> Result<KernelTable, BuildError> {
     Ok((bodies, kernels))
 }
 
-/// Record each kernel's generated code (entry, launch, prologue, workspace) in its manifest
+/// Record each kernel's generated code (entry, launch, prologue, epilogue, workspace) in its manifest
 /// entry; returns the PTX files, `(path, text)`.
 fn attach_code(kernels: &mut [Kernel], code: Vec<Option<Code>>) -> Vec<(String, String)> {
     let mut ptx = Vec::new();
@@ -936,6 +939,7 @@ fn attach_code(kernels: &mut [Kernel], code: Vec<Option<Code>>) -> Vec<(String, 
         k.entry = Some(c.entry);
         k.launch = Some(c.launch);
         k.prologue = c.prologue;
+        k.epilogue = c.epilogue;
         k.workspace_bytes = c.workspace_bytes;
         k.workspace_scratch = c.workspace_scratch;
         ptx.push((path, c.ptx));

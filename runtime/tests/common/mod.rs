@@ -114,6 +114,7 @@ impl Fixture {
             entry: None,
             launch: None,
             prologue: None,
+            epilogue: None,
             gemm: None,
             workspace_bytes: 0,
             workspace_scratch: false,

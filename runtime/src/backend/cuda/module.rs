@@ -48,6 +48,7 @@ pub(super) enum Loaded {
         launch: titan_ir::artifact::Launch,
         /// A first phase launched before `func` with the same arguments.
         prologue: Option<(Function, titan_ir::artifact::Launch)>,
+        epilogue: Option<(Function, titan_ir::artifact::Launch)>,
         workspace: Option<DeviceBuffer>,
     },
     Gemm {
@@ -153,18 +154,18 @@ impl LoadedCode {
             if launch.shared_bytes > 48 * 1024 {
                 gpu.allow_shared(&func, launch.shared_bytes, &what)?;
             }
-            let prologue = match &k.prologue {
-                Some(p) => {
-                    let f = Gpu::function(&module, &p.entry, &what, "module")?;
-                    if p.launch.shared_bytes > 48 * 1024 {
-                        gpu.allow_shared(&f, p.launch.shared_bytes, &what)?;
-                    }
-                    Some((f, p.launch.clone()))
+            let phase = |p: &Option<titan_ir::artifact::Prologue>| -> Result<_, RuntimeError> {
+                let Some(p) = p else { return Ok(None) };
+                let f = Gpu::function(&module, &p.entry, &what, "module")?;
+                if p.launch.shared_bytes > 48 * 1024 {
+                    gpu.allow_shared(&f, p.launch.shared_bytes, &what)?;
                 }
-                None => None,
+                Ok(Some((f, p.launch.clone())))
             };
+            let prologue = phase(&k.prologue)?;
+            let epilogue = phase(&k.epilogue)?;
             let workspace = if k.workspace_bytes > 0 { Some(gpu.alloc(k.workspace_bytes, 0, &format!("the workspace of kernel `{}`", k.name))?) } else { None };
-            Ok(Loaded::Ptx { _module: module, func, launch: launch.clone(), prologue, workspace })
+            Ok(Loaded::Ptx { _module: module, func, launch: launch.clone(), prologue, epilogue, workspace })
         };
         let threads = init_threads().clamp(1, ptx_jobs.len().max(1));
         let next = AtomicUsize::new(0);
@@ -211,7 +212,7 @@ impl LoadedCode {
     pub(super) fn launch(&self, gpu: &Gpu, kernels: &[Kernel], pos: usize, ins: &[u64], outs: &[u64], at: &dyn Fn() -> String) -> Result<(), CudaError> {
         let name = kernels.get(pos).map_or("?", |k| k.name.as_str());
         match &self.kernels[pos] {
-            Loaded::Ptx { func, launch, prologue, workspace, .. } => {
+            Loaded::Ptx { func, launch, prologue, epilogue, workspace, .. } => {
                 let mut ptrs: Vec<u64> = Vec::with_capacity(ins.len() + outs.len() + 1);
                 ptrs.extend_from_slice(ins);
                 ptrs.extend_from_slice(outs);
@@ -221,7 +222,11 @@ impl LoadedCode {
                 if let Some((f, l)) = prologue {
                     gpu.launch(f, l.grid, l.block, l.shared_bytes, &ptrs, || format!("launching the first phase of kernel `{name}` ({})", at()))?;
                 }
-                gpu.launch(func, launch.grid, launch.block, launch.shared_bytes, &ptrs, || format!("launching kernel `{name}` ({})", at()))
+                gpu.launch(func, launch.grid, launch.block, launch.shared_bytes, &ptrs, || format!("launching kernel `{name}` ({})", at()))?;
+                if let Some((f, l)) = epilogue {
+                    gpu.launch(f, l.grid, l.block, l.shared_bytes, &ptrs, || format!("launching the last phase of kernel `{name}` ({})", at()))?;
+                }
+                Ok(())
             }
             Loaded::Gemm { plan } => {
                 // `B` is the second input, or the first again when the body reads one argument twice.

@@ -1,0 +1,67 @@
+//! The five-product attention backward (`TITAN_ATT_BWD_5P=1` at build time): its own test
+//! binary, so setting the switch cannot change the kernels other tests generate.
+
+use titan_ir::{ArgKind, Builder, DType, Graph, KernelKind, Op, Output, Region, TensorType};
+use titan_kernels::{compile_kernel, ptxas_check};
+
+fn body(g: &mut Graph, [b, s, hq, hkv, d]: [u64; 5], causal: bool) -> titan_ir::BlockId {
+    let scale = 1.0 / (d as f64).sqrt();
+    let q = TensorType::fixed(DType::BF16, &[b, s, hq, d]);
+    let kv = TensorType::fixed(DType::BF16, &[b, s, hkv, d]);
+    let lse = TensorType::fixed(DType::F32, &[b, hq, s]);
+    let mut r = Region::new("attn_bwd5");
+    let a: Vec<_> = [q.clone(), kv.clone(), kv, q.clone(), lse, q].into_iter().map(|t| r.add_arg(t, ArgKind::Block, None)).collect();
+    let outs = {
+        let mut bd = Builder::new(&mut r, &g.dims, &g.blocks);
+        bd.push(Op::AttentionBwd { causal, scale }, &a).expect("attention_bwd")
+    };
+    r.outputs = outs.into_iter().map(|value| Output { name: None, value }).collect();
+    g.add_block(r)
+}
+
+/// Three phases (statistics and a zeroed f32 dQ accumulator, the warp-specialized dK/dV/dQ
+/// pass, the dQ conversion), the accumulator in the workspace, each phase assembled by `ptxas`
+/// without spills; the main pass's dQ partials go out as bulk reductions issued by one thread.
+#[test]
+fn five_product_backward_structure() {
+    // SAFETY (of the process environment): this binary's only test; nothing else reads it here.
+    unsafe { std::env::set_var("TITAN_ATT_BWD_5P", "1") };
+    let mut g = Graph::new("five");
+    for (name, shape, causal) in
+        [("bwd5_gqa_causal", [2, 256, 8, 2, 128], true), ("bwd5_8b", [1, 8192, 32, 8, 128], true), ("bwd5_full", [1, 512, 4, 4, 128], false)]
+    {
+        let id = body(&mut g, shape, causal);
+        let k = compile_kernel(&g, id, KernelKind::AttentionBwd, name).expect("generates").expect("a kernel");
+        let [b, s, hq, hkv, d] = shape;
+        assert_eq!(k.launch.block, [384, 1, 1], "{name}");
+        assert_eq!(k.launch.grid, [(s / 128 * b * hkv) as u32, 1, 1], "{name}");
+        let pro = k.prologue.as_ref().expect("prep phase");
+        let epi = k.epilogue.as_ref().expect("convert phase");
+        assert_eq!(pro.entry, format!("{}_prep", k.entry));
+        assert_eq!(epi.entry, format!("{}_dqcvt", k.entry));
+        for l in [&pro.launch, &epi.launch] {
+            assert_eq!(l.grid, [(s / 64 * b * hq) as u32, 1, 1], "{name}");
+            assert_eq!(l.block, [128, 1, 1], "{name}");
+        }
+        assert_eq!(k.workspace_bytes, (2 * b * hq * s + b * hq * s * d) * 4, "{name}: statistics, then the f32 accumulator");
+        assert!(k.workspace_scratch);
+        // K, V (64 KB), two 33 KB stages, two dS^T tiles (16 KB), two staging tiles (32 KB), six
+        // barriers.
+        assert_eq!(k.launch.shared_bytes, 65536 + 2 * 33792 + 2 * 16384 + 2 * 32768 + 48);
+        for entry in [&pro.entry, &k.entry, &epi.entry] {
+            let r = ptxas_check(&k.ptx, entry).unwrap_or_else(|e| panic!("{name} {entry}: {e}"));
+            println!("{name} {entry}: {} registers, {} spill stores, {} spill loads", r.registers, r.spill_stores, r.spill_loads);
+            assert!(r.problems().is_empty(), "{name} {entry}: {:?}", r.problems());
+        }
+        let main = &k.ptx[k.ptx.find(&format!(".entry {}(", k.entry)).expect("entry")..];
+        let main = &main[..main[1..].find(".entry").map_or(main.len(), |i| i + 1)];
+        // (LLVM may duplicate the sends' inline assembly between the loop and its tail.)
+        assert!(main.contains("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 "), "{name}: dQ partials as bulk reductions");
+        assert!(main.contains("cp.async.bulk.wait_group.read 1;") && main.contains("cp.async.bulk.wait_group 0;"), "{name}");
+        assert_eq!(main.matches("bar.sync 1, 256").count(), 1, "{name}: the consumers meet once a tile");
+        assert_eq!(main.matches("mbarrier.init.shared::cta.b64").count(), 6, "{name}");
+        // dQ = dS K: A (dS) from shared memory MN-major (transpose-A 1), B (K) MN-major.
+        assert!(main.contains("wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16") && main.contains("da, d, p, 1, 1, 1, 1;"), "{name}");
+        assert!(main.contains("setmaxnreg.inc.sync.aligned.u32 232;") && main.contains("setmaxnreg.dec.sync.aligned.u32 32;"), "{name}");
+    }
+}
