@@ -1092,9 +1092,11 @@ fn ws_rows(d: i64) -> i64 {
 }
 
 /// Which passes are warp-specialized, (dK/dV, dQ): only `wgmma` head dims with whole 128-row
-/// tiles can be. By default both at head_dim 128 and neither at 64 (measured: docs/performance.md,
-/// session 19). `TITAN_ATT_BWD_WS` at build time overrides, for comparisons: `0` neither, `dkdv`
-/// the dK/dV pass alone, `all` both.
+/// tiles can be. By default both at head_dim 128, and at head_dim 64 (128-row stages) from
+/// sequence 8192 on, where they ran 7.7% faster alone and the 1B step 1.5-2% faster; at 2048
+/// and 4096 they ran 8.5% and 3.5% slower (docs/performance.md, sessions 19 and 20).
+/// `TITAN_ATT_BWD_WS` at build time overrides, for comparisons: `0` neither, `dkdv` the dK/dV
+/// pass alone, `all` both.
 fn uses_ws(p: &Problem) -> (bool, bool) {
     if !uses_wgmma(p.d as u64) || p.s % WS_KEYS != 0 {
         return (false, false);
@@ -1103,7 +1105,10 @@ fn uses_ws(p: &Problem) -> (bool, bool) {
         Ok("0") => (false, false),
         Ok("dkdv") => (true, false),
         Ok("all") => (true, true),
-        _ => (p.d == 128, p.d == 128),
+        _ => {
+            let ws = p.d == 128 || p.s >= 8192;
+            (ws, ws)
+        }
     }
 }
 
