@@ -27,9 +27,14 @@ fn five_product_backward_structure() {
     // SAFETY (of the process environment): this binary's only test; nothing else reads it here.
     unsafe { std::env::set_var("TITAN_ATT_BWD_5P", "1") };
     let mut g = Graph::new("five");
-    for (name, shape, causal) in
-        [("bwd5_gqa_causal", [2, 256, 8, 2, 128], true), ("bwd5_8b", [1, 8192, 32, 8, 128], true), ("bwd5_full", [1, 512, 4, 4, 128], false)]
-    {
+    for (name, shape, causal) in [
+        ("bwd5_gqa_causal", [2, 256, 8, 2, 128], true),
+        ("bwd5_8b", [1, 8192, 32, 8, 128], true),
+        ("bwd5_full", [1, 512, 4, 4, 128], false),
+        ("bwd5_d64_gqa_causal", [2, 256, 8, 2, 64], true),
+        ("bwd5_1b", [1, 8192, 32, 8, 64], true),
+        ("bwd5_d64_full", [1, 512, 4, 4, 64], false),
+    ] {
         let id = body(&mut g, shape, causal);
         let k = compile_kernel(&g, id, KernelKind::AttentionBwd, name).expect("generates").expect("a kernel");
         let [b, s, hq, hkv, d] = shape;
@@ -45,9 +50,11 @@ fn five_product_backward_structure() {
         }
         assert_eq!(k.workspace_bytes, (2 * b * hq * s + b * hq * s * d) * 4, "{name}: statistics, then the f32 accumulator");
         assert!(k.workspace_scratch);
-        // K, V (64 KB), two 33 KB stages, two dS^T tiles (16 KB), two staging tiles (32 KB), six
-        // barriers.
-        assert_eq!(k.launch.shared_bytes, 65536 + 2 * 33792 + 2 * 16384 + 2 * 32768 + 48);
+        // Head_dim 128: K, V (64 KB), two 33 KB stages of 64 queries, two dS^T tiles (16 KB), two
+        // staging tiles (32 KB), six barriers; head_dim 64: K, V (32 KB), two 33 KB stages of 128
+        // queries, two 32 KB dS^T tiles, the same staging tiles.
+        let (kv, ds) = if d == 128 { (65536, 16384) } else { (32768, 32768) };
+        assert_eq!(k.launch.shared_bytes, kv + 2 * 33792 + 2 * ds + 2 * 32768 + 48, "{name}");
         for entry in [&pro.entry, &k.entry, &epi.entry] {
             let r = ptxas_check(&k.ptx, entry).unwrap_or_else(|e| panic!("{name} {entry}: {e}"));
             println!("{name} {entry}: {} registers, {} spill stores, {} spill loads", r.registers, r.spill_stores, r.spill_loads);

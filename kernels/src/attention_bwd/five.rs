@@ -1,19 +1,21 @@
 //! The five-product attention backward (FA2's arithmetic in the structure cuDNN's and FA3's
 //! backward kernels share): one pass over (key tile, query tile) pairs computes dK, dV *and* dQ's
 //! partial sums, so `S` and `dP` are computed once instead of twice (five GEMM-sized products
-//! instead of the seven-product default's). Head_dim 128, sequence a multiple of 128, opt-in at
-//! build time with `TITAN_ATT_BWD_5P=1` while it is measured (docs/notes.md, Kernels).
+//! instead of the seven-product default's). Head_dim 64 or 128, sequence a multiple of 128, opt-in
+//! at build time with `TITAN_ATT_BWD_5P=1` while it is measured (docs/notes.md, Kernels).
 //!
 //! Three launches of one module, with the same arguments:
 //! - **prep** (`<entry>_prep`, the prologue): one CTA of 4 warps per 64-query tile of one (batch,
 //!   query head) writes the rows' `D = rowsum(dO o O)` and `lse log2 e` to the workspace (as the
 //!   seven-product dQ pass does) and zeroes the tile's f32 dQ accumulator.
 //! - **dK/dV/dQ** (`<entry>`): the warp-specialized dK/dV pass ([`super::dkdv_ws_body`]'s
-//!   structure, 2 stages): warpgroups 0 and 1 own 64 keys each; per (Q, dO) stage of 64 query
-//!   rows each writes its `dS^T` (bf16, 64 keys x 64 queries) into a shared tile, the two meet at
-//!   a named barrier, and each computes the partial `dQ = dS K` of 64 of the 128 dims over
-//!   all 128 keys (`wgmma`, dS MN-major as A, K MN-major as B) and writes it (f32) into
-//!   a 32 KB staging tile; the copying warpgroup's thread 0 sends each staged tile to the
+//!   structure, 2 stages of [`super::ws_rows`] query rows: 64 at head_dim 128, 128 at 64):
+//!   warpgroups 0 and 1 own 64 keys each; per (Q, dO) stage each writes its `dS^T` (bf16, 64 keys
+//!   x the stage's queries) into a shared tile, the two meet at a named barrier, and each
+//!   computes a 64 x 64 block of the partial `dQ = dS K` over all 128 keys (`wgmma`, dS MN-major
+//!   as A, K MN-major as B): at head_dim 128 the stage's 64 queries and dims `64 w ..`, at 64 the
+//!   queries `64 w ..` and all 64 dims. Each writes its block (f32) into a 32 KB staging tile
+//!   (the stage's queries x d); the copying warpgroup's thread 0 sends each staged tile to the
 //!   accumulator with one `cp.reduce.async.bulk .add.f32` (the L2 adds it), so no computing warp
 //!   issues or waits for a reduction. Double-buffered dS and staging tiles; a staging tile is
 //!   written again only after its send has read it (`sfree` mbarriers).
@@ -21,25 +23,29 @@
 //!
 //! Not deterministic: the L2 adds each query tile's 32-64 partials in arrival order, so dQ can
 //! differ in its last bits between runs (dK and dV are computed as in the seven-product pass).
-//! The accumulator is `b hq s d` f32 in the workspace after the statistics, each 64-query tile
-//! 32 KB contiguous in the staging tile's layout: row `r` (query), 16-byte chunk `c` (4 dims) at
+//! The accumulator is `b hq s d` f32 in the workspace after the statistics, row-major per (batch,
+//! query head) in the staging tile's layout: row `r` (query), 16-byte chunk `c` (4 dims) at
 //! chunk `c ^ (2 r % 8)` of the row (conflict-free float2 writes from the `wgmma` fragments).
 
 use super::*;
 
-/// Query rows of a stage.
-const BM5: i64 = 64;
 /// (Q, dO) stages in flight.
 const STAGES: i64 = 2;
 
 /// Whether the five-product pass is built for `p`.
 pub(super) fn enabled(p: &Problem) -> bool {
-    p.d == 128 && p.s % WS_KEYS == 0 && std::env::var("TITAN_ATT_BWD_5P").as_deref() == Ok("1")
+    matches!(p.d, 64 | 128) && p.s % WS_KEYS == 0 && std::env::var("TITAN_ATT_BWD_5P").as_deref() == Ok("1")
+}
+
+/// Query rows of a stage: 64 at head_dim 128, 128 at 64 (so a dQ partial is always 32 KB and each
+/// consumer's `dQ` block 64 x 64).
+fn rows(d: i64) -> i64 {
+    ws_rows(d)
 }
 
 /// Shared-memory layout, in bytes: K and V (128 keys), the stages, two dS^T tiles (128 keys x
-/// 64 queries bf16), two staging tiles (64 queries x d f32), then the barriers (full, empty,
-/// sfree: two each).
+/// the stage's queries, bf16, in 64-query blocks), two staging tiles (the stage's queries x d,
+/// f32), then the barriers (full, empty, sfree: two each). 231,472 bytes at both head dims.
 struct Layout {
     ds0: i64,
     stg0: i64,
@@ -49,34 +55,33 @@ struct Layout {
 
 fn layout(d: i64) -> Layout {
     let stage0 = 2 * WS_KEYS * d;
-    let se = stage_elems_rows(d, BM5);
+    let se = stage_elems_rows(d, rows(d));
     let ds0 = 2 * (stage0 + STAGES * se);
-    let stg0 = ds0 + 2 * ds_bytes();
+    let stg0 = ds0 + 2 * ds_bytes(d);
     let bar0 = stg0 + 2 * stg_bytes(d);
     Layout { ds0, stg0, bar0, bytes: bar0 + 3 * 8 * STAGES }
 }
 
-fn ds_bytes() -> i64 {
-    WS_KEYS * BM5 * 2
+fn ds_bytes(d: i64) -> i64 {
+    WS_KEYS * rows(d) * 2
 }
 
 fn stg_bytes(d: i64) -> i64 {
-    BM5 * d * 4
+    rows(d) * d * 4
 }
 
 pub(super) fn smem_bytes(d: i64) -> i64 {
     layout(d).bytes
 }
 
-/// f32 element offset (i64) of query tile `t` of `(batch, query head)` index `bh` in the
-/// workspace's accumulator (after `2 b hq s` f32 of statistics).
-fn acc_tile(e: &mut Em, p: &Problem, bh: &str, t: &str) -> String {
-    let nqt = p.s / BM5;
-    let x = e.mulk(bh, nqt);
-    let x = e.addi(&x, t);
+/// f32 element offset (i64) of query row `q0` (a multiple of 4) of `(batch, query head)` index
+/// `bh` in the workspace's accumulator (after `2 b hq s` f32 of statistics).
+fn acc_at(e: &mut Em, p: &Problem, bh: &str, q0: &str) -> String {
+    let x = e.mulk(bh, p.s);
+    let x = e.addi(&x, q0);
     let x64 = e.ext64(&x);
-    let tile = e.i64c(BM5 * p.d);
-    let o = e.bin("muli", &x64, &tile, "i64");
+    let row = e.i64c(p.d);
+    let o = e.bin("muli", &x64, &row, "i64");
     let base = e.i64c(2 * p.b * p.hq * p.s);
     e.bin("addi", &o, &base, "i64")
 }
@@ -93,23 +98,23 @@ fn stg_off(e: &mut Em, d: i64, row: &str, chunk: &str, sub: &str) -> String {
     e.addi(&o, sub)
 }
 
-/// The prologue: statistics of 64 query rows and their accumulator tile zeroed.
+/// The prologue: statistics of 64 query rows and their accumulator rows zeroed.
 pub(super) fn prep_body(p: &Problem, io: &Io) -> String {
     let mut e = Em::new();
     let bh = p.b * p.hq;
     let id = ids(&mut e);
     let t = e.divk(&id.bid, bh);
     let bhi = e.remk(&id.bid, bh);
-    let row_base = e.mulk(&t, BM5);
+    let row_base = e.mulk(&t, BM);
     // The statistics (Q and dO fragments, unused here, are dropped by LLVM).
     let _ = dq_rows(&mut e, p, io, &id.warp, &id.g, &id.tq, &row_base, &bhi);
-    let base = acc_tile(&mut e, p, &bhi, &t);
+    let base = acc_at(&mut e, p, &bhi, &row_base);
     let t4 = e.mulk(&id.tid, 4);
     let t464 = e.ext64(&t4);
     let at = e.bin("addi", &base, &t464, "i64");
     let ptr = e.gep(&io.ws, 1, &at, "i64", "f32");
     let z = e.op("arith.constant dense<0.0> : vector<4xf32>");
-    for it in 0..BM5 * p.d / 4 / THREADS {
+    for it in 0..BM * p.d / 4 / THREADS {
         let c = e.i64c(it * 4 * THREADS);
         let pi = e.gep(&ptr, 1, &c, "i64", "f32");
         e.line(&format!("llvm.store {z}, {pi} {{alignment = 16 : i64}} : vector<4xf32>, !llvm.ptr<1>"));
@@ -117,8 +122,9 @@ pub(super) fn prep_body(p: &Problem, io: &Io) -> String {
     e.body
 }
 
-/// The epilogue: one CTA per 64-query tile; warp `w` converts rows `16 w ..`, lane `l` the
-/// dims `4 l ..` of each (512 bytes read, 256 written per warp and row, both contiguous).
+/// The epilogue: one CTA per 64-query tile; warp `w` converts rows `16 w ..`, `32 / (d / 4)` rows
+/// at a time, lane `l` the dims `4 (l % (d / 4)) ..` of its row (whole rows read and written
+/// contiguously).
 pub(super) fn convert_body(p: &Problem, io: &Io) -> String {
     let mut e = Em::new();
     let d = p.d;
@@ -127,16 +133,22 @@ pub(super) fn convert_body(p: &Problem, io: &Io) -> String {
     let t = e.divk(&id.bid, bh);
     let bhi = e.remk(&id.bid, bh);
     let (q_base, _) = head_bases(&mut e, p, &bhi);
-    let base = acc_tile(&mut e, p, &bhi, &t);
+    let t64 = e.mulk(&t, BM);
+    let base = acc_at(&mut e, p, &bhi, &t64);
     let scale = e.f32c(p.scale as f32);
     let zero = e.i32c(0);
-    let t64 = e.mulk(&t, BM5);
-    let col = e.mulk(&id.lane, 4);
+    // 16-byte chunks of a row, rows a warp converts at a time.
+    let cpr = d / 4;
+    let per = 32 / cpr;
+    let chunk = e.remk(&id.lane, cpr);
+    let lrow = e.divk(&id.lane, cpr);
+    let col = e.mulk(&chunk, 4);
     let col64 = e.ext64(&col);
-    for i in 0..BM5 / 4 {
+    for i in 0..16 / per {
         let w16 = e.mulk(&id.warp, 16);
-        let row = e.addk(&w16, i);
-        let o = stg_off(&mut e, d, &row, &id.lane, &zero);
+        let row = e.addk(&w16, i * per);
+        let row = e.addi(&row, &lrow);
+        let o = stg_off(&mut e, d, &row, &chunk, &zero);
         let o64 = e.ext64(&o);
         let at = e.bin("addi", &base, &o64, "i64");
         let src = e.gep(&io.ws, 1, &at, "i64", "f32");
@@ -162,7 +174,7 @@ pub(super) fn convert_body(p: &Problem, io: &Io) -> String {
 pub(super) fn body(p: &Problem, io: &Io) -> String {
     let mut e = Em::new();
     let d = p.d;
-    let bm = BM5;
+    let bm = rows(d);
     let l = layout(d);
     let id = ids(&mut e);
     let tid = id.tid.clone();
@@ -204,8 +216,7 @@ pub(super) fn body(p: &Problem, io: &Io) -> String {
             let send = |e: &mut Em, g: &str| {
                 let (h, q0) = seq.locate(e, g);
                 let bh = e.addi(&seq.bh0, &h);
-                let t = e.divk(&q0, bm);
-                let at = acc_tile(e, p, &bh, &t);
+                let at = acc_at(e, p, &bh, &q0);
                 let gp = e.gep(&io.ws, 1, &at, "i64", "f32");
                 let ga = e.op(&format!("llvm.ptrtoint {gp} : !llvm.ptr<1> to i64"));
                 let (b, _) = buf(e, g);
@@ -278,23 +289,28 @@ pub(super) fn body(p: &Problem, io: &Io) -> String {
             let tq2 = e.divk(&id.tq, 2);
             let tqsub = e.remk(&id.tq, 2);
             let tqsub = e.mulk(&tqsub, 2);
-            // dS as A (MN-major: queries along the 128-byte rows, one row per key) and K's
-            // 64-dim block `wgi` as B (MN-major), 16 keys a k-step.
+            // dS as A (MN-major: 64 queries along each 128-byte row, one row per key, 64-query
+            // blocks of 128 rows) and a 64-dim block of K as B (MN-major), 16 keys a k-step.
+            // This warpgroup's 64 x 64 block of dQ: query block `qb`, dim block `db`.
+            let (qb, db) = if bm == 64 { (e.i32c(0), wgi.to_string()) } else { (wgi.to_string(), e.i32c(0)) };
             let mnmaj = sw128_descriptor(e, &smem, WS_KEYS * 128, 1024);
             let offs = sw128_mnmajor_steps(WS_KEYS);
-            let k_blk = e.mulk(wgi, WS_KEYS * 64);
+            let k_blk = e.mulk(&db, WS_KEYS * 64);
             let kd = sw128_desc_at(e, &mnmaj, &k_blk);
+            let row0 = e.mulk(&qb, 64);
+            let row0 = e.addi(&row0, &key0);
+            let chunk0 = e.mulk(&db, 16);
             let after = |e: &mut Em, f: &str, dst: &[[String; 4]]| {
                 let (b, free) = buf(e, f);
-                // dS^T -> dS tile b: key row `wk + key`, query chunk `nt` of its 128-byte row,
-                // swizzled (chunk ^ key % 8; key % 8 = g).
-                let ds_el = e.mulk(&b, ds_bytes() / 2);
+                // dS^T -> dS tile b: key row `wk + key` of query block `nt / 8`, query chunk
+                // `nt % 8` of its 128-byte row, swizzled (chunk ^ key % 8; key % 8 = g).
+                let ds_el = e.mulk(&b, ds_bytes(d) / 2);
                 let ds_el = e.addk(&ds_el, l.ds0 / 2);
                 for (nt, t) in dst.iter().enumerate() {
                     for k in 0..2 {
                         let row = e.addi(&wk, &key0);
-                        let row = e.addk(&row, 8 * k as i64);
-                        let ntc = e.i32c(nt as i64);
+                        let row = e.addk(&row, 8 * k as i64 + WS_KEYS * (nt as i64 / 8));
+                        let ntc = e.i32c(nt as i64 % 8);
                         let ch = e.op(&format!("arith.xori {ntc}, {} : i32", id.g));
                         let ro = e.mulk(&row, 64);
                         let co = e.mulk(&ch, 8);
@@ -308,8 +324,10 @@ pub(super) fn body(p: &Problem, io: &Io) -> String {
                 }
                 e.fence_proxy_async();
                 e.line("llvm.inline_asm has_side_effects \"bar.sync 1, 256;\", \"~{memory}\" : () -> ()");
-                // dQ[:, 64 wgi ..] = dS K over the CTA's 128 keys.
-                let ad = sw128_desc_at(e, &mnmaj, &ds_el);
+                // dQ[64 qb .., 64 db ..] = dS K over the CTA's 128 keys.
+                let a_el = e.mulk(&qb, WS_KEYS * 64);
+                let a_el = e.addi(&a_el, &ds_el);
+                let ad = sw128_desc_at(e, &mnmaj, &a_el);
                 let z = frag_names(&zeros(e, 8));
                 let dq = frags_of(&wgmma_chain(e, 64, &z, WgA::SmemMn(&ad, &offs), &kd, &offs, true));
                 // The staging tile is free once tile f - 2's send has read it.
@@ -321,10 +339,9 @@ pub(super) fn body(p: &Problem, io: &Io) -> String {
                 let stg = sptr(e, &smem, &st_el, "f32");
                 for (nt, t) in dq.iter().enumerate() {
                     for k in 0..2 {
-                        let row = e.addk(&key0, 8 * k as i64);
-                        // Chunk of column 64 wgi + 8 nt + 2 tq.
-                        let c = e.mulk(wgi, 16);
-                        let c = e.addk(&c, 2 * nt as i64);
+                        let row = e.addk(&row0, 8 * k as i64);
+                        // Chunk of column 64 db + 8 nt + 2 tq.
+                        let c = e.addk(&chunk0, 2 * nt as i64);
                         let c = e.addi(&c, &tq2);
                         let o = stg_off(e, d, &row, &c, &tqsub);
                         let ptr = sptr(e, &stg, &o, "f32");
