@@ -29,18 +29,13 @@
 
 use super::*;
 
-/// (Q, dO) stages in flight.
+/// (Q, dO) stages in flight, of `ws_rows(d)` query rows each: 64 at head_dim 128, 128 at 64, so
+/// a dQ partial is always 32 KB and each consumer's `dQ` block 64 x 64.
 const STAGES: i64 = 2;
 
 /// Whether the five-product pass is built for `p`.
 pub(super) fn enabled(p: &Problem) -> bool {
     matches!(p.d, 64 | 128) && p.s % WS_KEYS == 0 && std::env::var("TITAN_ATT_BWD_5P").as_deref() == Ok("1")
-}
-
-/// Query rows of a stage: 64 at head_dim 128, 128 at 64 (so a dQ partial is always 32 KB and each
-/// consumer's `dQ` block 64 x 64).
-fn rows(d: i64) -> i64 {
-    ws_rows(d)
 }
 
 /// Shared-memory layout, in bytes: K and V (128 keys), the stages, two dS^T tiles (128 keys x
@@ -55,7 +50,7 @@ struct Layout {
 
 fn layout(d: i64) -> Layout {
     let stage0 = 2 * WS_KEYS * d;
-    let se = stage_elems_rows(d, rows(d));
+    let se = stage_elems_rows(d, ws_rows(d));
     let ds0 = 2 * (stage0 + STAGES * se);
     let stg0 = ds0 + 2 * ds_bytes(d);
     let bar0 = stg0 + 2 * stg_bytes(d);
@@ -63,11 +58,11 @@ fn layout(d: i64) -> Layout {
 }
 
 fn ds_bytes(d: i64) -> i64 {
-    WS_KEYS * rows(d) * 2
+    WS_KEYS * ws_rows(d) * 2
 }
 
 fn stg_bytes(d: i64) -> i64 {
-    rows(d) * d * 4
+    ws_rows(d) * d * 4
 }
 
 pub(super) fn smem_bytes(d: i64) -> i64 {
@@ -174,7 +169,7 @@ pub(super) fn convert_body(p: &Problem, io: &Io) -> String {
 pub(super) fn body(p: &Problem, io: &Io) -> String {
     let mut e = Em::new();
     let d = p.d;
-    let bm = rows(d);
+    let bm = ws_rows(d);
     let l = layout(d);
     let id = ids(&mut e);
     let tid = id.tid.clone();
