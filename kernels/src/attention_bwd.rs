@@ -201,12 +201,13 @@ fn generate_five(p: &Problem, io: &Io, params: &[String], entry: &str) -> Genera
         block: WS_THREADS as u32,
         grid,
         shared_bytes: five::smem_bytes(p.d) as u32,
-        prologue: Some(("_prep", tiles, THREADS as u32, 0)),
+        // The prologue's warps meet in 32 bytes of shared memory (the K and V maxima).
+        prologue: Some(("_prep", tiles, THREADS as u32, 32)),
         epilogue: Some(("_dqcvt", tiles, THREADS as u32, 0)),
-        // The statistics, then the f32 dQ accumulator (zeroed by the prologue).
-        workspace_bytes: (2 * p.b * p.hq * p.s + p.b * p.hq * p.s * p.d) as u64 * 4,
+        // The statistics, the bounds, then the f32 dQ accumulator (zeroed by the prologue).
+        workspace_bytes: five::workspace_bytes(p),
         workspace_scratch: true,
-        deterministic: false,
+        deterministic: true,
     }
 }
 

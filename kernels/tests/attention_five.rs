@@ -1,5 +1,6 @@
-//! The five-product attention backward (`TITAN_ATT_BWD_5P=1` at build time): its own test
-//! binary, so setting the switch cannot change the kernels other tests generate.
+//! The five-product attention backward, forced on (`TITAN_ATT_BWD_5P=1` at build time) at every
+//! shape it can run, then off (the seven-product passes): its own test binary, so setting the
+//! switch cannot change the kernels other tests generate.
 
 use titan_ir::{ArgKind, Builder, DType, Graph, KernelKind, Op, Output, Region, TensorType};
 use titan_kernels::{compile_kernel, ptxas_check};
@@ -48,8 +49,14 @@ fn five_product_backward_structure() {
             assert_eq!(l.grid, [(s / 64 * b * hq) as u32, 1, 1], "{name}");
             assert_eq!(l.block, [128, 1, 1], "{name}");
         }
-        assert_eq!(k.workspace_bytes, (2 * b * hq * s + b * hq * s * d) * 4, "{name}: statistics, then the f32 accumulator");
+        assert_eq!(
+            k.workspace_bytes,
+            (3 * b * hq * s + 2 * b * hkv * (s / 64) + b * hq * s * d) * 4,
+            "{name}: statistics, the bounds, then the f32 accumulator"
+        );
         assert!(k.workspace_scratch);
+        assert!(k.deterministic, "{name}: dQ summed in whole units, exactly");
+        assert_eq!(pro.launch.shared_bytes, 32, "{name}: the prologue's warps meet in shared memory");
         // Head_dim 128: K, V (64 KB), two 33 KB stages of 64 queries, two dS^T tiles (16 KB), two
         // staging tiles (32 KB), six barriers; head_dim 64: K, V (32 KB), two 33 KB stages of 128
         // queries, two 32 KB dS^T tiles, the same staging tiles.
@@ -64,6 +71,8 @@ fn five_product_backward_structure() {
         let main = &main[..main[1..].find(".entry").map_or(main.len(), |i| i + 1)];
         // (LLVM may duplicate the sends' inline assembly between the loop and its tail.)
         assert!(main.contains("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 "), "{name}: dQ partials as bulk reductions");
+        // Rounded to the row's units on the full-rate pipes: no quarter-rate conversion.
+        assert!(main.contains("copysign.f32") && !main.contains("cvt.rni.s32.f32"), "{name}: partials rounded to the row's units");
         assert!(main.contains("cp.async.bulk.wait_group.read 1;") && main.contains("cp.async.bulk.wait_group 0;"), "{name}");
         assert_eq!(main.matches("bar.sync 1, 256").count(), 1, "{name}: the consumers meet once a tile");
         assert_eq!(main.matches("mbarrier.init.shared::cta.b64").count(), 6, "{name}");
@@ -71,4 +80,17 @@ fn five_product_backward_structure() {
         assert!(main.contains("wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16") && main.contains("da, d, p, 1, 1, 1, 1;"), "{name}");
         assert!(main.contains("setmaxnreg.inc.sync.aligned.u32 232;") && main.contains("setmaxnreg.dec.sync.aligned.u32 32;"), "{name}");
     }
+    // Switched off: head_dim 64 at sequence 8192 runs the seven-product passes, both
+    // warp-specialized with 128-row stages (4 of 33 KB for dK/dV, 32 KB for dQ), so each
+    // consumer's chains run at N = 128.
+    // SAFETY: as above.
+    unsafe { std::env::set_var("TITAN_ATT_BWD_5P", "0") };
+    let id = body(&mut g, [1, 8192, 32, 8, 64], true);
+    let k = compile_kernel(&g, id, KernelKind::AttentionBwd, "bwd7_1b").expect("generates").expect("a kernel");
+    let pro = k.prologue.as_ref().expect("dQ phase");
+    assert!(pro.entry.ends_with("_dq") && k.epilogue.is_none());
+    assert_eq!((k.launch.block, pro.launch.block), ([384, 1, 1], [384, 1, 1]));
+    assert_eq!(k.launch.shared_bytes, 2 * (2 * 128 * 64 + 4 * 16896) + 16 * 4);
+    assert!(k.ptx.contains("wgmma.mma_async.sync.aligned.m64n128k16"));
+    assert_eq!(k.workspace_bytes, 2 * 32 * 8192 * 4, "the statistics only");
 }
