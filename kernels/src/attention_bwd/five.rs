@@ -29,8 +29,9 @@
 //! units (a bound on the row, [`row_exp`]), so each f32 add is exact and the order cannot change
 //! the sum. Prep, pass and convert derive the unit from the same stored values. The price is
 //! precision: the bound is loose, so a unit is ~2^-24 of it and dQ's quantization error is, as
-//! RMS relative to dQ, ~1% (sequence 384) to ~16% (8192, diffuse attention at initialization) of
-//! the bf16 rounding dQ gets anyway (the host model in this file's tests; session 22's notes).
+//! RMS relative to dQ, 0.6-3% (sequence 384: this file's host model) to ~16% (8192, diffuse
+//! attention at initialization: a numpy model, session 22's notes) of the bf16 rounding dQ gets
+//! anyway.
 //! A NaN or infinity in dO, K or V makes the rows' bounds non-finite and their dQ NaN; a NaN only
 //! in Q reaches the forward's loss first.
 //! The accumulator is `b hq s d` f32 in the workspace after the statistics ([`Ws`]), row-major
@@ -104,26 +105,36 @@ pub(super) fn workspace_bytes(p: &Problem) -> u64 {
     (ws(p).acc + p.b * p.hq * p.s * p.d) as u64 * 4
 }
 
+/// Index (i64) of query row `q` of `(batch, query head)` index `bh`: `bh s + q`.
+fn row_index(e: &mut Em, p: &Problem, bh: &str, q: &str) -> String {
+    let x = e.mulk(bh, p.s);
+    let x = e.addi(&x, q);
+    e.ext64(&x)
+}
+
 /// Element offset (i64) of query row `q` of `(batch, query head)` index `bh` in the per-row
 /// array at `base`.
 fn row_at(e: &mut Em, p: &Problem, base: i64, bh: &str, q: &str) -> String {
-    let x = e.mulk(bh, p.s);
-    let x = e.addi(&x, q);
-    let x64 = e.ext64(&x);
+    let x = row_index(e, p, bh, q);
     let b = e.i64c(base);
-    e.bin("addi", &x64, &b, "i64")
+    e.bin("addi", &x, &b, "i64")
 }
 
 /// Element offset (i64) of query row `q0` (a multiple of 4) of `(batch, query head)` index `bh`
 /// in the workspace's accumulator.
 fn acc_at(e: &mut Em, p: &Problem, bh: &str, q0: &str) -> String {
-    let x = e.mulk(bh, p.s);
-    let x = e.addi(&x, q0);
-    let x64 = e.ext64(&x);
+    let x = row_index(e, p, bh, q0);
     let row = e.i64c(p.d);
-    let o = e.bin("muli", &x64, &row, "i64");
+    let o = e.bin("muli", &x, &row, "i64");
     let base = e.i64c(ws(p).acc);
     e.bin("addi", &o, &base, "i64")
+}
+
+/// Index (i32) of the first 64-key tile of kv head `(bi, kh)` in the tile maxima.
+fn first_tile(e: &mut Em, p: &Problem, bi: &str, kh: &str) -> String {
+    let bk = e.mulk(bi, p.hkv);
+    let bk = e.addi(&bk, kh);
+    e.mulk(&bk, p.s / BM)
 }
 
 /// `max(a, b)`, NaN if either is (`max.NaN.f32`), so a NaN in K or V reaches the row bounds.
@@ -137,9 +148,7 @@ fn fmaximum(e: &mut Em, a: &str, b: &str) -> String {
 fn kv_bound(e: &mut Em, p: &Problem, io: &Io, bi: &str, kh: &str, lane: &str) -> String {
     let nt = p.s / BM;
     let w = ws(p);
-    let bk = e.mulk(bi, p.hkv);
-    let bk = e.addi(&bk, kh);
-    let first = e.mulk(&bk, nt);
+    let first = first_tile(e, p, bi, kh);
     let zf = e.f32c(0.0);
     let lo = e.i32c(0);
     let hi = e.i32c((nt + 31) / 32);
@@ -200,9 +209,10 @@ fn row_exp(e: &mut Em, n: &str, c: &str) -> (String, String) {
 
 /// `x` (f32) in units `u` rounded to whole units, `copysign((|x| u + 1.5 2^23) - 1.5 2^23, x)`:
 /// the sum rounds `|x u|` to the nearest unit below `2^22` units (the sum's ulp is 1 there) and
-/// to an even number of units up to `2^24` (ulp 2), and the subtraction is exact. Three full-rate
-/// instructions (`fma`, add, `lop3`), where `cvt.rni.s32.f32` runs at the quarter rate `ex2`
-/// shares (session 22: the integer variant was as slow as the seven-product passes).
+/// to an even number of units up to `2^24` (ulp 2), and the subtraction is exact. `abs`, `fma`,
+/// add and `copysign` run on the FMA and integer pipes, where `cvt.rni.s32.f32` runs at the
+/// quarter rate `ex2` shares (session 22: the integer variant was as slow as the seven-product
+/// passes).
 fn quantize(e: &mut Em, x: &str, u: &str, magic: &str) -> String {
     let a = e.intr("llvm.fabs.f32", &[x], "f32", "f32");
     let r = e.fma(&a, u, magic);
@@ -319,11 +329,9 @@ pub(super) fn prep_body(p: &Problem, io: &Io) -> String {
         e.barrier();
         let first = e.op(&format!("arith.cmpi eq, {}, {zero_i} : i32", id.tid));
         if_then(e, &first, |e| {
-            let bk = e.divk(&bhi, p.hq);
-            let bk = e.mulk(&bk, p.hkv);
+            let bi = e.divk(&bhi, p.hq);
             let kh = e.divk(&h, p.hq / p.hkv);
-            let bk = e.addi(&bk, &kh);
-            let ti = e.mulk(&bk, p.s / BM);
+            let ti = first_tile(e, p, &bi, &kh);
             let ti = e.addi(&ti, &t);
             let ti64 = e.ext64(&ti);
             for (k, base) in [w.kmax, w.vmax].into_iter().enumerate() {
@@ -630,6 +638,10 @@ pub(super) fn body(p: &Problem, io: &Io) -> String {
 
 #[cfg(test)]
 mod tests {
+    use rand::{RngExt, SeedableRng};
+    use rand_chacha::ChaCha8Rng;
+    use rand_distr::StandardNormal;
+
     /// [`super::row_exp`]'s arithmetic on the host: the exponent `E` of the row's unit `2^-E`.
     fn row_exp(n: f32, c: f32) -> i32 {
         let eb = ((n * c).to_bits() >> 23 & 255) as i32;
@@ -642,25 +654,8 @@ mod tests {
         (x.abs().mul_add(u, magic) - magic).copysign(x)
     }
 
-    /// A small deterministic generator of standard normals (xorshift, Box-Muller).
-    struct Normal(u64);
-
-    impl Normal {
-        fn uniform(&mut self) -> f64 {
-            self.0 ^= self.0 << 13;
-            self.0 ^= self.0 >> 7;
-            self.0 ^= self.0 << 17;
-            ((self.0 >> 11) as f64 + 0.5) / (1u64 << 53) as f64
-        }
-
-        fn next(&mut self) -> f32 {
-            let (u, v) = (self.uniform(), self.uniform());
-            ((-2.0 * u.ln()).sqrt() * (std::f64::consts::TAU * v).cos()) as f32
-        }
-
-        fn fill(&mut self, n: usize, sd: f32) -> Vec<f32> {
-            (0..n).map(|_| self.next() * sd).collect()
-        }
+    fn normals(g: &mut ChaCha8Rng, n: usize, sd: f32) -> Vec<f32> {
+        (0..n).map(|_| g.sample::<f32, _>(StandardNormal) * sd).collect()
     }
 
     /// One (batch, head) of causal attention's backward with dQ summed as the kernel sums it:
@@ -706,7 +701,7 @@ mod tests {
                 let bwd = parts.iter().rev().fold(0f32, |a, x| a + x);
                 o.same &= fwd.to_bits() == bwd.to_bits();
                 let fixed = fwd as f64 * unit;
-                let bf = f32::from_bits(((exact as f32).to_bits() + 0x7fff + (((exact as f32).to_bits() >> 16) & 1)) & 0xffff_0000) as f64;
+                let bf = half::bf16::from_f64(exact).to_f64();
                 o.rms_fixed += (fixed - exact).powi(2);
                 o.rms_bf16 += (bf - exact).powi(2);
                 sum_sq += exact * exact;
@@ -725,8 +720,8 @@ mod tests {
     #[test]
     fn fixed_point_dq_is_exact_and_order_independent() {
         let (s, d) = (384, 64);
-        let mut g = Normal(0x9e37_79b9_7f4a_7c15);
-        let base = |g: &mut Normal, qsd: f32| (g.fill(s * d, qsd), g.fill(s * d, 1.0), g.fill(s * d, 1.0), g.fill(s * d, 1e-3));
+        let mut g = ChaCha8Rng::seed_from_u64(22);
+        let base = |g: &mut ChaCha8Rng, qsd: f32| (normals(g, s * d, qsd), normals(g, s * d, 1.0), normals(g, s * d, 1.0), normals(g, s * d, 1e-3));
         let mut cases = vec![("diffuse", base(&mut g, 1.0))];
         // Sharp attention: logits of standard deviation 4, P on a few keys.
         let (q, mut k, v, dout) = base(&mut g, 2.0);
