@@ -204,7 +204,7 @@ fn generate_five(p: &Problem, io: &Io, params: &[String], entry: &str) -> Genera
         // The prologue's warps meet in 32 bytes of shared memory (the K and V maxima).
         prologue: Some(("_prep", tiles, THREADS as u32, 32)),
         epilogue: Some(("_dqcvt", tiles, THREADS as u32, 0)),
-        // The statistics, the bounds, then the f32 dQ accumulator (zeroed by the prologue).
+        // The statistics, the bounds, then the u32 dQ accumulator (zeroed by the prologue).
         workspace_bytes: five::workspace_bytes(p),
         workspace_scratch: true,
         deterministic: true,

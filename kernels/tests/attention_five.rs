@@ -51,8 +51,8 @@ fn five_product_backward_structure() {
         }
         assert_eq!(
             k.workspace_bytes,
-            (3 * b * hq * s + 2 * b * hkv * (s / 64) + b * hq * s * d) * 4,
-            "{name}: statistics, the bounds, then the f32 accumulator"
+            (3 * b * hq * s + 2 * b * hkv * (s / 64) + (b * hkv).div_ceil(4) * 4 + b * hq * s * d) * 4,
+            "{name}: statistics, the tile maxima, the kv heads' bounds, then the u32 accumulator"
         );
         assert!(k.workspace_scratch);
         assert!(k.deterministic, "{name}: dQ summed in whole units, exactly");
@@ -70,9 +70,13 @@ fn five_product_backward_structure() {
         let main = &k.ptx[k.ptx.find(&format!(".entry {}(", k.entry)).expect("entry")..];
         let main = &main[..main[1..].find(".entry").map_or(main.len(), |i| i + 1)];
         // (LLVM may duplicate the sends' inline assembly between the loop and its tail.)
-        assert!(main.contains("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 "), "{name}: dQ partials as bulk reductions");
-        // Rounded to the row's units on the full-rate pipes: no quarter-rate conversion.
-        assert!(main.contains("copysign.f32") && !main.contains("cvt.rni.s32.f32"), "{name}: partials rounded to the row's units");
+        assert!(main.contains("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.u32 "), "{name}: dQ partials as bulk reductions");
+        // Rounded to the row's units by one fma with 1.5 2^23 (0f4B400000): no quarter-rate
+        // conversion, no sign handling.
+        assert!(main.contains("0f4B400000;") && main.contains("rcp.approx.ftz.f32"), "{name}: partials rounded to the row's units");
+        assert!(!main.contains("cvt.rni") && !main.contains("copysign"), "{name}");
+        let cvt = &k.ptx[k.ptx.find(&format!(".entry {}(", epi.entry)).expect("convert entry")..];
+        assert!(cvt.contains("rcp.approx.ftz.f32") && cvt.contains("cvt.rn.f32.s32"), "{name}: the convert derives the same scale");
         assert!(main.contains("cp.async.bulk.wait_group.read 1;") && main.contains("cp.async.bulk.wait_group 0;"), "{name}");
         assert_eq!(main.matches("bar.sync 1, 256").count(), 1, "{name}: the consumers meet once a tile");
         assert_eq!(main.matches("mbarrier.init.shared::cta.b64").count(), 6, "{name}");

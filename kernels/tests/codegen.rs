@@ -738,22 +738,24 @@ fn attention_bwd_warp_specialized_structure() {
         assert!(body.contains("mbarrier.try_wait.parity.shared::cta.b64") && body.contains("mbarrier.arrive.shared::cta.b64"));
         assert!(body.contains("fence.proxy.async.shared::cta"), "{entry}: the producer fences its copies for wgmma");
     }
-    // 192 tokens (whole 64-row tiles, not 128) and head_dim 64 below sequence 8192: the
+    // 192 tokens (whole 64-row tiles, not 128) and head_dim 64 below sequence 4096: the
     // single-warpgroup passes.
-    for (shape, name) in [([1, 192, 4, 4, 128], "layer_bwd.s192"), ([1, 256, 4, 4, 64], "layer_bwd.d64"), ([1, 4096, 4, 4, 64], "layer_bwd.d64_4k")] {
+    for (shape, name) in [([1, 192, 4, 4, 128], "layer_bwd.s192"), ([1, 256, 4, 4, 64], "layer_bwd.d64"), ([1, 2048, 4, 4, 64], "layer_bwd.d64_2k")] {
         let id = attention_bwd_body(&mut g, shape, false);
         let k = compile(&g, id, KernelKind::AttentionBwd, name);
         assert_eq!(k.launch.block, [128, 1, 1], "{name}");
         assert!(!k.ptx.contains("setmaxnreg") && !k.ptx.contains("mbarrier"), "{name}");
     }
-    // head_dim 64 from sequence 8192 on (Llama-3.2 1B's): warp-specialized, 128-row stages (4
-    // of 33 KB for dK/dV, 32 KB for dQ), so each consumer's chains run at N = 128.
-    let id = attention_bwd_body(&mut g, [1, 8192, 32, 8, 64], true);
-    let k = compile(&g, id, KernelKind::AttentionBwd, "layer_bwd.d64_8k");
-    let pro = k.prologue.as_ref().expect("dQ phase");
-    assert_eq!((k.launch.block, pro.launch.block), ([384, 1, 1], [384, 1, 1]));
-    assert_eq!(k.launch.shared_bytes, 2 * (2 * 128 * 64 + 4 * 16896) + 16 * 4);
-    assert!(k.ptx.contains("wgmma.mma_async.sync.aligned.m64n128k16"));
+    // head_dim 64 from sequence 4096 on (Llama-3.2 1B's 8192): the five-product backward
+    // (tests/attention_five.rs checks its structure; there the seven-product passes it replaces).
+    for (shape, name) in [([1, 4096, 4, 4, 64], "layer_bwd.d64_4k"), ([1, 8192, 32, 8, 64], "layer_bwd.d64_8k")] {
+        let id = attention_bwd_body(&mut g, shape, true);
+        let k = compile(&g, id, KernelKind::AttentionBwd, name);
+        let (pro, epi) = (k.prologue.as_ref().expect("prep phase"), k.epilogue.as_ref().expect("convert phase"));
+        assert!(pro.entry.ends_with("_prep") && epi.entry.ends_with("_dqcvt"), "{name}: {} {}", pro.entry, epi.entry);
+        assert_eq!(k.launch.block, [384, 1, 1], "{name}");
+        assert!(k.ptx.contains("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.u32"), "{name}");
+    }
 }
 
 #[test]
