@@ -100,6 +100,7 @@ pub(super) fn smem_bytes(d: i64) -> i64 {
 /// then `max |V_k|` (`b hkv s / 64` each), the kv heads' bounds `c` (`b hkv`, the pass's), then
 /// the u32 dQ accumulator (`b hq s d`, 16-byte aligned: `s` is a multiple of 128).
 struct Ws {
+    lse: i64,
     norm: i64,
     kmax: i64,
     vmax: i64,
@@ -112,7 +113,7 @@ fn ws(p: &Problem) -> Ws {
     let tiles = p.b * p.hkv * (p.s / BM);
     let bound = 3 * rows + 2 * tiles;
     let acc = (bound + p.b * p.hkv + 3) / 4 * 4;
-    Ws { norm: 2 * rows, kmax: 3 * rows, vmax: 3 * rows + tiles, bound, acc }
+    Ws { lse: rows, norm: 2 * rows, kmax: 3 * rows, vmax: 3 * rows + tiles, bound, acc }
 }
 
 pub(super) fn workspace_bytes(p: &Problem) -> u64 {
@@ -341,7 +342,7 @@ pub(super) fn prep_body(p: &Problem, io: &Io) -> String {
         let l2 = e.fmul(&l, &log2e);
         let ri = row_index(e, p, &bhi, &grow);
         if_then(e, &lead_lane, |e| {
-            for (base, x) in [(0, &dsum), (p.b * p.hq * p.s, &l2), (w.norm, &n)] {
+            for (base, x) in [(0, &dsum), (w.lse, &l2), (w.norm, &n)] {
                 let b = e.i64c(base);
                 let at = e.bin("addi", &ri, &b, "i64");
                 let ptr = e.gep(&io.ws, 1, &at, "i64", "f32");
