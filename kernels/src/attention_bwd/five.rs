@@ -145,11 +145,24 @@ fn acc_at(e: &mut Em, p: &Problem, bh: &str, q0: &str) -> String {
     e.bin("addi", &o, &base, "i64")
 }
 
+/// Index (i32) of kv head `(bi, kh)`: `bi hkv + kh`.
+fn kv_index(e: &mut Em, p: &Problem, bi: &str, kh: &str) -> String {
+    let bk = e.mulk(bi, p.hkv);
+    e.addi(&bk, kh)
+}
+
 /// Index (i32) of the first 64-key tile of kv head `(bi, kh)` in the tile maxima.
 fn first_tile(e: &mut Em, p: &Problem, bi: &str, kh: &str) -> String {
-    let bk = e.mulk(bi, p.hkv);
-    let bk = e.addi(&bk, kh);
+    let bk = kv_index(e, p, bi, kh);
     e.mulk(&bk, p.s / BM)
+}
+
+/// Pointer to kv head `(bi, kh)`'s bound `c` in the workspace.
+fn bound_ptr(e: &mut Em, p: &Problem, io: &Io, bi: &str, kh: &str) -> String {
+    let bk = kv_index(e, p, bi, kh);
+    let bk = e.addk(&bk, ws(p).bound);
+    let at = e.ext64(&bk);
+    e.gep(&io.ws, 1, &at, "i64", "f32")
 }
 
 /// `max(a, b)`, NaN if either is (`max.NaN.f32`), so a NaN in K or V reaches the row bounds.
@@ -439,7 +452,8 @@ pub(super) fn prep_body(p: &Problem, io: &Io) -> String {
 
 /// The epilogue: one CTA per 64-query tile; warp `w` converts rows `16 w ..`, `32 / (d / 4)` rows
 /// at a time, lane `l` the dims `4 (l % (d / 4)) ..` of its row (whole rows read and written
-/// contiguously): `dQ = acc 2^-E scale`, NaN where the row's bound is not finite.
+/// contiguously): `dQ = (acc - count bits(MAGIC)) scale / u` ([`row_scale`]'s `u`), NaN where
+/// the row's bound or lse is not finite.
 pub(super) fn convert_body(p: &Problem, io: &Io) -> String {
     let mut e = Em::new();
     let e = &mut e;
@@ -454,11 +468,7 @@ pub(super) fn convert_body(p: &Problem, io: &Io) -> String {
     let bi = e.divk(&bhi, p.hq);
     let h = e.remk(&bhi, p.hq);
     let kh = e.divk(&h, p.hq / p.hkv);
-    let bk = e.mulk(&bi, p.hkv);
-    let bk = e.addi(&bk, &kh);
-    let bk = e.addk(&bk, w.bound);
-    let bk = e.ext64(&bk);
-    let cp = e.gep(&io.ws, 1, &bk, "i64", "f32");
+    let cp = bound_ptr(e, p, io, &bi, &kh);
     let c = e.op(&format!("llvm.load {cp} {{alignment = 4 : i64}} : !llvm.ptr<1> -> f32"));
     let q0 = e.mulk(&t, BM);
     let base = acc_at(e, p, &bhi, &q0);
@@ -666,11 +676,7 @@ pub(super) fn body(p: &Problem, io: &Io) -> String {
                 e.op(&format!("arith.andi {x}, {w0} : i1"))
             };
             if_then(e, &store_c, |e| {
-                let bk = e.mulk(&seq.kt.bi, p.hkv);
-                let bk = e.addi(&bk, &seq.kt.kh);
-                let bk = e.addk(&bk, w.bound);
-                let at = e.ext64(&bk);
-                let ptr = e.gep(&io.ws, 1, &at, "i64", "f32");
+                let ptr = bound_ptr(e, p, io, &seq.kt.bi, &seq.kt.kh);
                 e.line(&format!("llvm.store {c}, {ptr} {{alignment = 4 : i64}} : f32, !llvm.ptr<1>"));
             });
             let after = |e: &mut Em, f: &str, dst: &[[String; 4]]| {
@@ -709,7 +715,7 @@ pub(super) fn body(p: &Problem, io: &Io) -> String {
                         row_scale(e, &n, &c)
                     })
                     .collect();
-                let magic = e.f32c(12_582_912.0);
+                let magic = e.f32c(MAGIC);
                 // dQ[64 qb .., 64 db ..] = dS K over the CTA's 128 keys.
                 let a_el = e.mulk(&qb, WS_KEYS * 64);
                 let a_el = e.addi(&a_el, &ds_el);
