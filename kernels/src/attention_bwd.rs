@@ -681,14 +681,14 @@ fn dq_body(p: &Problem, io: &Io) -> String {
     e.body
 }
 
-/// `cp.async` of a (Q, dO) stage's statistics: `lse log2 e` and `D` of its `bm` query rows (from
-/// the workspace the dQ pass wrote) into the stage at element `sb + at`, lse first, `bm / 4`
-/// 16-byte chunks each, by the copying threads `t < bm / 2`.
+/// `cp.async` of a (Q, dO) stage's statistics: per-row f32 arrays of the workspace (element
+/// offsets `bases`, each `b hq s` long; [`stats_bases`]: `lse log2 e` then `D`, as the dQ pass
+/// wrote them) for the stage's `bm` query rows, into the stage at element `sb + at`, one after the
+/// other, `bm / 4` 16-byte chunks each, by the copying threads `t < bases.len() bm / 4`.
 #[allow(clippy::too_many_arguments)]
-fn copy_stats(e: &mut Em, p: &Problem, io: &Io, smem: &str, t: &str, bh0: &str, h: &str, q0: &str, sb: &str, at: i64, bm: i64) {
+fn copy_stats(e: &mut Em, p: &Problem, io: &Io, smem: &str, t: &str, bh0: &str, h: &str, q0: &str, sb: &str, at: i64, bm: i64, bases: &[i64]) {
     let chunks = bm / 4;
-    let stat_base = e.i64c(p.b * p.hq * p.s);
-    let lim = e.i32c(2 * chunks);
+    let lim = e.i32c(bases.len() as i64 * chunks);
     let copies = e.op(&format!("arith.cmpi ult, {t}, {lim} : i32"));
     if_then(e, &copies, |e| {
         let which = e.divk(t, chunks);
@@ -702,11 +702,15 @@ fn copy_stats(e: &mut Em, p: &Problem, io: &Io, smem: &str, t: &str, bh0: &str, 
         let c4 = e.mulk(&ch, 4);
         let c464 = e.ext64(&c4);
         let row0 = e.bin("addi", &row0, &c464, "i64");
-        // lse at stat_base + row (which = 0), D at row (which = 1).
-        let w64 = e.ext64(&which);
-        let is_d = e.bin("muli", &w64, &stat_base, "i64");
-        let lse_off = e.bin("subi", &stat_base, &is_d, "i64");
-        let go = e.bin("addi", &row0, &lse_off, "i64");
+        // The array `which` copies: a select chain over the (few) bases.
+        let mut base = e.i64c(bases[0]);
+        for (i, b) in bases.iter().enumerate().skip(1) {
+            let ic = e.i32c(i as i64);
+            let is = e.op(&format!("arith.cmpi eq, {which}, {ic} : i32"));
+            let bc = e.i64c(*b);
+            base = e.op(&format!("arith.select {is}, {bc}, {base} : i64"));
+        }
+        let go = e.bin("addi", &row0, &base, "i64");
         let gp = e.gep(&io.ws, 1, &go, "i64", "f32");
         let sb2 = e.addk(sb, at);
         let sb_f = sptr(e, smem, &sb2, "bf16");
@@ -715,6 +719,12 @@ fn copy_stats(e: &mut Em, p: &Problem, io: &Io, smem: &str, t: &str, bh0: &str, 
         let sp = sptr(e, &sb_f, &fo, "f32");
         e.cp_async16(&sp, &gp);
     });
+}
+
+/// The workspace arrays [`copy_stats`] stages for the dK/dV passes: `lse log2 e` (at `b hq s`)
+/// then `D` (at 0).
+fn stats_bases(p: &Problem) -> [i64; 2] {
+    [p.b * p.hq * p.s, 0]
 }
 
 /// What a dK/dV tile's elementwise steps need: the thread's query columns of the stage (`cols`,
@@ -952,7 +962,7 @@ fn dkdv_body(p: &Problem, io: &Io) -> String {
                 e.cp_async16(&sp, &gp);
             }
         }
-        copy_stats(e, p, io, &smem, &tid, &bh0, &h, &q0, &sb, 2 * bm * st, bm);
+        copy_stats(e, p, io, &smem, &tid, &bh0, &h, &q0, &sb, 2 * bm * st, bm, &stats_bases(p));
     };
     let zero_i = e.i32c(0);
     load(&mut e, &zero_i);
@@ -1151,7 +1161,7 @@ fn dkdv_ws_body(p: &Problem, io: &Io) -> String {
         },
         |e, wgi| {
             let cx = WsCx { wgi, kv0: &seq.kt.kv0, kv_base: &seq.kt.kv_base, smem: &seq.smem, total: &seq.total, ring: &ring, bm };
-            dkdv_ws_consumer(e, p, io, &cx, &|e, f| seq.locate(e, f), &|_, _, _| {});
+            dkdv_ws_consumer(e, p, io, &cx, &|e, f| seq.locate(e, f), &|_, _, _, _| {});
         },
     );
     e.body
@@ -1169,6 +1179,9 @@ struct QuerySeq {
     total: String,
     kh_g: String,
     bh0: String,
+    /// The per-row workspace arrays staged with each tile ([`copy_stats`]): [`stats_bases`], to
+    /// which the five-product pass may add its rows' norms.
+    stats: Vec<i64>,
 }
 
 impl QuerySeq {
@@ -1181,7 +1194,7 @@ impl QuerySeq {
         let total = e.mulk(&ntile, p.hq / p.hkv);
         let kh_g = e.mulk(&kt.kh, p.hq / p.hkv);
         let bh0 = e.mulk(&kt.bi, p.hq);
-        QuerySeq { kt, smem, bm, t_start, ntile, total, kh_g, bh0 }
+        QuerySeq { kt, smem, bm, t_start, ntile, total, kh_g, bh0, stats: stats_bases(p).to_vec() }
     }
 
     /// (query head, first query row) of tile `f`.
@@ -1206,6 +1219,8 @@ impl QuerySeq {
     }
 
     /// The copier's `cp.async` of tile `f`'s (Q, dO, lse, D) into its slot of `ring`.
+    /// The copier's `cp.async` of tile `f`'s Q and dO rows and the per-row workspace arrays of
+    /// [`QuerySeq::stats`] (after Q and dO, `bm` f32 each: [`copy_stats`]).
     fn load(&self, e: &mut Em, p: &Problem, io: &Io, cp: &Copier, ring: &Ring, f: &str) {
         let (d, bm, q_row) = (p.d, self.bm, p.hq * p.d);
         let (h, q0) = self.locate(e, f);
@@ -1221,7 +1236,7 @@ impl QuerySeq {
         cp.copy(e, &self.smem, &io.q, &go, q_row, bm, d, &sb);
         let dob = e.addk(&sb, bm * d);
         cp.copy(e, &self.smem, &io.dout, &go, q_row, bm, d, &dob);
-        copy_stats(e, p, io, &self.smem, &cp.ptid, &self.bh0, &h, &q0, &sb, 2 * bm * d, bm);
+        copy_stats(e, p, io, &self.smem, &cp.ptid, &self.bh0, &h, &q0, &sb, 2 * bm * d, bm, &self.stats);
     }
 }
 
@@ -1239,8 +1254,9 @@ struct WsCx<'a> {
 }
 
 /// What a consumer of [`dkdv_ws_consumer`] does after a tile's dK and dV updates, before it
-/// releases the stage: `(tile f, dS^T)` (the five-product pass's dQ partial).
-type AfterTile<'a> = dyn Fn(&mut Em, &str, &[[String; 4]]) + 'a;
+/// releases the stage: `(tile f, the stage's statistics (bf16 shared pointer), dS^T)` (the
+/// five-product pass's dQ partial).
+type AfterTile<'a> = dyn Fn(&mut Em, &str, &str, &[[String; 4]]) + 'a;
 
 /// A consumer warpgroup of [`dkdv_ws_body`]: the single-warpgroup pass's `wgmma` tile loop on
 /// 64 of the CTA's 128 keys, each stage waited for on its `full` barrier and released on its
@@ -1296,7 +1312,7 @@ fn dkdv_ws_consumer(e: &mut Em, p: &Problem, io: &Io, cx: &WsCx, locate: &dyn Fn
         let dpt = wprod(e, &v_at, &do_tile);
         let dst = tile.ds_t(e, &pt, &dpt);
         dkdv_update_wgmma(e, d, bm, &mnmaj, &pt, &dst, &do_tile, &q_tile, &mut dk, &mut dv);
-        after(e, f, &dst);
+        after(e, f, &stats, &dst);
         // Both chains were waited for: the slot's tiles are no longer read.
         cx.ring.release(e, &s);
         let mut next = frag_names(&dk);

@@ -746,9 +746,13 @@ fn attention_bwd_warp_specialized_structure() {
         assert_eq!(k.launch.block, [128, 1, 1], "{name}");
         assert!(!k.ptx.contains("setmaxnreg") && !k.ptx.contains("mbarrier"), "{name}");
     }
-    // head_dim 64 from sequence 4096 on (Llama-3.2 1B's 8192): the five-product backward
-    // (tests/attention_five.rs checks its structure; there the seven-product passes it replaces).
-    for (shape, name) in [([1, 4096, 4, 4, 64], "layer_bwd.d64_4k"), ([1, 8192, 32, 8, 64], "layer_bwd.d64_8k")] {
+    // head_dim 64 from sequence 4096 on (Llama-3.2 1B's 8192) and 128 from 8192 on (Llama-3 8B's):
+    // the five-product backward (tests/attention_five.rs checks its structure; there the
+    // seven-product passes it replaces). Head_dim 128 at 4096 keeps the seven-product passes.
+    let id = attention_bwd_body(&mut g, [1, 4096, 32, 8, 128], true);
+    let k = compile(&g, id, KernelKind::AttentionBwd, "layer_bwd.d128_4k");
+    assert!(k.epilogue.is_none() && !k.ptx.contains("cp.reduce.async.bulk"), "head_dim 128 at 4096: seven products");
+    for (shape, name) in [([1, 4096, 4, 4, 64], "layer_bwd.d64_4k"), ([1, 8192, 32, 8, 64], "layer_bwd.d64_8k"), ([1, 8192, 32, 8, 128], "layer_bwd.d128_8k")] {
         let id = attention_bwd_body(&mut g, shape, true);
         let k = compile(&g, id, KernelKind::AttentionBwd, name);
         let (pro, epi) = (k.prologue.as_ref().expect("prep phase"), k.epilogue.as_ref().expect("convert phase"));

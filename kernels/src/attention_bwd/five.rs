@@ -2,7 +2,7 @@
 //! backward kernels share): one pass over (key tile, query tile) pairs computes dK, dV *and* dQ's
 //! partial sums, so `S` and `dP` are computed once instead of twice (five GEMM-sized products
 //! instead of the seven-product pass's). Head_dim 64 or 128, sequence a multiple of 128; the
-//! default at head_dim 64 from sequence 4096 on ([`enabled`]).
+//! default at head_dim 64 from sequence 4096 on and at 128 from 8192 on ([`enabled`]).
 //!
 //! Three launches of one module, with the same arguments:
 //! - **prep** (`<entry>_prep`, the prologue): one CTA of 4 warps per 64-query tile of one (batch,
@@ -50,8 +50,12 @@ const STAGES: i64 = 2;
 /// Whether the five-product pass is built for `p` (head_dim 64 or 128, sequence a multiple of
 /// 128): by default at head_dim 64 from sequence 4096 on, where it ran 9% (8192, Llama-3.2 1B's
 /// shape) and 6% (4096) faster alone than the seven-product passes and the 1B step 0.5-1.7%
-/// faster; at 2048 it ran 3% slower, at head_dim 128 -1% to +9% (docs/performance.md, session
-/// 23). `TITAN_ATT_BWD_5P` at build time overrides, for comparisons: `1` wherever it can run, `0`
+/// faster (at 2048 3% slower; docs/performance.md, session 23), and at head_dim 128 from 8192
+/// on: with the norms staged, sustained at the power cap it took 3.9% less energy and 3% less
+/// time a launch than the seven-product passes (3% more in a cool burst), and the 8b-4l step
+/// ran 0.3-0.6% faster in interleaved 20-step medians (session 24, calls A and C; at 4096 it
+/// cost 1.5% more energy).
+/// `TITAN_ATT_BWD_5P` at build time overrides, for comparisons: `1` wherever it can run, `0`
 /// never.
 pub(super) fn enabled(p: &Problem) -> bool {
     if !matches!(p.d, 64 | 128) || p.s % WS_KEYS != 0 {
@@ -60,7 +64,7 @@ pub(super) fn enabled(p: &Problem) -> bool {
     match std::env::var("TITAN_ATT_BWD_5P").as_deref() {
         Ok("1") => true,
         Ok("0") => false,
-        _ => p.d == 64 && p.s >= 4096,
+        _ => (p.d == 64 && p.s >= 4096) || (p.d == 128 && p.s >= 8192),
     }
 }
 
@@ -93,6 +97,17 @@ fn stg_bytes(d: i64) -> i64 {
 
 pub(super) fn smem_bytes(d: i64) -> i64 {
     layout(d).bytes
+}
+
+/// Whether a stage has room for its rows' `|dO_q|` after `lse` and `D` (f32 each): at head_dim
+/// 128 (64-row stages, 512 bytes of padding), not at 64 (the 128-row stage is full, and the
+/// CTA's 976 spare bytes are less than the two stages' 1 KB). Staged, the consumers read the
+/// norms from shared memory with the tile instead of loading them from the workspace after its
+/// products: at head_dim 128 those loads cost ~0.1 ms of the seq 8192 pass, at 64 nothing
+/// measurable (docs/performance.md, session 24, call A: 3.18 -> 3.07 ms a launch).
+fn norms_staged(d: i64) -> bool {
+    let bm = ws_rows(d);
+    stage_elems_rows(d, bm) >= 2 * bm * d + 2 * 3 * bm
 }
 
 /// The workspace, in 4-byte elements: `D` and `lse log2 e` (`b hq s` each, as the seven-product
@@ -540,7 +555,10 @@ pub(super) fn body(p: &Problem, io: &Io) -> String {
     let l = layout(d);
     let id = ids(&mut e);
     let tid = id.tid.clone();
-    let seq = QuerySeq::new(&mut e, p, &id.bid, bm);
+    let mut seq = QuerySeq::new(&mut e, p, &id.bid, bm);
+    if norms_staged(d) {
+        seq.stats.push(ws(p).norm);
+    }
     let smem = seq.smem.clone();
     let smem32 = e.smem_addr32(&smem);
     // sfree[b]: one arrival (the sender) once staging tile b's send has read it.
@@ -679,7 +697,7 @@ pub(super) fn body(p: &Problem, io: &Io) -> String {
                 let ptr = bound_ptr(e, p, io, &seq.kt.bi, &seq.kt.kh);
                 e.line(&format!("llvm.store {c}, {ptr} {{alignment = 4 : i64}} : f32, !llvm.ptr<1>"));
             });
-            let after = |e: &mut Em, f: &str, dst: &[[String; 4]]| {
+            let after = |e: &mut Em, f: &str, stats: &str, dst: &[[String; 4]]| {
                 let (b, free) = buf(e, f);
                 // dS^T -> dS tile b: key row `wk + key` of query block `nt / 8`, query chunk
                 // `nt % 8` of its 128-byte row, swizzled (chunk ^ key % 8; key % 8 = g).
@@ -703,15 +721,22 @@ pub(super) fn body(p: &Problem, io: &Io) -> String {
                 }
                 e.fence_proxy_async();
                 e.line("llvm.inline_asm has_side_effects \"bar.sync 1, 256;\", \"~{memory}\" : () -> ()");
-                let (h, q0) = seq.locate(e, f);
-                let bh = e.addi(&seq.bh0, &h);
                 let units: Vec<String> = (0..2)
                     .map(|k| {
                         let row = e.addk(&row0, 8 * k);
-                        let q = e.addi(&q0, &row);
-                        let at = row_at(e, p, w.norm, &bh, &q);
-                        let ptr = e.gep(&io.ws, 1, &at, "i64", "f32");
-                        let n = e.op(&format!("llvm.load {ptr} {{alignment = 4 : i64}} : !llvm.ptr<1> -> f32"));
+                        let n = if norms_staged(d) {
+                            // After the stage's lse and D rows.
+                            let o = e.addk(&row, 2 * bm);
+                            let ptr = sptr(e, stats, &o, "f32");
+                            e.op(&format!("llvm.load {ptr} {{alignment = 4 : i64}} : !llvm.ptr<3> -> f32"))
+                        } else {
+                            let (h, q0) = seq.locate(e, f);
+                            let bh = e.addi(&seq.bh0, &h);
+                            let q = e.addi(&q0, &row);
+                            let at = row_at(e, p, w.norm, &bh, &q);
+                            let ptr = e.gep(&io.ws, 1, &at, "i64", "f32");
+                            e.op(&format!("llvm.load {ptr} {{alignment = 4 : i64}} : !llvm.ptr<1> -> f32"))
+                        };
                         row_scale(e, &n, &c)
                     })
                     .collect();
