@@ -158,6 +158,14 @@ struct Cli {
     /// peak over it (the GPU's measured peak; on the cpu backend, the bytes its arenas allocate).
     #[arg(long, value_name = "FILE.svg")]
     memory_svg: Option<PathBuf>,
+    /// After the run (and its checkpoints), run each kernel of 99% of the profiled step time back
+    /// to back on the GPU, 1 s to settle then SECONDS measured, and print its time, energy (NVML's
+    /// counter) and SM clock there: at a power cap a kernel's energy, not its burst time, is what
+    /// it costs the step (implies --profile; one GPU, `--backend cuda`; before each kernel the step
+    /// is replayed up to its first launch, so it runs on the operands it had in the step; the
+    /// run's state is not used after).
+    #[arg(long, value_name = "SECONDS", value_parser = positive_seconds, allow_negative_numbers = true)]
+    kernel_energy: Option<f64>,
 }
 
 /// How much of the validation set one validation reads (`--val-steps`).
@@ -316,6 +324,29 @@ fn apply_job_config(mut cli: Cli, given: &dyn Fn(&str) -> bool, announce: bool) 
         cli.checkpoint_dir = Some(dir);
     }
     Ok(cli)
+}
+
+/// `--kernel-energy`'s window: a finite number of seconds above zero, at most 60.
+fn positive_seconds(s: &str) -> std::result::Result<f64, String> {
+    let x: f64 = s.parse().map_err(|_| format!("`{s}` is not a number of seconds"))?;
+    if !(x > 0.0 && x <= 60.0) {
+        return Err(format!("{s} s: give a window above 0 and at most 60 seconds (1-2 s measures a kernel to about 1%)"));
+    }
+    Ok(x)
+}
+
+/// `--kernel-energy` runs kernels on one GPU only.
+fn check_kernel_energy(cli: &Cli) -> Result<()> {
+    if cli.kernel_energy.is_none() {
+        return Ok(());
+    }
+    if cli.backend != "cuda" {
+        bail!("--kernel-energy measures GPU kernels at the power cap; run with --backend cuda on a machine with an NVIDIA GPU");
+    }
+    if cli.nproc_per_node.is_some() {
+        bail!("--kernel-energy is not supported yet on a mesh of processes; build the artifact for one GPU to measure its kernels");
+    }
+    Ok(())
 }
 
 fn check_backend(name: &str) -> Result<()> {
@@ -726,6 +757,7 @@ fn run(cli: Cli) -> Result<()> {
     check_checkpoint_flags(&cli)?;
     check_skip_flags(&cli)?;
     check_val_flags(&cli)?;
+    check_kernel_energy(&cli)?;
     if let Some(n) = cli.nproc_per_node {
         return launch_local(n, &cli);
     }
@@ -733,6 +765,9 @@ fn run(cli: Cli) -> Result<()> {
     let data = data_source(&cli)?;
     let data_name = cli.data.as_ref().map_or("bundled corpus".to_string(), |p| p.display().to_string());
     if env.is_distributed() {
+        if cli.kernel_energy.is_some() {
+            bail!("--kernel-energy is not supported yet on a mesh of processes; build the artifact for one GPU to measure its kernels");
+        }
         return run_rank(&cli, &env, data, &data_name);
     }
     let seed = cli.seed.unwrap_or(0);
@@ -1062,13 +1097,17 @@ fn run_cuda(cli: &Cli, artifact: &Artifact, data: DataSource, data_name: &str, s
         print_profile(&trainer, true);
         write_trace(&trainer, cli, 0, 1)?;
     }
+    if let Some(seconds) = cli.kernel_energy {
+        eprint!("{}", trainer.kernel_energy(seconds)?);
+    }
     Ok(())
 }
 
 impl Cli {
-    /// `--profile`, or `--trace` (which needs the profile's events).
+    /// `--profile`, or `--trace` (which needs the profile's events), or `--kernel-energy`
+    /// (which measures the kernels the profile found the time in).
     fn profiling(&self) -> bool {
-        self.profile || self.trace.is_some()
+        self.profile || self.trace.is_some() || self.kernel_energy.is_some()
     }
 }
 

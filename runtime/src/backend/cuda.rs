@@ -43,8 +43,10 @@ pub mod driver;
 pub mod gemm;
 
 mod autotune;
+mod energy;
 mod kernel_runner;
 mod module;
+mod nvml;
 mod trainer;
 mod unroll;
 

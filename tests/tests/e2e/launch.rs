@@ -353,6 +353,15 @@ fn bad_launches_are_refused_clearly() {
     assert!(e.contains("--nproc-per-node launches its own ranks"), "{e}");
     let e = err(&[p(&spmd), "--steps", "2", "--nproc-per-node", "2", "--profile"], &[]);
     assert!(e.contains("--profile and --trace time the kernels of an artifact") && e.contains("titanc build --tp/--dp-shard"), "{e}");
+    // --kernel-energy: GPU kernels of one process only, a window of 0-60 s.
+    let e = err(&[p(&single), "--steps", "2", "--kernel-energy", "1"], &[]);
+    assert!(e.contains("--kernel-energy measures GPU kernels at the power cap; run with --backend cuda"), "{e}");
+    let e = err(&[p(&spmd), "--steps", "2", "--backend", "cuda", "--nproc-per-node", "2", "--kernel-energy", "1"], &[]);
+    assert!(e.contains("--kernel-energy is not supported yet on a mesh of processes"), "{e}");
+    for bad in ["0", "-1", "61", "nan", "x"] {
+        let e = err(&[p(&single), "--backend", "cuda", "--kernel-energy", bad], &[]);
+        assert!(e.contains("--kernel-energy <SECONDS>") && (e.contains("window above 0") || e.contains("not a number")), "{bad}: {e}");
+    }
     // Slurm: the rendezvous host is the first of the nodelist; rank 0 not there times out, naming it.
     let e = err(
         &[p(&spmd), "--steps", "2", "--rendezvous-timeout", "1"],

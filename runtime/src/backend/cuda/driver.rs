@@ -109,6 +109,15 @@ impl Gpu {
         Ok(Gpu { ctx, dev, stream, comm, name })
     }
 
+    /// The device's PCI bus id (`domain:bus:device.function`), as NVML names devices.
+    pub fn pci_bus_id(&self) -> Result<String, CudaError> {
+        let mut buf = [0 as std::ffi::c_char; 32];
+        // SAFETY: `buf` has the length passed; `dev` is a valid device.
+        check(unsafe { sys::cuDeviceGetPCIBusId(buf.as_mut_ptr(), buf.len() as i32, self.dev).result() }, || "reading the PCI bus id".into())?;
+        // SAFETY: the driver wrote a NUL-terminated string into `buf`.
+        Ok(unsafe { std::ffi::CStr::from_ptr(buf.as_ptr()) }.to_string_lossy().into_owned())
+    }
+
     /// Make collectives stream `s` wait for the work enqueued on the compute stream so far
     /// (`e` is recorded on the compute stream).
     pub fn fork_to_comm(&self, s: usize, e: &Event) -> Result<(), CudaError> {

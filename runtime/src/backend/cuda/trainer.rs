@@ -13,7 +13,9 @@ use titan_ir::interp::Tensor;
 use super::autotune::{TuneMode, gemm_operands};
 use super::collective::{self, Action, Loc};
 use super::driver::{CudaError, DeviceBuffer, Event, Gpu, Graph};
+use super::energy;
 use super::module::{LoadedCode, check_gpu_code};
+use super::nvml::Nvml;
 use super::unroll::{Arenas, Op, Table};
 use super::{ARENAS, WARMUP_STEPS, arena_fill, bad, comm_profile, slot};
 use crate::RuntimeError;
@@ -746,6 +748,39 @@ impl<'a> CudaArtifactTrainer<'a> {
             out.push_str(&comm_profile::report(&c.infos, &c.waits, &c.sums, compute, p.steps, 10));
         }
         Some(out)
+    }
+
+    /// `--kernel-energy`: the kernels of 99% of the profiled kernel time, each run back to back
+    /// at its first launch in the step for `window_s` after a settling second; the report of
+    /// [`energy::report`]. A kernel's power depends on its operands' bits (zeros draw far less),
+    /// so before each the step is replayed up to that launch: it runs on the values it read in
+    /// the step, not on whatever the arenas' reuse left there. (After the run: in-place kernels
+    /// change the state, which is not used again.)
+    pub fn kernel_energy(&self, window_s: f64) -> Result<String, RuntimeError> {
+        let p = self.profile.as_ref().filter(|p| p.steps > 0).ok_or_else(|| {
+            bad("--kernel-energy: no profiled step to take the kernels from (the GPU does not count the first step); run at least 2 steps".into())
+        })?;
+        let nvml = Nvml::open(&self.gpu.pci_bus_id()?)?;
+        let s = self.train_sched();
+        let mut held = Vec::new();
+        for k in energy::chosen(&p.kernels, 0.99) {
+            let Some(i) = self.ops.iter().position(|op| matches!(op, Op::Launch { kernel, .. } if *kernel == k)) else {
+                continue;
+            };
+            let Op::Launch { kernel, ins, outs, at } = &self.ops[i] else { unreachable!("found as a launch") };
+            for op in &self.ops[..i] {
+                match op {
+                    Op::Launch { kernel, ins, outs, at } => s.code.launch(&self.gpu, s.kernels, *kernel, ins, outs, &|| at.clone())?,
+                    Op::Copy { dst, src, bytes, at } => self.gpu.copy(*dst, *src, *bytes, || format!("copy of {bytes} bytes ({at})"))?,
+                    Op::Memset { dst, bytes, at } => self.gpu.memset(*dst, 0, *bytes, || format!("memset of {bytes} bytes ({at})"))?,
+                    Op::Collective { .. } => return Err(bad("--kernel-energy: the step has collectives; measure an artifact built for one GPU".into())),
+                }
+            }
+            let launch = || s.code.launch(&self.gpu, s.kernels, *kernel, ins, outs, &|| at.clone());
+            let burst = p.kernels[k].seconds / p.kernels[k].launches.max(1) as f64;
+            held.push((k, energy::sustain(&self.gpu, &nvml, burst, window_s, &launch)?));
+        }
+        Ok(energy::report(self.artifact, &p.kernels, p.steps, window_s, &held))
     }
 
     /// Add the event times of the step that just finished to the profile.
