@@ -14,7 +14,12 @@ on `[b, h, s, d]` views of `[b, s, h, d]` tensors with
 `2 b s^2 hq d`, backward 2.5x that (the five GEMM-sized products of FlashAttention-2; titan's
 deterministic backward does seven).
 
-    python3 bench/attention_table.py --dump DIR [--markdown FILE] [--sdpa-backend cudnn|flash]
+    python3 bench/attention_table.py --dump DIR [--markdown FILE] [--sdpa-backend cudnn|flash] [--sustain SECONDS]
+
+`--sustain` adds a second table: each kernel run back to back at the power cap, where the
+training step runs (docs/notes.md, Runtime), with its time, energy (NVML's counter) and SM clock
+there; TFLOP/J counts the same flops as the first table. In a power-capped step a kernel's energy
+per launch, more than its burst time, is what it costs (`kernels/tests/nvml.py`).
 
 PyTorch must load its own cuDNN (`require_cudnn`): with another cuDNN on `LD_LIBRARY_PATH`,
 torch 2.11 refuses it and SDPA falls back from cuDNN's fused flash kernels to FlashAttention-2
@@ -46,8 +51,9 @@ def flops(shape):
     return 4 * b * s * s * hq * d // 2
 
 
-def titan_times(dump):
-    """{case name: ms per launch} of titan's attention perf cases on inputs like SDPA's: standard
+def titan_times(dump, sustain=None):
+    """({case name: ms per launch}, {case name: `nvml.sustained` dict, or None without
+    `sustain`}) of titan's attention perf cases on inputs like SDPA's: standard
     normal q, k, v (and dout), the backward's `out` and `lse` computed from them by PyTorch in
     f32 (`bwd_inputs`). A kernel's speed depends on its inputs' bits through power and clock: the
     H200 ran the seq 8192, head_dim 128 forward at 544 TFLOP/s on gpu_check's all-ones fill and
@@ -57,14 +63,17 @@ def titan_times(dump):
     fwd = {case_names(sh)[0] for sh in SHAPES}
     bwd = {case_names(sh)[1]: sh for sh in SHAPES}
     wanted = fwd | set(bwd)
-    got = {c["name"]: ms for c, ms in gpu_check.timed(dump, lambda name: name in fwd, random_floats=True)}
+    got, held = {}, {}
+    for c, ms in gpu_check.timed(dump, lambda name: name in fwd, random_floats=True, sustain=sustain):
+        got[c["name"]], held[c["name"]] = ms, c.get("sustained")
     for name, sh in bwd.items():
         args = bwd_inputs(sh)
-        got.update({c["name"]: ms for c, ms in gpu_check.timed(dump, lambda n, name=name: n == name, inputs=lambda c, args=args: args)})
+        for c, ms in gpu_check.timed(dump, lambda n, name=name: n == name, inputs=lambda c, args=args: args, sustain=sustain):
+            got[c["name"]], held[c["name"]] = ms, c.get("sustained")
     missing = sorted(wanted - set(got))
     if missing:
         sys.exit(f"attention_table: {dump}/perf.json lacks {missing}; regenerate the dump with this checkout's codegen tests")
-    return got
+    return got, held
 
 
 def bwd_inputs(shape, seed=0):
@@ -91,8 +100,10 @@ def bwd_inputs(shape, seed=0):
     return [raw(t) for t in (q, k, v, out, lse, do)]
 
 
-def sdpa_times(shape, iters=20):
-    """(forward ms, backward ms, backend kernel names) of PyTorch's SDPA on `shape`."""
+def sdpa_times(shape, iters=20, sustain=None):
+    """(forward ms, backward ms, backend kernel names, sustained) of PyTorch's SDPA on `shape`;
+    `sustained` is None, or with `sustain` (seconds) the forward's and backward's
+    `nvml.sustained` dicts."""
     import torch
     import torch.nn.functional as F
     from cuda_timing import cuda_ms
@@ -112,12 +123,20 @@ def sdpa_times(shape, iters=20):
         t_fwd = cuda_ms(fwd, iters=iters)
     out = fwd()
     t_bwd = cuda_ms(lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True), iters=iters)
+    held = None
+    if sustain:
+        import nvml
+
+        with torch.no_grad():
+            held_fwd = nvml.sustained(fwd, torch.cuda.synchronize, t_fwd, seconds=sustain)
+        held_bwd = nvml.sustained(lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True), torch.cuda.synchronize, t_bwd, seconds=sustain)
+        held = (held_fwd, held_bwd)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         torch.autograd.grad(fwd(), (q, k, v), do)
         torch.cuda.synchronize()
     names = {e.key.removeprefix("void ").split("<")[0].split("(")[0] for e in prof.key_averages()}
     kernels = sorted(n for n in names if any(w in n.lower() for w in ("flash", "fmha", "cudnn", "attention", "sdpa")))
-    return t_fwd, t_bwd, kernels
+    return t_fwd, t_bwd, kernels, held
 
 
 def main():
@@ -125,6 +144,12 @@ def main():
     ap.add_argument("--dump", required=True, help="the perf dump directory (see the module doc)")
     ap.add_argument("--markdown", help="also write the table to this file")
     ap.add_argument("--sdpa-backend", choices=["default", "cudnn", "flash"], default="default", help="pin SDPA's backend")
+    ap.add_argument(
+        "--sustain",
+        type=float,
+        metavar="SECONDS",
+        help="also run every kernel back to back at the power cap (1 s to settle, then SECONDS measured) and print its time, energy and clock there",
+    )
     a = ap.parse_args()
     import contextlib
 
@@ -136,14 +161,14 @@ def main():
     cudnn = require_cudnn()
     pin = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}.get(a.sdpa_backend)
 
-    titan = titan_times(a.dump)
-    rows = []
+    titan, titan_held = titan_times(a.dump, a.sustain)
+    rows, held_rows = [], []
     backends = set()
     for sh in SHAPES:
         f_name, b_name = case_names(sh)
         tf, tb = titan[f_name], titan[b_name]
         with sdpa_kernel(pin) if pin is not None else contextlib.nullcontext():
-            pf, pb, ks = sdpa_times(sh)
+            pf, pb, ks, sdpa_held = sdpa_times(sh, sustain=a.sustain)
         backends.update(ks)
         fl = flops(sh)
         rate = lambda ms, mult=1.0: fl * mult / (ms * 1e-3) / 1e12  # noqa: E731
@@ -151,6 +176,11 @@ def main():
         rows.append(
             f"| {s} | {d} | {b} x {hq}/{hkv} | {tf:.3f} | {rate(tf):.0f} | {pf:.3f} | {rate(pf):.0f} | {tb:.3f} | {rate(tb, 2.5):.0f} | {pb:.3f} | {rate(pb, 2.5):.0f} | {(pf + pb) / (tf + tb):.2f} |"
         )
+        if a.sustain:
+            for way, name, mult, theirs in (("fwd", f_name, 1.0, sdpa_held[0]), ("bwd", b_name, 2.5, sdpa_held[1])):
+                ours = titan_held[name]
+                cells = " | ".join(f"{h['ms']:.3f} | {fl * mult / h['J'] / 1e12:.2f} | {h['J']:.3f} | {h['W']:.0f} | {h['MHz']:.0f}" for h in (ours, theirs))
+                held_rows.append(f"| {s} | {d} | {way} | {cells} | {ours['J'] / theirs['J']:.3f} |")
     head = [
         f"{torch.cuda.get_device_name()}, torch {torch.__version__}, cuDNN {cudnn}; SDPA kernels: {', '.join(sorted(backends)) or 'unknown'}",
         "",
@@ -158,6 +188,18 @@ def main():
         "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     text = "\n".join(head + rows)
+    if held_rows:
+        text += "\n".join(
+            [
+                "",
+                "",
+                f"Sustained at the power cap (1 s to settle, {a.sustain:g} s measured; NVML energy counter, SM clock median of 50 ms samples):",
+                "",
+                "| seq | head_dim | pass | titan ms | TFLOP/J | J | W | MHz | SDPA ms | TFLOP/J | J | W | MHz | titan J / SDPA J |",
+                "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+            ]
+            + held_rows
+        )
     print(text)
     if a.markdown:
         with open(a.markdown, "w") as f:

@@ -236,13 +236,15 @@ def perf(d):
         print(f"{c['name']}: {t*1e3:.1f} us, {rate} (grid {c['grid']}, block {c['block']})", flush=True)
 
 
-def timed(d, keep, iters=20, random_floats=False, inputs=None):
+def timed(d, keep, iters=20, random_floats=False, inputs=None, sustain=None):
     """Yield (case, ms per launch) for each case of `d`/perf.json whose name `keep` accepts: three
     warm-up launches, then the mean of `iters` timed by CUDA events. Float inputs are all 1.0, or
     with `random_floats` standard normal (numpy): compute-bound kernels run slower on random bits
     (more power, a lower clock), so timings to compare with PyTorch's on `randn` need them.
     `inputs(case)`, if given, may return the bytes of every argument instead (a list in
-    argument order, or None for the fills above)."""
+    argument order, or None for the fills above). With `sustain` (seconds), each case then also
+    runs back to back at the power cap (`nvml.sustained`: 1 s to settle, `sustain` measured) and
+    the case dict gets `sustained`: {ms, J, W, MHz, n} per launch."""
     import random
 
     cases = [c for c in json.load(open(os.path.join(d, "perf.json"))) if keep(c["name"])]
@@ -309,6 +311,10 @@ def timed(d, keep, iters=20, random_floats=False, inputs=None):
         check(cu.cuEventSynchronize(stop), "sync")
         ms = ctypes.c_float()
         check(cu.cuEventElapsedTime(ctypes.byref(ms), start, stop), "elapsed")
+        if sustain:
+            import nvml
+
+            c["sustained"] = nvml.sustained(lambda: launch(c, fns, params), lambda: check(cu.cuCtxSynchronize(), "sync"), ms.value / iters, seconds=sustain)
         for pi, p in enumerate(ptrs):
             if pi not in alias:
                 cu.cuMemFree_v2(p)
