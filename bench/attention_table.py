@@ -14,7 +14,7 @@ on `[b, h, s, d]` views of `[b, s, h, d]` tensors with
 `2 b s^2 hq d`, backward 2.5x that (the five GEMM-sized products of FlashAttention-2; titan's
 deterministic backward does seven).
 
-    python3 bench/attention_table.py --dump DIR [--markdown FILE] [--sdpa-backend cudnn|flash] [--sustain SECONDS]
+    python3 bench/attention_table.py --dump DIR [--markdown FILE] [--sdpa-backend cudnn|flash] [--sustain SECONDS] [--forward-only]
 
 `--sustain` adds a second table: each kernel run back to back at the power cap, where the
 training step runs (docs/notes.md, Runtime), with its time, energy (NVML's counter) and SM clock
@@ -51,7 +51,7 @@ def flops(shape):
     return 4 * b * s * s * hq * d // 2
 
 
-def titan_times(dump, sustain=None):
+def titan_times(dump, sustain=None, backward=True):
     """({case name: ms per launch}, {case name: `nvml.sustained` dict, or None without
     `sustain`}) of titan's attention perf cases on inputs like SDPA's: standard
     normal q, k, v (and dout), the backward's `out` and `lse` computed from them by PyTorch in
@@ -62,6 +62,8 @@ def titan_times(dump, sustain=None):
 
     fwd = {case_names(sh)[0] for sh in SHAPES}
     bwd = {case_names(sh)[1]: sh for sh in SHAPES}
+    if not backward:
+        bwd = {}
     wanted = fwd | set(bwd)
     got, held = {}, {}
     for c, ms in gpu_check.timed(dump, lambda name: name in fwd, random_floats=True, sustain=sustain):
@@ -100,10 +102,10 @@ def bwd_inputs(shape, seed=0):
     return [raw(t) for t in (q, k, v, out, lse, do)]
 
 
-def sdpa_times(shape, iters=20, sustain=None):
+def sdpa_times(shape, iters=20, sustain=None, backward=True):
     """(forward ms, backward ms, backend kernel names, sustained) of PyTorch's SDPA on `shape`;
     `sustained` is None, or with `sustain` (seconds) the forward's and backward's
-    `nvml.sustained` dicts."""
+    `nvml.sustained` dicts (without `backward`, the backward's entries are None)."""
     import torch
     import torch.nn.functional as F
     from cuda_timing import cuda_ms
@@ -122,14 +124,16 @@ def sdpa_times(shape, iters=20, sustain=None):
     with torch.no_grad():
         t_fwd = cuda_ms(fwd, iters=iters)
     out = fwd()
-    t_bwd = cuda_ms(lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True), iters=iters)
+    t_bwd = cuda_ms(lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True), iters=iters) if backward else None
     held = None
     if sustain:
         import nvml
 
         with torch.no_grad():
             held_fwd = nvml.sustained(fwd, torch.cuda.synchronize, t_fwd, seconds=sustain)
-        held_bwd = nvml.sustained(lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True), torch.cuda.synchronize, t_bwd, seconds=sustain)
+        held_bwd = None
+        if backward:
+            held_bwd = nvml.sustained(lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True), torch.cuda.synchronize, t_bwd, seconds=sustain)
         held = (held_fwd, held_bwd)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         torch.autograd.grad(fwd(), (q, k, v), do)
@@ -150,7 +154,9 @@ def main():
         metavar="SECONDS",
         help="also run every kernel back to back at the power cap (1 s to settle, then SECONDS measured) and print its time, energy and clock there",
     )
+    ap.add_argument("--forward-only", action="store_true", help="time the forward kernels only (titan's and SDPA's)")
     a = ap.parse_args()
+    backward = not a.forward_only
     import contextlib
 
     import torch
@@ -161,23 +167,26 @@ def main():
     cudnn = require_cudnn()
     pin = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}.get(a.sdpa_backend)
 
-    titan, titan_held = titan_times(a.dump, a.sustain)
+    titan, titan_held = titan_times(a.dump, a.sustain, backward)
     rows, held_rows = [], []
     backends = set()
     for sh in SHAPES:
         f_name, b_name = case_names(sh)
-        tf, tb = titan[f_name], titan[b_name]
+        tf, tb = titan[f_name], titan.get(b_name)
         with sdpa_kernel(pin) if pin is not None else contextlib.nullcontext():
-            pf, pb, ks, sdpa_held = sdpa_times(sh, sustain=a.sustain)
+            pf, pb, ks, sdpa_held = sdpa_times(sh, sustain=a.sustain, backward=backward)
         backends.update(ks)
         fl = flops(sh)
         rate = lambda ms, mult=1.0: fl * mult / (ms * 1e-3) / 1e12  # noqa: E731
         b, s, hq, hkv, d = sh
-        rows.append(
-            f"| {s} | {d} | {b} x {hq}/{hkv} | {tf:.3f} | {rate(tf):.0f} | {pf:.3f} | {rate(pf):.0f} | {tb:.3f} | {rate(tb, 2.5):.0f} | {pb:.3f} | {rate(pb, 2.5):.0f} | {(pf + pb) / (tf + tb):.2f} |"
-        )
+        if backward:
+            bwd_cells = f"{tb:.3f} | {rate(tb, 2.5):.0f} | {pb:.3f} | {rate(pb, 2.5):.0f} | {(pf + pb) / (tf + tb):.2f}"
+        else:
+            bwd_cells = f"- | - | - | - | {pf / tf:.2f} (fwd)"
+        rows.append(f"| {s} | {d} | {b} x {hq}/{hkv} | {tf:.3f} | {rate(tf):.0f} | {pf:.3f} | {rate(pf):.0f} | {bwd_cells} |")
         if a.sustain:
-            for way, name, mult, theirs in (("fwd", f_name, 1.0, sdpa_held[0]), ("bwd", b_name, 2.5, sdpa_held[1])):
+            passes = (("fwd", f_name, 1.0, sdpa_held[0]), ("bwd", b_name, 2.5, sdpa_held[1]))
+            for way, name, mult, theirs in passes[: 2 if backward else 1]:
                 ours = titan_held[name]
                 cells = " | ".join(f"{h['ms']:.3f} | {fl * mult / h['J'] / 1e12:.2f} | {h['J']:.3f} | {h['W']:.0f} | {h['MHz']:.0f}" for h in (ours, theirs))
                 held_rows.append(f"| {s} | {d} | {way} | {cells} | {ours['J'] / theirs['J']:.3f} |")

@@ -48,6 +48,8 @@ use titan_ir::{DType, Graph, Node, Op, Region};
 use crate::values::Body;
 use crate::{GenResult, Generated, invalid, unsupported};
 
+mod fwd_ws;
+
 /// Query rows per CTA.
 const BM: u64 = 64;
 /// Keys per K/V tile.
@@ -431,24 +433,29 @@ pub(crate) fn generate(g: &Graph, r: &Region, entry: &str) -> GenResult<Generate
     let vp = params[ins[2]].clone();
     let op = params[n_args + outs[0]].clone();
     let lp = params[n_args + outs[1]].clone();
-    let grid = ((p.s / BM) * p.b * p.hq) as u32;
     let var = Variant::for_head_dim(p.d);
-    let body = forward_body(&p, var, &qp, &kp, &vp, &op, &lp);
+    let ws = fwd_ws::enabled(&p);
+    let (grid, block, attrs, body, bytes) = if ws {
+        let (grid, block, attrs) = fwd_ws::launch(&p);
+        (grid, block, attrs, fwd_ws::body(&p, &qp, &kp, &vp, &op, &lp), fwd_ws::smem_bytes(p.d as i64) as u64)
+    } else {
+        let occupancy = if p.d == 128 { format!(", nvvm.minctasm = {CTAS_PER_SM_D128} : i32") } else { String::new() };
+        let grid = ((p.s / BM) * p.b * p.hq) as u32;
+        (grid, THREADS as u32, occupancy, forward_body(&p, var, &qp, &kp, &vp, &op, &lp), smem_layout(p.d, var).0)
+    };
     let mut m = String::new();
     m.push_str("module attributes {gpu.container_module} {\n  gpu.module @titan {\n");
     // 1024-byte aligned: the swizzled `wgmma` tiles repeat their pattern every 1 KB.
     m.push_str("    llvm.mlir.global external @att_smem() {addr_space = 3 : i32, alignment = 1024 : i64} : !llvm.array<0 x i8>\n");
     let ps: Vec<String> = params.iter().map(|p| format!("{p}: !llvm.ptr<1>")).collect();
-    let occupancy = if p.d == 128 { format!(", nvvm.minctasm = {CTAS_PER_SM_D128} : i32") } else { String::new() };
     let _ = writeln!(
         m,
-        "    gpu.func @{entry}({}) kernel attributes {{known_block_size = array<i32: {THREADS}, 1, 1>, known_grid_size = array<i32: {grid}, 1, 1>{occupancy}}} {{",
+        "    gpu.func @{entry}({}) kernel attributes {{known_block_size = array<i32: {block}, 1, 1>, known_grid_size = array<i32: {grid}, 1, 1>{attrs}}} {{",
         ps.join(", ")
     );
     m.push_str(&body);
     m.push_str("      gpu.return\n    }\n  }\n}\n");
-    let (bytes, _, _) = smem_layout(p.d, var);
-    Ok(Generated { shared_bytes: bytes as u32, ..Generated::new(m, THREADS as u32, grid, 0) })
+    Ok(Generated { shared_bytes: bytes as u32, ..Generated::new(m, block, grid, 0) })
 }
 
 /// Dynamic shared memory of the forward kernel at head_dim `d`: (bytes, element offsets of the
@@ -785,24 +792,24 @@ fn n_tiles(v: &[String]) -> Vec<[String; 4]> {
     v.chunks(4).map(|c| [0, 1, 2, 3].map(|i| c[i].clone())).collect()
 }
 
-/// Diagonal tile: key (n-tile * 8 + kcol + i) > query row (both within their 64-wide tiles)
-/// -> -inf.
-fn mask_diagonal(e: &mut Em, cx: &Ctx, s: &mut [[String; 4]]) {
+/// Diagonal tile: key (n-tile * 8 + `kcol` + i) > query row (`qrow`, the thread's two rows; both
+/// within their 64-wide tiles) -> -inf.
+fn mask_diagonal(e: &mut Em, kcol: &str, qrow: &[String; 2], s: &mut [[String; 4]]) {
     let ninf = e.f32c(f32::NEG_INFINITY);
     for (nt, t) in s.iter_mut().enumerate() {
         for (i, x) in t.iter_mut().enumerate() {
-            let key = e.addk(&cx.kcol, nt as i64 * 8 + (i % 2) as i64);
-            let gt = e.op(&format!("arith.cmpi ugt, {key}, {} : i32", cx.qrow[i / 2]));
+            let key = e.addk(kcol, nt as i64 * 8 + (i % 2) as i64);
+            let gt = e.op(&format!("arith.cmpi ugt, {key}, {} : i32", qrow[i / 2]));
             *x = e.op(&format!("arith.select {gt}, {ninf}, {x} : f32"));
         }
     }
 }
 
 /// The online softmax of one S tile (8 n-tiles in the C layout: c0, c1 in row g, c2, c3 in row
-/// g + 8) against the running max `m` and partial sums `l` of the thread's two rows. Returns
+/// g + 8; `c` = `scale log2 e`) against the running max `m` and partial sums `l` of the thread's two rows. Returns
 /// the new max, `alpha = exp2(m - m_new)` (what O must be scaled by), `l alpha` plus this tile's
 /// row sums, and P as A fragments (key step kk covers n-tiles 2kk and 2kk + 1).
-fn online_softmax(e: &mut Em, cx: &Ctx, s: &mut [[String; 4]], m: &[String; 2], l: &[String; 2]) -> ([String; 2], [String; 2], [String; 2], Vec<[String; 4]>) {
+fn online_softmax(e: &mut Em, c: &str, s: &mut [[String; 4]], m: &[String; 2], l: &[String; 2]) -> ([String; 2], [String; 2], [String; 2], Vec<[String; 4]>) {
     let mut m_new = [String::new(), String::new()];
     let mut alpha = [String::new(), String::new()];
     for r in 0..2 {
@@ -819,7 +826,7 @@ fn online_softmax(e: &mut Em, cx: &Ctx, s: &mut [[String; 4]], m: &[String; 2], 
             let o = e.shfl_xor(&mx, off);
             mx = e.fmax(&mx, &o);
         }
-        let mxs = e.fmul(&mx, &cx.c);
+        let mxs = e.fmul(&mx, c);
         m_new[r] = e.fmax(&m[r], &mxs);
         let dm = e.fsub(&m[r], &m_new[r]);
         alpha[r] = e.ex2(&dm);
@@ -828,7 +835,7 @@ fn online_softmax(e: &mut Em, cx: &Ctx, s: &mut [[String; 4]], m: &[String; 2], 
     let mut l = [e.fmul(&l[0], &alpha[0]), e.fmul(&l[1], &alpha[1])];
     for t in s.iter_mut() {
         for (i, x) in t.iter_mut().enumerate() {
-            let y = e.fma(x, &cx.c, &neg_m[i / 2]);
+            let y = e.fma(x, c, &neg_m[i / 2]);
             *x = e.ex2(&y);
             l[i / 2] = e.fadd(&l[i / 2], x);
         }
@@ -868,9 +875,9 @@ fn tile_body(e: &mut Em, cx: &Ctx, j: &str, st: &State, masked: bool) -> State {
     if_then(e, &has_next, |e| load_tile(e, cx, &j1, false, &cx.ks));
     e.commit();
     if masked {
-        mask_diagonal(e, cx, &mut s);
+        mask_diagonal(e, &cx.kcol, &cx.qrow, &mut s);
     }
-    let (m_new, alpha, l, pf) = online_softmax(e, cx, &mut s, &st.m, &st.l);
+    let (m_new, alpha, l, pf) = online_softmax(e, &cx.c, &mut s, &st.m, &st.l);
     let mut o: Vec<[String; 4]> = st.o.iter().map(|t| [0, 1, 2, 3].map(|i| e.fmul(&t[i], &alpha[i / 2]))).collect();
     // V_j ready (K_{j+1} may still be in flight).
     e.wait_group(1);
@@ -1004,11 +1011,11 @@ fn forward_wgmma(e: &mut Em, cx: &Ctx) -> State {
     }
     let mut s = n_tiles(&s);
     if cx.causal {
-        mask_diagonal(e, cx, &mut s);
+        mask_diagonal(e, &cx.kcol, &cx.qrow, &mut s);
     }
     let ninf = e.f32c(f32::NEG_INFINITY);
     let zf = e.f32c(0.0);
-    let (m, _, l, pf) = online_softmax(e, cx, &mut s, &[ninf.clone(), ninf], &[zf.clone(), zf.clone()]);
+    let (m, _, l, pf) = online_softmax(e, &cx.c, &mut s, &[ninf.clone(), ninf], &[zf.clone(), zf.clone()]);
     // Carried: O (zero: tile `last`'s P V is issued in the first iteration), m, l, P.
     let mut init: Vec<String> = vec![zf; 4 * nt];
     init.extend(m);
@@ -1059,7 +1066,7 @@ fn forward_wgmma(e: &mut Em, cx: &Ctx) -> State {
             e.commit();
         }
         let mut s = n_tiles(&s);
-        let (m_new, alpha, l, pf) = online_softmax(e, cx, &mut s, &m, &l);
+        let (m_new, alpha, l, pf) = online_softmax(e, &cx.c, &mut s, &m, &l);
         let (o, _) = wgmma_wait(e, 0, &o, &pf_live);
         let mut next: Vec<String> = o.iter().enumerate().map(|(i, x)| e.fmul(x, &alpha[(i % 4) / 2])).collect();
         next.extend(m_new);
@@ -1083,7 +1090,6 @@ fn forward_body(p: &Problem, var: Variant, qp: &str, kp: &str, vp: &str, op: &st
     let d = p.d as i64;
     let stride = d + 8;
     let nm = (p.s / BM) as i64;
-    let bh = (p.b * p.hq) as i64;
     let tid_ix = e.op("gpu.thread_id x");
     let tid = e.op(&format!("arith.index_cast {tid_ix} : index to i32"));
     let bid_ix = e.op("gpu.block_id x");
@@ -1092,27 +1098,7 @@ fn forward_body(p: &Problem, var: Variant, qp: &str, kp: &str, vp: &str, op: &st
     let lane = e.remk(&tid, 32);
     let g = e.divk(&lane, 4);
     let tq = e.remk(&lane, 4);
-    // Longest causal tiles first: block -> (query tile, batch * head).
-    let mb_rev = e.divk(&bid, bh);
-    let nm1 = e.i32c(nm - 1);
-    let mblk = e.bin("subi", &nm1, &mb_rev, "i32");
-    let bhi = e.remk(&bid, bh);
-    let bi = e.divk(&bhi, p.hq as i64);
-    let h = e.remk(&bhi, p.hq as i64);
-    let kh = e.divk(&h, (p.hq / p.hkv) as i64);
-    // Global bases (elements, i64).
-    let bi64 = e.ext64(&bi);
-    let h64 = e.ext64(&h);
-    let kh64 = e.ext64(&kh);
-    let sq = e.i64c((p.s * p.hq * p.d) as i64);
-    let skv = e.i64c((p.s * p.hkv * p.d) as i64);
-    let d64 = e.i64c(d);
-    let qb = e.bin("muli", &bi64, &sq, "i64");
-    let hd = e.bin("muli", &h64, &d64, "i64");
-    let q_base = e.bin("addi", &qb, &hd, "i64");
-    let kvb = e.bin("muli", &bi64, &skv, "i64");
-    let khd = e.bin("muli", &kh64, &d64, "i64");
-    let kv_base = e.bin("addi", &kvb, &khd, "i64");
+    let Tile { mblk, bhi, q_base, kv_base } = tile_of(&mut e, p, &bid, nm);
     let q_row = (p.hq * p.d) as i64;
     let kv_row = (p.hkv * p.d) as i64;
     // This thread's two query rows (absolute) and their offsets within the tile.
@@ -1134,16 +1120,7 @@ fn forward_body(p: &Problem, var: Variant, qp: &str, kp: &str, vp: &str, op: &st
         e.gep(base, 1, &o, "i64", "bf16")
     };
     let qrow_p = [row_ptr(&mut e, qp, &row0), row_ptr(&mut e, qp, &row1)];
-    let qf: Vec<[String; 4]> = (0..if var.q_smem { 0 } else { d / 16 })
-        .map(|ks| {
-            let mut a: [String; 4] = Default::default();
-            for (i, x) in a.iter_mut().enumerate() {
-                let ptr = e.gepk(&qrow_p[i % 2], 1, 16 * ks + 8 * (i / 2) as i64);
-                *x = e.op(&format!("llvm.load {ptr} {{alignment = 4 : i64}} : !llvm.ptr<1> -> i32"));
-            }
-            a
-        })
-        .collect();
+    let qf = if var.q_smem { Vec::new() } else { q_frags(&mut e, &qrow_p, d) };
     // Shared buffers and this lane's ldmatrix rows.
     // Dynamic shared memory: the K buffers, then the V buffers ([`smem_layout`]).
     let ks = e.op("llvm.mlir.addressof @att_smem : !llvm.ptr<3>");
@@ -1223,7 +1200,66 @@ fn forward_body(p: &Problem, var: Variant, qp: &str, kp: &str, vp: &str, op: &st
         kcol: kcol.clone(),
     };
     let st = if wgmma { forward_wgmma(&mut e, &cx) } else { forward_mma_sync(&mut e, &cx, &mblk) };
-    // Epilogue: full row sums across the quad, O / l, lse.
+    let orow_p = [row_ptr(&mut e, op, &row0), row_ptr(&mut e, op, &row1)];
+    write_out(&mut e, &st, &orow_p, lp, &bhi, p.s as i64, [&row0, &row1], &tq);
+    e.body
+}
+
+/// A forward CTA's work: its query tile (i32, of `nm` per head), its (batch x heads + head), and
+/// the element bases (i64) of its Q head and its K/V head.
+struct Tile {
+    mblk: String,
+    bhi: String,
+    q_base: String,
+    kv_base: String,
+}
+
+/// Block `bid` -> [`Tile`], the longest causal tiles (the last query tiles) first.
+fn tile_of(e: &mut Em, p: &Problem, bid: &str, nm: i64) -> Tile {
+    let bh = (p.b * p.hq) as i64;
+    let mb_rev = e.divk(bid, bh);
+    let nm1 = e.i32c(nm - 1);
+    let mblk = e.bin("subi", &nm1, &mb_rev, "i32");
+    let bhi = e.remk(bid, bh);
+    let bi = e.divk(&bhi, p.hq as i64);
+    let h = e.remk(&bhi, p.hq as i64);
+    let kh = e.divk(&h, (p.hq / p.hkv) as i64);
+    let bi64 = e.ext64(&bi);
+    let h64 = e.ext64(&h);
+    let kh64 = e.ext64(&kh);
+    let sq = e.i64c((p.s * p.hq * p.d) as i64);
+    let skv = e.i64c((p.s * p.hkv * p.d) as i64);
+    let d64 = e.i64c(p.d as i64);
+    let qb = e.bin("muli", &bi64, &sq, "i64");
+    let hd = e.bin("muli", &h64, &d64, "i64");
+    let q_base = e.bin("addi", &qb, &hd, "i64");
+    let kvb = e.bin("muli", &bi64, &skv, "i64");
+    let khd = e.bin("muli", &kh64, &d64, "i64");
+    let kv_base = e.bin("addi", &kvb, &khd, "i64");
+    Tile { mblk, bhi, q_base, kv_base }
+}
+
+/// Q's `d / 16` register A fragments (the `mma.sync` A layout, which is `wgmma`'s register A
+/// layout) from the thread's two rows at its column (`qrow_p`).
+fn q_frags(e: &mut Em, qrow_p: &[String; 2], d: i64) -> Vec<[String; 4]> {
+    (0..d / 16)
+        .map(|ks| {
+            let mut a: [String; 4] = Default::default();
+            for (i, x) in a.iter_mut().enumerate() {
+                let ptr = e.gepk(&qrow_p[i % 2], 1, 16 * ks + 8 * (i / 2) as i64);
+                *x = e.op(&format!("llvm.load {ptr} {{alignment = 4 : i64}} : !llvm.ptr<1> -> i32"));
+            }
+            a
+        })
+        .collect()
+}
+
+/// The forward's epilogue for the thread's two rows `rows` (absolute query rows of head `bhi` =
+/// batch x heads + head): full row sums across the quad, `O / l` rounded to bf16 at `orow_p`
+/// (the rows' output pointers at the thread's column), `lse = (m + log2 l) ln 2` by the quad's
+/// first thread (`tq` 0) into `lp` (`s` rows a head).
+#[allow(clippy::too_many_arguments)]
+fn write_out(e: &mut Em, st: &State, orow_p: &[String; 2], lp: &str, bhi: &str, s: i64, rows: [&str; 2], tq: &str) {
     let mut inv = [String::new(), String::new()];
     let mut lse = [String::new(), String::new()];
     let ln2 = e.f32c(std::f32::consts::LN_2);
@@ -1239,7 +1275,6 @@ fn forward_body(p: &Problem, var: Variant, qp: &str, kp: &str, vp: &str, op: &st
         let t = e.fadd(&st.m[r], &lg);
         lse[r] = e.fmul(&t, &ln2);
     }
-    let orow_p = [row_ptr(&mut e, op, &row0), row_ptr(&mut e, op, &row1)];
     for (n, t) in st.o.iter().enumerate() {
         for r in 0..2 {
             let x0 = e.fmul(&t[2 * r], &inv[r]);
@@ -1253,8 +1288,8 @@ fn forward_body(p: &Problem, var: Variant, qp: &str, kp: &str, vp: &str, op: &st
     let is0 = e.op(&format!("arith.cmpi eq, {tq}, {zero_i} : i32"));
     e.line(&format!("scf.if {is0} {{"));
     e.indent += 1;
-    let bh_s = e.mulk(&bhi, p.s as i64);
-    for (r, row) in [row0, row1].iter().enumerate() {
+    let bh_s = e.mulk(bhi, s);
+    for (r, row) in rows.iter().enumerate() {
         let idx = e.addi(&bh_s, row);
         let i64v = e.ext64(&idx);
         let ptr = e.op(&format!("llvm.getelementptr {lp}[{i64v}] : (!llvm.ptr<1>, i64) -> !llvm.ptr<1>, f32"));
@@ -1262,5 +1297,4 @@ fn forward_body(p: &Problem, var: Variant, qp: &str, kp: &str, vp: &str, op: &st
     }
     e.indent -= 1;
     e.line("}");
-    e.body
 }

@@ -41,10 +41,11 @@ use std::fmt::Write as _;
 use titan_ir::{DType, Graph, Op, Region};
 
 use crate::attention::{
-    Em, WgA, checked_sizes, for_each, if_else, if_then, output_slots, scf_for, sw128_copy, sw128_desc_at, sw128_descriptor, sw128_kmajor_steps,
-    sw128_mnmajor_steps, sw128_slot, uses_wgmma, wgmma_chain,
+    Em, WgA, checked_sizes, for_each, if_then, output_slots, scf_for, sw128_copy, sw128_desc_at, sw128_descriptor, sw128_kmajor_steps, sw128_mnmajor_steps,
+    sw128_slot, uses_wgmma, wgmma_chain,
 };
 use crate::values::Body;
+use crate::warp_spec::{Copier, Ring, WS_LAUNCH_REGS, WS_THREADS, ws_split, ws_split_regs};
 use crate::{GenResult, Generated, invalid, unsupported};
 
 mod five;
@@ -1082,13 +1083,6 @@ fn dkdv_body(p: &Problem, io: &Io) -> String {
 /// Keys per CTA of the warp-specialized dK/dV pass: two consumer warpgroups of 64 keys each
 /// share every (Q, dO, lse, D) stage, so a stage is read from L2 once per 128 keys.
 const WS_KEYS: i64 = 128;
-/// Its threads: the two consumer warpgroups, then the producer warpgroup.
-const WS_THREADS: i64 = 384;
-/// Registers a thread launches with (384 x 168 fill the SM's 64K), then what `setmaxnreg` moves
-/// each role to: 2 x 128 x 240 + 128 x 24 = 384 x 168.
-const WS_LAUNCH_REGS: u32 = 168;
-const WS_CONSUMER_REGS: u32 = 240;
-const WS_PRODUCER_REGS: u32 = 24;
 
 /// Stages in flight: 4 at head_dim 64, 3 at 128 (dK/dV: 33 KB each at both; dQ: 32 KB).
 fn ws_stages(d: i64) -> i64 {
@@ -1323,95 +1317,6 @@ fn dkdv_ws_consumer(e: &mut Em, p: &Problem, io: &Io, cx: &WsCx, locate: &dyn Fn
     store_dkdv(e, p, io, cx.kv_base, &ka_abs, [&key0, &key1], &kcol, &dk, &dv);
 }
 
-/// The ring of stages between the producer warpgroup and the two consumer warpgroups of a
-/// warp-specialized pass: per slot a `full` `mbarrier` (128 producer arrivals) and an `empty`
-/// one (256 consumer arrivals), 8 bytes each at `bars + 8 s` and `bars + 8 (n + s)`. Tile `f`
-/// uses slot `f % n` in round `r = f / n`: consumers wait for `full`'s phase of parity `r & 1`,
-/// the producer for `empty`'s of parity `(r & 1) ^ 1` (round 0 passes at once).
-struct Ring {
-    bars: String,
-    n: i64,
-}
-
-impl Ring {
-    /// Thread 0 initializes the barriers at byte `bar0` of `smem`; a CTA-wide barrier follows.
-    fn new(e: &mut Em, smem: &str, bar0: i64, n: i64, tid: &str) -> Ring {
-        let smem32 = e.smem_addr32(smem);
-        let bars = e.addk(&smem32, bar0);
-        let zero_i = e.i32c(0);
-        let first = e.op(&format!("arith.cmpi eq, {tid}, {zero_i} : i32"));
-        if_then(e, &first, |e| {
-            for s in 0..n {
-                let b = e.addk(&bars, 8 * s);
-                e.mbar_init(&b, THREADS);
-                let b = e.addk(&bars, 8 * (n + s));
-                e.mbar_init(&b, 2 * THREADS);
-            }
-        });
-        e.barrier();
-        Ring { bars, n }
-    }
-
-    /// (slot, phase parity) of tile `f`.
-    fn slot(&self, e: &mut Em, f: &str) -> (String, String) {
-        let s = e.remk(f, self.n);
-        let r = e.divk(f, self.n);
-        let par = e.remk(&r, 2);
-        (s, par)
-    }
-
-    fn bar(&self, e: &mut Em, s: &str, empty: bool) -> String {
-        let o = e.mulk(s, 8);
-        let b = e.addi(&self.bars, &o);
-        if empty { e.addk(&b, 8 * self.n) } else { b }
-    }
-
-    /// The producer's loop over tiles `0..total`: `load(f)` issues tile f's `cp.async` copies
-    /// into slot `f % n` (tile 0's group also holds whatever the caller issued before). Tile f's
-    /// copies go out before tile f - 1's are waited for; a waited group is fenced for the async
-    /// proxy (`wgmma` reads it) and published on its `full` barrier.
-    fn produce(&self, e: &mut Em, total: &str, load: &dyn Fn(&mut Em, &str)) {
-        let publish = |e: &mut Em, f: &str| {
-            e.fence_proxy_async();
-            let (s, _) = self.slot(e, f);
-            let b = self.bar(e, &s, false);
-            e.mbar_arrive(&b);
-        };
-        let zero_i = e.i32c(0);
-        load(e, &zero_i);
-        e.commit();
-        let one = e.i32c(1);
-        for_each(e, &one, total, |e, f| {
-            let (s, par) = self.slot(e, f);
-            let free = e.op(&format!("arith.xori {par}, {one} : i32"));
-            let b = self.bar(e, &s, true);
-            e.mbar_wait(&b, &free);
-            load(e, f);
-            e.commit();
-            e.wait_group(1);
-            let prev = e.addk(f, -1);
-            publish(e, &prev);
-        });
-        e.wait_group(0);
-        let last = e.addk(total, -1);
-        publish(e, &last);
-    }
-
-    /// A consumer waits until tile `f` has landed; returns its slot.
-    fn acquire(&self, e: &mut Em, f: &str) -> String {
-        let (s, par) = self.slot(e, f);
-        let b = self.bar(e, &s, false);
-        e.mbar_wait(&b, &par);
-        s
-    }
-
-    /// A consumer is done reading slot `s` (its `wgmma` chains waited for).
-    fn release(&self, e: &mut Em, s: &str) {
-        let b = self.bar(e, s, true);
-        e.mbar_arrive(&b);
-    }
-}
-
 /// Query rows per CTA of the warp-specialized dQ pass: two consumer warpgroups of 64 rows
 /// share every (K, V) stage.
 const WS_QUERIES: i64 = 128;
@@ -1519,71 +1424,4 @@ fn dq_ws_body(p: &Problem, io: &Io) -> String {
         },
     );
     e.body
-}
-
-/// A copying thread of a warp-specialized pass: its index in the copying warpgroup, its row
-/// (`ptid / 8`) and 16-byte chunk (`ptid % 8`) of a copy, as in the single-warpgroup passes.
-struct Copier {
-    ptid: String,
-    crow: String,
-    cc864: String,
-    s_off: String,
-}
-
-impl Copier {
-    /// `cp.async` of `rows` rows (`grow` elements apart) of `src` from element `go` (the
-    /// thread's row and chunk of the tile's first row) into the 128-byte-swizzled tile of `d`
-    /// dims at shared element offset `base`.
-    #[allow(clippy::too_many_arguments)]
-    fn copy(&self, e: &mut Em, smem: &str, src: &str, go: &str, grow: i64, rows: i64, d: i64, base: &str) {
-        let g0 = e.gep(src, 1, go, "i64", "bf16");
-        let so = e.addi(base, &self.s_off);
-        let s0 = sptr(e, smem, &so, "bf16");
-        for it in 0..rows * d / 8 / THREADS {
-            let (gk, sk) = sw128_copy(it, rows, grow);
-            let gk = e.i64c(gk);
-            let gp = e.gep(&g0, 1, &gk, "i64", "bf16");
-            let sp = e.gepk(&s0, 3, sk);
-            e.cp_async16(&sp, &gp);
-        }
-    }
-}
-
-/// The warpgroups of a warp-specialized pass part ways: warpgroup 2 shrinks its registers and
-/// runs `producer` with its [`Copier`], warpgroups 0 and 1 grow theirs and run `consumer` with
-/// their index (i32).
-fn ws_split(e: &mut Em, tid: &str, producer: impl FnOnce(&mut Em, &Copier), consumer: impl FnOnce(&mut Em, &str)) {
-    ws_split_regs(e, tid, (WS_CONSUMER_REGS, WS_PRODUCER_REGS), producer, consumer);
-}
-
-/// [`ws_split`] with the (consumer, producer) register counts given: `2 x 128 x consumer + 128
-/// x producer` must not exceed the `384 x 168` the CTA launched with.
-fn ws_split_regs(
-    e: &mut Em,
-    tid: &str,
-    (consumer_regs, producer_regs): (u32, u32),
-    producer: impl FnOnce(&mut Em, &Copier),
-    consumer: impl FnOnce(&mut Em, &str),
-) {
-    let wgi = e.divk(tid, THREADS);
-    let two = e.i32c(2);
-    let is_producer = e.op(&format!("arith.cmpi eq, {wgi}, {two} : i32"));
-    if_else(
-        e,
-        &is_producer,
-        |e| {
-            e.setmaxnreg(false, producer_regs);
-            let ptid = e.remk(tid, THREADS);
-            let crow = e.divk(&ptid, 8);
-            let cch = e.remk(&ptid, 8);
-            let cc8 = e.mulk(&cch, 8);
-            let s_off = sw128_slot(e, &crow, &cch);
-            let cc864 = e.ext64(&cc8);
-            producer(e, &Copier { ptid, crow, cc864, s_off });
-        },
-        |e| {
-            e.setmaxnreg(true, consumer_regs);
-            consumer(e, &wgi);
-        },
-    );
 }

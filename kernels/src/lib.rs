@@ -19,6 +19,7 @@ mod pipeline;
 mod ptxas;
 mod scatter;
 mod values;
+mod warp_spec;
 
 use titan_ir::artifact::{Launch, Prologue};
 use titan_ir::{BlockId, Graph, KernelKind};

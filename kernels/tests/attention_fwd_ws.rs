@@ -1,0 +1,80 @@
+//! The warp-specialized attention forward, forced on (`TITAN_ATT_FWD_WS=1` at build time) at
+//! every shape it can run, then off: its own test binary, so setting the switch cannot change
+//! the kernels other tests generate.
+
+use titan_ir::{ArgKind, Builder, DType, Graph, KernelKind, Op, Output, Region, TensorType};
+use titan_kernels::{compile_kernel, ptxas_check};
+
+fn body(g: &mut Graph, [b, s, hq, hkv, d]: [u64; 5], causal: bool) -> titan_ir::BlockId {
+    let scale = 1.0 / (d as f64).sqrt();
+    let q = TensorType::fixed(DType::BF16, &[b, s, hq, d]);
+    let kv = TensorType::fixed(DType::BF16, &[b, s, hkv, d]);
+    let mut r = Region::new("attn_fwd_ws");
+    let a: Vec<_> = [q, kv.clone(), kv].into_iter().map(|t| r.add_arg(t, ArgKind::Block, None)).collect();
+    let outs = {
+        let mut bd = Builder::new(&mut r, &g.dims, &g.blocks);
+        bd.push(Op::Attention { causal, scale }, &a).expect("attention")
+    };
+    r.outputs = outs.into_iter().map(|value| Output { name: None, value }).collect();
+    g.add_block(r)
+}
+
+/// One CTA of three warpgroups per 128 queries: a ring of K/V stages behind `mbarrier`s (a full
+/// and an empty one per stage), registers moved from the copying warpgroup to the two computing
+/// ones, no CTA-wide barrier after the split, every product on `wgmma` with Q from registers,
+/// assembled by `ptxas` without spills.
+#[test]
+fn warp_specialized_forward_structure() {
+    // SAFETY (of the process environment): this binary's only test; nothing else reads it here.
+    unsafe { std::env::set_var("TITAN_ATT_FWD_WS", "1") };
+    let mut g = Graph::new("fwd_ws");
+    for (name, shape, causal) in [
+        ("fwd_ws_gqa_causal", [2, 256, 8, 2, 128], true),
+        ("fwd_ws_8b", [1, 8192, 32, 8, 128], true),
+        ("fwd_ws_full", [1, 512, 4, 4, 128], false),
+        ("fwd_ws_d64_causal", [2, 256, 8, 2, 64], true),
+        ("fwd_ws_1b", [1, 8192, 32, 8, 64], true),
+        ("fwd_ws_d64_full", [1, 384, 4, 4, 64], false),
+    ] {
+        let id = body(&mut g, shape, causal);
+        let k = compile_kernel(&g, id, KernelKind::Attention, name).expect("generates").expect("a kernel");
+        let [b, s, hq, _, d] = shape;
+        assert_eq!(k.launch.block, [384, 1, 1], "{name}");
+        assert_eq!(k.launch.grid, [(s / 128 * b * hq) as u32, 1, 1], "{name}");
+        assert!(k.prologue.is_none() && k.epilogue.is_none() && k.workspace_bytes == 0, "{name}");
+        // Stages of a 64-key K and V tile each (4 of 32 KB at head_dim 128, 6 of 16 KB at 64),
+        // then two barriers a stage.
+        let stages = if d == 128 { 4 } else { 6 };
+        assert_eq!(k.launch.shared_bytes as u64, stages * (2 * 2 * 64 * d + 16), "{name}");
+        let r = ptxas_check(&k.ptx, &k.entry).unwrap_or_else(|e| panic!("{name}: {e}"));
+        println!("{name}: {} registers, {} spill stores, {} spill loads", r.registers, r.spill_stores, r.spill_loads);
+        assert!(r.problems().is_empty(), "{name}: {:?}", r.problems());
+        let ptx = &k.ptx;
+        assert_eq!(ptx.matches("mbarrier.init.shared::cta.b64").count(), 2 * stages as usize, "{name}");
+        assert!(ptx.contains("setmaxnreg.inc.sync.aligned.u32 240;") && ptx.contains("setmaxnreg.dec.sync.aligned.u32 24;"), "{name}");
+        // One CTA-wide barrier: after the barriers' initialization, before the roles split.
+        assert_eq!(ptx.matches("bar.sync").count() + ptx.matches("barrier.sync").count(), 1, "{name}");
+        // S = Q K^T with Q in registers (m64n64), O += P V over head_dim (V MN-major).
+        assert!(ptx.contains("wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16"), "{name}");
+        assert!(ptx.contains(&format!("wgmma.mma_async.sync.aligned.m64n{d}k16.f32.bf16.bf16")), "{name}");
+        assert!(ptx.contains("cp.async.cg.shared.global") || ptx.contains("cp.async.ca.shared.global"), "{name}: the producer copies");
+    }
+    // Where it cannot run (a sequence not a multiple of 128), and switched off: the
+    // single-warpgroup kernel.
+    let id = body(&mut g, [1, 192, 4, 4, 128], true);
+    let k = compile_kernel(&g, id, KernelKind::Attention, "fwd_192").expect("generates").expect("a kernel");
+    assert_eq!(k.launch.block, [128, 1, 1]);
+    // SAFETY: as above.
+    unsafe { std::env::set_var("TITAN_ATT_FWD_WS", "0") };
+    let id = body(&mut g, [1, 8192, 32, 8, 128], true);
+    let k = compile_kernel(&g, id, KernelKind::Attention, "fwd_8b").expect("generates").expect("a kernel");
+    assert_eq!((k.launch.block, k.launch.grid), ([128, 1, 1], [8192 / 64 * 32, 1, 1]));
+    // By default: head_dim 128 from sequence 8192 on (Llama-3 8B's shape), not at 4096 or at 64.
+    // SAFETY: as above.
+    unsafe { std::env::remove_var("TITAN_ATT_FWD_WS") };
+    for (shape, block) in [([1, 8192, 32, 8, 128], 384), ([2, 4096, 32, 8, 128], 128), ([1, 8192, 32, 8, 64], 128)] {
+        let id = body(&mut g, shape, true);
+        let k = compile_kernel(&g, id, KernelKind::Attention, "fwd_default").expect("generates").expect("a kernel");
+        assert_eq!(k.launch.block, [block, 1, 1], "{shape:?}");
+    }
+}
