@@ -661,6 +661,7 @@ pub(crate) fn sw128_descriptor(e: &mut Em, base: &str, lbo: i64, sbo: i64) -> St
 /// The A operand of a [`wgmma_chain`]: one `mma.sync`-layout fragment per 16-wide k-step from
 /// registers, or a shared-memory descriptor (i64) advanced by the given 16-byte units per
 /// k-step, K-major (`Smem`) or MN-major (`SmemMn`: M contiguous, the transpose-A immediate).
+#[derive(Clone, Copy)]
 pub(crate) enum WgA<'a> {
     Regs(&'a [[String; 4]]),
     Smem(&'a str, &'a [i64]),
@@ -1009,24 +1010,9 @@ fn forward_wgmma(e: &mut Em, cx: &Ctx) -> State {
         e.barrier();
         prefetch_k(e, &zero);
     }
-    let mut s = n_tiles(&s);
-    if cx.causal {
-        mask_diagonal(e, &cx.kcol, &cx.qrow, &mut s);
-    }
-    let ninf = e.f32c(f32::NEG_INFINITY);
-    let zf = e.f32c(0.0);
-    let (m, _, l, pf) = online_softmax(e, &cx.c, &mut s, &[ninf.clone(), ninf], &[zf.clone(), zf.clone()]);
     // Carried: O (zero: tile `last`'s P V is issued in the first iteration), m, l, P.
-    let mut init: Vec<String> = vec![zf; 4 * nt];
-    init.extend(m);
-    init.extend(l);
-    init.extend(pf.iter().flat_map(|f| f.iter().cloned()));
-    let mut tys = vec!["f32"; 4 * nt + 4];
-    tys.extend(vec!["i32"; 16]);
+    let (init, tys) = first_carried(e, &cx.c, &s, cx.causal.then_some((cx.kcol.as_str(), &cx.qrow)), nt);
     let res = scf_for(e, &one, &cx.n_tiles, &init, &tys, |e, t, a| {
-        let o: Vec<String> = a[..4 * nt].to_vec();
-        let (m, l) = ([a[4 * nt].clone(), a[4 * nt + 1].clone()], [a[4 * nt + 2].clone(), a[4 * nt + 3].clone()]);
-        let pf_flat: Vec<String> = a[4 * nt + 4..].to_vec();
         let j = e.bin("subi", &last, t, "i32");
         let b = e.remk(t, 2);
         let bp = e.bin("subi", &one, &b, "i32");
@@ -1052,36 +1038,92 @@ fn forward_wgmma(e: &mut Em, cx: &Ctx) -> State {
         let kb = if cx.var.k_bufs == 2 { b.clone() } else { zero.clone() };
         let (_, kd) = buf(e, false, &kb);
         let (_, vd) = buf(e, true, &bp);
-        let undef = e.op("llvm.mlir.undef : f32");
-        let u = vec![undef; 32];
-        let s = wgmma_issue(e, 64, &u, q_operand(cx, &koffs), &kd, &koffs, false, false);
-        let pf_prev: Vec<[String; 4]> = pf_flat.chunks(4).map(|c| [0, 1, 2, 3].map(|i| c[i].clone())).collect();
-        let o = wgmma_issue(e, d as usize, &o, WgA::Regs(&pf_prev), &vd, &voffs, true, true);
-        // S_j done; P_{j+1} stays allocated while `P V` reads it.
-        let (s, pf_live) = wgmma_wait(e, 1, &s, &pf_flat);
-        if cx.var.k_bufs == 1 {
-            // Every warp's S_j is done: K_{j-1} into the one K buffer.
-            e.barrier();
-            prefetch_k(e, &zero);
-            e.commit();
-        }
-        let mut s = n_tiles(&s);
-        let (m_new, alpha, l, pf) = online_softmax(e, &cx.c, &mut s, &m, &l);
-        let (o, _) = wgmma_wait(e, 0, &o, &pf_live);
-        let mut next: Vec<String> = o.iter().enumerate().map(|(i, x)| e.fmul(x, &alpha[(i % 4) / 2])).collect();
-        next.extend(m_new);
-        next.extend(l);
-        next.extend(pf.iter().flat_map(|f| f.iter().cloned()));
-        next
+        let tile = Pipelined { q: q_operand(cx, &koffs), koffs: &koffs, voffs: &voffs, c: &cx.c, d, nt };
+        let after_s = |e: &mut Em| {
+            if cx.var.k_bufs == 1 {
+                // Every warp's S_j is done: K_{j-1} into the one K buffer.
+                e.barrier();
+                prefetch_k(e, &zero);
+                e.commit();
+            }
+        };
+        tile.step(e, a, &kd, &vd, after_s, |_| {})
     });
     // The last tile's P V, from V buffer (n_tiles - 1) % 2.
     e.wait_group(0);
     e.fence_proxy_async();
     e.barrier();
-    let pf: Vec<[String; 4]> = res[4 * nt + 4..].chunks(4).map(|c| [0, 1, 2, 3].map(|i| c[i].clone())).collect();
     let bl = e.remk(&last, 2);
     let (_, vd) = buf(e, true, &bl);
-    let o = wgmma_chain(e, d as usize, &res[..4 * nt], WgA::Regs(&pf), &vd, &voffs, true);
+    last_pv(e, &res, &vd, &voffs, d, nt)
+}
+
+/// The pipelined key loop's carried values after its first tile (S in `s`, masked on the
+/// diagonal by `mask` = (kcol, qrow) when given) and their types: O (zero: the tile's P V is
+/// issued by the first iteration), the rows' max and partial sum, P's A fragments.
+fn first_carried(e: &mut Em, c: &str, s: &[String], mask: Option<(&str, &[String; 2])>, nt: usize) -> (Vec<String>, Vec<&'static str>) {
+    let mut s = n_tiles(s);
+    if let Some((kcol, qrow)) = mask {
+        mask_diagonal(e, kcol, qrow, &mut s);
+    }
+    let ninf = e.f32c(f32::NEG_INFINITY);
+    let zf = e.f32c(0.0);
+    let (m, _, l, pf) = online_softmax(e, c, &mut s, &[ninf.clone(), ninf], &[zf.clone(), zf.clone()]);
+    let mut init: Vec<String> = vec![zf; 4 * nt];
+    init.extend(m);
+    init.extend(l);
+    init.extend(pf.iter().flat_map(|f| f.iter().cloned()));
+    let mut tys = vec!["f32"; 4 * nt + 4];
+    tys.extend(vec!["i32"; 16]);
+    (init, tys)
+}
+
+/// One iteration of the pipelined key loop (both forwards): its operands' layout.
+struct Pipelined<'a> {
+    /// Q, the A operand of `S = Q K^T`.
+    q: WgA<'a>,
+    koffs: &'a [i64],
+    voffs: &'a [i64],
+    /// `scale log2 e`.
+    c: &'a str,
+    d: i64,
+    nt: usize,
+}
+
+impl Pipelined<'_> {
+    /// On the carried values `a` ([`first_carried`]'s layout): issue `S = Q K^T` (K at `kd`) and
+    /// `O += P V` with the previous tile's P (V at `vd`) as two `wgmma` groups; wait for S, run
+    /// `after_s` (the caller's buffer work), the softmax while `P V` runs, wait for it, run
+    /// `after_pv`, scale O by the new max. Returns the next carried values.
+    fn step(&self, e: &mut Em, a: &[String], kd: &str, vd: &str, after_s: impl FnOnce(&mut Em), after_pv: impl FnOnce(&mut Em)) -> Vec<String> {
+        let nt = self.nt;
+        let o: Vec<String> = a[..4 * nt].to_vec();
+        let (m, l) = ([a[4 * nt].clone(), a[4 * nt + 1].clone()], [a[4 * nt + 2].clone(), a[4 * nt + 3].clone()]);
+        let pf_flat: Vec<String> = a[4 * nt + 4..].to_vec();
+        let undef = e.op("llvm.mlir.undef : f32");
+        let u = vec![undef; 32];
+        let s = wgmma_issue(e, 64, &u, self.q, kd, self.koffs, false, false);
+        let pf_prev = n_tiles(&pf_flat);
+        let o = wgmma_issue(e, self.d as usize, &o, WgA::Regs(&pf_prev), vd, self.voffs, true, true);
+        // S done; the previous P stays allocated while `P V` reads it.
+        let (s, pf_live) = wgmma_wait(e, 1, &s, &pf_flat);
+        after_s(e);
+        let mut s = n_tiles(&s);
+        let (m_new, alpha, l, pf) = online_softmax(e, self.c, &mut s, &m, &l);
+        let (o, _) = wgmma_wait(e, 0, &o, &pf_live);
+        after_pv(e);
+        let mut next: Vec<String> = o.iter().enumerate().map(|(i, x)| e.fmul(x, &alpha[(i % 4) / 2])).collect();
+        next.extend(m_new);
+        next.extend(l);
+        next.extend(pf.iter().flat_map(|f| f.iter().cloned()));
+        next
+    }
+}
+
+/// The loop's results `res` ([`first_carried`]'s layout) after the last tile's `P V` (V at `vd`).
+fn last_pv(e: &mut Em, res: &[String], vd: &str, voffs: &[i64], d: i64, nt: usize) -> State {
+    let pf = n_tiles(&res[4 * nt + 4..]);
+    let o = wgmma_chain(e, d as usize, &res[..4 * nt], WgA::Regs(&pf), vd, voffs, true);
     State { o: n_tiles(&o), m: [res[4 * nt].clone(), res[4 * nt + 1].clone()], l: [res[4 * nt + 2].clone(), res[4 * nt + 3].clone()] }
 }
 

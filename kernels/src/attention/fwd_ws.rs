@@ -192,54 +192,22 @@ fn consumer(e: &mut Em, p: &Problem, ring: &Ring, c: Consumer, [qp, op, lp]: [&s
     let u = vec![undef; 32];
     let s = wgmma_issue(e, 64, &u, WgA::Regs(&qf), &kd, &koffs, false, false);
     let (s, _) = wgmma_wait(e, 0, &s, &[]);
-    let mut s = n_tiles(&s);
-    if p.causal {
-        mask_diagonal(e, &kcol, &[qr0, qr1], &mut s);
-    }
-    let ninf = e.f32c(f32::NEG_INFINITY);
-    let zf = e.f32c(0.0);
-    let (m, _, l, pf) = online_softmax(e, &cs, &mut s, &[ninf.clone(), ninf], &[zf.clone(), zf.clone()]);
-    // Carried: O (zero: the first tile's P V is issued in the first iteration), m, l, P.
-    let mut init: Vec<String> = vec![zf; 4 * nt];
-    init.extend(m);
-    init.extend(l);
-    init.extend(pf.iter().flat_map(|f| f.iter().cloned()));
-    let mut tys = vec!["f32"; 4 * nt + 4];
-    tys.extend(vec!["i32"; 16]);
+    let (init, tys) = first_carried(e, &cs, &s, p.causal.then_some((kcol.as_str(), &[qr0.clone(), qr1.clone()])), nt);
     let lo = e.addk(&f0, 1);
+    let tile = Pipelined { q: WgA::Regs(&qf), koffs: &koffs, voffs: &voffs, c: &cs, d, nt };
     let res = scf_for(e, &lo, c.n_tiles, &init, &tys, |e, f, a| {
-        let o: Vec<String> = a[..4 * nt].to_vec();
-        let (m, l) = ([a[4 * nt].clone(), a[4 * nt + 1].clone()], [a[4 * nt + 2].clone(), a[4 * nt + 3].clone()]);
-        let pf_flat: Vec<String> = a[4 * nt + 4..].to_vec();
         ring.acquire(e, f);
         let (kd, _, _) = descs(e, f);
         let fp = e.addk(f, -1);
         let (_, vd, sp) = descs(e, &fp);
-        let undef = e.op("llvm.mlir.undef : f32");
-        let u = vec![undef; 32];
-        let s = wgmma_issue(e, 64, &u, WgA::Regs(&qf), &kd, &koffs, false, false);
-        let pf_prev: Vec<[String; 4]> = pf_flat.chunks(4).map(|c| [0, 1, 2, 3].map(|i| c[i].clone())).collect();
-        let o = wgmma_issue(e, d as usize, &o, WgA::Regs(&pf_prev), &vd, &voffs, true, true);
-        // S_f done; P_{f-1} stays allocated while `P V` reads it.
-        let (s, pf_live) = wgmma_wait(e, 1, &s, &pf_flat);
-        let mut s = n_tiles(&s);
-        let (m_new, alpha, l, pf) = online_softmax(e, &cs, &mut s, &m, &l);
-        let (o, _) = wgmma_wait(e, 0, &o, &pf_live);
-        // Entry f - 1 is read (its K by the previous S, its V by this P V).
-        ring.release(e, &sp);
-        let mut next: Vec<String> = o.iter().enumerate().map(|(i, x)| e.fmul(x, &alpha[(i % 4) / 2])).collect();
-        next.extend(m_new);
-        next.extend(l);
-        next.extend(pf.iter().flat_map(|f| f.iter().cloned()));
-        next
+        // Entry f - 1 is read once `P V` is done (its K by the previous S, its V by this P V).
+        tile.step(e, a, &kd, &vd, |_| {}, |e| ring.release(e, &sp))
     });
     // The last entry's P V.
     let fl = e.addk(c.n_tiles, -1);
     let (_, vd, sl) = descs(e, &fl);
-    let pf: Vec<[String; 4]> = res[4 * nt + 4..].chunks(4).map(|c| [0, 1, 2, 3].map(|i| c[i].clone())).collect();
-    let o = wgmma_chain(e, d as usize, &res[..4 * nt], WgA::Regs(&pf), &vd, &voffs, true);
+    let st = last_pv(e, &res, &vd, &voffs, d, nt);
     ring.release(e, &sl);
-    let st = State { o: n_tiles(&o), m: [res[4 * nt].clone(), res[4 * nt + 1].clone()], l: [res[4 * nt + 2].clone(), res[4 * nt + 3].clone()] };
     let orow_p = [row_ptr(e, op, &row0), row_ptr(e, op, &row1)];
     write_out(e, &st, &orow_p, lp, c.bhi, p.s as i64, [&row0, &row1], &tq);
 }
