@@ -35,7 +35,7 @@ fn stages(d: i64) -> i64 {
 /// energy a launch held at the power cap than the single-warpgroup kernel (0.810 against 0.826
 /// J; 0.5% faster in a burst) and the 8b-4l step ran 0.5-0.7% faster (docs/performance.md,
 /// session 25). At 4096 -2% energy but 4% slower in a burst, at 2048 +2.5% energy; at head_dim
-/// 64 (one CTA of 8 computing warps an SM against four 4-warp CTAs) 20-27% slower and the 1B
+/// 64 (one CTA of 8 computing warps an SM against four 4-warp CTAs) 27-38% slower in bursts and the 1B
 /// step 0.8% slower. `TITAN_ATT_FWD_WS` at build time overrides, for comparisons: `1` wherever
 /// it can run, `0` never.
 pub(super) fn enabled(p: &Problem) -> bool {
