@@ -266,6 +266,14 @@ impl Em {
         self.line("gpu.barrier");
     }
 
+    /// Named barrier `id` (i32, 1-15) of `threads` threads: `bar.sync` (arrive and wait) or
+    /// `bar.arrive` (arrive only).
+    pub(crate) fn named_barrier(&mut self, wait: bool, id: &str, threads: i64) {
+        let op = if wait { "bar.sync" } else { "bar.arrive" };
+        let n = self.i32c(threads);
+        self.line(&format!("llvm.inline_asm has_side_effects \"{op} $0, $1;\", \"r,r,~{{memory}}\" {id}, {n} : (i32, i32) -> ()"));
+    }
+
     /// `fence.proxy.async.shared::cta`: this thread's generic-proxy writes to shared memory (its
     /// `cp.async` copies, once waited for) become visible to async-proxy reads (`wgmma`).
     pub(crate) fn fence_proxy_async(&mut self) {
@@ -793,8 +801,8 @@ fn n_tiles(v: &[String]) -> Vec<[String; 4]> {
     v.chunks(4).map(|c| [0, 1, 2, 3].map(|i| c[i].clone())).collect()
 }
 
-/// Diagonal tile: key (n-tile * 8 + `kcol` + i) > query row (`qrow`, the thread's two rows; both
-/// within their 64-wide tiles) -> -inf.
+/// Diagonal tile: key (n-tile * 8 + `kcol` + i) > query row (`qrow`, the thread's two rows; keys
+/// and rows counted from the tile's first key, which is its first query row) -> -inf.
 fn mask_diagonal(e: &mut Em, kcol: &str, qrow: &[String; 2], s: &mut [[String; 4]]) {
     let ninf = e.f32c(f32::NEG_INFINITY);
     for (nt, t) in s.iter_mut().enumerate() {
@@ -806,8 +814,8 @@ fn mask_diagonal(e: &mut Em, kcol: &str, qrow: &[String; 2], s: &mut [[String; 4
     }
 }
 
-/// The online softmax of one S tile (8 n-tiles in the C layout: c0, c1 in row g, c2, c3 in row
-/// g + 8; `c` = `scale log2 e`) against the running max `m` and partial sums `l` of the thread's two rows. Returns
+/// The online softmax of one S tile (n-tiles of 8 keys in the C layout: c0, c1 in row g, c2, c3
+/// in row g + 8; `c` = `scale log2 e`) against the running max `m` and partial sums `l` of the thread's two rows. Returns
 /// the new max, `alpha = exp2(m - m_new)` (what O must be scaled by), `l alpha` plus this tile's
 /// row sums, and P as A fragments (key step kk covers n-tiles 2kk and 2kk + 1).
 fn online_softmax(e: &mut Em, c: &str, s: &mut [[String; 4]], m: &[String; 2], l: &[String; 2]) -> ([String; 2], [String; 2], [String; 2], Vec<[String; 4]>) {
@@ -841,7 +849,7 @@ fn online_softmax(e: &mut Em, c: &str, s: &mut [[String; 4]], m: &[String; 2], l
             l[i / 2] = e.fadd(&l[i / 2], x);
         }
     }
-    let pf: Vec<[String; 4]> = (0..4)
+    let pf: Vec<[String; 4]> = (0..s.len() / 2)
         .map(|kk| {
             let (t0, t1) = (&s[2 * kk], &s[2 * kk + 1]);
             [e.pack_bf16(&t0[0], &t0[1]), e.pack_bf16(&t0[2], &t0[3]), e.pack_bf16(&t1[0], &t1[1]), e.pack_bf16(&t1[2], &t1[3])]
@@ -1038,7 +1046,7 @@ fn forward_wgmma(e: &mut Em, cx: &Ctx) -> State {
         let kb = if cx.var.k_bufs == 2 { b.clone() } else { zero.clone() };
         let (_, kd) = buf(e, false, &kb);
         let (_, vd) = buf(e, true, &bp);
-        let tile = Pipelined { q: q_operand(cx, &koffs), koffs: &koffs, voffs: &voffs, c: &cx.c, d, nt };
+        let tile = Pipelined { q: q_operand(cx, &koffs), koffs: &koffs, voffs: &voffs, c: &cx.c, d, nt, bn: BN as usize, turns: None };
         let after_s = |e: &mut Em| {
             if cx.var.k_bufs == 1 {
                 // Every warp's S_j is done: K_{j-1} into the one K buffer.
@@ -1055,7 +1063,7 @@ fn forward_wgmma(e: &mut Em, cx: &Ctx) -> State {
     e.barrier();
     let bl = e.remk(&last, 2);
     let (_, vd) = buf(e, true, &bl);
-    last_pv(e, &res, &vd, &voffs, d, nt)
+    last_pv(e, &res, &vd, &voffs, d, nt, None)
 }
 
 /// The pipelined key loop's carried values after its first tile (S in `s`, masked on the
@@ -1069,12 +1077,13 @@ fn first_carried(e: &mut Em, c: &str, s: &[String], mask: Option<(&str, &[String
     let ninf = e.f32c(f32::NEG_INFINITY);
     let zf = e.f32c(0.0);
     let (m, _, l, pf) = online_softmax(e, c, &mut s, &[ninf.clone(), ninf], &[zf.clone(), zf.clone()]);
+    let p_regs = 4 * pf.len();
     let mut init: Vec<String> = vec![zf; 4 * nt];
     init.extend(m);
     init.extend(l);
     init.extend(pf.iter().flat_map(|f| f.iter().cloned()));
     let mut tys = vec!["f32"; 4 * nt + 4];
-    tys.extend(vec!["i32"; 16]);
+    tys.extend(vec!["i32"; p_regs]);
     (init, tys)
 }
 
@@ -1088,6 +1097,41 @@ struct Pipelined<'a> {
     c: &'a str,
     d: i64,
     nt: usize,
+    /// Keys per tile: S's `wgmma` N, P V's K.
+    bn: usize,
+    /// Turn-taking between two warpgroups ([`Turns`]), or none.
+    turns: Option<&'a Turns>,
+}
+
+/// FA3's ping-pong between the two computing warpgroups of a CTA: each issues its `wgmma`s only
+/// on its turn (named barrier `1 + w` of 256 threads: its own 128 waiting, the other's 128
+/// arriving) and passes the turn on once they are issued, so one warpgroup's softmax runs while
+/// the other's products hold the tensor cores.
+pub(crate) struct Turns {
+    /// This warpgroup's barrier and the other's (i32).
+    pub(crate) own: String,
+    pub(crate) other: String,
+}
+
+impl Turns {
+    /// For warpgroup `wgi` (i32, 0 or 1); warpgroup 1 passes warpgroup 0 the first turn.
+    pub(crate) fn new(e: &mut Em, wgi: &str) -> Turns {
+        let own = e.addk(wgi, 1);
+        let one = e.i32c(1);
+        let o = e.bin("subi", &one, wgi, "i32");
+        let other = e.addk(&o, 1);
+        let first = e.op(&format!("arith.cmpi eq, {wgi}, {one} : i32"));
+        if_then(e, &first, |e| e.named_barrier(false, &other, 256));
+        Turns { own, other }
+    }
+
+    pub(crate) fn wait(&self, e: &mut Em) {
+        e.named_barrier(true, &self.own, 256);
+    }
+
+    pub(crate) fn pass(&self, e: &mut Em) {
+        e.named_barrier(false, &self.other, 256);
+    }
 }
 
 impl Pipelined<'_> {
@@ -1101,10 +1145,16 @@ impl Pipelined<'_> {
         let (m, l) = ([a[4 * nt].clone(), a[4 * nt + 1].clone()], [a[4 * nt + 2].clone(), a[4 * nt + 3].clone()]);
         let pf_flat: Vec<String> = a[4 * nt + 4..].to_vec();
         let undef = e.op("llvm.mlir.undef : f32");
-        let u = vec![undef; 32];
-        let s = wgmma_issue(e, 64, &u, self.q, kd, self.koffs, false, false);
+        let u = vec![undef; self.bn / 2];
+        if let Some(t) = self.turns {
+            t.wait(e);
+        }
+        let s = wgmma_issue(e, self.bn, &u, self.q, kd, self.koffs, false, false);
         let pf_prev = n_tiles(&pf_flat);
         let o = wgmma_issue(e, self.d as usize, &o, WgA::Regs(&pf_prev), vd, self.voffs, true, true);
+        if let Some(t) = self.turns {
+            t.pass(e);
+        }
         // S done; the previous P stays allocated while `P V` reads it.
         let (s, pf_live) = wgmma_wait(e, 1, &s, &pf_flat);
         after_s(e);
@@ -1121,9 +1171,18 @@ impl Pipelined<'_> {
 }
 
 /// The loop's results `res` ([`first_carried`]'s layout) after the last tile's `P V` (V at `vd`).
-fn last_pv(e: &mut Em, res: &[String], vd: &str, voffs: &[i64], d: i64, nt: usize) -> State {
+/// With `turns`, issued on this warpgroup's turn, which it passes on where `pass` (i1) holds.
+fn last_pv(e: &mut Em, res: &[String], vd: &str, voffs: &[i64], d: i64, nt: usize, turns: Option<(&Turns, &str)>) -> State {
     let pf = n_tiles(&res[4 * nt + 4..]);
-    let o = wgmma_chain(e, d as usize, &res[..4 * nt], WgA::Regs(&pf), vd, voffs, true);
+    let o = match turns {
+        None => wgmma_chain(e, d as usize, &res[..4 * nt], WgA::Regs(&pf), vd, voffs, true),
+        Some((t, pass)) => {
+            t.wait(e);
+            let o = wgmma_issue(e, d as usize, &res[..4 * nt], WgA::Regs(&pf), vd, voffs, true, true);
+            if_then(e, pass, |e| t.pass(e));
+            wgmma_wait(e, 0, &o, &res[4 * nt + 4..]).0
+        }
+    };
     State { o: n_tiles(&o), m: [res[4 * nt].clone(), res[4 * nt + 1].clone()], l: [res[4 * nt + 2].clone(), res[4 * nt + 3].clone()] }
 }
 
