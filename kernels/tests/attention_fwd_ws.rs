@@ -67,6 +67,8 @@ fn warp_specialized_forward_structure() {
         // Q read by the consumers from global memory (register fragments) only at head_dim 64;
         // at 128 the copier brings it with the first tile.
         assert_eq!(ptx.contains("ld.global"), d == 64, "{name}");
+        // O's rescale skipped where no row of a warp moved its max: one vote a tile.
+        assert_eq!(ptx.matches("vote.sync.any.pred").count(), 1, "{name}");
         assert!(ptx.contains("cp.async.cg.shared.global") || ptx.contains("cp.async.ca.shared.global"), "{name}: the producer copies");
     }
     // Where it cannot run (a sequence not a multiple of 128), and switched off: the
@@ -74,6 +76,7 @@ fn warp_specialized_forward_structure() {
     let id = body(&mut g, [1, 192, 4, 4, 128], true);
     let k = compile_kernel(&g, id, KernelKind::Attention, "fwd_192").expect("generates").expect("a kernel");
     assert_eq!(k.launch.block, [128, 1, 1]);
+    assert_eq!(k.ptx.matches("vote.sync.any.pred").count(), 1, "the single-warpgroup kernel skips the rescale too");
     // SAFETY: as above.
     unsafe { std::env::set_var("TITAN_ATT_FWD_WS", "0") };
     let id = body(&mut g, [1, 8192, 32, 8, 128], true);
