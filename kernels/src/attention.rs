@@ -1191,8 +1191,9 @@ impl Pipelined<'_> {
         after_pv(e);
         let scale = |e: &mut Em| -> Vec<String> { o.iter().enumerate().map(|(i, x)| e.fmul(x, &alpha[(i % 4) / 2])).collect() };
         let mut next = if skip_rescale() {
-            // alpha is exactly 1 where a row's max did not move (ex2.approx(0) = 1), and O x 1
-            // is O: skipped where no row of the warp moved, the same bits.
+            // alpha is exactly 1 where a row's finite max did not move (ex2.approx(0) = 1), and
+            // O x 1 is O: skipped where no row of the warp moved, the same bits. (Where a max is
+            // not finite, alpha was NaN and stays in l, so the row's output is NaN either way.)
             let moved = [0, 1].map(|r| e.op(&format!("arith.cmpf one, {}, {} : f32", m[r], m_new[r])));
             let any = e.op(&format!("arith.ori {}, {} : i1", moved[0], moved[1]));
             let any = e.op(&format!("arith.extui {any} : i1 to i32"));
