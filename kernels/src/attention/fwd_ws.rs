@@ -52,7 +52,7 @@ fn q_smem(d: i64) -> bool {
 }
 
 /// Whether the warp-specialized forward is built for `p` (`wgmma` head dims, whole 128-query
-/// tiles): by default at head_dim 128 from sequence 2048 on, where on an H100 it ran 5-6.5%
+/// tiles): by default at head_dim 128 from sequence 2048 on, where on an H100 it ran 4-6.5%
 /// faster in bursts than the single-warpgroup kernel (seq 8192: 939 against 1,004 us, 585
 /// TFLOP/s) and, held at the power cap, took 0.731 J a launch at seq 8192 (cuDNN's SDPA 0.703;
 /// the single-warpgroup kernel 0.826 in session 25), docs/performance.md, session 26. Shorter
