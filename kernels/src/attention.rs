@@ -21,7 +21,8 @@
 //! - The key loop is software-pipelined inside the warpgroup (FA3's intra-warpgroup overlap):
 //!   tiles run last to first, and iteration `j` issues `S_j = Q K_j^T` and `O += P_{j+1} V_{j+1}`
 //!   as two `wgmma` groups, waits for the first only, and runs tile `j`'s softmax while the
-//!   tensor cores finish the second; O is scaled by the new max after that wait. V has two
+//!   tensor cores finish the second; O is scaled by the new max after that wait, where some row
+//!   of the warp moved its max (a warp vote; elsewhere the scale is exactly 1). V has two
 //!   buffers (V_j loads while `P_{j+1} V_{j+1}` reads the other), K two at head_dim 64 and one at
 //!   128 (K_{j-1} loads once every warp's `S_j` is done). See [`forward_wgmma`].
 //! - `mma.sync` path (head_dim 16): Q fragments in registers, one K and one V tile `64 x (d + 8)`
@@ -37,6 +38,9 @@
 //!   straight-line copy of the tile body after the loop); tiles beyond the diagonal are never
 //!   loaded. GQA: query head `h` reads kv head `h / (hq / hkv)`.
 //! - Epilogue: `O / l` rounded to bf16 (4-byte stores), `lse = (m + log2 l) ln 2` (f32).
+//! - At head_dim 128 from sequence 2048 the warp-specialized forward (`fwd_ws.rs`: 128-query
+//!   CTAs of two computing warpgroups and a copying one, 128-key tiles, ping-pong) replaces this
+//!   design; the key loop and the softmax are shared ([`Pipelined`]).
 //!
 //! Supported: bf16 q/k/v/out, f32 lse, head_dim 16, 64 or 128, sequence length a multiple of 64,
 //! `hq` a multiple of `hkv`, `scale > 0`. The backward kernel is in `attention_bwd.rs`.
