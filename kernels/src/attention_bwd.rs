@@ -42,7 +42,7 @@ use titan_ir::{DType, Graph, Op, Region};
 
 use crate::attention::{
     Em, WgA, checked_sizes, for_each, if_then, output_slots, scf_for, sw128_copy, sw128_desc_at, sw128_descriptor, sw128_kmajor_steps, sw128_mnmajor_steps,
-    sw128_slot, uses_wgmma, wgmma_chain,
+    sw128_slot, uses_wgmma, wgmma_chain, wgmma_issue, wgmma_wait,
 };
 use crate::values::Body;
 use crate::warp_spec::{Copier, Ring, WS_LAUNCH_REGS, WS_THREADS, ws_split, ws_split_regs};
@@ -1299,11 +1299,34 @@ fn dkdv_ws_consumer(e: &mut Em, p: &Problem, io: &Io, cx: &WsCx, locate: &dyn Fn
         };
         let q_tile = sb.clone();
         let do_tile = e.addk(&sb, bm * d);
-        let s_t = wprod(e, &k_at, &q_tile);
+        // S^T and dP^T one after the other, or (`overlap_sdp`, head_dim 128) as two `wgmma`
+        // groups with P^T computed while the tensor cores run dP^T. (At head_dim 64 the stages
+        // hold 128 queries: S^T and dP^T of 64 registers each beside dK, dV and P^T spill.)
+        let overlap = overlap_sdp() && bm == 64;
+        let s_t = (!overlap).then(|| wprod(e, &k_at, &q_tile));
         let cols: Vec<String> = (0..qn as i64).flat_map(|nt| [0, 1].map(|i| nt * 8 + i)).map(|k| e.addk(&kcol, k)).collect();
         let tile = DkdvCols { cols: &cols, stats: &stats, q0: &q0, keys: &ka, c: &c, bm };
-        let pt = tile.p_t(e, p.causal, &s_t);
-        let dpt = wprod(e, &v_at, &do_tile);
+        let (pt, dpt) = match s_t {
+            Some(s_t) => {
+                let pt = tile.p_t(e, p.causal, &s_t);
+                (pt, wprod(e, &v_at, &do_tile))
+            }
+            None => {
+                // The same zero-initialized chains as `wprod`, issued and waited for apart.
+                let issue = |e: &mut Em, a_at: &str, b_at: &str| -> Vec<String> {
+                    let z = frag_names(&zeros(e, qn));
+                    let ad = sw128_desc_at(e, &kmaj, a_at);
+                    let bd = sw128_desc_at(e, &kmaj, b_at);
+                    wgmma_issue(e, bm as usize, &z, WgA::Smem(&ad, &a_offs), &bd, &b_offs, false, true)
+                };
+                let s_t = issue(e, &k_at, &q_tile);
+                let dpt = issue(e, &v_at, &do_tile);
+                let (s_t, _) = wgmma_wait(e, 1, &s_t, &[]);
+                let pt = tile.p_t(e, p.causal, &frags_of(&s_t));
+                let (dpt, _) = wgmma_wait(e, 0, &dpt, &[]);
+                (pt, frags_of(&dpt))
+            }
+        };
         let dst = tile.ds_t(e, &pt, &dpt);
         dkdv_update_wgmma(e, d, bm, &mnmaj, &pt, &dst, &do_tile, &q_tile, &mut dk, &mut dv);
         after(e, f, &stats, &dst);
@@ -1315,6 +1338,15 @@ fn dkdv_ws_consumer(e: &mut Em, p: &Problem, io: &Io, cx: &WsCx, locate: &dyn Fn
     });
     let (dk, dv) = (frags_of(&res[..4 * nt_d]), frags_of(&res[4 * nt_d..]));
     store_dkdv(e, p, io, cx.kv_base, &ka_abs, [&key0, &key1], &kcol, &dk, &dv);
+}
+
+/// Whether the warp-specialized dK/dV consumers (seven-product pass and five.rs) issue S^T and
+/// dP^T as two `wgmma` groups and compute P^T while dP^T runs, instead of one product after
+/// the other: `TITAN_ATT_BWD_OVERLAP=1` at build time. Opt-in and **not yet run on a GPU**
+/// (prepared in session 26 when the device budget was spent; docs/notes.md): neither its
+/// results nor its speed are checked yet, so it stays off until `gpu_check.py` has passed it.
+fn overlap_sdp() -> bool {
+    std::env::var("TITAN_ATT_BWD_OVERLAP").as_deref() == Ok("1")
 }
 
 /// Query rows per CTA of the warp-specialized dQ pass: two consumer warpgroups of 64 rows

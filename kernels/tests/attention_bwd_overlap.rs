@@ -1,0 +1,53 @@
+//! The attention backward's dK/dV consumers with S^T and dP^T overlapped (`TITAN_ATT_BWD_OVERLAP=1`
+//! at build time, opt-in and not yet run on a GPU): its own test binary, so setting the switch
+//! cannot change the kernels other tests generate.
+
+use titan_ir::{ArgKind, Builder, DType, Graph, KernelKind, Op, Output, Region, TensorType};
+use titan_kernels::{compile_kernel, ptxas_check};
+
+fn body(g: &mut Graph, [b, s, hq, hkv, d]: [u64; 5], causal: bool) -> titan_ir::BlockId {
+    let scale = 1.0 / (d as f64).sqrt();
+    let q = TensorType::fixed(DType::BF16, &[b, s, hq, d]);
+    let kv = TensorType::fixed(DType::BF16, &[b, s, hkv, d]);
+    let lse = TensorType::fixed(DType::F32, &[b, hq, s]);
+    let mut r = Region::new("attn_bwd_overlap");
+    let a: Vec<_> = [q.clone(), kv.clone(), kv, q.clone(), lse, q].into_iter().map(|t| r.add_arg(t, ArgKind::Block, None)).collect();
+    let outs = {
+        let mut bd = Builder::new(&mut r, &g.dims, &g.blocks);
+        bd.push(Op::AttentionBwd { causal, scale }, &a).expect("attention_bwd")
+    };
+    r.outputs = outs.into_iter().map(|value| Output { name: None, value }).collect();
+    g.add_block(r)
+}
+
+/// The causal kernel `name` for `shape`: its PTX and whether `ptxas` found it clean (no spills).
+fn ptx_of(g: &mut Graph, name: &str, shape: [u64; 5]) -> (String, bool) {
+    let id = body(g, shape, true);
+    let k = compile_kernel(g, id, KernelKind::AttentionBwd, name).expect("generates").expect("a kernel");
+    let r = ptxas_check(&k.ptx, &k.entry).unwrap_or_else(|e| panic!("{name}: {e}"));
+    println!("{name}: {} registers, {} spill stores", r.registers, r.spill_stores);
+    (k.ptx, r.problems().is_empty())
+}
+
+/// At head_dim 128 the warp-specialized dK/dV consumers (the five-product pass at seq 8192, the
+/// seven-product pass at 4096) wait for S^T with dP^T still in flight (`wgmma.wait_group 1`);
+/// switched off, or at head_dim 64, every chain is waited for whole. The five-product pass
+/// assembles without spills either way (the seven-product one spills 8 bytes with and without
+/// the switch: docs/notes.md, session 26).
+#[test]
+fn overlapped_products_at_head_dim_128_only() {
+    let mut g = Graph::new("overlap");
+    let overlapped = |ptx: &str| ptx.contains("wgmma.wait_group.sync.aligned 1;");
+    // SAFETY (of the process environment): this binary's only test; nothing else reads it here.
+    unsafe { std::env::set_var("TITAN_ATT_BWD_OVERLAP", "1") };
+    let (five, clean) = ptx_of(&mut g, "bwd_ov_8b", [1, 8192, 32, 8, 128]);
+    assert!(overlapped(&five) && clean, "five-product pass, head_dim 128: overlapped, no spills");
+    let (seven, _) = ptx_of(&mut g, "bwd_ov_8b_4096", [2, 4096, 32, 8, 128]);
+    assert!(overlapped(&seven), "seven-product pass, head_dim 128");
+    let (d64, clean) = ptx_of(&mut g, "bwd_ov_1b", [1, 8192, 32, 8, 64]);
+    assert!(!overlapped(&d64) && clean, "head_dim 64 keeps the products apart");
+    // SAFETY: as above.
+    unsafe { std::env::remove_var("TITAN_ATT_BWD_OVERLAP") };
+    let (off, _) = ptx_of(&mut g, "bwd_8b", [1, 8192, 32, 8, 128]);
+    assert!(!overlapped(&off), "off by default");
+}
