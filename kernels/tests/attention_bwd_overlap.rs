@@ -2,27 +2,15 @@
 //! at build time, opt-in and not yet run on a GPU): its own test binary, so setting the switch
 //! cannot change the kernels other tests generate.
 
-use titan_ir::{ArgKind, Builder, DType, Graph, KernelKind, Op, Output, Region, TensorType};
-use titan_kernels::{compile_kernel, ptxas_check};
+mod common;
 
-fn body(g: &mut Graph, [b, s, hq, hkv, d]: [u64; 5], causal: bool) -> titan_ir::BlockId {
-    let scale = 1.0 / (d as f64).sqrt();
-    let q = TensorType::fixed(DType::BF16, &[b, s, hq, d]);
-    let kv = TensorType::fixed(DType::BF16, &[b, s, hkv, d]);
-    let lse = TensorType::fixed(DType::F32, &[b, hq, s]);
-    let mut r = Region::new("attn_bwd_overlap");
-    let a: Vec<_> = [q.clone(), kv.clone(), kv, q.clone(), lse, q].into_iter().map(|t| r.add_arg(t, ArgKind::Block, None)).collect();
-    let outs = {
-        let mut bd = Builder::new(&mut r, &g.dims, &g.blocks);
-        bd.push(Op::AttentionBwd { causal, scale }, &a).expect("attention_bwd")
-    };
-    r.outputs = outs.into_iter().map(|value| Output { name: None, value }).collect();
-    g.add_block(r)
-}
+use common::attention_body;
+use titan_ir::{Graph, KernelKind};
+use titan_kernels::{compile_kernel, ptxas_check};
 
 /// The causal kernel `name` for `shape`: its PTX and whether `ptxas` found it clean (no spills).
 fn ptx_of(g: &mut Graph, name: &str, shape: [u64; 5]) -> (String, bool) {
-    let id = body(g, shape, true);
+    let id = attention_body(g, shape, true, true);
     let k = compile_kernel(g, id, KernelKind::AttentionBwd, name).expect("generates").expect("a kernel");
     let r = ptxas_check(&k.ptx, &k.entry).unwrap_or_else(|e| panic!("{name}: {e}"));
     println!("{name}: {} registers, {} spill stores", r.registers, r.spill_stores);

@@ -2,23 +2,11 @@
 //! shape it can run, then off (the seven-product passes): its own test binary, so setting the
 //! switch cannot change the kernels other tests generate.
 
-use titan_ir::{ArgKind, Builder, DType, Graph, KernelKind, Op, Output, Region, TensorType};
-use titan_kernels::{compile_kernel, ptxas_check};
+mod common;
 
-fn body(g: &mut Graph, [b, s, hq, hkv, d]: [u64; 5], causal: bool) -> titan_ir::BlockId {
-    let scale = 1.0 / (d as f64).sqrt();
-    let q = TensorType::fixed(DType::BF16, &[b, s, hq, d]);
-    let kv = TensorType::fixed(DType::BF16, &[b, s, hkv, d]);
-    let lse = TensorType::fixed(DType::F32, &[b, hq, s]);
-    let mut r = Region::new("attn_bwd5");
-    let a: Vec<_> = [q.clone(), kv.clone(), kv, q.clone(), lse, q].into_iter().map(|t| r.add_arg(t, ArgKind::Block, None)).collect();
-    let outs = {
-        let mut bd = Builder::new(&mut r, &g.dims, &g.blocks);
-        bd.push(Op::AttentionBwd { causal, scale }, &a).expect("attention_bwd")
-    };
-    r.outputs = outs.into_iter().map(|value| Output { name: None, value }).collect();
-    g.add_block(r)
-}
+use common::attention_body;
+use titan_ir::{Graph, KernelKind};
+use titan_kernels::{compile_kernel, ptxas_check};
 
 /// Three phases (statistics and a zeroed f32 dQ accumulator, the warp-specialized dK/dV/dQ
 /// pass, the dQ conversion), the accumulator in the workspace, each phase assembled by `ptxas`
@@ -36,7 +24,7 @@ fn five_product_backward_structure() {
         ("bwd5_1b", [1, 8192, 32, 8, 64], true),
         ("bwd5_d64_full", [1, 512, 4, 4, 64], false),
     ] {
-        let id = body(&mut g, shape, causal);
+        let id = attention_body(&mut g, shape, causal, true);
         let k = compile_kernel(&g, id, KernelKind::AttentionBwd, name).expect("generates").expect("a kernel");
         let [b, s, hq, hkv, d] = shape;
         assert_eq!(k.launch.block, [384, 1, 1], "{name}");
@@ -89,7 +77,7 @@ fn five_product_backward_structure() {
     // consumer's chains run at N = 128.
     // SAFETY: as above.
     unsafe { std::env::set_var("TITAN_ATT_BWD_5P", "0") };
-    let id = body(&mut g, [1, 8192, 32, 8, 64], true);
+    let id = attention_body(&mut g, [1, 8192, 32, 8, 64], true, true);
     let k = compile_kernel(&g, id, KernelKind::AttentionBwd, "bwd7_1b").expect("generates").expect("a kernel");
     let pro = k.prologue.as_ref().expect("dQ phase");
     assert!(pro.entry.ends_with("_dq") && k.epilogue.is_none());

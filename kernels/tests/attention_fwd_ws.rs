@@ -2,22 +2,11 @@
 //! every shape it can run, then off: its own test binary, so setting the switch cannot change
 //! the kernels other tests generate.
 
-use titan_ir::{ArgKind, Builder, DType, Graph, KernelKind, Op, Output, Region, TensorType};
-use titan_kernels::{compile_kernel, ptxas_check};
+mod common;
 
-fn body(g: &mut Graph, [b, s, hq, hkv, d]: [u64; 5], causal: bool) -> titan_ir::BlockId {
-    let scale = 1.0 / (d as f64).sqrt();
-    let q = TensorType::fixed(DType::BF16, &[b, s, hq, d]);
-    let kv = TensorType::fixed(DType::BF16, &[b, s, hkv, d]);
-    let mut r = Region::new("attn_fwd_ws");
-    let a: Vec<_> = [q, kv.clone(), kv].into_iter().map(|t| r.add_arg(t, ArgKind::Block, None)).collect();
-    let outs = {
-        let mut bd = Builder::new(&mut r, &g.dims, &g.blocks);
-        bd.push(Op::Attention { causal, scale }, &a).expect("attention")
-    };
-    r.outputs = outs.into_iter().map(|value| Output { name: None, value }).collect();
-    g.add_block(r)
-}
+use common::attention_body;
+use titan_ir::{Graph, KernelKind};
+use titan_kernels::{compile_kernel, ptxas_check};
 
 /// One CTA of three warpgroups per 128 queries: a ring of K/V stages behind `mbarrier`s (a full
 /// and an empty one per stage), registers moved from the copying warpgroup to the two computing
@@ -36,7 +25,7 @@ fn warp_specialized_forward_structure() {
         ("fwd_ws_1b", [1, 8192, 32, 8, 64], true),
         ("fwd_ws_d64_full", [1, 384, 4, 4, 64], false),
     ] {
-        let id = body(&mut g, shape, causal);
+        let id = attention_body(&mut g, shape, causal, false);
         let k = compile_kernel(&g, id, KernelKind::Attention, name).expect("generates").expect("a kernel");
         let [b, s, hq, _, d] = shape;
         assert_eq!(k.launch.block, [384, 1, 1], "{name}");
@@ -73,20 +62,20 @@ fn warp_specialized_forward_structure() {
     }
     // Where it cannot run (a sequence not a multiple of 128), and switched off: the
     // single-warpgroup kernel.
-    let id = body(&mut g, [1, 192, 4, 4, 128], true);
+    let id = attention_body(&mut g, [1, 192, 4, 4, 128], true, false);
     let k = compile_kernel(&g, id, KernelKind::Attention, "fwd_192").expect("generates").expect("a kernel");
     assert_eq!(k.launch.block, [128, 1, 1]);
     assert_eq!(k.ptx.matches("vote.sync.any.pred").count(), 1, "the single-warpgroup kernel skips the rescale too");
     // SAFETY: as above.
     unsafe { std::env::set_var("TITAN_ATT_FWD_WS", "0") };
-    let id = body(&mut g, [1, 8192, 32, 8, 128], true);
+    let id = attention_body(&mut g, [1, 8192, 32, 8, 128], true, false);
     let k = compile_kernel(&g, id, KernelKind::Attention, "fwd_8b").expect("generates").expect("a kernel");
     assert_eq!((k.launch.block, k.launch.grid), ([128, 1, 1], [8192 / 64 * 32, 1, 1]));
     // By default: head_dim 128 from sequence 2048 on (Llama-3 8B's shape), not at 1024 or at 64.
     // SAFETY: as above.
     unsafe { std::env::remove_var("TITAN_ATT_FWD_WS") };
     for (shape, block) in [([1, 8192, 32, 8, 128], 384), ([4, 2048, 32, 8, 128], 384), ([8, 1024, 32, 8, 128], 128), ([1, 8192, 32, 8, 64], 128)] {
-        let id = body(&mut g, shape, true);
+        let id = attention_body(&mut g, shape, true, false);
         let k = compile_kernel(&g, id, KernelKind::Attention, "fwd_default").expect("generates").expect("a kernel");
         assert_eq!(k.launch.block, [block, 1, 1], "{shape:?}");
     }
