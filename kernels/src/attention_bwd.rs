@@ -1144,9 +1144,13 @@ fn dkdv_ws_body(p: &Problem, io: &Io) -> String {
     let tid = id.tid.clone();
     let seq = QuerySeq::new(&mut e, p, &id.bid, bm);
     let ring = Ring::new(&mut e, &seq.smem, bar0, nst, &tid);
-    ws_split(
+    // The copier at 24 registers spilled 8 bytes at head_dim 128 with Llama-3 8B's heads (seq
+    // 2048-4096: rows 8 KB apart); at 32 neither side spills (five.rs's split). Not timed on a
+    // GPU: the same instructions, the spill gone (session 26).
+    ws_split_regs(
         &mut e,
         &tid,
+        (232, 32),
         |e, cp| {
             seq.copy_kv(e, p, io, cp);
             // Tile 0 (with K and V) as the first group; then tile f's copies are issued before
