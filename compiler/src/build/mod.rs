@@ -186,6 +186,9 @@ pub struct BuildSummary {
     /// What ptxas reported on each assembled kernel (training step, then eval step): registers,
     /// spills, shared memory.
     pub ptxas_reports: Vec<(String, PtxasReport)>,
+    /// The most dynamic shared memory any launch asks for (every phase of every kernel, both
+    /// steps): ptxas's figures count only the static part.
+    pub dynamic_shared_max: u64,
     pub launches_per_step: u64,
     pub buffers: usize,
     pub arenas: Vec<ArenaPlan>,
@@ -257,7 +260,12 @@ impl fmt::Display for BuildSummary {
                 [] => "no register spills".to_string(),
                 ks => format!("warning: {} kernel(s) spill registers to local memory: {}", ks.len(), ks.join(", ")),
             };
-            writeln!(f, "ptxas:        at most {regs} registers and {} of shared memory per kernel; {spills}", human_bytes(smem))?;
+            writeln!(
+                f,
+                "ptxas:        at most {regs} registers and {} of static shared memory per kernel (launches ask for up to {} dynamic); {spills}",
+                human_bytes(smem),
+                human_bytes(self.dynamic_shared_max)
+            )?;
             let serialized: Vec<&str> = self.ptxas_reports.iter().filter(|(_, r)| r.wgmma_serialized).map(|(k, _)| k.as_str()).collect();
             if !serialized.is_empty() {
                 writeln!(
@@ -806,6 +814,14 @@ pub(crate) fn compile(
         report: report.clone(),
         eval: eval.as_ref().map(|e| e.step.clone()),
     };
+    let dynamic_shared_max = manifest
+        .kernels
+        .iter()
+        .chain(manifest.eval.iter().flat_map(|e| e.kernels.iter()))
+        .flat_map(|k| k.launch.iter().chain(k.prologue.iter().map(|p| &p.launch)).chain(k.epilogue.iter().map(|p| &p.launch)))
+        .map(|l| u64::from(l.shared_bytes))
+        .max()
+        .unwrap_or(0);
     let summary = BuildSummary {
         out_dir: PathBuf::new(),
         graph: fused.name.clone(),
@@ -816,6 +832,7 @@ pub(crate) fn compile(
         ptx_files: ptx.len(),
         cubin_files: cubins.len(),
         ptxas_reports,
+        dynamic_shared_max,
         launches_per_step: plan.schedule.launches_per_step,
         buffers: manifest.buffers.len(),
         arenas: plan.memory.arenas.clone(),
