@@ -1140,8 +1140,8 @@ struct Pipelined<'a> {
 /// the other's products hold the tensor cores.
 pub(crate) struct Turns {
     /// This warpgroup's barrier and the other's (i32).
-    pub(crate) own: String,
-    pub(crate) other: String,
+    own: String,
+    other: String,
 }
 
 impl Turns {
@@ -1387,9 +1387,10 @@ fn tile_of(e: &mut Em, p: &Problem, bid: &str, nm: i64) -> Tile {
     Tile { mblk, bhi, q_base, kv_base }
 }
 
-/// Q's `d / 16` register A fragments (the `mma.sync` A layout, which is `wgmma`'s register A
-/// layout) from the thread's two rows at its column (`qrow_p`).
-fn q_frags(e: &mut Em, qrow_p: &[String; 2], d: i64) -> Vec<[String; 4]> {
+/// The `d / 16` register A fragments (the `mma.sync` A layout, which is `wgmma`'s register A
+/// layout) of a bf16 `[rows, d]` tensor, straight from global memory at the thread's two rows
+/// and its column (`qrow_p`): Q in the forwards, Q and dO in the backward's dQ pass.
+pub(crate) fn q_frags(e: &mut Em, qrow_p: &[String; 2], d: i64) -> Vec<[String; 4]> {
     (0..d / 16)
         .map(|ks| {
             let mut a: [String; 4] = Default::default();

@@ -41,8 +41,8 @@ use std::fmt::Write as _;
 use titan_ir::{DType, Graph, Op, Region};
 
 use crate::attention::{
-    Em, WgA, checked_sizes, for_each, if_then, output_slots, scf_for, sw128_copy, sw128_desc_at, sw128_descriptor, sw128_kmajor_steps, sw128_mnmajor_steps,
-    sw128_slot, uses_wgmma, wgmma_chain, wgmma_issue, wgmma_wait,
+    Em, WgA, checked_sizes, for_each, if_then, output_slots, q_frags, scf_for, sw128_copy, sw128_desc_at, sw128_descriptor, sw128_kmajor_steps,
+    sw128_mnmajor_steps, sw128_slot, uses_wgmma, wgmma_chain, wgmma_issue, wgmma_wait,
 };
 use crate::values::Body;
 use crate::warp_spec::{Copier, Ring, WS_LAUNCH_REGS, WS_THREADS, ws_split, ws_split_regs};
@@ -351,16 +351,7 @@ fn dq_rows(e: &mut Em, p: &Problem, io: &Io, warp: &str, g: &str, tq: &str, row_
     // A fragments of a [rows, d] bf16 tensor straight from global memory.
     let frags = |e: &mut Em, r: &DqRows, base: &str| -> Vec<[String; 4]> {
         let rp = [dq_row_ptr(e, p, r, base, &r.rows[0]), dq_row_ptr(e, p, r, base, &r.rows[1])];
-        (0..d / 16)
-            .map(|ks| {
-                let mut a: [String; 4] = Default::default();
-                for (i, x) in a.iter_mut().enumerate() {
-                    let ptr = e.gepk(&rp[i % 2], 1, 16 * ks + 8 * (i / 2) as i64);
-                    *x = e.op(&format!("llvm.load {ptr} {{alignment = 4 : i64}} : !llvm.ptr<1> -> i32"));
-                }
-                a
-            })
-            .collect()
+        q_frags(e, &rp, d)
     };
     r.qf = frags(e, &r, &io.q);
     r.dof = frags(e, &r, &io.dout);
@@ -1145,8 +1136,8 @@ fn dkdv_ws_body(p: &Problem, io: &Io) -> String {
     let seq = QuerySeq::new(&mut e, p, &id.bid, bm);
     let ring = Ring::new(&mut e, &seq.smem, bar0, nst, &tid);
     // The copier at 24 registers spilled 8 bytes at head_dim 128 with Llama-3 8B's heads (seq
-    // 2048-4096: rows 8 KB apart); at 32 neither side spills (five.rs's split). Not timed on a
-    // GPU: the same instructions, the spill gone (session 26).
+    // 2048-4096; not at the seq 512 test shapes); at 32 neither side spills (five.rs's split).
+    // Not timed on a GPU: the same instructions, the spill gone (session 26).
     ws_split_regs(
         &mut e,
         &tid,

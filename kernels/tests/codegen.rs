@@ -624,7 +624,8 @@ fn attention_bwd_assembles_without_spills() {
     for (name, shape, causal) in [
         ("attention_bwd_d128_gqa_causal", [1, 512, 8, 2, 128], true),
         ("attention_bwd_d128_gqa", [1, 512, 8, 2, 128], false),
-        // Llama-3 8B's heads at seq 4096 (the rows 8 KB apart cost the copier registers).
+        // Llama-3 8B's heads at seq 4096 (its dK/dV copier spilled at 24 registers; seq 512
+        // did not).
         ("attention_bwd_d128_4096", [2, 4096, 32, 8, 128], true),
         ("attention_bwd_d64", [2, 256, 4, 4, 64], false),
         ("attention_bwd_d64_gqa_causal", [2, 256, 8, 2, 64], true),

@@ -108,8 +108,9 @@ pub(super) fn body(p: &Problem, qp: &str, kp: &str, vp: &str, op: &str, lp: &str
     // The CTA's key tiles: up to its diagonal when causal.
     let n_tiles = if p.causal { e.addk(&mblk, 1) } else { e.i32c(p.s as i64 / bn) };
     let last = e.addk(&n_tiles, -1);
-    // The copier's 128-key tiles (and Q's 128 rows 8 KB apart at the 8B shape) spill 20 bytes
-    // at 24 registers: 32 for it, so 232 for the consumers (no spills either side).
+    // The copier (128-key tiles, and Q's 128 rows at head_dim 128) spilled 20 bytes at 24
+    // registers at the 8B shape (not at the small test shapes): 32 for it, so 232 for the
+    // consumers (no spills either side).
     ws_split_regs(
         &mut e,
         &tid,
