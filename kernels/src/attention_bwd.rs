@@ -844,8 +844,22 @@ struct KeyTile {
 
 fn key_tile(e: &mut Em, p: &Problem, bid: &str, keys: i64) -> KeyTile {
     let d = p.d;
-    let j = e.divk(bid, p.b * p.hkv);
-    let bk = e.remk(bid, p.b * p.hkv);
+    // Bands of `g` (batch, kv head)s, each band's CTAs key tile first (the longest causal walks
+    // first); one band (`g = b hkv`) unless `TITAN_ATT_BWD_BAND` says otherwise.
+    let nbk = p.b * p.hkv;
+    let g = kv_band(nbk);
+    let (j, bk) = if g == nbk {
+        (e.divk(bid, nbk), e.remk(bid, nbk))
+    } else {
+        // `per_band` is a multiple of `g`: the kv head within the band is `bid % g`.
+        let per_band = g * (p.s / keys);
+        let r = e.remk(bid, per_band);
+        let j = e.divk(&r, g);
+        let band = e.divk(bid, per_band);
+        let b0 = e.mulk(&band, g);
+        let k = e.remk(bid, g);
+        (j, e.addi(&b0, &k))
+    };
     let bi = e.divk(&bk, p.hkv);
     let kh = e.remk(&bk, p.hkv);
     let kv0 = e.mulk(&j, keys);
@@ -924,10 +938,7 @@ fn dkdv_body(p: &Problem, io: &Io) -> String {
     let se = stage_elems(d);
     // (query head, first query row) of sequence position f.
     let locate = |e: &mut Em, f: &str| -> (String, String) {
-        let hh = e.bin("divui", f, &ntile, "i32");
-        let tt = e.bin("remui", f, &ntile, "i32");
-        let h = e.addi(&kh_g, &hh);
-        let t = e.addi(&t_start, &tt);
+        let (h, t) = walk(e, f, &ntile, &t_start, nqt, grp, &|e, hh| e.addi(&kh_g, hh));
         let q0 = e.mulk(&t, bm);
         (h, q0)
     };
@@ -1165,6 +1176,10 @@ struct QuerySeq {
     bm: i64,
     t_start: String,
     ntile: String,
+    /// Query tiles of `bm` rows in the sequence.
+    nqt: i64,
+    /// Query heads of the GQA group.
+    grp: i64,
     total: String,
     kh_g: String,
     bh0: String,
@@ -1183,15 +1198,12 @@ impl QuerySeq {
         let total = e.mulk(&ntile, p.hq / p.hkv);
         let kh_g = e.mulk(&kt.kh, p.hq / p.hkv);
         let bh0 = e.mulk(&kt.bi, p.hq);
-        QuerySeq { kt, smem, bm, t_start, ntile, total, kh_g, bh0, stats: stats_bases(p).to_vec() }
+        QuerySeq { kt, smem, bm, t_start, ntile, nqt: p.s / bm, grp: p.hq / p.hkv, total, kh_g, bh0, stats: stats_bases(p).to_vec() }
     }
 
     /// (query head, first query row) of tile `f`.
     fn locate(&self, e: &mut Em, f: &str) -> (String, String) {
-        let hh = e.bin("divui", f, &self.ntile, "i32");
-        let tt = e.bin("remui", f, &self.ntile, "i32");
-        let h = e.addi(&self.kh_g, &hh);
-        let t = e.addi(&self.t_start, &tt);
+        let (h, t) = walk(e, f, &self.ntile, &self.t_start, self.nqt, self.grp, &|e, hh| e.addi(&self.kh_g, hh));
         let q0 = e.mulk(&t, self.bm);
         (h, q0)
     }
@@ -1226,6 +1238,64 @@ impl QuerySeq {
         let dob = e.addk(&sb, bm * d);
         cp.copy(e, &self.smem, &io.dout, &go, q_row, bm, d, &dob);
         copy_stats(e, p, io, &self.smem, &cp.ptid, &self.bh0, &h, &q0, &sb, 2 * bm * d, bm, &self.stats);
+    }
+}
+
+/// How a dK/dV CTA walks its (query head of the group, query tile) sequence: `ntile` tiles
+/// `t_start .. nqt` of each of the group's `grp` heads. Position `f` is (`head_at(head)`, tile)
+/// in [`Walk`]'s order. Neither the tiles' order nor the heads' changes the results (each tile is masked
+/// by its coordinates; dK and dV sum the same products per CTA in an order set at build time,
+/// and the five-product pass's dQ sums are order-independent u32 adds), only which data the
+/// CTAs running at once share in L2.
+///
+/// The head comes first, then `kh_g + head` through `head_at`, then the tile (the ops in the
+/// order the kernels had before the walk could change, so the default's PTX stayed the same).
+fn walk(e: &mut Em, f: &str, ntile: &str, t_start: &str, nqt: i64, grp: i64, head_at: &dyn Fn(&mut Em, &str) -> String) -> (String, String) {
+    let w = Walk::get();
+    let (hh, tt) = if w.heads_inner { (e.remk(f, grp), e.divk(f, grp)) } else { (e.bin("divui", f, ntile, "i32"), e.bin("remui", f, ntile, "i32")) };
+    let h = head_at(e, &hh);
+    let t = if w.down {
+        let last = e.i32c(nqt - 1);
+        e.bin("subi", &last, &tt, "i32")
+    } else {
+        e.addi(t_start, &tt)
+    };
+    (h, t)
+}
+
+/// The walk's order, set at build time for comparison (docs/notes.md, session 27): by default
+/// each query head in turn (`heads_inner` false), its tiles up from the CTA's diagonal (`down`
+/// false). `TITAN_ATT_BWD_WALK=down`: each head's tiles from the last one down, so the CTAs of
+/// a kv head started together stay on the same tile until the shortest ends its head;
+/// `down-heads-inner`: the tiles down, and at each tile the group's heads in turn, so they stay
+/// together for their whole walk. Walking up, the CTAs of a kv head in flight are at different
+/// query tiles and together keep whole query heads' Q, dO and (five products) u32 dQ
+/// accumulator in use: 8 MB a head at head_dim 128, seq 8192.
+#[derive(Clone, Copy)]
+struct Walk {
+    down: bool,
+    heads_inner: bool,
+}
+
+impl Walk {
+    fn get() -> Walk {
+        match std::env::var("TITAN_ATT_BWD_WALK").as_deref() {
+            Ok("down") => Walk { down: true, heads_inner: false },
+            Ok("down-heads-inner") => Walk { down: true, heads_inner: true },
+            _ => Walk { down: false, heads_inner: false },
+        }
+    }
+}
+
+/// The (batch, kv head)s per band of the dK/dV passes' grid (`nbk = b hkv` of them in all): all
+/// by default, so the CTAs in flight take the longest causal walks (the lowest key tiles) of
+/// every kv head first. `TITAN_ATT_BWD_BAND=g` at build time (`g` dividing `nbk`), for
+/// comparison: the grid runs `g` kv heads at a time, fewer heads' data shared in L2 at once, at
+/// the cost of each band's long walks starting later (a tail at the last band).
+fn kv_band(nbk: i64) -> i64 {
+    match std::env::var("TITAN_ATT_BWD_BAND").ok().and_then(|v| v.parse::<i64>().ok()) {
+        Some(g) if g > 0 && nbk % g == 0 => g,
+        _ => nbk,
     }
 }
 
@@ -1337,9 +1407,9 @@ fn dkdv_ws_consumer(e: &mut Em, p: &Problem, io: &Io, cx: &WsCx, locate: &dyn Fn
 
 /// Whether the warp-specialized dK/dV consumers (seven-product pass and five.rs) issue S^T and
 /// dP^T as two `wgmma` groups and compute P^T while dP^T runs, instead of one product after
-/// the other: `TITAN_ATT_BWD_OVERLAP=1` at build time. Opt-in and **not yet run on a GPU**
-/// (prepared in session 26 when the device budget was spent; docs/notes.md): neither its
-/// results nor its speed are checked yet, so it stays off until `gpu_check.py` has passed it.
+/// the other: `TITAN_ATT_BWD_OVERLAP=1` at build time, opt-in. Measured (H100, docs/performance.md
+/// session 27, call A): the same bits, but at the 8B shape 2-4% slower in bursts and 6.7% more
+/// energy a launch held at the power cap, the 8b-4l step within its spread, so it stays off.
 fn overlap_sdp() -> bool {
     std::env::var("TITAN_ATT_BWD_OVERLAP").as_deref() == Ok("1")
 }
