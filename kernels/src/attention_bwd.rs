@@ -1243,10 +1243,10 @@ impl QuerySeq {
 
 /// How a dK/dV CTA walks its (query head of the group, query tile) sequence: `ntile` tiles
 /// `t_start .. nqt` of each of the group's `grp` heads. Position `f` is (`head_at(head)`, tile)
-/// in [`Walk`]'s order. Neither the tiles' order nor the heads' changes the results (each tile is masked
-/// by its coordinates; dK and dV sum the same products per CTA in an order set at build time,
-/// and the five-product pass's dQ sums are order-independent u32 adds), only which data the
-/// CTAs running at once share in L2.
+/// in [`Walk`]'s order. The order changes which data the CTAs running at once share in L2 and
+/// the order in which dK and dV add the same per-tile products in f32 (so their rounding, not
+/// their determinism: the order is fixed at build time); each tile is masked by its
+/// coordinates, and the five-product pass's dQ sums are order-independent u32 adds.
 ///
 /// The head comes first, then `kh_g + head` through `head_at`, then the tile (the ops in the
 /// order the kernels had before the walk could change, so the default's PTX stayed the same).
