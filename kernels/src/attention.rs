@@ -721,7 +721,7 @@ pub(crate) fn wgmma_chain(e: &mut Em, n: usize, acc: &[String], a: WgA, desc: &s
 /// in flight until a [`wgmma_wait`] that passes them through. `accumulate: false` computes
 /// `A B` alone (scale-d 0: `acc` is not read, `llvm.mlir.undef` will do).
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn wgmma_issue(e: &mut Em, n: usize, acc: &[String], a: WgA, desc: &str, offs: &[i64], trans_b: bool, accumulate: bool) -> Vec<String> {
+fn wgmma_issue(e: &mut Em, n: usize, acc: &[String], a: WgA, desc: &str, offs: &[i64], trans_b: bool, accumulate: bool) -> Vec<String> {
     wgmma_asm(e, n, acc, a, desc, offs, trans_b, accumulate, false)
 }
 
@@ -801,7 +801,7 @@ fn wgmma_asm(e: &mut Em, n: usize, acc: &[String], a: WgA, desc: &str, offs: &[i
 /// done. `f` (f32) and `r` (i32) pass through tied, so each later use reads the value after the
 /// wait (the accumulators of a finished chain) and the register A fragments of a chain still in
 /// flight stay allocated, unchanged, until it is waited for (the PTX rule for async operands).
-pub(crate) fn wgmma_wait(e: &mut Em, pending: u32, f: &[String], r: &[String]) -> (Vec<String>, Vec<String>) {
+fn wgmma_wait(e: &mut Em, pending: u32, f: &[String], r: &[String]) -> (Vec<String>, Vec<String>) {
     let n = f.len() + r.len();
     let mut cons: Vec<String> = f.iter().map(|_| "=f".to_string()).chain(r.iter().map(|_| "=r".to_string())).collect();
     cons.extend((0..n).map(|i| i.to_string()));

@@ -42,7 +42,7 @@ use titan_ir::{DType, Graph, Op, Region};
 
 use crate::attention::{
     Em, WgA, checked_sizes, for_each, if_then, output_slots, q_frags, scf_for, sw128_copy, sw128_desc_at, sw128_descriptor, sw128_kmajor_steps,
-    sw128_mnmajor_steps, sw128_slot, uses_wgmma, wgmma_chain, wgmma_issue, wgmma_wait,
+    sw128_mnmajor_steps, sw128_slot, uses_wgmma, wgmma_chain,
 };
 use crate::values::Body;
 use crate::warp_spec::{Copier, Ring, WS_LAUNCH_REGS, WS_THREADS, ws_split, ws_split_regs};
@@ -1271,7 +1271,6 @@ fn walk(e: &mut Em, f: &str, ntile: &str, t_start: &str, nqt: i64, grp: i64, hea
 /// together for their whole walk. Walking up, the CTAs of a kv head in flight are at different
 /// query tiles and together keep whole query heads' Q, dO and (five products) u32 dQ
 /// accumulator in use: 8 MB a head at head_dim 128, seq 8192.
-#[derive(Clone, Copy)]
 struct Walk {
     down: bool,
     heads_inner: bool,
@@ -1364,34 +1363,11 @@ fn dkdv_ws_consumer(e: &mut Em, p: &Problem, io: &Io, cx: &WsCx, locate: &dyn Fn
         };
         let q_tile = sb.clone();
         let do_tile = e.addk(&sb, bm * d);
-        // S^T and dP^T one after the other, or (`overlap_sdp`, head_dim 128) as two `wgmma`
-        // groups with P^T computed while the tensor cores run dP^T. (At head_dim 64 the stages
-        // hold 128 queries: S^T and dP^T of 64 registers each beside dK, dV and P^T spill.)
-        let overlap = overlap_sdp() && bm == 64;
-        let s_t = (!overlap).then(|| wprod(e, &k_at, &q_tile));
+        let s_t = wprod(e, &k_at, &q_tile);
         let cols: Vec<String> = (0..qn as i64).flat_map(|nt| [0, 1].map(|i| nt * 8 + i)).map(|k| e.addk(&kcol, k)).collect();
         let tile = DkdvCols { cols: &cols, stats: &stats, q0: &q0, keys: &ka, c: &c, bm };
-        let (pt, dpt) = match s_t {
-            Some(s_t) => {
-                let pt = tile.p_t(e, p.causal, &s_t);
-                (pt, wprod(e, &v_at, &do_tile))
-            }
-            None => {
-                // The same zero-initialized chains as `wprod`, issued and waited for apart.
-                let issue = |e: &mut Em, a_at: &str, b_at: &str| -> Vec<String> {
-                    let z = frag_names(&zeros(e, qn));
-                    let ad = sw128_desc_at(e, &kmaj, a_at);
-                    let bd = sw128_desc_at(e, &kmaj, b_at);
-                    wgmma_issue(e, bm as usize, &z, WgA::Smem(&ad, &a_offs), &bd, &b_offs, false, true)
-                };
-                let s_t = issue(e, &k_at, &q_tile);
-                let dpt = issue(e, &v_at, &do_tile);
-                let (s_t, _) = wgmma_wait(e, 1, &s_t, &[]);
-                let pt = tile.p_t(e, p.causal, &frags_of(&s_t));
-                let (dpt, _) = wgmma_wait(e, 0, &dpt, &[]);
-                (pt, frags_of(&dpt))
-            }
-        };
+        let pt = tile.p_t(e, p.causal, &s_t);
+        let dpt = wprod(e, &v_at, &do_tile);
         let dst = tile.ds_t(e, &pt, &dpt);
         dkdv_update_wgmma(e, d, bm, &mnmaj, &pt, &dst, &do_tile, &q_tile, &mut dk, &mut dv);
         after(e, f, &stats, &dst);
@@ -1403,15 +1379,6 @@ fn dkdv_ws_consumer(e: &mut Em, p: &Problem, io: &Io, cx: &WsCx, locate: &dyn Fn
     });
     let (dk, dv) = (frags_of(&res[..4 * nt_d]), frags_of(&res[4 * nt_d..]));
     store_dkdv(e, p, io, cx.kv_base, &ka_abs, [&key0, &key1], &kcol, &dk, &dv);
-}
-
-/// Whether the warp-specialized dK/dV consumers (seven-product pass and five.rs) issue S^T and
-/// dP^T as two `wgmma` groups and compute P^T while dP^T runs, instead of one product after
-/// the other: `TITAN_ATT_BWD_OVERLAP=1` at build time, opt-in. Measured (H100, docs/performance.md
-/// session 27, call A): the same bits, but at the 8B shape 2-4% slower in bursts and 6.7% more
-/// energy a launch held at the power cap, the 8b-4l step within its spread, so it stays off.
-fn overlap_sdp() -> bool {
-    std::env::var("TITAN_ATT_BWD_OVERLAP").as_deref() == Ok("1")
 }
 
 /// Query rows per CTA of the warp-specialized dQ pass: two consumer warpgroups of 64 rows
