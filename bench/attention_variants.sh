@@ -3,7 +3,7 @@
 # `TITAN_ATT_*` variables of kernels/src/attention*.rs, read when kernels are generated):
 #
 #   bench/attention_variants.sh build DIR NAME=VAR=VALUE[,VAR=VALUE...] ...   # here (cargo)
-#   bench/attention_variants.sh run TITAN_RUN DIR [ref,bursts,ncu,steps,held]  # on the GPU
+#   bench/attention_variants.sh run TITAN_RUN DIR [ref,bursts,ncu,steps,heldbwd,held]  # on the GPU
 #
 # `build` writes into DIR main's attention kernels (`DIR/main`, a `TITAN_GPU_DUMP` of the codegen
 # tests pruned to the attention cases), each variant's (`DIR/NAME`: only the files that differ
@@ -12,11 +12,15 @@
 # `DIR/NAME.1b`, ...). `run` goes through the phases named (all by default), every variant and
 # main one after the other in each: `ref` (kernels/tests/gpu_check.py: the reference cases, each
 # kernel twice and compared bitwise), `bursts` (the perf cases matching $ONLY, default
-# `perf_attention_bwd`, two rounds), `ncu` (Nsight Compute's DRAM throughput and L2 hit rate on
+# `perf_attention_bwd`), `ncu` (Nsight Compute's DRAM throughput and L2 hit rate on
 # the kernel $NCU_KERNEL, default `perf_attention_bwd_causal`, the seq 8192 head_dim 128 one),
-# `steps` (20-step runs of both models, two rounds, median tok/s of steps 5+ and the last loss)
-# and `held` (bench/attention_table.py --sustain 2: time and energy per launch at the power
-# cap, PyTorch's SDPA beside each). Output to stdout; ncu's reports also to $OUT if it is set.
+# `steps` (20-step runs of the models $MODELS, default `8b4 1b`: median tok/s of steps 5+ and
+# the last loss), `heldbwd` (the perf cases matching $ONLY held at the power cap for $SUSTAIN
+# seconds, default 2: time and energy a launch, titan's kernels only) and `held`
+# (bench/attention_table.py --sustain 2: every shape's forward and backward held, PyTorch's
+# SDPA beside each; ~100 s a variant). `bursts`, `steps` and `heldbwd` go round every variant
+# $ROUNDS times (default 2), so a drift of clock or temperature shows as a spread. Output to
+# stdout; ncu's reports also to $OUT if it is set.
 # Size to carry to a GPU machine: ~28 MB for main, ~4.5 MB a variant (two artifacts, a few PTX).
 #
 #   bench/attention_variants.sh build /tmp/av down=TITAN_ATT_BWD_WALK=down \
@@ -25,7 +29,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 usage() {
-    sed -n '2,23p' "$0" | sed 's/^# \{0,1\}//' >&2
+    sed -n '2,27p' "$0" | sed 's/^# \{0,1\}//' >&2
     exit 2
 }
 
@@ -113,7 +117,7 @@ run)
             done
             ;;
         bursts)
-            for r in 1 2; do for n in $names; do
+            for r in $(seq "${ROUNDS:-2}"); do for n in $names; do
                 echo "-- $n round $r"
                 TITAN_GPU_RANDOM=1 TITAN_GPU_ONLY=${ONLY:-perf_attention_bwd} timeout 150 python3 kernels/tests/gpu_check.py "$dir/$n" perf >/tmp/av_perf.txt 2>&1 || { echo "$n: gpu_check.py perf exited $?"; tail -3 /tmp/av_perf.txt; }
                 grep "^perf_" /tmp/av_perf.txt || true
@@ -133,7 +137,7 @@ run)
             python3 -c "
 import numpy as np
 np.random.default_rng(0).integers(0, 128256, 1 << 20, dtype=np.uint32).tofile('/tmp/av_tok.bin')" || echo "steps: no token file (numpy)"
-            for r in 1 2; do for m in 8b4 1b; do for n in $names; do
+            for r in $(seq "${ROUNDS:-2}"); do for m in ${MODELS:-8b4 1b}; do for n in $names; do
                 rm -f /tmp/av_m.jsonl
                 if timeout 150 "$run" "$dir/$n.$m" --backend cuda --data /tmp/av_tok.bin --data-format u32 --steps 20 --metrics /tmp/av_m.jsonl --log-every 1 >/tmp/av_out.txt 2>&1; then
                     python3 -c "
@@ -145,6 +149,13 @@ print('$m $n round $r', round(statistics.median(r['tokens_per_s'] for r in rows[
                     tail -5 /tmp/av_out.txt
                 fi
             done; done; done
+            ;;
+        heldbwd)
+            for r in $(seq "${ROUNDS:-2}"); do for n in $names; do
+                echo "-- $n round $r"
+                TITAN_GPU_RANDOM=1 TITAN_GPU_SUSTAIN=${SUSTAIN:-2} TITAN_GPU_ONLY=${ONLY:-perf_attention_bwd} timeout 240 python3 kernels/tests/gpu_check.py "$dir/$n" perf >/tmp/av_perf.txt 2>&1 || { echo "$n: gpu_check.py perf exited $?"; tail -3 /tmp/av_perf.txt; }
+                grep "^held " /tmp/av_perf.txt || true
+            done; done
             ;;
         held)
             for n in $names; do

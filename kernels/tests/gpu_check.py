@@ -230,10 +230,16 @@ def launch(c, fns, params):
 
 
 def perf(d):
-    """Time kernels listed in perf.json on device-filled inputs; print achieved bandwidth."""
-    for c, t in timed(d, lambda name: ONLY in name, random_floats=os.environ.get("TITAN_GPU_RANDOM") == "1"):
+    """Time kernels listed in perf.json on device-filled inputs; print achieved bandwidth. With
+    `TITAN_GPU_SUSTAIN=<seconds>`, each case is also held at the power cap (`nvml.sustained`)
+    and a second line gives its time, energy, power and SM clock a launch there."""
+    sustain = float(os.environ.get("TITAN_GPU_SUSTAIN", "0")) or None
+    for c, t in timed(d, lambda name: ONLY in name, random_floats=os.environ.get("TITAN_GPU_RANDOM") == "1", sustain=sustain):
         rate = f"{c['flops'] / (t * 1e-3) / 1e12:.0f} TFLOP/s" if "flops" in c else f"{c['bytes'] / (t * 1e-3) / 1e9:.0f} GB/s"
         print(f"{c['name']}: {t*1e3:.1f} us, {rate} (grid {c['grid']}, block {c['block']})", flush=True)
+        if sustain:
+            h = c["sustained"]
+            print(f"held {c['name']}: {h['ms']*1e3:.1f} us, {h['J']:.3f} J, {h['W']:.0f} W, {h['MHz']:.0f} MHz a launch ({h['n']} launches)", flush=True)
 
 
 def timed(d, keep, iters=20, random_floats=False, inputs=None, sustain=None):
