@@ -847,7 +847,7 @@ fn key_tile(e: &mut Em, p: &Problem, bid: &str, keys: i64) -> KeyTile {
     // Bands of `g` (batch, kv head)s, each band's CTAs key tile first (the longest causal walks
     // first); one band (`g = b hkv`) unless `TITAN_ATT_BWD_BAND` says otherwise.
     let nbk = p.b * p.hkv;
-    let g = kv_band(nbk);
+    let g = kv_band(nbk, p.s / keys);
     let (j, bk) = if g == nbk {
         (e.divk(bid, nbk), e.remk(bid, nbk))
     } else {
@@ -1286,16 +1286,28 @@ impl Walk {
     }
 }
 
-/// The (batch, kv head)s per band of the dK/dV passes' grid (`nbk = b hkv` of them in all): all
-/// by default, so the CTAs in flight take the longest causal walks (the lowest key tiles) of
-/// every kv head first. `TITAN_ATT_BWD_BAND=g` at build time (`g` dividing `nbk`), for
-/// comparison: the grid runs `g` kv heads at a time, fewer heads' data shared in L2 at once, at
-/// the cost of each band's long walks starting later (a tail at the last band).
-fn kv_band(nbk: i64) -> i64 {
-    match std::env::var("TITAN_ATT_BWD_BAND").ok().and_then(|v| v.parse::<i64>().ok()) {
-        Some(g) if g > 0 && nbk % g == 0 => g,
-        _ => nbk,
+/// The (batch, kv head)s per band of the dK/dV passes' grid (`nbk = b hkv` of them in all, each
+/// `tiles` CTAs): all by default, so the CTAs in flight take the longest causal walks (the lowest
+/// key tiles) of every kv head first. `TITAN_ATT_BWD_BAND=g` at build time (`g` dividing `nbk`),
+/// for comparison: the grid runs `g` kv heads at a time, fewer heads' data shared in L2 at once,
+/// at the cost of each band's long walks starting later (a tail at the last band);
+/// `TITAN_ATT_BWD_BAND=wave`: the divisor `g` of `nbk` whose band is nearest one wave of CTAs
+/// ([`crate::SMS`]; the smaller `g` at a tie).
+fn kv_band(nbk: i64, tiles: i64) -> i64 {
+    match std::env::var("TITAN_ATT_BWD_BAND").ok().as_deref() {
+        Some("wave") => wave_band(nbk, tiles),
+        Some(v) => match v.parse::<i64>() {
+            Ok(g) if g > 0 && nbk % g == 0 => g,
+            _ => nbk,
+        },
+        None => nbk,
     }
+}
+
+/// The divisor `g` of `nbk` for which `g tiles` is nearest [`crate::SMS`] (the smaller at a tie).
+fn wave_band(nbk: i64, tiles: i64) -> i64 {
+    let sms = crate::SMS as i64;
+    (1..=nbk).filter(|g| nbk % g == 0).min_by_key(|g| (g * tiles - sms).abs()).unwrap_or(nbk)
 }
 
 /// What the consumer warpgroups of [`dkdv_ws_body`] take from its prologue.

@@ -1,10 +1,11 @@
 //! The attention backward's dK/dV passes with their query tiles walked another way
 //! (`TITAN_ATT_BWD_WALK=down|down-heads-inner` at build time) or their grid in bands of kv heads
-//! (`TITAN_ATT_BWD_BAND=g`): its own test binary, so setting the switches cannot change the
+//! (`TITAN_ATT_BWD_BAND=g|wave`): its own test binary, so setting the switches cannot change the
 //! kernels other tests generate. What the kernels compute is checked on the GPU
 //! (`kernels/tests/gpu_check.py` on a `TITAN_GPU_DUMP` made with the switches); here, that each
 //! switch reaches every dK/dV pass, that each setting gives a different kernel, that they still
-//! assemble without spills, and that a band that does not divide the kv heads is ignored.
+//! assemble without spills, that a band that does not divide the kv heads is ignored, and that
+//! `wave` picks the band nearest one wave of CTAs.
 
 mod common;
 
@@ -65,5 +66,17 @@ fn walks_and_bands_reach_every_dkdv_pass() {
     switch("TITAN_ATT_BWD_WALK", None);
     switch("TITAN_ATT_BWD_BAND", Some("3"));
     assert_eq!(ptx_of(&mut g, "bwd_8b", shapes[0].1).0, seen[0][0], "a band of 3 ignored");
+    // `wave`: the band nearest one wave of 132 CTAs: 2 kv heads at seq 8192 (64 tiles of 128
+    // keys each), 4 at seq 4096 (32 tiles) and at seq 2048 with head_dim 64 (the
+    // single-warpgroup pass: 32 tiles of 64 keys).
+    switch("TITAN_ATT_BWD_WALK", Some("down-heads-inner"));
+    let wave_as = [("2", &shapes[0]), ("2", &shapes[1]), ("4", &shapes[2]), ("4", &shapes[3])];
+    for (band, (name, shape)) in wave_as {
+        switch("TITAN_ATT_BWD_BAND", Some("wave"));
+        let wave = ptx_of(&mut g, name, *shape);
+        switch("TITAN_ATT_BWD_BAND", Some(band));
+        assert!(wave == ptx_of(&mut g, name, *shape), "{name}: a wave is not a band of {band}");
+    }
+    switch("TITAN_ATT_BWD_WALK", None);
     switch("TITAN_ATT_BWD_BAND", None);
 }
