@@ -834,6 +834,8 @@ fn store_dkdv(e: &mut Em, p: &Problem, io: &Io, kv_base: &str, base_key: &str, k
 /// low j (the most causal work) first; its first key `kv0` and the element bases of its K/V
 /// head and of its batch's Q.
 struct KeyTile {
+    /// The pass's work order: [`Order::of`].
+    order: Order,
     j: String,
     bi: String,
     kh: String,
@@ -845,9 +847,10 @@ struct KeyTile {
 fn key_tile(e: &mut Em, p: &Problem, bid: &str, keys: i64) -> KeyTile {
     let d = p.d;
     // Bands of `g` (batch, kv head)s, each band's CTAs key tile first (the longest causal walks
-    // first); one band (`g = b hkv`) unless `TITAN_ATT_BWD_BAND` says otherwise.
+    // first): [`Order::of`].
     let nbk = p.b * p.hkv;
-    let g = kv_band(nbk, p.s / keys);
+    let order = Order::of(p, keys);
+    let g = order.band;
     let (j, bk) = if g == nbk {
         (e.divk(bid, nbk), e.remk(bid, nbk))
     } else {
@@ -872,7 +875,7 @@ fn key_tile(e: &mut Em, p: &Problem, bid: &str, keys: i64) -> KeyTile {
     let kv_base = e.bin("addi", &kvb, &khd, "i64");
     let sq = e.i64c(p.s * p.hq * d);
     let q_bbase = e.bin("muli", &bi64, &sq, "i64");
-    KeyTile { j, bi, kh, kv0, kv_base, q_bbase }
+    KeyTile { order, j, bi, kh, kv0, kv_base, q_bbase }
 }
 
 /// The dK/dV pass: one CTA per 64-key tile of one (batch, kv head).
@@ -889,7 +892,7 @@ fn dkdv_body(p: &Problem, io: &Io) -> String {
     let kv_row = p.hkv * d;
     let id = ids(&mut e);
     let tid = id.tid.clone();
-    let KeyTile { j, bi, kh, kv0, kv_base, q_bbase } = key_tile(&mut e, p, &id.bid, BN);
+    let KeyTile { order, j, bi, kh, kv0, kv_base, q_bbase } = key_tile(&mut e, p, &id.bid, BN);
     let d64 = e.i64c(d);
     let smem = e.op("llvm.mlir.addressof @attb_smem : !llvm.ptr<3>");
     // Copies: `mma.sync`, chunk (tid / cpr, tid % cpr) of padded rows; `wgmma`, row tid / 8,
@@ -938,7 +941,7 @@ fn dkdv_body(p: &Problem, io: &Io) -> String {
     let se = stage_elems(d);
     // (query head, first query row) of sequence position f.
     let locate = |e: &mut Em, f: &str| -> (String, String) {
-        let (h, t) = walk(e, f, &ntile, &t_start, nqt, grp, &|e, hh| e.addi(&kh_g, hh));
+        let (h, t) = walk(e, &order, f, &ntile, &t_start, nqt, grp, &|e, hh| e.addi(&kh_g, hh));
         let q0 = e.mulk(&t, bm);
         (h, q0)
     };
@@ -1203,7 +1206,7 @@ impl QuerySeq {
 
     /// (query head, first query row) of tile `f`.
     fn locate(&self, e: &mut Em, f: &str) -> (String, String) {
-        let (h, t) = walk(e, f, &self.ntile, &self.t_start, self.nqt, self.grp, &|e, hh| e.addi(&self.kh_g, hh));
+        let (h, t) = walk(e, &self.kt.order, f, &self.ntile, &self.t_start, self.nqt, self.grp, &|e, hh| e.addi(&self.kh_g, hh));
         let q0 = e.mulk(&t, self.bm);
         (h, q0)
     }
@@ -1243,15 +1246,15 @@ impl QuerySeq {
 
 /// How a dK/dV CTA walks its (query head of the group, query tile) sequence: `ntile` tiles
 /// `t_start .. nqt` of each of the group's `grp` heads. Position `f` is (`head_at(head)`, tile)
-/// in [`Walk`]'s order. The order changes which data the CTAs running at once share in L2 and
+/// in the [`Order`] `w`. The order changes which data the CTAs running at once share in L2 and
 /// the order in which dK and dV add the same per-tile products in f32 (so their rounding, not
 /// their determinism: the order is fixed at build time); each tile is masked by its
 /// coordinates, and the five-product pass's dQ sums are order-independent u32 adds.
 ///
 /// The head comes first, then `kh_g + head` through `head_at`, then the tile (the ops in the
-/// order the kernels had before the walk could change, so the default's PTX stayed the same).
-fn walk(e: &mut Em, f: &str, ntile: &str, t_start: &str, nqt: i64, grp: i64, head_at: &dyn Fn(&mut Em, &str) -> String) -> (String, String) {
-    let w = Walk::get();
+/// order the kernels had before the walk could change, so walking up gives the same PTX).
+#[allow(clippy::too_many_arguments)] // the walk's state, as the two passes hold it
+fn walk(e: &mut Em, w: &Order, f: &str, ntile: &str, t_start: &str, nqt: i64, grp: i64, head_at: &dyn Fn(&mut Em, &str) -> String) -> (String, String) {
     let (hh, tt) = if w.heads_inner { (e.remk(f, grp), e.divk(f, grp)) } else { (e.bin("divui", f, ntile, "i32"), e.bin("remui", f, ntile, "i32")) };
     let h = head_at(e, &hh);
     let t = if w.down {
@@ -1263,44 +1266,53 @@ fn walk(e: &mut Em, f: &str, ntile: &str, t_start: &str, nqt: i64, grp: i64, hea
     (h, t)
 }
 
-/// The walk's order, set at build time for comparison (docs/notes.md, session 27): by default
-/// each query head in turn (`heads_inner` false), its tiles up from the CTA's diagonal (`down`
-/// false). `TITAN_ATT_BWD_WALK=down`: each head's tiles from the last one down, so the CTAs of
-/// a kv head started together stay on the same tile until the shortest ends its head;
-/// `down-heads-inner`: the tiles down, and at each tile the group's heads in turn, so they stay
-/// together for their whole walk. Walking up, the CTAs of a kv head in flight are at different
-/// query tiles and together keep whole query heads' Q, dO and (five products) u32 dQ
-/// accumulator in use: 8 MB a head at head_dim 128, seq 8192.
-struct Walk {
+/// The order of a dK/dV pass's work: which CTAs run together (`band`) and how each walks its
+/// query tiles (`down`, `heads_inner`). The CTAs of a kv head read the same query heads' Q and
+/// dO and (five products) add to their u32 dQ accumulator; 8 MB a query head at head_dim 128,
+/// seq 8192, against a 50 MB L2. Measured on an H100 against one band walked up (performance.md,
+/// session 28), held at the power cap: at seq 8192 with Llama-3 8B's heads 28% less DRAM
+/// traffic (Nsight Compute), 4-6% less time and 6-8% less energy a launch; at head_dim 64 2-3%
+/// and 1-8%; at seq 4096 level at head_dim 128 and 3.5% less time at 64; at seq 2048 level at
+/// head_dim 128 and 5% more time at 64 (the single-warpgroup pass), so seq 2048 keeps one band
+/// walked up. Bands of 2 kv heads where they fill half a wave or less were 4-7% slower.
+struct Order {
+    /// Each head's tiles from the last one down (else up from the CTA's diagonal): the CTAs of
+    /// a kv head started together stay on the same tile until the shortest ends its head.
     down: bool,
+    /// At each tile the group's heads in turn (else each head's tiles in turn), so the CTAs stay
+    /// together for their whole walk (with `down`).
     heads_inner: bool,
+    /// (batch, kv head)s a band of the grid, each band key tile first (the longest causal walks
+    /// first); it divides `b hkv`, which is one band.
+    band: i64,
 }
 
-impl Walk {
-    fn get() -> Walk {
-        match std::env::var("TITAN_ATT_BWD_WALK").as_deref() {
-            Ok("down") => Walk { down: true, heads_inner: false },
-            Ok("down-heads-inner") => Walk { down: true, heads_inner: true },
-            _ => Walk { down: false, heads_inner: false },
-        }
-    }
-}
-
-/// The (batch, kv head)s per band of the dK/dV passes' grid (`nbk = b hkv` of them in all, each
-/// `tiles` CTAs): all by default, so the CTAs in flight take the longest causal walks (the lowest
-/// key tiles) of every kv head first. `TITAN_ATT_BWD_BAND=g` at build time (`g` dividing `nbk`),
-/// for comparison: the grid runs `g` kv heads at a time, fewer heads' data shared in L2 at once,
-/// at the cost of each band's long walks starting later (a tail at the last band);
-/// `TITAN_ATT_BWD_BAND=wave`: the divisor `g` of `nbk` whose band is nearest one wave of CTAs
-/// ([`crate::SMS`]; the smaller `g` at a tie).
-fn kv_band(nbk: i64, tiles: i64) -> i64 {
-    match std::env::var("TITAN_ATT_BWD_BAND").ok().as_deref() {
-        Some("wave") => wave_band(nbk, tiles),
-        Some(v) => match v.parse::<i64>() {
-            Ok(g) if g > 0 && nbk % g == 0 => g,
-            _ => nbk,
-        },
-        None => nbk,
+impl Order {
+    /// The order of a pass over `p` whose CTAs take `keys` keys each: at seq 4096 and longer,
+    /// `down` and bands of [`wave_band`] kv heads; else one band walked up. Build-time
+    /// switches for comparison: `TITAN_ATT_BWD_WALK=up|down|down-heads-inner` and
+    /// `TITAN_ATT_BWD_BAND=all|wave|g` (`g` dividing `b hkv`; another value is ignored).
+    fn of(p: &Problem, keys: i64) -> Order {
+        let nbk = p.b * p.hkv;
+        let long = p.s >= 4096;
+        let (down, heads_inner) = match std::env::var("TITAN_ATT_BWD_WALK").as_deref() {
+            Ok("up") => (false, false),
+            Ok("down") => (true, false),
+            Ok("down-heads-inner") => (true, true),
+            _ => (long, false),
+        };
+        let wave = wave_band(nbk, p.s / keys);
+        let band = match std::env::var("TITAN_ATT_BWD_BAND").ok().as_deref() {
+            Some("all") => nbk,
+            Some("wave") => wave,
+            Some(v) => match v.parse::<i64>() {
+                Ok(g) if g > 0 && nbk % g == 0 => g,
+                _ => nbk,
+            },
+            None if long => wave,
+            None => nbk,
+        };
+        Order { down, heads_inner, band }
     }
 }
 

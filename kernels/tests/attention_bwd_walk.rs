@@ -1,11 +1,13 @@
-//! The attention backward's dK/dV passes with their query tiles walked another way
-//! (`TITAN_ATT_BWD_WALK=down|down-heads-inner` at build time) or their grid in bands of kv heads
-//! (`TITAN_ATT_BWD_BAND=g|wave`): its own test binary, so setting the switches cannot change the
-//! kernels other tests generate. What the kernels compute is checked on the GPU
-//! (`kernels/tests/gpu_check.py` on a `TITAN_GPU_DUMP` made with the switches); here, that each
-//! switch reaches every dK/dV pass, that each setting gives a different kernel, that they still
-//! assemble without spills, that a band that does not divide the kv heads is ignored, and that
-//! `wave` picks the band nearest one wave of CTAs.
+//! The order of the attention backward's dK/dV passes (`attention_bwd.rs`, `Order`): by default
+//! one band walked up below seq 4096, bands of about one wave walked down from it; the
+//! build-time switches `TITAN_ATT_BWD_WALK=up|down|down-heads-inner` and
+//! `TITAN_ATT_BWD_BAND=all|wave|g` for comparison. Its own test binary, so setting the switches
+//! cannot change the kernels other tests generate. What the kernels compute is checked on the
+//! GPU (`kernels/tests/gpu_check.py` on a `TITAN_GPU_DUMP` made with the switches); here, that
+//! each switch reaches every dK/dV pass, that each setting gives a different kernel, that they
+//! still assemble (without spills but the one register of the 8B five-product pass with a band
+//! walked down), that a band that does not divide the kv heads is ignored, that `wave` picks the
+//! band nearest one wave of CTAs, and which settings the default is at each shape.
 
 mod common;
 
@@ -13,12 +15,18 @@ use common::attention_body;
 use titan_ir::{Graph, KernelKind};
 use titan_kernels::{compile_kernel, ptxas_check};
 
-/// The causal backward `name` for `shape`: its PTX and whether `ptxas` found it clean.
-fn ptx_of(g: &mut Graph, name: &str, shape: [u64; 5]) -> (String, bool) {
+/// The causal backward `name` for `shape`: its PTX and the most bytes `ptxas` spilled in an
+/// entry (panics on a serialized `wgmma`).
+fn ptx_of(g: &mut Graph, name: &str, shape: [u64; 5]) -> (String, u64) {
     let id = attention_body(g, shape, true, true);
     let k = compile_kernel(g, id, KernelKind::AttentionBwd, name).expect("generates").expect("a kernel");
-    let r = ptxas_check(&k.ptx, &k.entry).unwrap_or_else(|e| panic!("{name}: {e}"));
-    (k.ptx, r.problems().is_empty())
+    let mut spill = 0;
+    for entry in std::iter::once(&k.entry).chain(k.prologue.as_ref().map(|p| &p.entry)).chain(k.epilogue.as_ref().map(|p| &p.entry)) {
+        let r = ptxas_check(&k.ptx, entry).unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert!(!r.wgmma_serialized, "{name} {entry}: wgmma serialized");
+        spill = spill.max(r.spill_stores).max(r.spill_loads);
+    }
+    (k.ptx, spill)
 }
 
 /// Sets (or with `None` removes) the build-time switch `key`.
@@ -34,38 +42,45 @@ fn switch(key: &str, value: Option<&str>) {
 
 /// The five-product pass (8B's and Llama-3.2 1B's heads at seq 8192), the warp-specialized
 /// seven-product pass (head_dim 128, seq 4096) and the single-warpgroup one (head_dim 64, seq
-/// 2048), under each setting: all different from each other, all clean. (`down` with a band
-/// spills 4 bytes in the 8B shape's five-product pass, so the band is tried with
-/// `down-heads-inner` here.)
+/// 2048), under each setting.
 #[test]
 fn walks_and_bands_reach_every_dkdv_pass() {
     let mut g = Graph::new("walk");
     let shapes =
         [("bwd_8b", [1, 8192, 32, 8, 128]), ("bwd_1b", [1, 8192, 32, 8, 64]), ("bwd_4096", [2, 4096, 32, 8, 128]), ("bwd_2048_d64", [4, 2048, 64, 16, 64])];
-    let settings = [(None, None), (Some("down"), None), (Some("down-heads-inner"), None), (None, Some("2")), (Some("down-heads-inner"), Some("4"))];
+    let settings = [("up", "all"), ("down", "all"), ("down-heads-inner", "all"), ("up", "2"), ("down-heads-inner", "4"), ("down", "wave")];
     let mut seen: Vec<Vec<String>> = Vec::new();
     for (walk, band) in settings {
-        switch("TITAN_ATT_BWD_WALK", walk);
-        switch("TITAN_ATT_BWD_BAND", band);
+        switch("TITAN_ATT_BWD_WALK", Some(walk));
+        switch("TITAN_ATT_BWD_BAND", Some(band));
         let ptx: Vec<String> = shapes
             .iter()
             .map(|(name, shape)| {
-                let (ptx, clean) = ptx_of(&mut g, name, *shape);
-                assert!(clean, "{name}: spills with walk {walk:?}, band {band:?}");
+                let (ptx, spill) = ptx_of(&mut g, name, *shape);
+                // nvdisasm: one STL before the tile loop, one LDL after it (session 28).
+                let allowed = if *name == "bwd_8b" && walk == "down" && band == "wave" { 4 } else { 0 };
+                assert!(spill <= allowed, "{name}: {spill} bytes spilled with walk {walk}, band {band}");
                 ptx
             })
             .collect();
         for (i, earlier) in seen.iter().enumerate() {
             for (k, (name, _)) in shapes.iter().enumerate() {
-                assert_ne!(earlier[k], ptx[k], "{name}: walk {walk:?}, band {band:?} gives setting {i}'s kernel");
+                assert!(earlier[k] != ptx[k], "{name}: walk {walk}, band {band} gives setting {i}'s kernel");
             }
         }
         seen.push(ptx);
     }
-    // 8 kv heads of batch 1: a band of 3 does not divide them, so the grid stays as it is.
+    // The default: bands of about a wave walked down from seq 4096, one band walked up below.
     switch("TITAN_ATT_BWD_WALK", None);
+    switch("TITAN_ATT_BWD_BAND", None);
+    for (k, (name, shape)) in shapes.iter().enumerate() {
+        let expect = if shape[1] >= 4096 { 5 } else { 0 };
+        assert!(ptx_of(&mut g, name, *shape).0 == seen[expect][k], "{name}: the default is setting {expect}");
+    }
+    // 8 kv heads of batch 1: a band of 3 does not divide them, so the grid stays one band.
+    switch("TITAN_ATT_BWD_WALK", Some("up"));
     switch("TITAN_ATT_BWD_BAND", Some("3"));
-    assert_eq!(ptx_of(&mut g, "bwd_8b", shapes[0].1).0, seen[0][0], "a band of 3 ignored");
+    assert!(ptx_of(&mut g, "bwd_8b", shapes[0].1).0 == seen[0][0], "a band of 3 ignored");
     // `wave`: the band nearest one wave of 132 CTAs: 2 kv heads at seq 8192 (64 tiles of 128
     // keys each), 4 at seq 4096 (32 tiles) and at seq 2048 with head_dim 64 (the
     // single-warpgroup pass: 32 tiles of 64 keys).
