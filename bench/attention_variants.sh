@@ -13,7 +13,8 @@
 # main one after the other in each: `ref` (kernels/tests/gpu_check.py: the reference cases, each
 # kernel twice and compared bitwise), `bursts` (the perf cases matching $ONLY, default
 # `perf_attention_bwd`), `ncu` (Nsight Compute's DRAM throughput and L2 hit rate on
-# the kernel $NCU_KERNEL, default `perf_attention_bwd_causal`, the seq 8192 head_dim 128 one),
+# the kernel $NCU_KERNEL, default `perf_attention_bwd_causal`, the seq 8192 head_dim 128 one,
+# and the comma-separated metrics $NCU_METRICS if set),
 # `steps` (20-step runs of the models $MODELS, default `8b4 1b`: median tok/s of steps 5+ and
 # the last loss), `heldbwd` (the perf cases matching $ONLY held at the power cap for $SUSTAIN
 # seconds, default 2: time and energy a launch, titan's kernels only) and `held`
@@ -29,7 +30,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 usage() {
-    sed -n '2,27p' "$0" | sed 's/^# \{0,1\}//' >&2
+    sed -n '2,28p' "$0" | sed 's/^# \{0,1\}//' >&2
     exit 2
 }
 
@@ -128,9 +129,11 @@ run)
             k=${NCU_KERNEL:-perf_attention_bwd_causal}
             for n in $names; do
                 rep=${OUT:-/tmp}/ncu_${n}_$k.txt
-                TITAN_GPU_RANDOM=1 TITAN_GPU_ONLY=$k timeout 150 "$ncu" -k "regex:^$k\$" --launch-count 1 --section SpeedOfLight --section MemoryWorkloadAnalysis python3 kernels/tests/gpu_check.py "$dir/$n" perf >"$rep" 2>&1 || echo "$n: ncu failed ($rep)"
+                extra=()
+                [ -n "${NCU_METRICS:-}" ] && extra=(--metrics "$NCU_METRICS")
+                TITAN_GPU_RANDOM=1 TITAN_GPU_ONLY=$k timeout 150 "$ncu" -k "regex:^$k\$" --launch-count 1 --section SpeedOfLight --section MemoryWorkloadAnalysis "${extra[@]}" python3 kernels/tests/gpu_check.py "$dir/$n" perf >"$rep" 2>&1 || echo "$n: ncu failed ($rep)"
                 echo "-- $n"
-                grep -E "Duration|DRAM Throughput|L2 Hit Rate|Memory Throughput" "$rep" || true
+                grep -E "Duration|DRAM Throughput|L2 Hit Rate|Memory Throughput${NCU_METRICS:+|${NCU_METRICS//,/|}}" "$rep" || true
             done
             ;;
         steps)
