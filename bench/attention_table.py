@@ -14,7 +14,7 @@ on `[b, h, s, d]` views of `[b, s, h, d]` tensors with
 `2 b s^2 hq d`, backward 2.5x that (the five GEMM-sized products of FlashAttention-2; titan's
 deterministic backward does seven).
 
-    python3 bench/attention_table.py --dump DIR [--markdown FILE] [--sdpa-backend cudnn|flash] [--sustain SECONDS] [--forward-only]
+    python3 bench/attention_table.py --dump DIR [--markdown FILE] [--sdpa-backend cudnn|flash] [--sustain SECONDS] [--forward-only] [--only SEQ:HEAD_DIM,...]
 
 `--sustain` adds a second table: each kernel run back to back at the power cap, where the
 training step runs (docs/notes.md, Runtime), with its time, energy (NVML's counter) and SM clock
@@ -51,7 +51,7 @@ def flops(shape):
     return 4 * b * s * s * hq * d // 2
 
 
-def titan_times(dump, sustain=None, backward=True):
+def titan_times(dump, sustain=None, backward=True, shapes=SHAPES):
     """({case name: ms per launch}, {case name: `nvml.sustained` dict, or None without
     `sustain`}) of titan's attention perf cases on inputs like SDPA's: standard
     normal q, k, v (and dout), the backward's `out` and `lse` computed from them by PyTorch in
@@ -60,8 +60,8 @@ def titan_times(dump, sustain=None, backward=True):
     at 528-529 on normal inputs (2026-12-03)."""
     import gpu_check
 
-    fwd = {case_names(sh)[0] for sh in SHAPES}
-    bwd = {case_names(sh)[1]: sh for sh in SHAPES}
+    fwd = {case_names(sh)[0] for sh in shapes}
+    bwd = {case_names(sh)[1]: sh for sh in shapes}
     if not backward:
         bwd = {}
     wanted = fwd | set(bwd)
@@ -155,8 +155,15 @@ def main():
         help="also run every kernel back to back at the power cap (1 s to settle, then SECONDS measured) and print its time, energy and clock there",
     )
     ap.add_argument("--forward-only", action="store_true", help="time the forward kernels only (titan's and SDPA's)")
+    ap.add_argument("--only", metavar="SEQ:HEAD_DIM,...", help="only these shapes, e.g. 8192:128 (the 8B one)")
     a = ap.parse_args()
     backward = not a.forward_only
+    shapes = SHAPES
+    if a.only:
+        want = {tuple(int(x) for x in w.split(":")) for w in a.only.split(",")}
+        shapes = [sh for sh in SHAPES if (sh[1], sh[4]) in want]
+        if not shapes:
+            sys.exit(f"attention_table: no shape matches --only {a.only}; the shapes are " + ", ".join(f"{sh[1]}:{sh[4]}" for sh in SHAPES))
     import contextlib
 
     import torch
@@ -167,10 +174,10 @@ def main():
     cudnn = require_cudnn()
     pin = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION}.get(a.sdpa_backend)
 
-    titan, titan_held = titan_times(a.dump, a.sustain, backward)
+    titan, titan_held = titan_times(a.dump, a.sustain, backward, shapes)
     rows, held_rows = [], []
     backends = set()
-    for sh in SHAPES:
+    for sh in shapes:
         f_name, b_name = case_names(sh)
         tf, tb = titan[f_name], titan.get(b_name)
         with sdpa_kernel(pin) if pin is not None else contextlib.nullcontext():

@@ -19,9 +19,10 @@
 # the last loss), `heldbwd` (the perf cases matching $ONLY held at the power cap for $SUSTAIN
 # seconds, default 2: time and energy a launch, titan's kernels only) and `held`
 # (bench/attention_table.py --sustain 2: every shape's forward and backward held, PyTorch's
-# SDPA beside each; ~100 s a variant). `bursts`, `steps` and `heldbwd` go round every variant
-# $ROUNDS times (default 2), so a drift of clock or temperature shows as a spread. Output to
-# stdout; ncu's reports also to $OUT if it is set.
+# SDPA beside each; ~100 s a variant; $HELD_ONLY, e.g. `8192:128`, keeps the shapes named).
+# `bursts`, `steps` and `heldbwd` go round every variant $ROUNDS times (default 2), so a drift
+# of clock or temperature shows as a spread. Output to stdout; ncu's reports also to $OUT if it
+# is set.
 # Size to carry to a GPU machine: ~28 MB for main, ~4.5 MB a variant (two artifacts, a few PTX).
 #
 #   bench/attention_variants.sh build /tmp/av down=TITAN_ATT_BWD_WALK=down \
@@ -30,7 +31,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 usage() {
-    sed -n '2,28p' "$0" | sed 's/^# \{0,1\}//' >&2
+    sed -n '2,29p' "$0" | sed 's/^# \{0,1\}//' >&2
     exit 2
 }
 
@@ -163,7 +164,7 @@ print('$m $n round $r', round(statistics.median(r['tokens_per_s'] for r in rows[
         held)
             for n in $names; do
                 echo "-- $n"
-                timeout 240 python3 bench/attention_table.py --dump "$dir/$n" --sustain 2 2>&1 | sed -n '/^Sustained/,$p' || true
+                timeout 240 python3 bench/attention_table.py --dump "$dir/$n" --sustain 2 ${HELD_ONLY:+--only "$HELD_ONLY"} 2>&1 | sed -n '/^Sustained/,$p' || true
             done
             ;;
         *) echo "attention_variants: unknown phase '$phase'" >&2; exit 2 ;;
