@@ -101,6 +101,15 @@ run)
     [ $# -ge 3 ] || usage
     run=$2
     dir=$3
+    # `gpu_check.py DIR perf` on the cases matching $ONLY, every variant $ROUNDS times, held at
+    # the power cap for $1 seconds if it is not empty; prints its lines matching $2.
+    perf_rounds() {
+        for r in $(seq "${ROUNDS:-2}"); do for n in $names; do
+            echo "-- $n round $r"
+            TITAN_GPU_RANDOM=1 TITAN_GPU_SUSTAIN=$1 TITAN_GPU_ONLY=${ONLY:-perf_attention_bwd} timeout 240 python3 kernels/tests/gpu_check.py "$dir/$n" perf >/tmp/av_perf.txt 2>&1 || { echo "$n: gpu_check.py perf exited $?"; tail -3 /tmp/av_perf.txt; }
+            grep "$2" /tmp/av_perf.txt || true
+        done; done
+    }
     phases=${4:-ref,bursts,ncu,steps,held}
     names=$(cut -d' ' -f1 "$dir/variants.txt")
     for n in $names; do [ "$n" = main ] || cp -n "$dir/main/"* "$dir/$n/"; done
@@ -118,13 +127,7 @@ run)
                 tail -1 /tmp/av_ref.txt
             done
             ;;
-        bursts)
-            for r in $(seq "${ROUNDS:-2}"); do for n in $names; do
-                echo "-- $n round $r"
-                TITAN_GPU_RANDOM=1 TITAN_GPU_ONLY=${ONLY:-perf_attention_bwd} timeout 150 python3 kernels/tests/gpu_check.py "$dir/$n" perf >/tmp/av_perf.txt 2>&1 || { echo "$n: gpu_check.py perf exited $?"; tail -3 /tmp/av_perf.txt; }
-                grep "^perf_" /tmp/av_perf.txt || true
-            done; done
-            ;;
+        bursts) perf_rounds "" "^perf_" ;;
         ncu)
             ncu=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
             k=${NCU_KERNEL:-perf_attention_bwd_causal}
@@ -154,13 +157,7 @@ print('$m $n round $r', round(statistics.median(r['tokens_per_s'] for r in rows[
                 fi
             done; done; done
             ;;
-        heldbwd)
-            for r in $(seq "${ROUNDS:-2}"); do for n in $names; do
-                echo "-- $n round $r"
-                TITAN_GPU_RANDOM=1 TITAN_GPU_SUSTAIN=${SUSTAIN:-2} TITAN_GPU_ONLY=${ONLY:-perf_attention_bwd} timeout 240 python3 kernels/tests/gpu_check.py "$dir/$n" perf >/tmp/av_perf.txt 2>&1 || { echo "$n: gpu_check.py perf exited $?"; tail -3 /tmp/av_perf.txt; }
-                grep "^held " /tmp/av_perf.txt || true
-            done; done
-            ;;
+        heldbwd) perf_rounds "${SUSTAIN:-2}" "^held " ;;
         held)
             for n in $names; do
                 echo "-- $n"

@@ -10,7 +10,8 @@ use titan_kernels::{compile_kernel, ptxas_check};
 
 /// Three phases (statistics and a zeroed f32 dQ accumulator, the warp-specialized dK/dV/dQ
 /// pass, the dQ conversion), the accumulator in the workspace, each phase assembled by `ptxas`
-/// without spills (one register at the 8B shape, below); the main pass's dQ partials go out as bulk reductions issued by one thread.
+/// without spills (but one register at the 8B shape, below); the main pass's dQ partials go out
+/// as bulk reductions issued by one thread.
 #[test]
 fn five_product_backward_structure() {
     // SAFETY (of the process environment): this binary's only test; nothing else reads it here.

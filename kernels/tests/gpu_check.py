@@ -233,7 +233,7 @@ def perf(d):
     """Time kernels listed in perf.json on device-filled inputs; print achieved bandwidth. With
     `TITAN_GPU_SUSTAIN=<seconds>`, each case is also held at the power cap (`nvml.sustained`)
     and a second line gives its time, energy, power and SM clock a launch there."""
-    sustain = float(os.environ.get("TITAN_GPU_SUSTAIN", "0")) or None
+    sustain = float(os.environ.get("TITAN_GPU_SUSTAIN") or 0) or None
     for c, t in timed(d, lambda name: ONLY in name, random_floats=os.environ.get("TITAN_GPU_RANDOM") == "1", sustain=sustain):
         rate = f"{c['flops'] / (t * 1e-3) / 1e12:.0f} TFLOP/s" if "flops" in c else f"{c['bytes'] / (t * 1e-3) / 1e9:.0f} GB/s"
         print(f"{c['name']}: {t*1e3:.1f} us, {rate} (grid {c['grid']}, block {c['block']})", flush=True)
