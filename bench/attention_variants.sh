@@ -19,7 +19,8 @@
 # the last loss), `heldbwd` (the perf cases matching $ONLY held at the power cap for $SUSTAIN
 # seconds, default 2: time and energy a launch, titan's kernels only) and `held`
 # (bench/attention_table.py --sustain 2: every shape's forward and backward held, PyTorch's
-# SDPA beside each; ~100 s a variant; $HELD_ONLY, e.g. `8192:128`, keeps the shapes named).
+# SDPA beside each; 24 kernels held 3 s each, ~80-100 s a variant; $HELD_ONLY, e.g.
+# `8192:128`, keeps the shapes named).
 # `bursts`, `steps` and `heldbwd` go round every variant $ROUNDS times (default 2), so a drift
 # of clock or temperature shows as a spread. Output to stdout; ncu's reports also to $OUT if it
 # is set.
@@ -31,7 +32,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 usage() {
-    sed -n '2,29p' "$0" | sed 's/^# \{0,1\}//' >&2
+    sed -n '2,30p' "$0" | sed 's/^# \{0,1\}//' >&2
     exit 2
 }
 
