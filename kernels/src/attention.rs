@@ -205,8 +205,12 @@ impl Em {
         self.intr("llvm.fma.f32", &[a, b, c], "f32, f32, f32", "f32")
     }
 
-    pub(crate) fn ex2(&mut self, a: &str) -> String {
-        self.intr("llvm.nvvm.ex2.approx.f32", &[a], "f32", "f32")
+    /// `2^a` on the special-function unit: `ex2.approx.ftz.f32` where `ftz` (a result below
+    /// 2^-126 is 0: ptxas emits the bare `MUFU.EX2`), else `ex2.approx.f32`, which ptxas wraps in
+    /// a compare and two multiplies per call to keep subnormal results.
+    pub(crate) fn ex2(&mut self, a: &str, ftz: bool) -> String {
+        let name = if ftz { "llvm.nvvm.ex2.approx.ftz.f32" } else { "llvm.nvvm.ex2.approx.f32" };
+        self.intr(name, &[a], "f32", "f32")
     }
 
     pub(crate) fn lg2(&mut self, a: &str) -> String {
@@ -841,6 +845,7 @@ fn mask_diagonal(e: &mut Em, kcol: &str, qrow: &[String; 2], s: &mut [[String; 4
 /// the new max, `alpha = exp2(m - m_new)` (what O must be scaled by), `l alpha` plus this tile's
 /// row sums, and P as A fragments (key step kk covers n-tiles 2kk and 2kk + 1).
 fn online_softmax(e: &mut Em, c: &str, s: &mut [[String; 4]], m: &[String; 2], l: &[String; 2]) -> ([String; 2], [String; 2], [String; 2], Vec<[String; 4]>) {
+    let ftz = ex2_ftz("TITAN_ATT_FWD_EX2");
     let mut m_new = [String::new(), String::new()];
     let mut alpha = [String::new(), String::new()];
     for r in 0..2 {
@@ -860,14 +865,14 @@ fn online_softmax(e: &mut Em, c: &str, s: &mut [[String; 4]], m: &[String; 2], l
         let mxs = e.fmul(&mx, c);
         m_new[r] = e.fmax(&m[r], &mxs);
         let dm = e.fsub(&m[r], &m_new[r]);
-        alpha[r] = e.ex2(&dm);
+        alpha[r] = e.ex2(&dm, ftz);
     }
     let neg_m = [0, 1].map(|r| e.op(&format!("arith.negf {} : f32", m_new[r])));
     let mut l = [e.fmul(&l[0], &alpha[0]), e.fmul(&l[1], &alpha[1])];
     for t in s.iter_mut() {
         for (i, x) in t.iter_mut().enumerate() {
             let y = e.fma(x, c, &neg_m[i / 2]);
-            *x = e.ex2(&y);
+            *x = e.ex2(&y, ftz);
             l[i / 2] = e.fadd(&l[i / 2], x);
         }
     }
@@ -1107,6 +1112,14 @@ fn first_carried(e: &mut Em, c: &str, s: &[String], mask: Option<(&str, &[String
     let mut tys = vec!["f32"; 4 * nt + 4];
     tys.extend(vec!["i32"; p_regs]);
     (init, tys)
+}
+
+/// Whether the attention kernels' softmax exponentials flush subnormal results to zero: the
+/// build-time switch `var` (`TITAN_ATT_FWD_EX2` for the forward, `TITAN_ATT_BWD_EX2` for the
+/// backward) set to `ftz`. Only a probability below 2^-126 changes (to 0), next to a row whose
+/// largest term is 1 (forward) or whose terms sum to 1 (backward).
+pub(crate) fn ex2_ftz(var: &str) -> bool {
+    std::env::var(var).as_deref() == Ok("ftz")
 }
 
 /// Whether the pipelined key loop skips O's rescale where no row of the warp changed its max

@@ -41,8 +41,8 @@ use std::fmt::Write as _;
 use titan_ir::{DType, Graph, Op, Region};
 
 use crate::attention::{
-    Em, WgA, checked_sizes, for_each, if_then, output_slots, q_frags, scf_for, sw128_copy, sw128_desc_at, sw128_descriptor, sw128_kmajor_steps,
-    sw128_mnmajor_steps, sw128_slot, uses_wgmma, wgmma_chain,
+    Em, WgA, checked_sizes, ex2_ftz, for_each, if_map_f32, if_then, output_slots, q_frags, scf_for, sw128_copy, sw128_desc_at, sw128_descriptor,
+    sw128_kmajor_steps, sw128_mnmajor_steps, sw128_slot, uses_wgmma, wgmma_chain,
 };
 use crate::values::Body;
 use crate::warp_spec::{Copier, Ring, WS_LAUNCH_REGS, WS_THREADS, ws_split, ws_split_regs};
@@ -524,7 +524,7 @@ fn dq_tile(e: &mut Em, p: &Problem, r: &DqRows, sm: &DqSmem, kb: &str, vb: &str,
         let mut out: [String; 4] = Default::default();
         for (i, x) in t.iter().enumerate() {
             let y = e.fma(x, &c, &r.neg_lse[i / 2]);
-            let mut pv = e.ex2(&y);
+            let mut pv = e.ex2(&y, ex2_ftz("TITAN_ATT_BWD_EX2"));
             if masked {
                 let key = e.addk(&kb0, nt as i64 * 8 + (i % 2) as i64);
                 let gt = e.op(&format!("arith.cmpi ugt, {key}, {} : i32", r.rows[i / 2]));
@@ -727,8 +727,17 @@ struct DkdvCols<'a> {
     stats: &'a str,
     q0: &'a str,
     keys: &'a [String; 2],
+    /// The warp's last key (absolute): a tile whose first query row is at or past it has no key
+    /// past any of its queries, so it is not masked.
+    last_key: &'a str,
     c: &'a str,
     bm: i64,
+}
+
+/// Whether the causal dK/dV passes mask only the tiles that cross the diagonal (a warp-uniform
+/// branch) instead of every tile (`TITAN_ATT_BWD_MASK=all` at build time, for comparisons).
+fn mask_diagonal_only() -> bool {
+    std::env::var("TITAN_ATT_BWD_MASK").as_deref() == Ok("diag")
 }
 
 impl DkdvCols<'_> {
@@ -740,7 +749,6 @@ impl DkdvCols<'_> {
 
     /// `P^T = exp2(S^T scale log2 e - lse log2 e)`, 0 where the key is past the query (causal).
     fn p_t(&self, e: &mut Em, causal: bool, s_t: &[[String; 4]]) -> Vec<[String; 4]> {
-        let zf = e.f32c(0.0);
         let neg_lse: Vec<String> = self
             .cols
             .iter()
@@ -749,23 +757,30 @@ impl DkdvCols<'_> {
                 e.op(&format!("arith.negf {l} : f32"))
             })
             .collect();
-        let mut pt: Vec<[String; 4]> = Vec::new();
+        let ftz = ex2_ftz("TITAN_ATT_BWD_EX2");
+        // Every tile masked right after its exponentials, or (diagonal only) after all of them,
+        // in a branch taken by the tiles that cross the diagonal.
+        let each = causal && !mask_diagonal_only();
+        let zf = e.f32c(0.0);
+        // 0 where the key is past the query: element i of n-tile nt.
+        let mask = |e: &mut Em, nt: usize, i: usize, pv: &str| -> String {
+            let qa = e.addi(self.q0, &self.cols[nt * 2 + i % 2]);
+            let gt = e.op(&format!("arith.cmpi ugt, {}, {qa} : i32", self.keys[i / 2]));
+            e.op(&format!("arith.select {gt}, {zf}, {pv} : f32"))
+        };
+        let mut pt: Vec<String> = Vec::new();
         for (nt, tile) in s_t.iter().enumerate() {
-            let mut out: [String; 4] = Default::default();
             for (i, x) in tile.iter().enumerate() {
-                let k = nt * 2 + i % 2;
-                let y = e.fma(x, self.c, &neg_lse[k]);
-                let mut pv = e.ex2(&y);
-                if causal {
-                    let qa = e.addi(self.q0, &self.cols[k]);
-                    let gt = e.op(&format!("arith.cmpi ugt, {}, {qa} : i32", self.keys[i / 2]));
-                    pv = e.op(&format!("arith.select {gt}, {zf}, {pv} : f32"));
-                }
-                out[i] = pv;
+                let y = e.fma(x, self.c, &neg_lse[nt * 2 + i % 2]);
+                let pv = e.ex2(&y, ftz);
+                pt.push(if each { mask(e, nt, i, &pv) } else { pv });
             }
-            pt.push(out);
         }
-        pt
+        if causal && !each {
+            let crosses = e.op(&format!("arith.cmpi ugt, {}, {} : i32", self.last_key, self.q0));
+            pt = if_map_f32(e, &crosses, &pt, |e| pt.iter().enumerate().map(|(n, pv)| mask(e, n / 4, n % 4, pv)).collect());
+        }
+        frags_of(&pt)
     }
 
     /// `dS^T = P^T o (dP^T - D)`.
@@ -1057,7 +1072,9 @@ fn dkdv_body(p: &Problem, io: &Io) -> String {
         // The columns (queries) of the thread's fragments and their statistics.
         let cols: Vec<String> = (0..qn as i64).flat_map(|nt| [0, 1].map(|i| nt * 8 + i)).map(|k| e.addk(&kcol, k)).collect();
         let ka = [e.addi(&kv0, &key0), e.addi(&kv0, &key1)];
-        let cx = DkdvCols { cols: &cols, stats: &stats, q0: &q0, keys: &ka, c: &c, bm };
+        let w_last = e.addi(&kv0, &w16);
+        let w_last = e.addk(&w_last, 15);
+        let cx = DkdvCols { cols: &cols, stats: &stats, q0: &q0, keys: &ka, last_key: &w_last, c: &c, bm };
         let pt = cx.p_t(e, p.causal, &s);
         let dpt = if wg { wprod(e, BN * st, &do_tile) } else { prod(e, &v_a, &do_bn) };
         let dst = cx.ds_t(e, &pt, &dpt);
@@ -1369,6 +1386,8 @@ fn dkdv_ws_consumer(e: &mut Em, p: &Problem, io: &Io, cx: &WsCx, locate: &dyn Fn
     let v_at = e.addk(&k_at, WS_KEYS * d);
     let ka_abs = e.addi(cx.kv0, &wk);
     let ka = [e.addi(&ka_abs, &key0), e.addi(&ka_abs, &key1)];
+    let w_last = e.addi(&ka_abs, &w16);
+    let w_last = e.addk(&w_last, 15);
     let zero_i = e.i32c(0);
     let init = frag_names(&zeros(e, 2 * nt_d));
     let res = for_f32(e, &zero_i, cx.total, &init, |e, f, carried| {
@@ -1389,7 +1408,7 @@ fn dkdv_ws_consumer(e: &mut Em, p: &Problem, io: &Io, cx: &WsCx, locate: &dyn Fn
         let do_tile = e.addk(&sb, bm * d);
         let s_t = wprod(e, &k_at, &q_tile);
         let cols: Vec<String> = (0..qn as i64).flat_map(|nt| [0, 1].map(|i| nt * 8 + i)).map(|k| e.addk(&kcol, k)).collect();
-        let tile = DkdvCols { cols: &cols, stats: &stats, q0: &q0, keys: &ka, c: &c, bm };
+        let tile = DkdvCols { cols: &cols, stats: &stats, q0: &q0, keys: &ka, last_key: &w_last, c: &c, bm };
         let pt = tile.p_t(e, p.causal, &s_t);
         let dpt = wprod(e, &v_at, &do_tile);
         let dst = tile.ds_t(e, &pt, &dpt);
