@@ -1,0 +1,100 @@
+//! The attention kernels' exponentials and the dK/dV passes' causal mask under the build-time
+//! switches `TITAN_ATT_FWD_EX2=ftz` (the forward's softmax on `ex2.approx.ftz.f32`),
+//! `TITAN_ATT_BWD_EX2=ftz` (the backward's recomputed P) and `TITAN_ATT_BWD_MASK=diag` (the
+//! dK/dV consumers mask only the tiles that cross the diagonal, in a warp-uniform branch). Its
+//! own test binary, so setting the switches cannot change the kernels other tests generate.
+//! What the kernels compute is checked on the GPU (`kernels/tests/gpu_check.py` on a
+//! `TITAN_GPU_DUMP` made with the switches); here, that each switch reaches the kernels it names
+//! and no other, and that they still assemble with no `wgmma` serialized.
+
+mod common;
+
+use common::attention_body;
+use titan_ir::{Graph, KernelKind};
+use titan_kernels::{compile_kernel, ptxas_check};
+
+/// The attention kernel `name` for `shape` (the backward's passes with `bwd`): its PTX, every
+/// entry assembled by `ptxas` (panics on a serialized `wgmma`).
+fn ptx_of(g: &mut Graph, name: &str, shape: [u64; 5], causal: bool, bwd: bool) -> String {
+    let id = attention_body(g, shape, causal, bwd);
+    let kind = if bwd { KernelKind::AttentionBwd } else { KernelKind::Attention };
+    let k = compile_kernel(g, id, kind, name).expect("generates").expect("a kernel");
+    for entry in std::iter::once(&k.entry).chain(k.prologue.as_ref().map(|p| &p.entry)).chain(k.epilogue.as_ref().map(|p| &p.entry)) {
+        let r = ptxas_check(&k.ptx, entry).unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert!(!r.wgmma_serialized, "{name} {entry}: wgmma serialized");
+    }
+    k.ptx
+}
+
+/// Sets (or with `None` removes) the build-time switch `key`.
+fn switch(key: &str, value: Option<&str>) {
+    // SAFETY (of the process environment): this binary's only test; nothing else reads it here.
+    unsafe {
+        match value {
+            Some(v) => std::env::set_var(key, v),
+            None => std::env::remove_var(key),
+        }
+    }
+}
+
+/// How many exponentials of each form the PTX has: (`ex2.approx.f32`, `ex2.approx.ftz.f32`).
+fn ex2_forms(ptx: &str) -> (usize, usize) {
+    (ptx.matches("ex2.approx.f32 ").count(), ptx.matches("ex2.approx.ftz.f32 ").count())
+}
+
+/// The forward (8B's heads, warp-specialized; Llama-3.2 1B's, single warpgroup) and the
+/// backward (8B's five-product pass; head_dim 64 at seq 2048, single warpgroup), causal, and
+/// the backward without the mask.
+#[test]
+fn ex2_and_mask_switches_reach_their_kernels() {
+    let mut g = Graph::new("ex2");
+    let fwd = [("fwd_8b", [1, 8192, 32, 8, 128]), ("fwd_1b", [1, 8192, 32, 8, 64])];
+    let bwd = [("bwd_8b", [1, 8192, 32, 8, 128], true), ("bwd_2048_d64", [4, 2048, 64, 16, 64], true), ("bwd_full", [1, 512, 4, 4, 128], false)];
+    let build = |g: &mut Graph| -> (Vec<String>, Vec<String>) {
+        let f = fwd.iter().map(|(n, s)| ptx_of(g, n, *s, true, false)).collect();
+        let b = bwd.iter().map(|(n, s, c)| ptx_of(g, n, *s, *c, true)).collect();
+        (f, b)
+    };
+    for key in ["TITAN_ATT_FWD_EX2", "TITAN_ATT_BWD_EX2", "TITAN_ATT_BWD_MASK"] {
+        switch(key, None);
+    }
+    let (f0, b0) = build(&mut g);
+    for ptx in f0.iter().chain(&b0) {
+        let (full, ftz) = ex2_forms(ptx);
+        assert!(full > 0 && ftz == 0, "default: ex2.approx.f32 only ({full}, {ftz})");
+    }
+
+    switch("TITAN_ATT_FWD_EX2", Some("ftz"));
+    let (f1, b1) = build(&mut g);
+    for (n, ptx) in f1.iter().enumerate() {
+        let (full, ftz) = ex2_forms(ptx);
+        assert!(full == 0 && ftz == ex2_forms(&f0[n]).0, "{}: every exponential flushes ({full}, {ftz})", fwd[n].0);
+    }
+    assert_eq!(b1, b0, "the forward's switch leaves the backward alone");
+    switch("TITAN_ATT_FWD_EX2", None);
+
+    switch("TITAN_ATT_BWD_EX2", Some("ftz"));
+    let (f2, b2) = build(&mut g);
+    assert_eq!(f2, f0, "the backward's switch leaves the forward alone");
+    for (n, ptx) in b2.iter().enumerate() {
+        let (full, ftz) = ex2_forms(ptx);
+        assert!(full == 0 && ftz == ex2_forms(&b0[n]).0, "{}: every exponential flushes ({full}, {ftz})", bwd[n].0);
+    }
+    switch("TITAN_ATT_BWD_EX2", None);
+
+    switch("TITAN_ATT_BWD_MASK", Some("diag"));
+    let (f3, b3) = build(&mut g);
+    assert_eq!(f3, f0, "the mask switch leaves the forward alone");
+    for (n, (name, _, causal)) in bwd.iter().enumerate() {
+        if *causal {
+            assert_ne!(b3[n], b0[n], "{name}: the causal dK/dV pass masks in a branch");
+            assert_eq!(ex2_forms(&b3[n]), ex2_forms(&b0[n]), "{name}");
+        } else {
+            assert_eq!(b3[n], b0[n], "{name}: nothing to mask without causality");
+        }
+    }
+    switch("TITAN_ATT_BWD_MASK", Some("all"));
+    let (_, b4) = build(&mut g);
+    assert_eq!(b4, b0, "`all` is the default");
+    switch("TITAN_ATT_BWD_MASK", None);
+}
