@@ -5,8 +5,8 @@
 //! cannot change the kernels other tests generate. What the kernels compute is checked on the
 //! GPU (`kernels/tests/gpu_check.py` on a `TITAN_GPU_DUMP` made with the switches); here, that
 //! each switch reaches every dK/dV pass, that each setting gives a different kernel, that they
-//! still assemble (without spills but the one register of the 8B five-product pass with a band
-//! walked down), that a band that does not divide the kv heads is ignored, that `wave` picks the
+//! still assemble (without spills but a few registers of the 8B five-product pass walked
+//! down), that a band that does not divide the kv heads is ignored, that `wave` picks the
 //! band nearest one wave of CTAs, and which settings the default is at each shape.
 
 mod common;
@@ -57,8 +57,15 @@ fn walks_and_bands_reach_every_dkdv_pass() {
             .iter()
             .map(|(name, shape)| {
                 let (ptx, spill) = ptx_of(&mut g, name, *shape);
-                // nvdisasm: one STL before the tile loop, one LDL after it (session 28).
-                let allowed = if *name == "bwd_8b" && walk == "down" && band == "wave" { 4 } else { 0 };
+                // The 8B five-product pass walked down, with the flush-to-zero exponentials
+                // (session 29): 16 bytes with the default's bands (nvdisasm: one register stored
+                // before the tile loop and loaded after it, three loaded in every tile), 12 with
+                // one band.
+                let allowed = match (*name, walk, band) {
+                    ("bwd_8b", "down", "wave") => 16,
+                    ("bwd_8b", "down", "all") => 12,
+                    _ => 0,
+                };
                 assert!(spill <= allowed, "{name}: {spill} bytes spilled with walk {walk}, band {band}");
                 ptx
             })

@@ -10,7 +10,7 @@ use titan_kernels::{compile_kernel, ptxas_check};
 
 /// Three phases (statistics and a zeroed f32 dQ accumulator, the warp-specialized dK/dV/dQ
 /// pass, the dQ conversion), the accumulator in the workspace, each phase assembled by `ptxas`
-/// without spills (but one register at the 8B shape, below); the main pass's dQ partials go out
+/// without spills (but four registers at the 8B shape, below); the main pass's dQ partials go out
 /// as bulk reductions issued by one thread.
 #[test]
 fn five_product_backward_structure() {
@@ -54,10 +54,12 @@ fn five_product_backward_structure() {
         for entry in [&pro.entry, &k.entry, &epi.entry] {
             let r = ptxas_check(&k.ptx, entry).unwrap_or_else(|e| panic!("{name} {entry}: {e}"));
             println!("{name} {entry}: {} registers, {} spill stores, {} spill loads", r.registers, r.spill_stores, r.spill_loads);
-            // At the 8B shape the main pass (bands of 2 kv heads, tiles walked down) keeps one
-            // register in local memory: nvdisasm shows one STL before the tile loop and one LDL
-            // after it, before the dK/dV stores; measured with it (performance.md, session 28).
-            let spill_allowed = if name == "bwd5_8b" && entry == &k.entry { 4 } else { 0 };
+            // At the 8B shape the main pass (bands of 2 kv heads, tiles walked down, flush-to-zero
+            // exponentials) keeps four registers in local memory, 16 bytes: nvdisasm shows one
+            // stored before the tile loop and loaded after it (the dK/dV stores' base; session
+            // 28) and three stored before the loop and loaded in every tile (session 29); it
+            // measured level with the 4-byte kernel (performance.md, session 29).
+            let spill_allowed = if name == "bwd5_8b" && entry == &k.entry { 16 } else { 0 };
             assert!(!r.wgmma_serialized && r.spill_stores <= spill_allowed && r.spill_loads <= spill_allowed, "{name} {entry}: {:?}", r.problems());
         }
         let main = &k.ptx[k.ptx.find(&format!(".entry {}(", k.entry)).expect("entry")..];
