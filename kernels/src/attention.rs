@@ -1119,9 +1119,9 @@ fn first_carried(e: &mut Em, c: &str, s: &[String], mask: Option<(&str, &[String
 /// for the backward) is `full`, for comparisons. Only a probability below 2^-126 changes (to
 /// 0), next to a row whose largest term is 1 (forward) or whose terms sum to 1 (backward). On
 /// an H100 (docs/performance.md, session 29) the forward took 2.6% less energy held at the
-/// power cap at the 8B shape and 7% less at head_dim 64, the backward 1-5% less at every perf
-/// shape but the 8B one (level); the 20-step losses of 8b-4l and Llama-3.2 1B were
-/// bit-identical.
+/// power cap at the 8B shape and 7% less at head_dim 64, the backward 0.7-4.7% less at four of
+/// the six perf shapes, level at the 8B one and mixed at seq 8192 head_dim 64 (-1.1% and +1.5%
+/// in two calls); the 20-step losses of 8b-4l and Llama-3.2 1B were bit-identical.
 pub(crate) fn ex2_ftz(var: &str) -> bool {
     std::env::var(var).as_deref() != Ok("full")
 }
