@@ -1379,16 +1379,55 @@ struct Tile {
     kv_base: String,
 }
 
-/// Block `bid` -> [`Tile`], the longest causal tiles (the last query tiles) first.
+/// The forward's grid in bands of `g` (batch, kv head)s, each band's CTAs query tile first (the
+/// longest causal tiles first), so the CTAs running together read the K and V of fewer kv heads:
+/// the build-time switch `TITAN_ATT_FWD_BAND=g` (a divisor of `b hkv`; anything else is one band
+/// over all of them, the default). Not yet measured on a GPU (docs/notes.md, session 29: the
+/// forward reads K and V from DRAM ~5 times at the 8B shape, cuDNN's once).
+fn fwd_band(p: &Problem) -> i64 {
+    let nbk = (p.b * p.hkv) as i64;
+    match std::env::var("TITAN_ATT_FWD_BAND").ok().and_then(|v| v.parse::<i64>().ok()) {
+        Some(g) if g > 0 && nbk % g == 0 => g,
+        _ => nbk,
+    }
+}
+
+/// Block `bid` -> [`Tile`], the longest causal tiles (the last query tiles) first, in bands of
+/// [`fwd_band`] (batch, kv head)s.
 fn tile_of(e: &mut Em, p: &Problem, bid: &str, nm: i64) -> Tile {
     let bh = (p.b * p.hq) as i64;
-    let mb_rev = e.divk(bid, bh);
     let nm1 = e.i32c(nm - 1);
-    let mblk = e.bin("subi", &nm1, &mb_rev, "i32");
-    let bhi = e.remk(bid, bh);
-    let bi = e.divk(&bhi, p.hq as i64);
-    let h = e.remk(&bhi, p.hq as i64);
-    let kh = e.divk(&h, (p.hq / p.hkv) as i64);
+    let group = (p.hq / p.hkv) as i64;
+    let g = fwd_band(p);
+    let (mblk, bhi, bi, h, kh) = if g == (p.b * p.hkv) as i64 {
+        let mb_rev = e.divk(bid, bh);
+        let mblk = e.bin("subi", &nm1, &mb_rev, "i32");
+        let bhi = e.remk(bid, bh);
+        let bi = e.divk(&bhi, p.hq as i64);
+        let h = e.remk(&bhi, p.hq as i64);
+        let kh = e.divk(&h, group);
+        (mblk, bhi, bi, h, kh)
+    } else {
+        // A band is `nm` rounds of its `g group` query heads, kv head by kv head.
+        let heads = g * group;
+        let per_band = heads * nm;
+        let band = e.divk(bid, per_band);
+        let r = e.remk(bid, per_band);
+        let mb_rev = e.divk(&r, heads);
+        let mblk = e.bin("subi", &nm1, &mb_rev, "i32");
+        let w = e.remk(&r, heads);
+        let b0 = e.mulk(&band, g);
+        let wu = e.divk(&w, group);
+        let unit = e.addi(&b0, &wu);
+        let qi = e.remk(&w, group);
+        let bi = e.divk(&unit, p.hkv as i64);
+        let kh = e.remk(&unit, p.hkv as i64);
+        let khg = e.mulk(&kh, group);
+        let h = e.addi(&khg, &qi);
+        let bq = e.mulk(&bi, p.hq as i64);
+        let bhi = e.addi(&bq, &h);
+        (mblk, bhi, bi, h, kh)
+    };
     let bi64 = e.ext64(&bi);
     let h64 = e.ext64(&h);
     let kh64 = e.ext64(&kh);
