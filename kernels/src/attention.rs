@@ -1382,8 +1382,9 @@ struct Tile {
 /// The forward's grid in bands of `g` (batch, kv head)s, each band's CTAs query tile first (the
 /// longest causal tiles first), so the CTAs running together read the K and V of fewer kv heads:
 /// the build-time switch `TITAN_ATT_FWD_BAND=g` (a divisor of `b hkv`; anything else is one band
-/// over all of them, the default). Not yet measured on a GPU (docs/notes.md, session 29: the
-/// forward reads K and V from DRAM ~5 times at the 8B shape, cuDNN's once).
+/// over all of them, the default). Measured (docs/notes.md, session 30): at the 8B shape bands
+/// of 1 or 2 cut the DRAM bytes read from 245 to 101 MB (cuDNN's), but time and energy held at
+/// the power cap stayed level and the steps too, so it is not the default.
 fn fwd_band(p: &Problem) -> i64 {
     let nbk = (p.b * p.hkv) as i64;
     match std::env::var("TITAN_ATT_FWD_BAND").ok().and_then(|v| v.parse::<i64>().ok()) {
