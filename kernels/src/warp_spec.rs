@@ -168,6 +168,19 @@ pub(crate) fn ws_split_regs(
         },
         |e| {
             e.setmaxnreg(true, consumer_regs);
+            // `TITAN_WS_WGI=shfl` at build time broadcasts the index from lane 0: the same
+            // value, which ptxas then knows to be warp-uniform, so the `wgmma` descriptors
+            // derived from it stay in uniform registers (kernels/tests/ws_uniform_wgi.rs).
+            let wgi = if std::env::var("TITAN_WS_WGI").as_deref() == Ok("shfl") {
+                let z = e.i32c(0);
+                let w = e.i32c(32);
+                let r = e.fresh();
+                let ok = e.fresh();
+                e.line(&format!("{r}, {ok} = gpu.shuffle idx {wgi}, {z}, {w} : i32"));
+                r
+            } else {
+                wgi
+            };
             consumer(e, &wgi);
         },
     );

@@ -11,33 +11,12 @@
 
 mod common;
 
-use common::attention_body;
-use titan_ir::{Graph, KernelKind};
-use titan_kernels::{compile_kernel, ptxas_check};
+use common::{assembled, switch};
+use titan_ir::Graph;
 
-/// The causal backward `name` for `shape`: its PTX and the most bytes `ptxas` spilled in an
-/// entry (panics on a serialized `wgmma`).
+/// The causal backward `name` for `shape`: its PTX and the most bytes spilled in an entry.
 fn ptx_of(g: &mut Graph, name: &str, shape: [u64; 5]) -> (String, u64) {
-    let id = attention_body(g, shape, true, true);
-    let k = compile_kernel(g, id, KernelKind::AttentionBwd, name).expect("generates").expect("a kernel");
-    let mut spill = 0;
-    for entry in std::iter::once(&k.entry).chain(k.prologue.as_ref().map(|p| &p.entry)).chain(k.epilogue.as_ref().map(|p| &p.entry)) {
-        let r = ptxas_check(&k.ptx, entry).unwrap_or_else(|e| panic!("{name}: {e}"));
-        assert!(!r.wgmma_serialized, "{name} {entry}: wgmma serialized");
-        spill = spill.max(r.spill_stores).max(r.spill_loads);
-    }
-    (k.ptx, spill)
-}
-
-/// Sets (or with `None` removes) the build-time switch `key`.
-fn switch(key: &str, value: Option<&str>) {
-    // SAFETY (of the process environment): this binary's only test; nothing else reads it here.
-    unsafe {
-        match value {
-            Some(v) => std::env::set_var(key, v),
-            None => std::env::remove_var(key),
-        }
-    }
+    assembled(g, name, shape, true, true)
 }
 
 /// The five-product pass (8B's and Llama-3.2 1B's heads at seq 8192), the warp-specialized

@@ -10,32 +10,12 @@
 
 mod common;
 
-use common::attention_body;
-use titan_ir::{Graph, KernelKind};
-use titan_kernels::{compile_kernel, ptxas_check};
+use common::{assembled, switch};
+use titan_ir::Graph;
 
-/// The attention kernel `name` for `shape` (the backward's passes with `bwd`): its PTX, every
-/// entry assembled by `ptxas` (panics on a serialized `wgmma`).
+/// The attention kernel `name` for `shape` (the backward's passes with `bwd`): its PTX.
 fn ptx_of(g: &mut Graph, name: &str, shape: [u64; 5], causal: bool, bwd: bool) -> String {
-    let id = attention_body(g, shape, causal, bwd);
-    let kind = if bwd { KernelKind::AttentionBwd } else { KernelKind::Attention };
-    let k = compile_kernel(g, id, kind, name).expect("generates").expect("a kernel");
-    for entry in std::iter::once(&k.entry).chain(k.prologue.as_ref().map(|p| &p.entry)).chain(k.epilogue.as_ref().map(|p| &p.entry)) {
-        let r = ptxas_check(&k.ptx, entry).unwrap_or_else(|e| panic!("{name}: {e}"));
-        assert!(!r.wgmma_serialized, "{name} {entry}: wgmma serialized");
-    }
-    k.ptx
-}
-
-/// Sets (or with `None` removes) the build-time switch `key`.
-fn switch(key: &str, value: Option<&str>) {
-    // SAFETY (of the process environment): this binary's only test; nothing else reads it here.
-    unsafe {
-        match value {
-            Some(v) => std::env::set_var(key, v),
-            None => std::env::remove_var(key),
-        }
-    }
+    assembled(g, name, shape, causal, bwd).0
 }
 
 /// How many exponentials of each form the PTX has: (`ex2.approx.f32`, `ex2.approx.ftz.f32`).

@@ -8,29 +8,19 @@
 
 mod common;
 
-use common::attention_body;
-use titan_ir::{Graph, KernelKind};
-use titan_kernels::{compile_kernel, ptxas_check};
+use common::{assembled, switch};
+use titan_ir::Graph;
 
-/// The causal forward `name` for `shape`: its PTX, each entry assembled by `ptxas` without
-/// spills or a serialized `wgmma`.
+/// The causal forward `name` for `shape`: its PTX, assembled by `ptxas` without spills.
 fn ptx_of(g: &mut Graph, name: &str, shape: [u64; 5]) -> String {
-    let id = attention_body(g, shape, true, false);
-    let k = compile_kernel(g, id, KernelKind::Attention, name).expect("generates").expect("a kernel");
-    let r = ptxas_check(&k.ptx, &k.entry).unwrap_or_else(|e| panic!("{name}: {e}"));
-    assert!(!r.wgmma_serialized && r.spill_stores == 0 && r.spill_loads == 0, "{name}: {:?}", r.problems());
-    k.ptx
+    let (ptx, spill) = assembled(g, name, shape, true, false);
+    assert_eq!(spill, 0, "{name}: spills");
+    ptx
 }
 
-/// Sets (or with `None` removes) the build-time switch.
+/// Sets (or with `None` removes) `TITAN_ATT_FWD_BAND`.
 fn band(value: Option<&str>) {
-    // SAFETY (of the process environment): this binary's only test; nothing else reads it here.
-    unsafe {
-        match value {
-            Some(v) => std::env::set_var("TITAN_ATT_FWD_BAND", v),
-            None => std::env::remove_var("TITAN_ATT_FWD_BAND"),
-        }
-    }
+    switch("TITAN_ATT_FWD_BAND", value);
 }
 
 /// 8B's heads (8 kv heads) at seq 8192 and Llama-3.2 1B's at seq 4096 batch 2 (16 (batch, kv
