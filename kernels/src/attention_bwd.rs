@@ -45,7 +45,7 @@ use crate::attention::{
     sw128_kmajor_steps, sw128_mnmajor_steps, sw128_slot, uses_wgmma, wgmma_chain,
 };
 use crate::values::Body;
-use crate::warp_spec::{Copier, Ring, WS_LAUNCH_REGS, WS_THREADS, ws_split, ws_split_regs};
+use crate::warp_spec::{Copier, Ring, WS_LAUNCH_REGS, WS_THREADS, WgIndex, ws_split, ws_split_regs};
 use crate::{GenResult, Generated, invalid, unsupported};
 
 mod five;
@@ -1173,6 +1173,7 @@ fn dkdv_ws_body(p: &Problem, io: &Io) -> String {
         &mut e,
         &tid,
         (232, 32),
+        WgIndex::Broadcast,
         |e, cp| {
             seq.copy_kv(e, p, io, cp);
             // Tile 0 (with K and V) as the first group; then tile f's copies are issued before
@@ -1467,6 +1468,7 @@ fn dq_ws_body(p: &Problem, io: &Io) -> String {
     ws_split(
         &mut e,
         &tid,
+        WgIndex::Broadcast,
         |e, cp| {
             let (_, kv_base) = head_bases(e, p, &bhi);
             let g_off = e.row_offset(&cp.crow, kv_row, &cp.cc864, &kv_base);

@@ -137,8 +137,37 @@ impl Copier {
 /// The warpgroups of a warp-specialized pass part ways: warpgroup 2 shrinks its registers and
 /// runs `producer` with its [`Copier`], warpgroups 0 and 1 grow theirs and run `consumer` with
 /// their index (i32).
-pub(crate) fn ws_split(e: &mut Em, tid: &str, producer: impl FnOnce(&mut Em, &Copier), consumer: impl FnOnce(&mut Em, &str)) {
-    ws_split_regs(e, tid, (WS_CONSUMER_REGS, WS_PRODUCER_REGS), producer, consumer);
+pub(crate) fn ws_split(e: &mut Em, tid: &str, wgi: WgIndex, producer: impl FnOnce(&mut Em, &Copier), consumer: impl FnOnce(&mut Em, &str)) {
+    ws_split_regs(e, tid, (WS_CONSUMER_REGS, WS_PRODUCER_REGS), wgi, producer, consumer);
+}
+
+/// How the computing warpgroups of a warp-specialized pass get their index (0 or 1). `tid /
+/// 128` is the same in every lane of a warp, but ptxas cannot prove it, so the `wgmma`
+/// descriptors derived from it live in vector registers and are moved to uniform ones (`R2UR`)
+/// before every product; broadcasting it from lane 0 (`shfl.sync.idx`, the same value) tells
+/// ptxas, and the descriptors stay uniform. `TITAN_WS_WGI=shfl` (or `tid`) at build time makes
+/// every pass broadcast (or divide), for measuring (kernels/tests/ws_uniform_wgi.rs).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum WgIndex {
+    /// `tid / 128`. The forward's choice: broadcasting took its key loop from 507 to 491 SASS
+    /// instructions at the 8B shape, yet held at the power cap on an H100 it ran 0.6-1.0%
+    /// slower (1,021 against 1,003-1,019 us a launch, session 31).
+    Divided,
+    /// `tid / 128` broadcast from lane 0. The backward's: 8B's dK/dV key loop 699 -> 618 SASS
+    /// instructions, and held on an H100 (session 31) the backward 2.6% (8B shape, seq 8192)
+    /// to 8.4% (head_dim 64, seq 8192) faster, 3-9% less energy a launch.
+    Broadcast,
+}
+
+impl WgIndex {
+    /// The pass's choice, or the one `TITAN_WS_WGI` forces.
+    fn chosen(self) -> WgIndex {
+        match std::env::var("TITAN_WS_WGI").as_deref() {
+            Ok("shfl") => WgIndex::Broadcast,
+            Ok("tid") => WgIndex::Divided,
+            _ => self,
+        }
+    }
 }
 
 /// [`ws_split`] with the (consumer, producer) register counts given: `2 x 128 x consumer + 128
@@ -147,6 +176,7 @@ pub(crate) fn ws_split_regs(
     e: &mut Em,
     tid: &str,
     (consumer_regs, producer_regs): (u32, u32),
+    wgi_from: WgIndex,
     producer: impl FnOnce(&mut Em, &Copier),
     consumer: impl FnOnce(&mut Em, &str),
 ) {
@@ -168,10 +198,7 @@ pub(crate) fn ws_split_regs(
         },
         |e| {
             e.setmaxnreg(true, consumer_regs);
-            // `TITAN_WS_WGI=shfl` at build time broadcasts the index from lane 0: the same
-            // value, which ptxas then knows to be warp-uniform, so the `wgmma` descriptors
-            // derived from it stay in uniform registers (kernels/tests/ws_uniform_wgi.rs).
-            let wgi = if std::env::var("TITAN_WS_WGI").as_deref() == Ok("shfl") {
+            let wgi = if wgi_from.chosen() == WgIndex::Broadcast {
                 let z = e.i32c(0);
                 let w = e.i32c(32);
                 let r = e.fresh();

@@ -5,8 +5,7 @@
 //! cannot change the kernels other tests generate. What the kernels compute is checked on the
 //! GPU (`kernels/tests/gpu_check.py` on a `TITAN_GPU_DUMP` made with the switches); here, that
 //! each switch reaches every dK/dV pass, that each setting gives a different kernel, that they
-//! still assemble (without spills but a few registers of the 8B five-product pass walked
-//! down), that a band that does not divide the kv heads is ignored, that `wave` picks the
+//! still assemble (without spills but a few registers of the head_dim 64 five-product pass), that a band that does not divide the kv heads is ignored, that `wave` picks the
 //! band nearest one wave of CTAs, and which settings the default is at each shape.
 
 mod common;
@@ -36,13 +35,14 @@ fn walks_and_bands_reach_every_dkdv_pass() {
             .iter()
             .map(|(name, shape)| {
                 let (ptx, spill) = ptx_of(&mut g, name, *shape);
-                // The 8B five-product pass walked down, with the flush-to-zero exponentials
-                // (session 29): 16 bytes with the default's bands (nvdisasm: one register stored
-                // before the tile loop and loaded after it, three loaded in every tile), 12 with
-                // one band.
+                // The head_dim 64 five-product pass (1B) with the warpgroup index broadcast
+                // (`warp_spec::WgIndex`, session 31): 16 bytes walked down (the default, measured
+                // 8% faster than the unspilled pass with the index divided), more walked up.
+                // The 8B pass no longer spills (12-16 bytes walked down before the broadcast).
                 let allowed = match (*name, walk, band) {
-                    ("bwd_8b", "down", "wave") => 16,
-                    ("bwd_8b", "down", "all") => 12,
+                    ("bwd_1b", "down", _) => 16,
+                    ("bwd_1b", "up", "all") => 32,
+                    ("bwd_1b", "up", _) => 48,
                     _ => 0,
                 };
                 assert!(spill <= allowed, "{name}: {spill} bytes spilled with walk {walk}, band {band}");

@@ -10,7 +10,7 @@ use titan_kernels::{compile_kernel, ptxas_check};
 
 /// Three phases (statistics and a zeroed f32 dQ accumulator, the warp-specialized dK/dV/dQ
 /// pass, the dQ conversion), the accumulator in the workspace, each phase assembled by `ptxas`
-/// without spills (but four registers at the 8B shape, below); the main pass's dQ partials go out
+/// without spills (but a few registers at head_dim 64, below); the main pass's dQ partials go out
 /// as bulk reductions issued by one thread.
 #[test]
 fn five_product_backward_structure() {
@@ -54,12 +54,17 @@ fn five_product_backward_structure() {
         for entry in [&pro.entry, &k.entry, &epi.entry] {
             let r = ptxas_check(&k.ptx, entry).unwrap_or_else(|e| panic!("{name} {entry}: {e}"));
             println!("{name} {entry}: {} registers, {} spill stores, {} spill loads", r.registers, r.spill_stores, r.spill_loads);
-            // At the 8B shape the main pass (bands of 2 kv heads, tiles walked down, flush-to-zero
-            // exponentials) keeps four registers in local memory, 16 bytes: nvdisasm shows one
-            // stored before the tile loop and loaded after it (the dK/dV stores' base; session
-            // 28) and three stored before the loop and loaded in every tile (session 29); it
-            // measured level with the 4-byte kernel (performance.md, session 29).
-            let spill_allowed = if name == "bwd5_8b" && entry == &k.entry { 16 } else { 0 };
+            // With the warpgroup index broadcast (`warp_spec::WgIndex`, session 31) the head_dim
+            // 64 main pass keeps four registers in local memory: 16 bytes at Llama-3.2 1B's
+            // heads (nvdisasm: stored once before the key loop, loaded in every tile; measured
+            // 8% faster than the unspilled pass with the index divided), 48 at the small test
+            // shape. The 8B shape's pass, which spilled 16 bytes with the index divided, no
+            // longer spills.
+            let spill_allowed = match (name, entry == &k.entry) {
+                ("bwd5_1b", true) => 16,
+                ("bwd5_d64_gqa_causal", true) => 48,
+                _ => 0,
+            };
             assert!(!r.wgmma_serialized && r.spill_stores <= spill_allowed && r.spill_loads <= spill_allowed, "{name} {entry}: {:?}", r.problems());
         }
         let main = &k.ptx[k.ptx.find(&format!(".entry {}(", k.entry)).expect("entry")..];

@@ -23,7 +23,7 @@
 //! masked (its products there are spent for nothing: one tile of the CTA's `m + 1`).
 
 use super::*;
-use crate::warp_spec::{Ring, WS_LAUNCH_REGS, WS_THREADS, ws_split_regs};
+use crate::warp_spec::{Ring, WS_LAUNCH_REGS, WS_THREADS, WgIndex, ws_split_regs};
 
 /// Query rows per CTA: two consumer warpgroups of 64.
 const QUERIES: i64 = 128;
@@ -115,6 +115,7 @@ pub(super) fn body(p: &Problem, qp: &str, kp: &str, vp: &str, op: &str, lp: &str
         &mut e,
         &tid,
         (232, 32),
+        WgIndex::Divided,
         |e, cp| {
             let g_off = e.row_offset(&cp.crow, kv_row, &cp.cc864, &kv_base);
             let k_g = e.gep(kp, 1, &g_off, "i64", "bf16");

@@ -587,6 +587,7 @@ pub(super) fn body(p: &Problem, io: &Io) -> String {
         &mut e,
         &tid,
         (232, 32),
+        WgIndex::Broadcast,
         |e, cp| {
             seq.copy_kv(e, p, io, cp);
             let load = |e: &mut Em, f: &str| seq.load(e, p, io, cp, &ring, f);
