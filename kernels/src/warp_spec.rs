@@ -155,7 +155,8 @@ pub(crate) enum WgIndex {
     Divided,
     /// `tid / 128` broadcast from lane 0. The backward's: 8B's dK/dV key loop 699 -> 618 SASS
     /// instructions, and held on an H100 (session 31) the backward 2.6% (8B shape, seq 8192)
-    /// to 8.4% (head_dim 64, seq 8192) faster, 3-9% less energy a launch.
+    /// to 8.4% (head_dim 64, seq 8192) faster, 2-10% less energy a launch at seq 4096-8192
+    /// (level at seq 2048).
     Broadcast,
 }
 

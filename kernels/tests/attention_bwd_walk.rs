@@ -5,8 +5,9 @@
 //! cannot change the kernels other tests generate. What the kernels compute is checked on the
 //! GPU (`kernels/tests/gpu_check.py` on a `TITAN_GPU_DUMP` made with the switches); here, that
 //! each switch reaches every dK/dV pass, that each setting gives a different kernel, that they
-//! still assemble (without spills but a few registers of the head_dim 64 five-product pass), that a band that does not divide the kv heads is ignored, that `wave` picks the
-//! band nearest one wave of CTAs, and which settings the default is at each shape.
+//! still assemble (without spills but a few registers of the head_dim 64 five-product pass),
+//! that a band that does not divide the kv heads is ignored, that `wave` picks the band
+//! nearest one wave of CTAs, and which settings the default is at each shape.
 
 mod common;
 
