@@ -17,7 +17,11 @@ Llama-3 8B (seq 8192, batch 1), timed in bursts and held at the power cap (`kern
 (`torch.matmul`, `Tensor.addmm_` for the `beta = 1` add, as titan's epilogue). Operands are
 normal-like bf16 (a GEMM's power depends on its operands' bits).
 
-    python3 bench/torch/gemm_merge.py [--sustain SECONDS] [--models 1b,8b]
+    python3 bench/torch/gemm_merge.py [--sustain SECONDS] [--rounds N] [--models 1b,8b]
+
+Each row: the form's kernels launched per call (`k`, from torch.profiler: a batched form that
+copied its broadcast operand would show one more), its burst time and rate, then each held
+round's time, joules, watts and median SM clock.
 """
 
 import argparse
@@ -47,8 +51,7 @@ def groups(h, f, q, kv):
     for name, widths in (("w1w3", (f, f)), ("qkv", (q, kv, kv))):
         n = sum(widths)
         wcat = rand(n, h, scale=h**-0.5)  # the stacked weights [W1; W3] (rows: out features)
-        parts = list(wcat.split(widths, 0))  # each W_i as its own tensor (the separate form)
-        parts = [p.contiguous() for p in parts]
+        parts = [p.contiguous() for p in wcat.split(widths, 0)]  # each W_i alone (the separate form)
         gcat = rand(s, n)  # the output gradients side by side, [s, sum widths]
         gparts = [g.contiguous() for g in gcat.split(widths, 1)]
         ycat = torch.empty(s, n, device="cuda", dtype=torch.bfloat16)
@@ -116,10 +119,9 @@ def main():
     ap.add_argument("--rounds", type=int, default=2, help="times each held pair is measured, alternating the forms")
     a = ap.parse_args()
     import nvml
-
-    print(f"# {torch.cuda.get_device_name()} torch {torch.__version__}; seq {SEQ}, bf16, cuBLAS through torch.matmul / addmm_")
     from torch.profiler import ProfilerActivity, profile
 
+    print(f"# {torch.cuda.get_device_name()} torch {torch.__version__}; seq {SEQ}, bf16, cuBLAS through torch.matmul / addmm_")
     print(f"{'model':<5} {'group':<5} {'GEMM':<4} {'form':<9} {'k':>3} {'burst us':>9} {'TFLOP/s':>8} " + " ".join(f"{'held us':>8} {'J':>7} {'W':>4} {'MHz':>5}" for _ in range(a.rounds)))
     for model in a.models.split(","):
         h, f, q, kv = MODELS[model]
@@ -143,13 +145,13 @@ def main():
                     cells = " ".join(f"{r['ms'] * 1e3:>8.1f} {r['J']:>7.4f} {r['W']:>4.0f} {r['MHz']:>5.0f}" for r in held[form])
                     print(f"{model:<5} {gname:<5} {kind:<4} {form:<9} {launched[form]:>3} {us:>9.1f} {flops / (us * 1e-6) / 1e12:>8.0f} {cells}")
                     if held[form]:
-                        if kind == "dx" and form == "separate":
-                            # No batched form of the input gradient (a sum over the members):
-                            # the batched block keeps the separate GEMMs there.
-                            per_block["batched"][0] += sum(r["ms"] for r in held[form]) / len(held[form])
-                            per_block["batched"][1] += sum(r["J"] for r in held[form]) / len(held[form])
-                        per_block[form][0] += sum(r["ms"] for r in held[form]) / len(held[form])
-                        per_block[form][1] += sum(r["J"] for r in held[form]) / len(held[form])
+                        # The input gradient has no batched form (a sum over the members): the
+                        # batched block counts the separate GEMMs there.
+                        into = [form] + (["batched"] if kind == "dx" and form == "separate" else [])
+                        for key in ("ms", "J"):
+                            mean = sum(r[key] for r in held[form]) / len(held[form])
+                            for t in into:
+                                per_block[t][key == "J"] += mean
         if a.sustain > 0:
             (ms_s, j_s) = per_block["separate"]
             for form in ("merged", "batched"):

@@ -16,9 +16,10 @@
 //!
 //! Parameters are a versioned JSON file (`compiler/cost/*.json`; `h100` and `h200` built in,
 //! `h200`'s measured on our H200 in 2026-12-01/02's step and `h100`'s fitted to a Llama-3.2
-//! 1B step on an H100 in session 32, each file says how), and [`calibrate`] fits them to a measured trace (`titan-run --trace`) of the
-//! same artifact. Not modeled: NCCL kernels taking SMs from compute, clock changes under load,
-//! and the CPU launch path (CUDA graphs make it small).
+//! 1B step on an H100 in session 32, each file says how), and [`calibrate`] fits them to a
+//! measured trace (`titan-run --trace`) of the same artifact. Not modeled: NCCL kernels taking
+//! SMs from compute, clock changes under load, and the CPU launch path (CUDA graphs make it
+//! small).
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
