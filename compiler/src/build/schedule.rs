@@ -9,8 +9,8 @@
 //! except async TP's `ring_slice`/`ring_concat` where the plan made them ring views (the chunk
 //! GEMMs read and write their rows in place). `Copy` steps appear where the memory plan asks for
 //! them (a carried operand still read after its loop, block outputs that are block arguments
-//! or already written elsewhere, updates and outputs that could not be written in place), and
-//! a `Memset` zeroes the table before every `scatter_add` kernel (it sums rows into zeros).
+//! or already written elsewhere, updates and outputs that could not be written in place). No
+//! step zeroes a `scatter_add` table first: its kernel writes every row, zero rows included.
 //!
 //! Every kernel body block is one entry of the kernel table, numbered in order of first launch.
 
@@ -21,7 +21,7 @@ use titan_ir::{BlockId, Graph, KernelKind, Mesh, Node, Op, Region};
 use titan_passes::fuse::is_collective_step;
 
 use super::BuildError;
-use super::memory::{CopyOp, Storage, bytes_of, internal, ref_bytes, shape_of};
+use super::memory::{CopyOp, Storage, bytes_of, internal, shape_of};
 
 /// All steps run on stream 0 for now.
 pub const STREAM: u32 = 0;
@@ -62,25 +62,12 @@ fn copy_step(c: &CopyOp) -> Step {
     Step::Copy { src: c.src, dst: c.dst, bytes: c.bytes, stream: STREAM }
 }
 
-/// The steps of one `kernel` node: a memset of a `scatter_add`'s table, then the launch.
-fn launch(
-    table: &mut Table,
-    region: &Region,
-    node: &Node,
-    refs: &[Option<BufRef>],
-    storage: &Storage,
-    carries: &[[u32; 2]],
-    out: &mut Vec<Step>,
-) -> Result<(), BuildError> {
+/// The step of one `kernel` node: its launch.
+fn launch(table: &mut Table, region: &Region, node: &Node, refs: &[Option<BufRef>], out: &mut Vec<Step>) -> Result<(), BuildError> {
     let Op::Kernel { body, kind } = node.op else { return Err(internal("not a kernel node")) };
     let lookup = |v: titan_ir::Value| refs.get(v.index()).copied().flatten().ok_or_else(|| internal(format!("value {v} of @{} has no storage", region.name)));
     let inputs = node.inputs.iter().map(|&v| lookup(v)).collect::<Result<Vec<_>, _>>()?;
     let outputs = node.results.iter().map(|&v| lookup(v)).collect::<Result<Vec<_>, _>>()?;
-    if kind == KernelKind::ScatterAdd {
-        for &dst in &outputs {
-            out.push(Step::Memset { dst, bytes: ref_bytes(&storage.buffers, carries, dst), stream: STREAM });
-        }
-    }
     out.push(Step::Launch { kernel: table.id(body, kind)?, inputs, outputs, stream: STREAM });
     Ok(())
 }
@@ -128,7 +115,7 @@ pub fn build_schedule(g: &Graph, storage: &Storage) -> Result<Schedule, BuildErr
         let node = main.node(*n);
         match &node.op {
             Op::Kernel { .. } => {
-                launch(&mut table, main, node, &storage.main, storage, &[], &mut steps)?;
+                launch(&mut table, main, node, &storage.main, &mut steps)?;
                 launches += 1;
             }
             // A `ring_slice`/`ring_concat` the plan resolved as ring views: no step, only the
@@ -160,7 +147,7 @@ pub fn build_schedule(g: &Graph, storage: &Storage) -> Result<Schedule, BuildErr
                     let out = if split.contains(*bn) { &mut pre } else { &mut body };
                     match bnode.op {
                         Op::Kernel { .. } => {
-                            launch(&mut table, blk, bnode, &ls.values, storage, &ls.carries, out)?;
+                            launch(&mut table, blk, bnode, &ls.values, out)?;
                             body_launches += 1;
                         }
                         Op::RingSlice { .. } | Op::RingConcat { .. } if ls.ring_views.contains(bn) => {}
