@@ -1,14 +1,14 @@
 //! `scatter_add` kernels: `out[idx[i]] += src[i]` into a table that starts at zero, computed
 //! owner-side so it is deterministic and needs neither atomics on the data nor a workspace.
 //!
-//! The table is cut into blocks of 256 consecutive rows, each with [`SPLIT`] CTAs, and every
+//! The table is cut into blocks of 256 consecutive rows, each with [`split`] CTAs, and every
 //! row is written by exactly one CTA (zero rows included):
 //! 1. each CTA counts the indices falling in its block's rows (one pass over `idx`,
 //!    shared-memory atomics on counters only, whose totals do not depend on order);
 //! 2. if the block has at most [`SPLIT_MIN`] matches its first CTA owns all its rows and the
 //!    others stop; with more (the rows of frequent tokens: real text's low ids, every byte of a
-//!    byte-level corpus) CTA `s` owns the rows `s`, `s + SPLIT`, ... of the block, so its work
-//!    is spread over `SPLIT` SMs and consecutive hot ids over different CTAs. Every CTA of a
+//!    byte-level corpus) CTA `s` owns the rows `s`, `s + split`, ... of the block, so its work
+//!    is spread over `split` SMs and consecutive hot ids over different CTAs. Every CTA of a
 //!    block counts the same total, so they agree without talking;
 //! 3. thread 0 cuts the owned rows into groups of at most 4096 matches (a row with more is a
 //!    group of its own);
@@ -36,15 +36,22 @@ use crate::{GenResult, Generated, invalid, unsupported};
 const THREADS: u64 = 256;
 /// Output rows per block (one per thread in the sort).
 const RB: u64 = 256;
-/// CTAs per block of rows (a power of two).
+/// CTAs per block of rows by default.
 const SPLIT: u64 = 8;
-/// Matches in a block above which its rows are spread over its `SPLIT` CTAs. Below, one CTA
+/// Matches in a block above which its rows are spread over its [`split`] CTAs. Below, one CTA
 /// sums them faster than the others would list them again (each CTA's listing reads all of
 /// `idx`); above, one CTA streaming every source row alone (one SM's loads in flight, ~25 GB/s)
 /// is the kernel's tail: all 8,192 sources of a byte-level batch took 1.7 ms at 1B's rows.
 const SPLIT_MIN: i64 = 256;
 /// Indices each thread loads before counting them.
 const COUNT_AHEAD: u64 = 4;
+
+/// CTAs per block of rows: [`SPLIT`], or the build-time switch `TITAN_SCATTER_SPLIT` (a power
+/// of two from 1 to 64; anything else is refused by being ignored: the default), for
+/// comparisons: `1` is the kernel before the split, one CTA per block.
+fn split() -> u64 {
+    std::env::var("TITAN_SCATTER_SPLIT").ok().and_then(|v| v.parse::<u64>().ok()).filter(|v| v.is_power_of_two() && *v <= 64).unwrap_or(SPLIT)
+}
 /// Matches a group lists in shared memory.
 const CAP: u64 = 4096;
 /// Column chunks a thread accumulates in registers.
@@ -116,7 +123,7 @@ pub(crate) fn generate(g: &Graph, r: &Region, entry: &str) -> GenResult<Generate
     f.min_ctas_per_sm(4);
     let c = prologue(&mut f, &b, &s, na)?;
     count_matches(&mut f, &s, &c);
-    let own = own_rows(&mut f, &c);
+    let own = own_rows(&mut f, &s, &c);
     f.if_then(own.active, |f| {
         let cap = f.i32c(CAP as i64);
         cut_groups(f, &c, &own, cap);
@@ -141,10 +148,12 @@ struct Scatter {
     /// Storage of the sources (and table) and of the indices.
     ste: Elem,
     it: Elem,
-    /// Lanes per vector, vectors per row, column chunks per thread, CTAs.
+    /// Lanes per vector, vectors per row, column chunks per thread, CTAs per block of rows,
+    /// CTAs.
     lanes: u32,
     nvec: u64,
     cpt: u64,
+    split: u64,
     grid: u64,
 }
 
@@ -195,11 +204,12 @@ fn check_body(b: &Body, r: &Region) -> GenResult<Scatter> {
     if cpt > MAX_COL_CHUNKS {
         return unsupported(format!("scatter_add rows of {d} elements; at most {} are supported", MAX_COL_CHUNKS * THREADS * u64::from(lanes)));
     }
-    let grid = rows.div_ceil(RB) * SPLIT;
+    let split = split();
+    let grid = rows.div_ceil(RB) * split;
     if grid > i32::MAX as u64 {
         return unsupported("scatter_add table too large");
     }
-    Ok(Scatter { shard, ii, si, src, out, rows, d, n, ste, it, lanes, nvec, cpt, grid })
+    Ok(Scatter { shard, ii, si, src, out, rows, d, n, ste, it, lanes, nvec, cpt, split, grid })
 }
 
 /// The values every phase of the kernel uses, emitted once at its top.
@@ -213,8 +223,9 @@ struct Ctx {
     shard_base: Option<Val>,
     tid: Val,
     tid64: Val,
-    /// This CTA's place among its block's `SPLIT` (i64).
+    /// This CTA's place among its block's `split`, and `split` (i64).
     part: Val,
+    split: Val,
     /// Rows per block, the block's first row and its number of rows (i64).
     rb: Val,
     r0: Val,
@@ -254,7 +265,7 @@ fn prologue(f: &mut Func, b: &Body, s: &Scatter, na: usize) -> GenResult<Ctx> {
     let bid = f.block_id();
     let tid64 = f.extui(tid, Elem::I64);
     let bid64 = f.extui(bid, Elem::I64);
-    let split = f.i64c(SPLIT as i64);
+    let split = f.i64c(s.split as i64);
     let block = f.divui(bid64, split);
     let part = f.remui(bid64, split);
     let rb = f.i64c(RB as i64);
@@ -269,7 +280,7 @@ fn prologue(f: &mut Func, b: &Body, s: &Scatter, na: usize) -> GenResult<Ctx> {
     let zero = f.i32c(0);
     let one = f.i32c(1);
     let is_t0 = f.cmpi(ICmp::Eq, tid, zero);
-    Ok(Ctx { ip, sp, op, sh, shard_base, tid, tid64, part, rb, r0, rb_eff, z64, one64, tstep, nn, zero, one, is_t0 })
+    Ok(Ctx { ip, sp, op, sh, shard_base, tid, tid64, part, split, rb, r0, rb_eff, z64, one64, tstep, nn, zero, one, is_t0 })
 }
 
 /// Which rows of its block a CTA owns: local rows `start + j step`, `j` in `[0, nj)` (i64,
@@ -295,7 +306,7 @@ impl Own {
 /// Step 2: thread 0 adds the block's counts and decides whether its rows are spread over the
 /// block's CTAs (the same decision in each, from the same counts); each CTA then moves the
 /// counts of its own rows to the front of `cnt`, numbered by `j`.
-fn own_rows(f: &mut Func, c: &Ctx) -> Own {
+fn own_rows(f: &mut Func, s: &Scatter, c: &Ctx) -> Own {
     let (sh, zero, one) = (c.sh, c.zero, c.one);
     f.if_then(c.is_t0, |f| {
         let total = f.for_loop(c.z64, c.rb_eff, c.one64, &[zero], |f, rr, t| {
@@ -312,10 +323,9 @@ fn own_rows(f: &mut Func, c: &Ctx) -> Own {
     let spread = f.cmpi(ICmp::Ne, flag, zero);
     let first = f.cmpi(ICmp::Eq, c.part, c.z64);
     let active = f.ori(spread, first);
-    let split = f.i64c(SPLIT as i64);
-    let step = f.select(spread, split, c.one64);
+    let step = f.select(spread, c.split, c.one64);
     let start = f.select(spread, c.part, c.z64);
-    let log = f.i64c(SPLIT.trailing_zeros() as i64);
+    let log = f.i64c(s.split.trailing_zeros() as i64);
     let shift = f.select(spread, log, c.z64);
     // nj = ceil((rows - start) / step), 0 where the block's last rows end before `start`.
     let left = f.subi(c.rb_eff, start);
