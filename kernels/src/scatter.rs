@@ -34,8 +34,8 @@ use crate::values::{Body, narrow, storage, vec_align, widen};
 use crate::{GenResult, Generated, invalid, unsupported};
 
 const THREADS: u64 = 256;
-/// Output rows per block (one per thread in the sort).
-const RB: u64 = 256;
+/// Output rows per block (one per thread in the sort and in [`own_rows`]'s total).
+const RB: u64 = THREADS;
 /// CTAs per block of rows by default.
 const SPLIT: u64 = 8;
 /// Matches in a block above which its rows are spread over its [`split`] CTAs. Below, one CTA
@@ -303,24 +303,18 @@ impl Own {
     }
 }
 
-/// Step 2: thread 0 adds the block's counts and decides whether its rows are spread over the
+/// Step 2: the CTA adds the block's counts and decides whether its rows are spread over the
 /// block's CTAs (the same decision in each, from the same counts); each CTA then moves the
 /// counts of its own rows to the front of `cnt`, numbered by `j`.
 fn own_rows(f: &mut Func, s: &Scatter, c: &Ctx) -> Own {
-    let (sh, zero, one) = (c.sh, c.zero, c.one);
-    f.if_then(c.is_t0, |f| {
-        let total = f.for_loop(c.z64, c.rb_eff, c.one64, &[zero], |f, rr, t| {
-            let n = ld(f, sh.cnt, rr);
-            vec![f.addi(t[0], n)]
-        });
-        let min = f.i32c(SPLIT_MIN);
-        let spread = f.cmpi(ICmp::Sgt, total[0], min);
-        let flag = f.extui(spread, Elem::I32);
-        st(f, flag, sh.misc, one);
-    });
-    f.barrier();
-    let flag = ld(f, sh.misc, one);
-    let spread = f.cmpi(ICmp::Ne, flag, zero);
+    // The block's total, one row's count a thread (`RB == THREADS`), every thread getting it.
+    let sh = c.sh;
+    let n = ld(f, sh.cnt, c.tid64);
+    let in_block = f.cmpi(ICmp::Slt, c.tid64, c.rb_eff);
+    let n = f.select(in_block, n, c.zero);
+    let (_, total) = block_scan(f, n, c.tid, sh.warps);
+    let min = f.i32c(SPLIT_MIN);
+    let spread = f.cmpi(ICmp::Sgt, total, min);
     let first = f.cmpi(ICmp::Eq, c.part, c.z64);
     let active = f.ori(spread, first);
     let step = f.select(spread, c.split, c.one64);
