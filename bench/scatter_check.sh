@@ -77,7 +77,7 @@ run)
     python3 -c "
 import numpy as np
 np.random.default_rng(0).integers(0, 128256, 1 << 20, dtype=np.uint32).tofile('/tmp/sc_tok.bin')"
-    for data in bundled random; do for m in 1b 8b4; do for n in base new; do
+    for data in bundled random; do for m in 1b 8b4; do for n in ${VARIANTS:-base new}; do
         extra=()
         [ "$data" = random ] && extra=(--data /tmp/sc_tok.bin --data-format u32)
         rm -f /tmp/sc_m.jsonl

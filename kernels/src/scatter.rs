@@ -22,12 +22,19 @@
 //! so results are bitwise those of the interpreter and identical run to run. Indices outside
 //! `[0, rows)` are ignored (the interpreter reports them as errors).
 //!
+//! A body `[scatter_add, add(x, table)]` (fusion rule 12: the tied embedding's gradient) scatters
+//! into `x` instead of into zeros: a hit row is summed and rounded as the table's row would
+//! be, then added to `x`'s row and rounded again, the body's values bit for bit; a row no
+//! index hits is `x + 0`. When the output is `x`'s own buffer (the memory plan writes the sum
+//! in place, checked at run time by comparing the pointers), rows no index hits are not
+//! touched at all: they keep `x`'s bits (the same value; a -0 stays -0).
+//!
 //! `scatter_add_shard(idx, src, shard)` writes row shard `k` of the table (`k` from the one-hot
 //! `shard`, [`crate::gather::shard_index`]): every index is shifted by `k rows` when read, so
 //! the indices of other shards fall outside `[0, rows)` and are ignored, which is the op's
 //! meaning.
 
-use titan_ir::{Graph, Op, Region, Value};
+use titan_ir::{BinaryOp, Graph, Op, Region, Value};
 
 use crate::emit::{Elem, Func, ICmp, Ty, Val};
 use crate::values::{Body, narrow, storage, vec_align, widen};
@@ -145,6 +152,8 @@ struct Scatter {
     rows: u64,
     d: u64,
     n: u64,
+    /// The tensor the table is added to (argument index), for a body with the add.
+    x: Option<usize>,
     /// Storage of the sources (and table) and of the indices.
     ste: Elem,
     it: Elem,
@@ -160,20 +169,39 @@ struct Scatter {
 /// Check that `r` is one scatter_add the generator handles, and size the kernel.
 fn check_body(b: &Body, r: &Region) -> GenResult<Scatter> {
     let nodes: Vec<_> = b.nodes().collect();
-    let [node] = nodes.as_slice() else {
-        return unsupported(format!("a scatter_add body must hold exactly one scatter_add node, found {}", nodes.len()));
+    let (node, add) = match nodes.as_slice() {
+        [node] => (*node, None),
+        [node, add] if matches!(add.op, Op::Binary(BinaryOp::Add)) => (*node, Some(*add)),
+        _ => return unsupported(format!("a scatter_add body must hold one scatter_add node, or one and its add, found {} nodes", nodes.len())),
     };
     if !matches!(node.op, Op::ScatterAdd | Op::ScatterAddShard) {
         return invalid(format!("a scatter_add body holds `{}`", node.op.name()));
     }
     let shard = matches!(node.op, Op::ScatterAddShard).then(|| node.inputs[2]);
     let (idx, src) = (node.inputs[0], node.inputs[1]);
-    let out = node.results[0];
+    let table = node.results[0];
+    let (out, x) = match add {
+        None => (table, None),
+        Some(a) => {
+            let x = match a.inputs.as_slice() {
+                [p, q] if *p == table && *q != table => *q,
+                [p, q] if *q == table && *p != table => *p,
+                _ => return invalid("a scatter_add body's add must add the table to another tensor"),
+            };
+            let Some(xi) = b.arg_index(x) else {
+                return invalid("the tensor a scatter_add body adds its table to must be a body argument");
+            };
+            if b.dtype(x) != b.dtype(table) || b.shape[x.index()] != b.shape[table.index()] || b.dtype(a.results[0]) != b.dtype(table) {
+                return invalid("a scatter_add body's add must take and give the table's type");
+            }
+            (a.results[0], Some(xi))
+        }
+    };
     let [o] = r.outputs.as_slice() else {
         return invalid("a scatter_add body must have exactly one output");
     };
     if o.value != out {
-        return invalid("the scatter_add body's output must be the table");
+        return invalid("the scatter_add body's output must be the table (or its sum with the added tensor)");
     }
     let (Some(ii), Some(si)) = (b.arg_index(idx), b.arg_index(src)) else {
         return invalid("the indices and sources of a scatter_add must be body arguments");
@@ -209,7 +237,7 @@ fn check_body(b: &Body, r: &Region) -> GenResult<Scatter> {
     if grid > i32::MAX as u64 {
         return unsupported("scatter_add table too large");
     }
-    Ok(Scatter { shard, ii, si, src, out, rows, d, n, ste, it, lanes, nvec, cpt, split, grid })
+    Ok(Scatter { shard, ii, si, src, out, rows, d, n, x, ste, it, lanes, nvec, cpt, split, grid })
 }
 
 /// The values every phase of the kernel uses, emitted once at its top.
@@ -218,6 +246,9 @@ struct Ctx {
     ip: Val,
     sp: Val,
     op: Val,
+    /// The tensor added to (a body with the add), and whether the table is a buffer apart from
+    /// it (the pointers differ; where they are equal, rows no index hits are left as they are).
+    xp: Option<(Val, Val)>,
     sh: Shared,
     /// The first row of the table's shard in the index space (`None`: a whole table).
     shard_base: Option<Val>,
@@ -242,6 +273,12 @@ struct Ctx {
 /// Emit the parameters, the shared arrays and the values every phase uses.
 fn prologue(f: &mut Func, b: &Body, s: &Scatter, na: usize) -> GenResult<Ctx> {
     let (ip, sp, op) = (f.param(s.ii), f.param(s.si), f.param(na));
+    let xp = s.x.map(|xi| {
+        let xp = f.param(xi);
+        let a = f.ptr_to_i64(xp);
+        let o = f.ptr_to_i64(op);
+        (xp, f.cmpi(ICmp::Ne, a, o))
+    });
     let sh = Shared {
         cnt: f.shared_array("titan_cnt", Elem::I32, RB),
         gstart: f.shared_array("titan_gstart", Elem::I32, RB + 2),
@@ -293,7 +330,7 @@ fn prologue(f: &mut Func, b: &Body, s: &Scatter, na: usize) -> GenResult<Ctx> {
     let zero = f.i32c(0);
     let one = f.i32c(1);
     let is_t0 = f.cmpi(ICmp::Eq, tid, zero);
-    Ok(Ctx { ip, sp, op, sh, shard_base, tid, tid64, part, split, rb, r0, rb_eff, z64, one64, tstep, nn, zero, one, is_t0 })
+    Ok(Ctx { ip, sp, op, xp, sh, shard_base, tid, tid64, part, split, rb, r0, rb_eff, z64, one64, tstep, nn, zero, one, is_t0 })
 }
 
 /// Which rows of its block a CTA owns: local rows `start + j step`, `j` in `[0, nj)` (i64,
@@ -512,12 +549,20 @@ impl Columns {
             .collect()
     }
 
-    /// Store the accumulators as table row `gr` (i64).
+    /// Store the accumulators as table row `gr` (i64), rounded to the table's dtype and, with the
+    /// add, added to the row of the tensor added to and rounded again.
     fn store_row(&self, f: &mut Func, c: &Ctx, gr: Val, acc: &[Val]) {
         let base = f.muli(gr, self.dd);
         for (&(col, valid), &a) in self.cols.iter().zip(acc) {
             let at = f.addi(base, col);
-            let y = narrow(f, a, self.ste);
+            let mut y = narrow(f, a, self.ste);
+            if let Some((xp, _)) = c.xp {
+                let x = f.load_at(xp, at, self.vt, self.align_out);
+                let x = widen(f, x);
+                let t = widen(f, y);
+                let sum = f.addf(x, t);
+                y = narrow(f, sum, self.ste);
+            }
             match valid {
                 Some(ok) => f.if_then(ok, |f| f.store_at(y, c.op, at, self.align_out)),
                 None => f.store_at(y, c.op, at, self.align_out),
@@ -701,7 +746,15 @@ fn sum_group(f: &mut Func, s: &Scatter, c: &Ctx, own: &Own, cl: &Columns, inits:
         let ee = f.extsi(ee, Elem::I64);
         let acc = cl.add_listed(f, c, sh.sorted, es, ee, inits);
         let gr = own.row(f, c, row);
-        cl.store_row(f, c, gr, &acc);
+        match c.xp {
+            // Written over the tensor added to: a row no index hits stays as it is.
+            Some((_, apart)) => {
+                let hit = f.cmpi(ICmp::Ne, es, ee);
+                let store = f.ori(hit, apart);
+                f.if_then(store, |f| cl.store_row(f, c, gr, &acc));
+            }
+            None => cl.store_row(f, c, gr, &acc),
+        }
         vec![]
     });
     f.barrier();

@@ -237,6 +237,41 @@ fn concat_parts(g: &Graph, r: &Region, node: &titan_ir::Node) -> Result<Vec<(u64
     Ok(parts)
 }
 
+/// The buffer a `scatter_add` kernel with its add (fusion rule 12) writes its sum over: that of
+/// the tensor it adds to, when the tensor is a whole buffer of its own that a `main` kernel
+/// computed (not an argument, state or output, not a part of a concatenation) and nothing
+/// reads it after this kernel. The kernel then touches only the rows an index hits.
+fn scatter_over(
+    b: &Builder,
+    groups: &mut Groups,
+    used_after: &dyn Fn(&mut Groups, Value, usize) -> bool,
+    node: &titan_ir::Node,
+    p: usize,
+) -> Result<Option<BufRef>, BuildError> {
+    let main = &b.g.main;
+    let Op::Kernel { body, kind: KernelKind::ScatterAdd } = node.op else { return Ok(None) };
+    let blk = b.g.block(body);
+    let ops: Vec<&titan_ir::Node> = blk.order.iter().map(|&n| blk.node(n)).collect();
+    let [scatter, add] = ops.as_slice() else { return Ok(None) };
+    let (Some(&table), [u, v]) = (scatter.results.first(), add.inputs.as_slice()) else { return Ok(None) };
+    let x = if *u == table { *v } else { *u };
+    let Some(k) = blk.args.iter().position(|a| a.value == x) else { return Ok(None) };
+    let Some(&operand) = node.inputs.get(k) else { return Ok(None) };
+    let owner = root(main, operand);
+    let computed =
+        matches!(main.values.get(owner.index()).map(|d| d.def), Some(ValueDef::Result { node, .. }) if matches!(main.node(node).op, Op::Kernel { .. }));
+    let x_group = groups.find(operand.index());
+    let read_twice = node.inputs.iter().enumerate().any(|(i, &w)| i != k && groups.find(w.index()) == x_group);
+    if !computed || b.claim.contains_key(&owner) || read_twice || used_after(groups, operand, p) {
+        return Ok(None);
+    }
+    let rf = b.main_ref(operand)?;
+    let whole = matches!(rf, BufRef::Buffer { buffer, layer: false } if !b.concat_buffers.contains(&buffer) && b.s.buffers[buffer as usize].output.is_none());
+    let [r] = node.results.as_slice() else { return Ok(None) };
+    let same_type = main.ty(*r).dtype == main.ty(operand).dtype && shape_of(b.g, main, *r)? == shape_of(b.g, main, operand)?;
+    Ok((whole && same_type).then_some(rf))
+}
+
 /// Follows `reshape` chains to the value that owns the bytes.
 fn root(r: &Region, mut v: Value) -> Value {
     loop {
@@ -618,11 +653,13 @@ pub fn assign_storage(g: &Graph) -> Result<Storage, BuildError> {
                 }
             }
             Op::Kernel { .. } => {
+                let over = scatter_over(&b, &mut groups, &used_after, node, p)?;
                 for &r in &node.results {
-                    let rf = match (in_place.get(&r), b.claim.get(&r)) {
-                        (Some(&state), _) => b.main_ref(state)?,
-                        (None, Some(&part)) => part,
-                        (None, None) => BufRef::Buffer { buffer: b.add_value(r, None)?, layer: false },
+                    let rf = match (in_place.get(&r), b.claim.get(&r), over) {
+                        (Some(&state), _, _) => b.main_ref(state)?,
+                        (None, Some(&part), _) => part,
+                        (None, None, Some(x)) => x,
+                        (None, None, None) => BufRef::Buffer { buffer: b.add_value(r, None)?, layer: false },
                     };
                     b.s.main[r.index()] = Some(rf);
                 }

@@ -252,6 +252,26 @@ fn shadow_execution_reads_what_was_written() {
     }
 }
 
+/// Tied embeddings (fusion rule 12): the embedding's `scatter_add` kernel adds its rows to the
+/// head's weight gradient and writes the sum over that gradient's buffer, which nothing reads
+/// after it; every read still sees its producer's bytes.
+#[test]
+fn the_tied_gradient_is_scattered_in_place() {
+    let cfg = LlamaConfig { tie_embeddings: true, ..LlamaConfig::preset(Preset::Debug) };
+    let m = build_llama3(&cfg, "llama3_debug_tied").unwrap_or_else(|e| panic!("{e}"));
+    let manifest = manifest_of(&m, &titan_ir::print::print_graph(&m));
+    let scatters: Vec<&Step> = all_steps(&manifest.ranks[0].steps)
+        .into_iter()
+        .filter(|s| matches!(s, Step::Launch { kernel, .. } if manifest.kernels[*kernel as usize].kind == KernelKind::ScatterAdd))
+        .collect();
+    let [Step::Launch { inputs, outputs, .. }] = scatters.as_slice() else { panic!("one scatter_add launch expected: {scatters:?}") };
+    assert_eq!(inputs.len(), 3, "indices, sources and the head gradient");
+    assert_eq!(outputs.as_slice(), &inputs[2..], "the sum is written over the head gradient");
+    assert!(!all_steps(&manifest.ranks[0].steps).iter().any(|s| matches!(s, Step::Memset { .. })), "nothing zeroes the table");
+    let errors = shadow_execute(&manifest);
+    assert!(errors.is_empty(), "{} bad reads, first: {:#?}", errors.len(), &errors[..errors.len().min(10)]);
+}
+
 /// SPMD builds (FSDP x TP, HSDP x TP, kv-head replication at tp 4, FSDP over 3 layers: an odd
 /// count ends the prefetched carries in the other slot): collective results get buffers of
 /// their own, live buffers never share bytes, every read sees its producer's bytes (the
