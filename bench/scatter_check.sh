@@ -9,10 +9,14 @@
 # 8b-4l's artifacts, built by this checkout (release) with `TITAN_SCATTER_SPLIT=1` (`DIR/base`,
 # `DIR/base.1b`, ...: one CTA per block of rows, the kernel before the split) and with the
 # default (`DIR/new`, ...). `run` checks the reference cases (each kernel against the
-# interpreter, exactly, and twice), times the perf cases (`perf_scatter_add`: uniform ids;
-# `perf_scatter_add_bytes`: every id below 256, the bundled corpus) two rounds, and runs both
-# models 20 steps on the bundled corpus and on uniform random tokens: median tok/s of steps 5+
-# and the last loss, which must be the same bits for base and new. Carry ~25 MB.
+# interpreter, exactly, and twice; rule 12's scatter into a tensor, apart from it, over it and
+# into a row shard), times the perf cases (`perf_scatter_add`: uniform ids;
+# `perf_scatter_add_bytes`: every id below 256, the bundled corpus; `perf_scatter_add_into`:
+# uniform ids into a tensor, written over it) two rounds, and runs both models 20 steps on the
+# bundled corpus and on uniform random tokens: median tok/s of steps 5+ and the last loss,
+# which must be the same bits for every variant. `VARIANTS` (default `base new`) names the
+# artifacts the steps run: others built by hand into `DIR/NAME.1b` (`DIR/main.1b` by main's
+# `titanc`, say) join the comparison; a missing one is reported and skipped. Carry ~25 MB.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -81,6 +85,10 @@ np.random.default_rng(0).integers(0, 128256, 1 << 20, dtype=np.uint32).tofile('/
         extra=()
         [ "$data" = random ] && extra=(--data /tmp/sc_tok.bin --data-format u32)
         rm -f /tmp/sc_m.jsonl
+        if [ ! -d "$dir/$n.$m" ]; then
+            echo "$m $n $data: no $dir/$n.$m"
+            continue
+        fi
         if timeout 150 "$run" "$dir/$n.$m" --backend cuda "${extra[@]}" --steps 20 --metrics /tmp/sc_m.jsonl --log-every 1 >/tmp/sc_out.txt 2>&1; then
             python3 -c "
 import json, statistics
