@@ -239,8 +239,8 @@ fn concat_parts(g: &Graph, r: &Region, node: &titan_ir::Node) -> Result<Vec<(u64
 
 /// The buffer a `scatter_add` kernel with its add (fusion rule 12) writes its sum over: that of
 /// the tensor it adds to, when the tensor is a whole buffer of its own that a `main` kernel
-/// computed (not an argument, state or output, not a part of a concatenation) and nothing
-/// reads it after this kernel. The kernel then touches only the rows an index hits.
+/// computed (not an argument or state, not a part of a concatenation) and nothing reads it
+/// after this kernel (a step output is read at the end). The kernel then touches only the rows an index hits.
 fn scatter_over(
     b: &Builder,
     groups: &mut Groups,
@@ -266,7 +266,7 @@ fn scatter_over(
         return Ok(None);
     }
     let rf = b.main_ref(operand)?;
-    let whole = matches!(rf, BufRef::Buffer { buffer, layer: false } if !b.concat_buffers.contains(&buffer) && b.s.buffers[buffer as usize].output.is_none());
+    let whole = matches!(rf, BufRef::Buffer { buffer, layer: false } if !b.concat_buffers.contains(&buffer));
     let [r] = node.results.as_slice() else { return Ok(None) };
     let same_type = main.ty(*r).dtype == main.ty(operand).dtype && shape_of(b.g, main, *r)? == shape_of(b.g, main, operand)?;
     Ok((whole && same_type).then_some(rf))
