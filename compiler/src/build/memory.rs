@@ -828,11 +828,16 @@ fn assign_loop(
     let stacks = carry_stacks(b, blk, node, shape, &shares)?;
     let mut stack_buffers: HashMap<usize, u32> = HashMap::new();
     // Slot pairs in `ls.carries` of the block's carried arguments (stacked carries have none).
-    let mut slot_of: Vec<u32> = Vec::with_capacity(carry + np);
-    for i in 0..carry + np {
-        let k = slot_of.iter().filter(|&&k| k != u32::MAX).count() as u32;
-        slot_of.push(if stacks.get(i).is_some_and(Option::is_some) { u32::MAX } else { k });
-    }
+    let mut slots = 0u32;
+    let slot_of: Vec<u32> = (0..carry + np)
+        .map(|i| match stacks.get(i) {
+            Some(Some(_)) => u32::MAX,
+            _ => {
+                slots += 1;
+                slots - 1
+            }
+        })
+        .collect();
 
     // Carried values: two slots each, or a stack (see [`carry_stacks`]).
     for (c, stack) in stacks.iter().enumerate() {
