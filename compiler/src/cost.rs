@@ -201,6 +201,12 @@ fn work(m: &Manifest, op: &UnrolledOp, gpus_per_node: u32) -> Work {
                 (KernelKind::AttentionBwd, _) => Work::AttentionBwd { flops: 2.5 * attention_flops(m) },
                 // A gather reads the rows it writes, not the table.
                 (KernelKind::Gather, _) => Work::Memory { bytes: 2.0 * k.bytes_written as f64 },
+                // A scatter written over the tensor it adds to (fusion rule 12) reads its
+                // indices and sources and reads and writes at most one table row per source.
+                (KernelKind::ScatterAdd, _) if op.reads >= 3 && op.ranges.len() == op.reads + 1 && op.ranges[op.reads] == op.ranges[op.reads - 1] => {
+                    let small: u64 = op.ranges[..op.reads - 1].iter().map(|r| r.1).sum();
+                    Work::Memory { bytes: (small + 2 * op.ranges[1].1.min(op.ranges[op.reads].1)) as f64 }
+                }
                 _ => Work::Memory { bytes: (k.bytes_read + k.bytes_written) as f64 },
             }
         }

@@ -433,6 +433,10 @@ impl Func {
     pub(crate) fn trunci(&mut self, a: Val, to: Elem) -> Val {
         if a.ty.elem() == to { a } else { self.conv("trunci", a, to) }
     }
+    /// A pointer's address as an i64.
+    pub(crate) fn ptr_to_i64(&mut self, p: Val) -> Val {
+        self.op(Ty::S(Elem::I64), &format!("llvm.ptrtoint {p} : {} to i64", p.ty.mlir()))
+    }
     pub(crate) fn bitcast(&mut self, a: Val, to: Elem) -> Val {
         self.conv("bitcast", a, to)
     }

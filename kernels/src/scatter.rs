@@ -1,35 +1,64 @@
 //! `scatter_add` kernels: `out[idx[i]] += src[i]` into a table that starts at zero, computed
 //! owner-side so it is deterministic and needs neither atomics on the data nor a workspace.
 //!
-//! Each CTA owns 256 consecutive output rows and writes all of them (zero rows included):
-//! 1. it counts the indices falling in its rows (one pass over `idx`, shared-memory atomics on
-//!    counters only, whose totals do not depend on order);
-//! 2. thread 0 cuts its rows into groups of at most 4096 matches (a row with more is a group of
-//!    its own);
-//! 3. per group, a block-wide ordered compaction lists the matching `i` in increasing order, a
+//! The table is cut into blocks of 256 consecutive rows, each with [`split`] CTAs, and every
+//! row is written by exactly one CTA (zero rows included):
+//! 1. each CTA counts the indices falling in its block's rows (one pass over `idx`,
+//!    shared-memory atomics on counters only, whose totals do not depend on order);
+//! 2. if the block has at most [`SPLIT_MIN`] matches its first CTA owns all its rows and the
+//!    others stop; with more (the rows of frequent tokens: real text's low ids, every byte of a
+//!    byte-level corpus) CTA `s` owns the rows `s`, `s + split`, ... of the block, so its work
+//!    is spread over `split` SMs and consecutive hot ids over different CTAs. Every CTA of a
+//!    block counts the same total, so they agree without talking;
+//! 3. thread 0 cuts the owned rows into groups of at most 4096 matches (a row with more is a
+//!    group of its own);
+//! 4. per group, a block-wide ordered compaction lists the matching `i` in increasing order, a
 //!    stable counting sort (one thread per row) orders them by row, and each row's sources are
 //!    summed in f32 in increasing `i` (the loads of several rows issued before their adds) and
 //!    stored once, rounded to the output dtype;
-//! 4. a row with more than 4096 matches is summed chunk by chunk of `idx` instead.
+//! 5. a row with more than 4096 matches is summed chunk by chunk of `idx` instead.
 //!
-//! Sums run in the reference interpreter's order (increasing `i`), so results are bitwise those
-//! of the interpreter and identical run to run. Indices outside `[0, rows)` are ignored (the
-//! interpreter reports them as errors).
+//! Sums run in the reference interpreter's order (increasing `i`) whichever CTA owns the row,
+//! so results are bitwise those of the interpreter and identical run to run. Indices outside
+//! `[0, rows)` are ignored (the interpreter reports them as errors).
+//!
+//! A body `[scatter_add, add(x, table)]` (fusion rule 12: the tied embedding's gradient) scatters
+//! into `x` instead of into zeros: a hit row is summed and rounded as the table's row would
+//! be, then added to `x`'s row and rounded again, the body's values bit for bit; a row no
+//! index hits is `x + 0`. When the output is `x`'s own buffer (the memory plan writes the sum
+//! in place, checked at run time by comparing the pointers), rows no index hits are not
+//! touched at all: they keep `x`'s bits (the same value; a -0 stays -0).
 //!
 //! `scatter_add_shard(idx, src, shard)` writes row shard `k` of the table (`k` from the one-hot
 //! `shard`, [`crate::gather::shard_index`]): every index is shifted by `k rows` when read, so
 //! the indices of other shards fall outside `[0, rows)` and are ignored, which is the op's
 //! meaning.
 
-use titan_ir::{Graph, Op, Region, Value};
+use titan_ir::{BinaryOp, Graph, Op, Region, Value};
 
 use crate::emit::{Elem, Func, ICmp, Ty, Val};
 use crate::values::{Body, narrow, storage, vec_align, widen};
 use crate::{GenResult, Generated, invalid, unsupported};
 
 const THREADS: u64 = 256;
-/// Output rows per CTA (one per thread in the sort).
-const RB: u64 = 256;
+/// Output rows per block (one per thread in the sort and in [`own_rows`]'s total).
+const RB: u64 = THREADS;
+/// CTAs per block of rows by default.
+const SPLIT: u64 = 8;
+/// Matches in a block above which its rows are spread over its [`split`] CTAs. Below, one CTA
+/// sums them faster than the others would list them again (each CTA's listing reads all of
+/// `idx`); above, one CTA streaming every source row alone (one SM's loads in flight, ~25 GB/s)
+/// is the kernel's tail: all 8,192 sources of a byte-level batch took 1.7 ms at 1B's rows.
+const SPLIT_MIN: i64 = 256;
+/// Indices each thread loads before counting them.
+const COUNT_AHEAD: u64 = 4;
+
+/// CTAs per block of rows: [`SPLIT`], or the build-time switch `TITAN_SCATTER_SPLIT` (a power
+/// of two from 1 to 64; anything else is refused by being ignored: the default), for
+/// comparisons: `1` is the kernel before the split, one CTA per block.
+fn split() -> u64 {
+    std::env::var("TITAN_SCATTER_SPLIT").ok().and_then(|v| v.parse::<u64>().ok()).filter(|v| v.is_power_of_two() && *v <= 64).unwrap_or(SPLIT)
+}
 /// Matches a group lists in shared memory.
 const CAP: u64 = 4096;
 /// Column chunks a thread accumulates in registers.
@@ -101,9 +130,12 @@ pub(crate) fn generate(g: &Graph, r: &Region, entry: &str) -> GenResult<Generate
     f.min_ctas_per_sm(4);
     let c = prologue(&mut f, &b, &s, na)?;
     count_matches(&mut f, &s, &c);
-    let cap = f.i32c(CAP as i64);
-    cut_groups(&mut f, &c, cap);
-    sum_groups(&mut f, &b, &s, &c, cap);
+    let own = own_rows(&mut f, &s, &c);
+    f.if_then(own.active, |f| {
+        let cap = f.i32c(CAP as i64);
+        cut_groups(f, &c, &own, cap);
+        sum_groups(f, &b, &s, &c, &own, cap);
+    });
     Ok(Generated::new(f.finish(entry, THREADS as u32, s.grid as u32), THREADS as u32, s.grid as u32, 0))
 }
 
@@ -120,33 +152,56 @@ struct Scatter {
     rows: u64,
     d: u64,
     n: u64,
+    /// The tensor the table is added to (argument index), for a body with the add.
+    x: Option<usize>,
     /// Storage of the sources (and table) and of the indices.
     ste: Elem,
     it: Elem,
-    /// Lanes per vector, vectors per row, column chunks per thread, CTAs.
+    /// Lanes per vector, vectors per row, column chunks per thread, CTAs per block of rows,
+    /// CTAs.
     lanes: u32,
     nvec: u64,
     cpt: u64,
+    split: u64,
     grid: u64,
 }
 
 /// Check that `r` is one scatter_add the generator handles, and size the kernel.
 fn check_body(b: &Body, r: &Region) -> GenResult<Scatter> {
     let nodes: Vec<_> = b.nodes().collect();
-    let [node] = nodes.as_slice() else {
-        return unsupported(format!("a scatter_add body must hold exactly one scatter_add node, found {}", nodes.len()));
+    let (node, add) = match nodes.as_slice() {
+        [node] => (*node, None),
+        [node, add] if matches!(add.op, Op::Binary(BinaryOp::Add)) => (*node, Some(*add)),
+        _ => return unsupported(format!("a scatter_add body must hold one scatter_add node, or one and its add, found {} nodes", nodes.len())),
     };
     if !matches!(node.op, Op::ScatterAdd | Op::ScatterAddShard) {
         return invalid(format!("a scatter_add body holds `{}`", node.op.name()));
     }
     let shard = matches!(node.op, Op::ScatterAddShard).then(|| node.inputs[2]);
     let (idx, src) = (node.inputs[0], node.inputs[1]);
-    let out = node.results[0];
+    let table = node.results[0];
+    let (out, x) = match add {
+        None => (table, None),
+        Some(a) => {
+            let x = match a.inputs.as_slice() {
+                [p, q] if *p == table && *q != table => *q,
+                [p, q] if *q == table && *p != table => *p,
+                _ => return invalid("a scatter_add body's add must add the table to another tensor"),
+            };
+            let Some(xi) = b.arg_index(x) else {
+                return invalid("the tensor a scatter_add body adds its table to must be a body argument");
+            };
+            if b.dtype(x) != b.dtype(table) || b.shape[x.index()] != b.shape[table.index()] || b.dtype(a.results[0]) != b.dtype(table) {
+                return invalid("a scatter_add body's add must take and give the table's type");
+            }
+            (a.results[0], Some(xi))
+        }
+    };
     let [o] = r.outputs.as_slice() else {
         return invalid("a scatter_add body must have exactly one output");
     };
     if o.value != out {
-        return invalid("the scatter_add body's output must be the table");
+        return invalid("the scatter_add body's output must be the table (or its sum with the added tensor)");
     }
     let (Some(ii), Some(si)) = (b.arg_index(idx), b.arg_index(src)) else {
         return invalid("the indices and sources of a scatter_add must be body arguments");
@@ -177,11 +232,12 @@ fn check_body(b: &Body, r: &Region) -> GenResult<Scatter> {
     if cpt > MAX_COL_CHUNKS {
         return unsupported(format!("scatter_add rows of {d} elements; at most {} are supported", MAX_COL_CHUNKS * THREADS * u64::from(lanes)));
     }
-    let grid = rows.div_ceil(RB);
+    let split = split();
+    let grid = rows.div_ceil(RB) * split;
     if grid > i32::MAX as u64 {
         return unsupported("scatter_add table too large");
     }
-    Ok(Scatter { shard, ii, si, src, out, rows, d, n, ste, it, lanes, nvec, cpt, grid })
+    Ok(Scatter { shard, ii, si, src, out, rows, d, n, x, ste, it, lanes, nvec, cpt, split, grid })
 }
 
 /// The values every phase of the kernel uses, emitted once at its top.
@@ -190,12 +246,18 @@ struct Ctx {
     ip: Val,
     sp: Val,
     op: Val,
+    /// The tensor added to (a body with the add), and whether the table is a buffer apart from
+    /// it (the pointers differ; where they are equal, rows no index hits are left as they are).
+    xp: Option<(Val, Val)>,
     sh: Shared,
     /// The first row of the table's shard in the index space (`None`: a whole table).
     shard_base: Option<Val>,
     tid: Val,
     tid64: Val,
-    /// Rows per CTA, this CTA's first row and its number of rows (i64).
+    /// This CTA's place among its block's `split`, and `split` (i64).
+    part: Val,
+    split: Val,
+    /// Rows per block, the block's first row and its number of rows (i64).
     rb: Val,
     r0: Val,
     rb_eff: Val,
@@ -211,6 +273,12 @@ struct Ctx {
 /// Emit the parameters, the shared arrays and the values every phase uses.
 fn prologue(f: &mut Func, b: &Body, s: &Scatter, na: usize) -> GenResult<Ctx> {
     let (ip, sp, op) = (f.param(s.ii), f.param(s.si), f.param(na));
+    let xp = s.x.map(|xi| {
+        let xp = f.param(xi);
+        let a = f.ptr_to_i64(xp);
+        let o = f.ptr_to_i64(op);
+        (xp, f.cmpi(ICmp::Ne, a, o))
+    });
     let sh = Shared {
         cnt: f.shared_array("titan_cnt", Elem::I32, RB),
         gstart: f.shared_array("titan_gstart", Elem::I32, RB + 2),
@@ -234,8 +302,24 @@ fn prologue(f: &mut Func, b: &Body, s: &Scatter, na: usize) -> GenResult<Ctx> {
     let bid = f.block_id();
     let tid64 = f.extui(tid, Elem::I64);
     let bid64 = f.extui(bid, Elem::I64);
+    // The first CTAs of all blocks come first, so every block's writer is resident in the
+    // first wave; then, block by block, the others, which stop after counting unless their
+    // block is hot (with the parts interleaved, seven in eight CTAs of each wave only counted,
+    // and the writers of the last blocks started late: uniform ids took 9% longer).
+    let split = f.i64c(s.split as i64);
+    let nb = f.i64c((s.grid / s.split) as i64);
+    let lead = f.cmpi(ICmp::Slt, bid64, nb);
+    let k = f.subi(bid64, nb);
+    let others = f.i64c(s.split.saturating_sub(1).max(1) as i64);
+    let kb = f.divui(k, others);
+    let block = f.select(lead, bid64, kb);
+    let kp = f.remui(k, others);
+    let p1 = f.i64c(1);
+    let kp = f.addi(kp, p1);
+    let p0 = f.i64c(0);
+    let part = f.select(lead, p0, kp);
     let rb = f.i64c(RB as i64);
-    let r0 = f.muli(bid64, rb);
+    let r0 = f.muli(block, rb);
     let vrows = f.i64c(s.rows as i64);
     let left = f.subi(vrows, r0);
     let rb_eff = f.minsi(left, rb);
@@ -246,7 +330,63 @@ fn prologue(f: &mut Func, b: &Body, s: &Scatter, na: usize) -> GenResult<Ctx> {
     let zero = f.i32c(0);
     let one = f.i32c(1);
     let is_t0 = f.cmpi(ICmp::Eq, tid, zero);
-    Ok(Ctx { ip, sp, op, sh, shard_base, tid, tid64, rb, r0, rb_eff, z64, one64, tstep, nn, zero, one, is_t0 })
+    Ok(Ctx { ip, sp, op, xp, sh, shard_base, tid, tid64, part, split, rb, r0, rb_eff, z64, one64, tstep, nn, zero, one, is_t0 })
+}
+
+/// Which rows of its block a CTA owns: local rows `start + j step`, `j` in `[0, nj)` (i64,
+/// `step = 1 << sh`), if `active`. In the phases after [`own_rows`] a CTA's rows are numbered
+/// by `j`.
+struct Own {
+    active: Val,
+    step: Val,
+    start: Val,
+    sh: Val,
+    nj: Val,
+}
+
+impl Own {
+    /// The table row (local to the table or its shard) of owned row `j` (i64).
+    fn row(&self, f: &mut Func, c: &Ctx, j: Val) -> Val {
+        let at = f.shli(j, self.sh);
+        let at = f.addi(at, self.start);
+        f.addi(c.r0, at)
+    }
+}
+
+/// Step 2: the CTA adds the block's counts and decides whether its rows are spread over the
+/// block's CTAs (the same decision in each, from the same counts); each CTA then moves the
+/// counts of its own rows to the front of `cnt`, numbered by `j`.
+fn own_rows(f: &mut Func, s: &Scatter, c: &Ctx) -> Own {
+    // The block's total, one row's count a thread (`RB == THREADS`), every thread getting it.
+    let sh = c.sh;
+    let n = ld(f, sh.cnt, c.tid64);
+    let in_block = f.cmpi(ICmp::Slt, c.tid64, c.rb_eff);
+    let n = f.select(in_block, n, c.zero);
+    let (_, total) = block_scan(f, n, c.tid, sh.warps);
+    let min = f.i32c(SPLIT_MIN);
+    let spread = f.cmpi(ICmp::Sgt, total, min);
+    let first = f.cmpi(ICmp::Eq, c.part, c.z64);
+    let active = f.ori(spread, first);
+    let step = f.select(spread, c.split, c.one64);
+    let start = f.select(spread, c.part, c.z64);
+    let log = f.i64c(s.split.trailing_zeros() as i64);
+    let shift = f.select(spread, log, c.z64);
+    // nj = ceil((rows - start) / step), 0 where the block's last rows end before `start`.
+    let left = f.subi(c.rb_eff, start);
+    let left = f.maxsi(left, c.z64);
+    let up = f.subi(step, c.one64);
+    let left = f.addi(left, up);
+    let nj = f.shrui(left, shift);
+    let mine = f.cmpi(ICmp::Slt, c.tid64, nj);
+    let from = f.shli(c.tid64, shift);
+    let from = f.addi(from, start);
+    let last = f.i64c(RB as i64 - 1);
+    let from = f.minsi(from, last);
+    let n = ld(f, sh.cnt, from);
+    f.barrier();
+    f.if_then(mine, |f| st(f, n, sh.cnt, c.tid64));
+    f.barrier();
+    Own { active, step, start, sh: shift, nj }
 }
 
 /// Step 1: count the indices falling in each owned row (shared-memory atomics on counters).
@@ -257,8 +397,7 @@ fn count_matches(f: &mut Func, s: &Scatter, c: &Ctx) {
         vec![]
     });
     f.barrier();
-    f.for_loop(c.tid64, c.nn, c.tstep, &[], |f, i, _| {
-        let id = f.load_at(c.ip, i, Ty::S(it), it.bytes());
+    let count = |f: &mut Func, id: Val| {
         let id = f.as_i64(id);
         let id = match c.shard_base {
             Some(sb) => f.subi(id, sb),
@@ -272,18 +411,41 @@ fn count_matches(f: &mut Func, s: &Scatter, c: &Ctx) {
             let p = f.gep(sh.cnt, local, Elem::I32);
             f.atomic_add_i32(p, one);
         });
+    };
+    // Every CTA reads all of `idx`: `COUNT_AHEAD` loads a thread in flight, then the rest one
+    // at a time.
+    let wide = COUNT_AHEAD * THREADS;
+    let whole = f.i64c((s.n / wide * wide) as i64);
+    let wstep = f.i64c(wide as i64);
+    f.for_loop(c.tid64, whole, wstep, &[], |f, i, _| {
+        let ids: Vec<Val> = (0..COUNT_AHEAD)
+            .map(|k| {
+                let off = f.i64c((k * THREADS) as i64);
+                let at = f.addi(i, off);
+                f.load_at(c.ip, at, Ty::S(it), it.bytes())
+            })
+            .collect();
+        for id in ids {
+            count(f, id);
+        }
+        vec![]
+    });
+    let rest = f.addi(whole, c.tid64);
+    f.for_loop(rest, c.nn, c.tstep, &[], |f, i, _| {
+        let id = f.load_at(c.ip, i, Ty::S(it), it.bytes());
+        count(f, id);
         vec![]
     });
     f.barrier();
 }
 
-/// Step 2: thread 0 cuts the owned rows, in order, into groups of at most `cap` matches (a row
-/// with more is a group of its own): group starts in `gstart`, match counts in `gsum`, the number
-/// of groups in `misc[0]`.
-fn cut_groups(f: &mut Func, c: &Ctx, cap: Val) {
+/// Step 3: thread 0 cuts the owned rows, in order, into groups of at most `cap` matches (a row
+/// with more is a group of its own): group starts (owned rows `j`) in `gstart`, match counts in
+/// `gsum`, the number of groups in `misc[0]`.
+fn cut_groups(f: &mut Func, c: &Ctx, own: &Own, cap: Val) {
     let (sh, zero, one) = (c.sh, c.zero, c.one);
     f.if_then(c.is_t0, |f| {
-        let out = f.for_loop(c.z64, c.rb_eff, c.one64, &[zero, zero, zero], |f, rr, s| {
+        let out = f.for_loop(c.z64, own.nj, c.one64, &[zero, zero, zero], |f, rr, s| {
             let (ng, start, sum) = (s[0], s[1], s[2]);
             let c = ld(f, sh.cnt, rr);
             let with = f.addi(sum, c);
@@ -307,7 +469,7 @@ fn cut_groups(f: &mut Func, c: &Ctx, cap: Val) {
         st(f, start, sh.gstart, ng);
         st(f, sum, sh.gsum, ng);
         let ng1 = f.addi(ng, one);
-        let e32 = f.trunci(c.rb_eff, Elem::I32);
+        let e32 = f.trunci(own.nj, Elem::I32);
         st(f, e32, sh.gstart, ng1);
         st(f, ng1, sh.misc, zero);
     });
@@ -387,13 +549,20 @@ impl Columns {
             .collect()
     }
 
-    /// Store the accumulators as output row `row` (local, i64).
-    fn store_row(&self, f: &mut Func, c: &Ctx, row: Val, acc: &[Val]) {
-        let gr = f.addi(c.r0, row);
+    /// Store the accumulators as table row `gr` (i64), rounded to the table's dtype and, with the
+    /// add, added to the row of the tensor added to and rounded again.
+    fn store_row(&self, f: &mut Func, c: &Ctx, gr: Val, acc: &[Val]) {
         let base = f.muli(gr, self.dd);
         for (&(col, valid), &a) in self.cols.iter().zip(acc) {
             let at = f.addi(base, col);
-            let y = narrow(f, a, self.ste);
+            let mut y = narrow(f, a, self.ste);
+            if let Some((xp, _)) = c.xp {
+                let x = f.load_at(xp, at, self.vt, self.align_out);
+                let x = widen(f, x);
+                let t = widen(f, y);
+                let sum = f.addf(x, t);
+                y = narrow(f, sum, self.ste);
+            }
             match valid {
                 Some(ok) => f.if_then(ok, |f| f.store_at(y, c.op, at, self.align_out)),
                 None => f.store_at(y, c.op, at, self.align_out),
@@ -402,10 +571,10 @@ impl Columns {
     }
 }
 
-/// Step 3: each group's rows summed in f32 in increasing `i` and stored once: a row with more
+/// Step 4: each group's rows summed in f32 in increasing `i` and stored once: a row with more
 /// than `cap` matches chunk by chunk of `idx` ([`sum_big_row`]), the others listed, sorted by
 /// row and summed ([`sum_group`]).
-fn sum_groups(f: &mut Func, b: &Body, s: &Scatter, c: &Ctx, cap: Val) {
+fn sum_groups(f: &mut Func, b: &Body, s: &Scatter, c: &Ctx, own: &Own, cap: Val) {
     let (sh, z64, one64, zero) = (c.sh, c.z64, c.one64, c.zero);
     let ng = ld(f, sh.misc, zero);
     let ng = f.extsi(ng, Elem::I64);
@@ -446,11 +615,11 @@ fn sum_groups(f: &mut Func, b: &Body, s: &Scatter, c: &Ctx, cap: Val) {
             big,
             &[],
             |f| {
-                sum_big_row(f, s, c, &cl, &inits, chunks, ga64);
+                sum_big_row(f, s, c, own, &cl, &inits, chunks, ga64);
                 vec![]
             },
             |f| {
-                sum_group(f, s, c, &cl, &inits, chunks, [ga, gb, total], [ga64, gb64]);
+                sum_group(f, s, c, own, &cl, &inits, chunks, [ga, gb, total], [ga64, gb64]);
                 vec![]
             },
         );
@@ -458,10 +627,11 @@ fn sum_groups(f: &mut Func, b: &Body, s: &Scatter, c: &Ctx, cap: Val) {
     });
 }
 
-/// One row (local `ga64`) with more than CAP matches: compact and sum chunk by chunk of `idx`.
-fn sum_big_row(f: &mut Func, s: &Scatter, c: &Ctx, cl: &Columns, inits: &[Val], chunks: Val, ga64: Val) {
+/// One row (owned row `ga64`) with more than CAP matches: compact and sum chunk by chunk of `idx`.
+#[allow(clippy::too_many_arguments)]
+fn sum_big_row(f: &mut Func, s: &Scatter, c: &Ctx, own: &Own, cl: &Columns, inits: &[Val], chunks: Val, ga64: Val) {
     let (sh, z64, one64, it) = (c.sh, c.z64, c.one64, s.it);
-    let target = f.addi(c.r0, ga64);
+    let target = own.row(f, c, ga64);
     let acc = f.for_loop(z64, chunks, one64, inits, |f, ch, acc| {
         let base = f.muli(ch, c.tstep);
         let i = f.addi(base, c.tid64);
@@ -486,13 +656,13 @@ fn sum_big_row(f: &mut Func, s: &Scatter, c: &Ctx, cl: &Columns, inits: &[Val], 
         f.barrier();
         acc2
     });
-    cl.store_row(f, c, ga64, &acc);
+    cl.store_row(f, c, target, &acc);
 }
 
-/// A group of rows `[ga, gb)` with `total` matches: list them in increasing `i`, sort them by
-/// row (stable counting sort, thread `t` owning row `ga + t`) and sum each row.
+/// A group of owned rows `[ga, gb)` with `total` matches: list them in increasing `i`, sort them
+/// by row (stable counting sort, thread `t` owning row `ga + t`) and sum each row.
 #[allow(clippy::too_many_arguments)]
-fn sum_group(f: &mut Func, s: &Scatter, c: &Ctx, cl: &Columns, inits: &[Val], chunks: Val, [ga, gb, total]: [Val; 3], [ga64, gb64]: [Val; 2]) {
+fn sum_group(f: &mut Func, s: &Scatter, c: &Ctx, own: &Own, cl: &Columns, inits: &[Val], chunks: Val, [ga, gb, total]: [Val; 3], [ga64, gb64]: [Val; 2]) {
     let (sh, z64, one64, zero, tid, it) = (c.sh, c.z64, c.one64, c.zero, c.tid, s.it);
     let has = f.cmpi(ICmp::Sgt, total, zero);
     f.if_then(has, |f| {
@@ -508,10 +678,19 @@ fn sum_group(f: &mut Func, s: &Scatter, c: &Ctx, cl: &Columns, inits: &[Val], ch
                 Some(sb) => f.subi(id, sb),
                 None => id,
             };
+            // The owned row `j` the index falls on, if any: `rel = j step` with `rel >= 0`.
             let local = f.subi(id, c.r0);
+            let rel = f.subi(local, own.start);
+            let nonneg = f.cmpi(ICmp::Sge, rel, z64);
+            let low = f.subi(own.step, one64);
+            let off = f.andi(rel, low);
+            let aligned = f.cmpi(ICmp::Eq, off, z64);
+            let local = f.shrui(rel, own.sh);
             let ge = f.cmpi(ICmp::Sge, local, ga64);
             let lt = f.cmpi(ICmp::Slt, local, gb64);
             let m = f.andi(ge, lt);
+            let m = f.andi(m, nonneg);
+            let m = f.andi(m, aligned);
             let flag = f.andi(inside, m);
             let fl = f.extui(flag, Elem::I32);
             let (excl, tot) = block_scan(f, fl, tid, sh.warps);
@@ -566,7 +745,16 @@ fn sum_group(f: &mut Func, s: &Scatter, c: &Ctx, cl: &Columns, inits: &[Val], ch
         let es = f.extsi(es, Elem::I64);
         let ee = f.extsi(ee, Elem::I64);
         let acc = cl.add_listed(f, c, sh.sorted, es, ee, inits);
-        cl.store_row(f, c, row, &acc);
+        let gr = own.row(f, c, row);
+        match c.xp {
+            // Written over the tensor added to: a row no index hits stays as it is.
+            Some((_, apart)) => {
+                let hit = f.cmpi(ICmp::Ne, es, ee);
+                let store = f.ori(hit, apart);
+                f.if_then(store, |f| cl.store_row(f, c, gr, &acc));
+            }
+            None => cl.store_row(f, c, gr, &acc),
+        }
         vec![]
     });
     f.barrier();

@@ -573,6 +573,15 @@ fn cases(g: &mut Graph) -> Vec<(&'static str, BlockId, KernelKind)> {
         }),
         KernelKind::ScatterAdd,
     ));
+    // Llama-3.2 1B's tied embedding gradient: the head's weight gradient plus the scatter (rule 12).
+    v.push((
+        "scatter_add_into_1b",
+        body(g, "scatter_into_1b", &[i32t(&[1, 8192]), bf16(&[1, 8192, 2048]), bf16(&[128256, 2048])], |b, a| {
+            let t = b.push_typed(Op::ScatterAdd, &[a[0], a[1]], bf16(&[128256, 2048])).expect("scatter_add");
+            vec![push(b, Op::Binary(BinaryOp::Add), &[a[2], t])]
+        }),
+        KernelKind::ScatterAdd,
+    ));
     // The vocab-parallel embedding at 70B (tp 8: a 16032-row shard of 128256 words, seq 8192).
     v.push((
         "gather_shard_70b",
@@ -1294,6 +1303,28 @@ fn gpu_reference_dump() {
         1.0,
         0.0,
     ));
+    // Rule 12's scatter into the tensor it is added to (the tied embedding's gradient): into a
+    // buffer of its own, into the tensor's own buffer (`alias`: rows no index hits are not
+    // written; skewed ids, the table added second), and into a row shard.
+    for (name, shard) in [("scatter_add_into", false), ("scatter_add_into_skewed_inplace", false), ("scatter_add_shard_into", true)] {
+        let skewed = name.contains("skewed");
+        let dt = if skewed { f32t } else { bf16 };
+        let (ids, src, rows): (&[u64], &[u64], u64) = if skewed { (&[9000], &[9000, 96], 700) } else { (&[8, 64], &[8, 64, 64], if shard { 64 } else { 256 }) };
+        let width = *src.last().expect("rows");
+        let mut ins = vec![i32t(ids), dt(src)];
+        if shard {
+            ins.push(f32t(&[4]));
+        }
+        ins.push(dt(&[rows, width]));
+        let id = body(&mut g, name, &ins, |b, a| {
+            let op = if shard { Op::ScatterAddShard } else { Op::ScatterAdd };
+            let table = b.push_typed(op, &a[..a.len() - 1], dt(&[rows, width])).expect("scatter_add");
+            let x = a[a.len() - 1];
+            let pair = if skewed { [x, table] } else { [table, x] };
+            vec![push(b, Op::Binary(BinaryOp::Add), &pair)]
+        });
+        cases.push((name, id, KernelKind::ScatterAdd, (-2.0, 2.0), if shard { 256 } else { rows as i64 }, 1.0, 0.0));
+    }
     cases.push((
         "rmsnorm_long_rows",
         body(&mut g, "g_norm_long", &[bf16(&[3, 40000]), bf16(&[40000])], |b, a| {
@@ -1362,7 +1393,7 @@ fn gpu_reference_dump() {
         // another shard (300).
         let shard = match name {
             "gather_shard" => Some(2),
-            "scatter_add_shard" | "scatter_add_shard_skewed" => Some(1),
+            "scatter_add_shard" | "scatter_add_shard_skewed" | "scatter_add_shard_into" => Some(1),
             _ => None,
         };
         if let Some(k) = shard {
@@ -1378,7 +1409,7 @@ fn gpu_reference_dump() {
                 };
             }
         }
-        if let ("scatter_add_skewed", titan_ir::interp::Data::Int(v)) = (name, &mut args[0].data) {
+        if let ("scatter_add_skewed" | "scatter_add_into_skewed_inplace", titan_ir::interp::Data::Int(v)) = (name, &mut args[0].data) {
             for (i, x) in v.iter_mut().enumerate() {
                 *x = if i % 9 < 5 {
                     7
@@ -1446,6 +1477,7 @@ fn gpu_reference_dump() {
         }
         let max_abs = match kind {
             KernelKind::Attention => ", \"max_abs\": [2e-2, 1e-3]",
+            _ if name.ends_with("_inplace") => ", \"alias\": {\"0\": 2}",
             _ => "",
         };
         manifest.push(format!(
@@ -1594,6 +1626,17 @@ fn perf_manifest(dir: &std::path::Path) -> String {
             KernelKind::ScatterAdd,
             256,
         ),
+        // Rule 12's scatter into the tensor it is added to, written over it (`alias`): only the
+        // rows an index hits are read and written.
+        (
+            "perf_scatter_add_into",
+            body(&mut g, "p_scatter_into", &[i32t(&[t]), bf16(&[t, d]), bf16(&[v, d])], |b, a| {
+                let table = b.push_typed(Op::ScatterAdd, &[a[0], a[1]], bf16(&[v, d])).expect("scatter_add");
+                vec![push(b, Op::Binary(BinaryOp::Add), &[a[2], table])]
+            }),
+            KernelKind::ScatterAdd,
+            v as i64,
+        ),
         ("perf_grad_norm_clip", grad_norm_body(&mut g, [&[ffn, d], &[d], &[d, d]]), KernelKind::Fused, 1),
         // float8's K-major operand of grad_weight (x per column, stored transposed): tiled through
         // shared memory, and at a width that is not a multiple of 64 (one scattered byte per store).
@@ -1661,7 +1704,10 @@ fn perf_manifest(dir: &std::path::Path) -> String {
         let args: Vec<String> = r.args.iter().map(|a| buf(r.ty(a.value), &mut bytes)).collect();
         let outs: Vec<String> = r.outputs.iter().map(|o| buf(r.ty(o.value), &mut bytes)).collect();
         // Backward: 2.5x the forward's matmul flops (5 GEMMs of the forward's 2).
-        let flops = flops_of.iter().find(|(n, _)| *n == name).map(|(_, f)| format!(", \"flops\": {f}")).unwrap_or_default();
+        let mut flops = flops_of.iter().find(|(n, _)| *n == name).map(|(_, f)| format!(", \"flops\": {f}")).unwrap_or_default();
+        if name == "perf_scatter_add_into" {
+            flops.push_str(", \"alias\": {\"0\": 2}");
+        }
         out.push(format!(
             "{{\"name\": \"{name}\", \"ptx\": \"{name}.ptx\", \"entry\": \"{}\", \"grid\": {}, \"block\": {}, \"ws\": {}{}, \"bytes\": {bytes}{flops}, \"args\": [{}], \"outs\": [{}]}}",
             k.entry,

@@ -917,8 +917,10 @@ fn check_steps(m: &Manifest, steps: &[Step], at: &str, n_layers: Option<u64>, de
             Step::Launch { stream, .. } | Step::Copy { stream, .. } | Step::Memset { stream, .. } | Step::Collective { stream, .. } if *stream != 0 => {
                 return Err(fail(format!("{at}.stream"), format!("{stream}; every step runs on stream 0")));
             }
-            Step::Launch { inputs, outputs, .. } => {
-                // A launch writes an operand it also reads only to update state in place.
+            Step::Launch { kernel, inputs, outputs, .. } => {
+                // A launch writes an operand it also reads only to update state in place, or a
+                // `scatter_add` its sum over the tensor it adds to (fusion rule 12: its last input).
+                let scatter = m.kernels.get(*kernel as usize).is_some_and(|k| k.kind == KernelKind::ScatterAdd);
                 let persistent = |r: &BufRef| match r {
                     BufRef::Buffer { buffer, .. } | BufRef::View { buffer, .. } => m
                         .buffers
@@ -927,8 +929,12 @@ fn check_steps(m: &Manifest, steps: &[Step], at: &str, n_layers: Option<u64>, de
                     BufRef::Carry { .. } => false,
                 };
                 for (j, o) in outputs.iter().enumerate() {
-                    if inputs.contains(o) && !persistent(o) {
-                        return Err(fail(format!("{at}.outputs[{j}]"), "is also an input; a kernel updates only state buffers in place"));
+                    let over_added = scatter && inputs.last() == Some(o) && inputs.iter().filter(|&i| i == o).count() == 1;
+                    if inputs.contains(o) && !persistent(o) && !over_added {
+                        return Err(fail(
+                            format!("{at}.outputs[{j}]"),
+                            "is also an input; a kernel updates only state buffers in place (and a scatter_add the tensor it adds to)",
+                        ));
                     }
                     if outputs[..j].contains(o) {
                         return Err(fail(format!("{at}.outputs[{j}]"), "is written twice by one launch"));

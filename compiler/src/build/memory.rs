@@ -15,7 +15,12 @@
 //!   read after `%v` is computed) the schedule copies `%v` into `%p` at the end of the step.
 //! - `reshape` results are views: the same [`BufRef`] as their source (a layer slice stays a
 //!   layer slice).
-//! - `repeat`: each carried value gets two buffers, the loop's ping-pong slots (the carried
+//! - `repeat`: a carried value that the block also outputs as a stacked result (a forward
+//!   loop saving its layer inputs for the backward) lives in one buffer of `count + 1` slices,
+//!   the carry's stack: iteration `i` reads slice `i` and writes slice `i + 1` (views of stride
+//!   one slice), the first `count` slices are the stacked result and the last the final
+//!   carried value; the operand is copied into slice 0 before the loop. Every other carried
+//!   value gets two buffers, the loop's ping-pong slots (the carried
 //!   operand's own buffer serves as slot 0 when nothing reads it after the loop starts, else it
 //!   is copied in); the final carried result is slot `count % 2`. A prefetched carry
 //!   (`prefetch-next-layer`) has no operand and no result: two fresh slots, which the loop's
@@ -235,6 +240,41 @@ fn concat_parts(g: &Graph, r: &Region, node: &titan_ir::Node) -> Result<Vec<(u64
         off += n;
     }
     Ok(parts)
+}
+
+/// The buffer a `scatter_add` kernel with its add (fusion rule 12) writes its sum over: that of
+/// the tensor it adds to, when the tensor is a whole buffer of its own that a `main` kernel
+/// computed (not an argument or state, not a part of a concatenation) and nothing reads it
+/// after this kernel (a step output is read at the end). The kernel then touches only the rows an index hits.
+fn scatter_over(
+    b: &Builder,
+    groups: &mut Groups,
+    used_after: &dyn Fn(&mut Groups, Value, usize) -> bool,
+    node: &titan_ir::Node,
+    p: usize,
+) -> Result<Option<BufRef>, BuildError> {
+    let main = &b.g.main;
+    let Op::Kernel { body, kind: KernelKind::ScatterAdd } = node.op else { return Ok(None) };
+    let blk = b.g.block(body);
+    let ops: Vec<&titan_ir::Node> = blk.order.iter().map(|&n| blk.node(n)).collect();
+    let [scatter, add] = ops.as_slice() else { return Ok(None) };
+    let (Some(&table), [u, v]) = (scatter.results.first(), add.inputs.as_slice()) else { return Ok(None) };
+    let x = if *u == table { *v } else { *u };
+    let Some(k) = blk.args.iter().position(|a| a.value == x) else { return Ok(None) };
+    let Some(&operand) = node.inputs.get(k) else { return Ok(None) };
+    let owner = root(main, operand);
+    let computed =
+        matches!(main.values.get(owner.index()).map(|d| d.def), Some(ValueDef::Result { node, .. }) if matches!(main.node(node).op, Op::Kernel { .. }));
+    let x_group = groups.find(operand.index());
+    let read_twice = node.inputs.iter().enumerate().any(|(i, &w)| i != k && groups.find(w.index()) == x_group);
+    if !computed || b.claim.contains_key(&owner) || read_twice || used_after(groups, operand, p) {
+        return Ok(None);
+    }
+    let rf = b.main_ref(operand)?;
+    let whole = matches!(rf, BufRef::Buffer { buffer, layer: false } if !b.concat_buffers.contains(&buffer));
+    let [r] = node.results.as_slice() else { return Ok(None) };
+    let same_type = main.ty(*r).dtype == main.ty(operand).dtype && shape_of(b.g, main, *r)? == shape_of(b.g, main, operand)?;
+    Ok((whole && same_type).then_some(rf))
 }
 
 /// Follows `reshape` chains to the value that owns the bytes.
@@ -618,11 +658,13 @@ pub fn assign_storage(g: &Graph) -> Result<Storage, BuildError> {
                 }
             }
             Op::Kernel { .. } => {
+                let over = scatter_over(&b, &mut groups, &used_after, node, p)?;
                 for &r in &node.results {
-                    let rf = match (in_place.get(&r), b.claim.get(&r)) {
-                        (Some(&state), _) => b.main_ref(state)?,
-                        (None, Some(&part)) => part,
-                        (None, None) => BufRef::Buffer { buffer: b.add_value(r, None)?, layer: false },
+                    let rf = match (in_place.get(&r), b.claim.get(&r), over) {
+                        (Some(&state), _, _) => b.main_ref(state)?,
+                        (None, Some(&part), _) => part,
+                        (None, None, Some(x)) => x,
+                        (None, None, None) => BufRef::Buffer { buffer: b.add_value(r, None)?, layer: false },
                     };
                     b.s.main[r.index()] = Some(rf);
                 }
@@ -734,6 +776,66 @@ fn concat_buffer(
     })
 }
 
+/// A carried value the block also saves (stacked output `saved`, a result index): the layer
+/// inputs of a forward loop, which the backward reads. Such a carry lives in one buffer of
+/// `count + 1` slices (`shape`): iteration `i` reads slice `i` and writes slice `i + 1`, the
+/// first `count` slices are the saved result and the last the final carried value. Ping-pong
+/// slots would need a copy of the carry into the saved slice every iteration (16 copies of the
+/// residual stream a step on Llama-3.2 1B).
+#[derive(Clone, Debug)]
+struct CarryStack {
+    saved: usize,
+    slice: u64,
+    shape: Vec<u64>,
+}
+
+/// For each carried argument of a `repeat`, its [`CarryStack`] if it has one: a forward loop
+/// (not reversed) whose block outputs the argument itself as a stacked output that no other
+/// stacked result shares or a `concat` claims, of `count` slices of the carry's type.
+fn carry_stacks(
+    b: &Builder<'_>,
+    blk: &Region,
+    node: &titan_ir::Node,
+    shape: LoopShape,
+    shares: &[Option<usize>],
+) -> Result<Vec<Option<CarryStack>>, BuildError> {
+    let (g, main) = (b.g, &b.g.main);
+    let (carry, np) = (shape.carry as usize, shape.prefetch as usize);
+    let reverse = matches!(node.op, Op::Repeat { reverse: true, .. });
+    let mut out = vec![None; carry];
+    if reverse {
+        return Ok(out);
+    }
+    for (c, slot) in out.iter_mut().enumerate() {
+        let arg = blk.args[c].value;
+        let result = node.results[c];
+        let dims = shape_of(g, main, result)?;
+        let slice = bytes_of(main.ty(result).dtype, &dims);
+        let saved = (carry..node.results.len()).find(|&j| {
+            let r = node.results[j];
+            root(blk, blk.outputs[j + np].value) == arg
+                && shares.get(j).is_some_and(Option::is_none)
+                && !shares.contains(&Some(j))
+                && !b.claim.contains_key(&r)
+                && main.ty(r).dtype == main.ty(result).dtype
+                && shape_of(g, main, r).is_ok_and(|s| s.first() == Some(&u64::from(shape.count)) && s[1..] == dims[..])
+        });
+        if let Some(saved) = saved {
+            let mut shape = vec![u64::from(shape.count) + 1];
+            shape.extend(&dims);
+            *slot = Some(CarryStack { saved, slice, shape });
+        }
+    }
+    // Two carries saved into one stacked output would share it.
+    let saved: Vec<usize> = out.iter().flatten().map(|s| s.saved).collect();
+    for s in out.iter_mut() {
+        if s.as_ref().is_some_and(|st| saved.iter().filter(|&&x| x == st.saved).count() > 1) {
+            *s = None;
+        }
+    }
+    Ok(out)
+}
+
 #[allow(clippy::too_many_arguments)]
 fn assign_loop(
     b: &mut Builder<'_>,
@@ -759,12 +861,35 @@ fn assign_loop(
     }
     let mut ls = LoopStorage { index, values: vec![None; blk.values.len()], ..LoopStorage::default() };
     let mut claimed_slot0: HashSet<u32> = HashSet::new();
+    let shares = shared_stacked(g, node);
+    let stacks = carry_stacks(b, blk, node, shape, &shares)?;
+    let mut stack_buffers: HashMap<usize, u32> = HashMap::new();
+    // Slot pairs in `ls.carries` of the block's carried arguments (stacked carries have none).
+    let mut slots = 0u32;
+    let slot_of: Vec<u32> = (0..carry + np)
+        .map(|i| match stacks.get(i) {
+            Some(Some(_)) => u32::MAX,
+            _ => {
+                slots += 1;
+                slots - 1
+            }
+        })
+        .collect();
 
-    // Carried values: two slots each.
-    for c in 0..carry {
+    // Carried values: two slots each, or a stack (see [`carry_stacks`]).
+    for (c, stack) in stacks.iter().enumerate() {
         let operand = node.inputs[c];
         let result = node.results[c];
         let src = b.main_ref(operand)?;
+        if let Some(st) = stack {
+            let id = b.add(format!("{}.stack", b.label(main, &b.names, result)), main.ty(result).dtype, st.shape.clone(), BufferClass::Activation, None);
+            stack_buffers.insert(c, id);
+            let first = BufRef::View { buffer: id, offset: 0, bytes: st.slice, stride: 0, ring: None };
+            ls.copies_before.push(CopyOp { src, dst: first, bytes: st.slice });
+            let last = BufRef::View { buffer: id, offset: u64::from(count) * st.slice, bytes: st.slice, stride: 0, ring: None };
+            b.s.main[result.index()] = Some(last);
+            continue;
+        }
         let reuse = match src {
             BufRef::Buffer { buffer, layer: false } => {
                 let buf = &b.s.buffers[buffer as usize];
@@ -813,10 +938,16 @@ fn assign_loop(
     }
 
     // Stacked results.
-    let shares = shared_stacked(g, node);
     for (j, share) in shares.iter().enumerate().skip(carry) {
         // Result `j` is block output `j + np`.
         let r = node.results[j];
+        if let Some(c) = (0..carry).find(|&c| stacks[c].as_ref().is_some_and(|st| st.saved == j)) {
+            // A carry's stack: its first `count` slices are the layers' inputs.
+            let st = stacks[c].as_ref().ok_or_else(|| internal("a carry stack"))?;
+            let id = *stack_buffers.get(&c).ok_or_else(|| internal("a carry stack without its buffer"))?;
+            b.s.main[r.index()] = Some(BufRef::View { buffer: id, offset: 0, bytes: u64::from(count) * st.slice, stride: 0, ring: None });
+            continue;
+        }
         let rf = match (*share, b.claim.get(&r)) {
             (Some(k), _) => b.main_ref(node.results[k])?,
             (None, Some(&part)) => part,
@@ -828,8 +959,11 @@ fn assign_loop(
     // Block arguments.
     for (i, a) in blk.args.iter().enumerate() {
         // Block argument `i >= carry + np` is operand `i - np`.
-        let rf = if i < carry + np {
-            BufRef::Carry { carry: i as u32, out: false }
+        let rf = if let Some(&id) = stack_buffers.get(&i) {
+            let slice = stacks[i].as_ref().map_or(0, |st| st.slice);
+            BufRef::View { buffer: id, offset: 0, bytes: slice, stride: slice, ring: None }
+        } else if i < carry + np {
+            BufRef::Carry { carry: slot_of[i], out: false }
         } else if i < carry + np + stacked {
             layer_view(b.main_ref(node.inputs[i - np])?, count)?
         } else {
@@ -840,8 +974,11 @@ fn assign_loop(
 
     // Block outputs: the first output rooted at a kernel result claims it; the rest copy.
     let out_ref = |j: usize| -> Result<BufRef, BuildError> {
-        if j < carry + np {
-            Ok(BufRef::Carry { carry: j as u32, out: true })
+        if let Some(&id) = stack_buffers.get(&j) {
+            let slice = stacks[j].as_ref().map_or(0, |st| st.slice);
+            Ok(BufRef::View { buffer: id, offset: slice, bytes: slice, stride: slice, ring: None })
+        } else if j < carry + np {
+            Ok(BufRef::Carry { carry: slot_of[j], out: true })
         } else {
             match b.s.main[node.results[j - np].index()] {
                 Some(r) => layer_view(r, count),
@@ -1006,6 +1143,10 @@ fn assign_loop(
     }
     for (r, dst) in pending {
         let src = ls.values.get(r.index()).copied().flatten().ok_or_else(|| internal(format!("output of @{} has no storage", blk.name)))?;
+        if src == dst {
+            // A carry's stack: the layer's input is already its saved slice.
+            continue;
+        }
         let bytes = ref_bytes(&b.s.buffers, &ls.carries, dst);
         let op = CopyOp { src, dst, bytes };
         match producer.get(&r) {

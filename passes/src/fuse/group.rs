@@ -516,6 +516,19 @@ impl<'r> Grouper<'r> {
         Ok(())
     }
 
+    /// The operands of node `n` if it is an `add` that may become an epilogue (rules 11, 12):
+    /// not yet in a group, two distinct tensors (not scalars) of the result's type.
+    fn epilogue_add(&self, n: NodeId) -> Option<(Value, Value)> {
+        let region = self.region;
+        let node = &region.nodes[n.index()];
+        if !matches!(node.op, Op::Binary(titan_ir::BinaryOp::Add)) || self.group_of[n.index()].is_some() {
+            return None;
+        }
+        let ([x, y], [r]) = (node.inputs.as_slice(), node.results.as_slice()) else { return None };
+        let ty = region.ty(*r);
+        (x != y && region.ty(*x) == ty && region.ty(*y) == ty && ty.rank() > 0).then_some((*x, *y))
+    }
+
     /// Rule 11: a GEMM's residual add becomes its epilogue. An `add` of two same-typed
     /// tensors, one of them the result of a `linear`/`matmul` that nothing else reads, joins
     /// that GEMM's kernel (cuBLASLt's `D = A B + C`, `beta = 1`), so the product is never
@@ -530,16 +543,7 @@ impl<'r> Grouper<'r> {
         let region = self.region;
         let is_gemm = |op: &Op| matches!(op, Op::Linear | Op::Matmul { .. });
         for &n in &region.order {
-            let node = &region.nodes[n.index()];
-            if !matches!(node.op, Op::Binary(titan_ir::BinaryOp::Add)) || self.group_of[n.index()].is_some() {
-                continue;
-            }
-            let ([x, y], [r]) = (node.inputs.as_slice(), node.results.as_slice()) else { continue };
-            let (x, y, r) = (*x, *y, *r);
-            let ty = region.ty(r);
-            if x == y || region.ty(x) != ty || region.ty(y) != ty || ty.rank() == 0 {
-                continue;
-            }
+            let Some((x, y)) = self.epilogue_add(n) else { continue };
             let candidate = |v: Value, other: Value| -> Option<(usize, NodeId)> {
                 let p = self.producer[v.index()]?;
                 let pn = &region.nodes[p.index()];
@@ -556,6 +560,34 @@ impl<'r> Grouper<'r> {
             };
             let Some((_, gemm)) = [candidate(x, y), candidate(y, x)].into_iter().flatten().max() else { continue };
             self.new_group(KernelKind::Gemm, vec![gemm, n], Space::Alone);
+        }
+    }
+
+    /// Rule 12: an `add` of a `scatter_add`'s table and a tensor of the same type made before
+    /// it joins the scatter's kernel, which then scatters into that tensor instead of into
+    /// zeros (the tied embedding's gradient: the head's weight gradient plus the embedding's
+    /// `scatter_add`). The table is never written whole and read back; where the memory plan
+    /// gives the sum the tensor's own buffer, only the rows an index hits are touched. The
+    /// table must be read by nothing else, and the tensor must not be an operand of the
+    /// scatter and be made before it (waiting for it would move the scatter).
+    fn scatter_epilogues(&mut self) {
+        let region = self.region;
+        for &n in &region.order {
+            let Some((x, y)) = self.epilogue_add(n) else { continue };
+            let candidate = |v: Value, other: Value| -> Option<NodeId> {
+                let p = self.producer[v.index()]?;
+                let pn = &region.nodes[p.index()];
+                let ok = matches!(pn.op, Op::ScatterAdd | Op::ScatterAddShard)
+                    && self.group_of[p.index()].is_none()
+                    && pn.results.as_slice() == [v]
+                    && !self.escapes[v.index()]
+                    && self.users[v.index()].as_slice() == [n]
+                    && !pn.inputs.contains(&other)
+                    && self.producer[other.index()].is_none_or(|q| self.pos[q.index()] < self.pos[p.index()]);
+                ok.then_some(p)
+            };
+            let Some(scatter) = candidate(x, y).or_else(|| candidate(y, x)) else { continue };
+            self.new_group(KernelKind::ScatterAdd, vec![scatter, n], Space::Alone);
         }
     }
 
@@ -759,6 +791,7 @@ pub fn group_region_with(region: &Region, dims: &DimTable, recomputed: &HashSet<
     let mut g = Grouper::new(region, dims, recomputed)?;
     g.optimizer_group()?;
     g.gemm_epilogues();
+    g.scatter_epilogues();
     g.fuse_pointwise();
     g.single_kernels();
     g.materialize_constants();

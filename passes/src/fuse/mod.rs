@@ -11,7 +11,8 @@
 //!
 //! - `gemm`: one `linear` or `matmul`, and by rule 11 the `add` of its product (the
 //!   residual add as the GEMM's epilogue). `attention`, `attention_bwd`: one node.
-//!   `gather`: one `embedding` or `gather`. `scatter_add`: one `scatter_add`.
+//!   `gather`: one `embedding` or `gather`. `scatter_add`: one `scatter_add`, and by rule 12
+//!   the `add` of its table to a tensor made before it.
 //! - `optimizer`: every `adamw` and `lr_schedule` of the region in one multi-tensor kernel,
 //!   plus the pointwise producers of each `adamw` gradient operand whose results nothing else
 //!   reads (the clip multiply `g * clip_coef`, and by rule 10 the fp32 cast of a bf16
@@ -114,6 +115,14 @@
 //!     add); cuBLASLt adds C to the f32 accumulator and rounds once, which is closer to the
 //!     exact sum, within the tolerance every GEMM already has against the reference
 //!     (accumulation order). Scaled fp8 GEMMs keep their epilogue-free form.
+//! 12. **A scatter's add is its epilogue.** An `add` of a `scatter_add`'s table (read by nothing
+//!     else) and a tensor of the same type made before the scatter joins the scatter's kernel:
+//!     the body is `[scatter_add, add]`, a scatter into that tensor instead of into zeros (the
+//!     tied embedding's gradient, the head's weight gradient plus the embedding's). Each hit
+//!     row is summed and rounded as the table would be, then added, so the kernel computes
+//!     the body's values; the memory plan writes the sum over the tensor when nothing reads the
+//!     tensor after it, and the kernel then stores only the rows an index hits (a row no index
+//!     hits keeps the tensor's bits, where the interpreter's `x + 0` would turn a -0 into +0).
 //!
 //! Kernels are scheduled in a topological order, earliest first op first. The interpreter runs
 //! a kernel's body op by op, so the fused graph computes bit-identical results.
@@ -219,7 +228,10 @@ pub fn check_kernel_graph(g: &Graph) -> Vec<String> {
                 KernelKind::Attention => matches!(ops.as_slice(), [Op::Attention { .. }]),
                 KernelKind::AttentionBwd => matches!(ops.as_slice(), [Op::AttentionBwd { .. }]),
                 KernelKind::Gather => matches!(ops.as_slice(), [Op::Embedding | Op::Gather | Op::GatherShard]),
-                KernelKind::ScatterAdd => matches!(ops.as_slice(), [Op::ScatterAdd | Op::ScatterAddShard]),
+                KernelKind::ScatterAdd => matches!(
+                    ops.as_slice(),
+                    [Op::ScatterAdd | Op::ScatterAddShard] | [Op::ScatterAdd | Op::ScatterAddShard, Op::Binary(titan_ir::BinaryOp::Add)]
+                ),
                 KernelKind::Fused | KernelKind::Optimizer => true,
             };
             if !single {

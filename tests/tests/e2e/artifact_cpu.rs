@@ -169,6 +169,19 @@ fn debug_bf16_artifact_matches_graph_mode_bit_for_bit() {
     assert_identical("debug bf16", &want, &got);
 }
 
+/// Tied embeddings: the table's gradient is the head's weight gradient plus the embedding's
+/// `scatter_add`, one kernel writing over the head gradient's buffer (fusion rule 12).
+#[test]
+fn tied_debug_bf16_artifact_matches_graph_mode_bit_for_bit() {
+    let model =
+        build_llama3(&LlamaConfig { dtype: DType::BF16, tie_embeddings: true, ..LlamaConfig::preset(Preset::Debug) }, "llama3_debug_tied").expect("tied model");
+    let train = demo_options(200);
+    let dir = build(&model, &train, "debug-tied-bf16");
+    let want = graph_mode(&model, &train, 5, 13, false);
+    let got = artifact_mode(&dir, 5, 13, false);
+    assert_identical("tied debug bf16", &want, &got);
+}
+
 /// A layer of Llama-3 8B's shape (dim 4096, 32 heads, 8 kv heads, ffn 14336) on 4 tokens and a
 /// 512-entry vocabulary: 218M parameters, so the states are compared by fingerprint (FNV-1a of
 /// their bits) rather than kept twice. One layer gives every kernel the 8B shapes; the layer

@@ -242,7 +242,10 @@ fn llama3_70b_tp8_fsdp4_report_follows_the_documented_arithmetic() {
     // bytes after its last reader; now its slot lives to the end of the layer), at most a
     // second layer's: 330 MiB since the dp_shard reduce-scatters' operands live across the
     // backward loop (format 10; 328 MiB before, 240.5 MiB with a separate gradient arena), 208.7
-    // MiB since residual adds are GEMM epilogues (`fuse` rule 11).
+    // MiB since residual adds are GEMM epilogues (`fuse` rule 11), 201.4 MiB since the forward's
+    // hidden state lives in its stack of saved layer inputs (one slice more, live to the end of
+    // the backward, in both builds: the two peaks fall at different moments, so the difference
+    // is now slightly below one layer's gathered weights).
     // The communication is the same: no layer is gathered twice.
     let opts = BuildOptions { train: train_options(), mesh: Mesh::new(1, 4, 8), prefetch_next_layer: false, ..BuildOptions::default() };
     let (dir_off, summary_off) = build_with(&m, opts, "70b-no-prefetch");
@@ -251,8 +254,8 @@ fn llama3_70b_tp8_fsdp4_report_follows_the_documented_arithmetic() {
     let one_layer = 2 * (layer_weights / n_layers / 8 + 2 * dim);
     let delta = r.memory.peak - off.memory.peak;
     println!("peak {} without prefetch, {} with (+{delta} B; one layer's gathered weights {one_layer} B)", off.memory.peak, r.memory.peak);
-    assert_eq!((off.memory.peak, r.memory.peak), (58_850_849_792, 59_069_657_856), "the numbers docs/distributed.md states");
-    assert!(delta >= one_layer && delta <= one_layer * 2, "+{delta} B vs {one_layer} B");
+    assert_eq!((off.memory.peak, r.memory.peak), (58_875_278_080, 59_086_435_072), "the numbers docs/distributed.md states");
+    assert!(delta >= one_layer * 9 / 10 && delta <= one_layer * 2, "+{delta} B vs {one_layer} B");
     assert_eq!(r.comm, off.comm);
 }
 
