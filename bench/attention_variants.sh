@@ -38,16 +38,7 @@ usage() {
 
 # Keeps only the attention cases of the dump DIR.
 prune() {
-    python3 - "$1" <<'PY'
-import json, os, sys
-d = sys.argv[1]
-keep = lambda n: n.startswith("attention") or n.startswith("perf_attention")
-for j in ("cases.json", "perf.json"):
-    json.dump([c for c in json.load(open(f"{d}/{j}")) if keep(c["name"])], open(f"{d}/{j}", "w"))
-for f in os.listdir(d):
-    if f not in ("cases.json", "perf.json") and not keep(f):
-        os.remove(f"{d}/{f}")
-PY
+    python3 bench/prune_dump.py "$1" attention perf_attention
 }
 
 # Runs "$@" with the comma-separated VAR=VALUE list $1 in its environment.

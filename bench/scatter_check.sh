@@ -27,16 +27,7 @@ usage() {
 
 # Keeps only the scatter cases of the dump DIR.
 prune() {
-    python3 - "$1" <<'PY'
-import json, os, sys
-d = sys.argv[1]
-keep = lambda n: "scatter" in n
-for j in ("cases.json", "perf.json"):
-    json.dump([c for c in json.load(open(f"{d}/{j}")) if keep(c["name"])], open(f"{d}/{j}", "w"))
-for f in os.listdir(d):
-    if f not in ("cases.json", "perf.json") and not keep(f):
-        os.remove(f"{d}/{f}")
-PY
+    python3 bench/prune_dump.py "$1" scatter perf_scatter
 }
 
 # Dumps the scatter cases and builds both models with the environment "$@" into $out{,.1b,.8b4}.
