@@ -52,7 +52,7 @@ pub fn verify_manifest(m: &Manifest, graph: &Graph, dir: &Path) -> Check {
     check_plan_totals(m)?;
     check_placement(m)?;
     check_kernels(m, graph, dir)?;
-    check_schedule(m)?;
+    check_schedule(m, &writes_over_last_input(m, graph))?;
     check_report(m)
 }
 
@@ -696,6 +696,28 @@ fn check_placement(m: &Manifest) -> Check {
     Ok(())
 }
 
+/// The kernels that may write their output over their last input: a `scatter_add` with its add
+/// (fusion rule 12) whose body adds the table to its last argument. The memory plan writes the
+/// sum over that tensor when nothing reads it after, and the kernel then stores only hit rows.
+fn writes_over_last_input(m: &Manifest, graph: &Graph) -> BTreeSet<u32> {
+    m.kernels
+        .iter()
+        .filter(|k| k.kind == KernelKind::ScatterAdd)
+        .filter(|k| {
+            let Some(body) = graph.block_by_name(&k.body) else { return false };
+            let r = graph.block(body);
+            let nodes: Vec<&titan_ir::Node> = r.order.iter().map(|&n| r.node(n)).collect();
+            let ([scatter, add], Some(last)) = (nodes.as_slice(), r.args.last()) else { return false };
+            let table = scatter.results.first();
+            matches!(add.op, Op::Binary(titan_ir::BinaryOp::Add))
+                && add.inputs.contains(&last.value)
+                && add.inputs.iter().any(|v| Some(v) == table)
+                && !scatter.inputs.contains(&last.value)
+        })
+        .map(|k| k.id)
+        .collect()
+}
+
 /// The `graph.ir` kernel node that calls body `body`, with its kind.
 fn graph_kernel_kind(graph: &Graph, body: titan_ir::BlockId) -> Option<KernelKind> {
     std::iter::once(&graph.main).chain(&graph.blocks).flat_map(|r| &r.nodes).find_map(|n| match n.op {
@@ -899,7 +921,9 @@ fn check_gemm(at: &str, g: &GemmDesc) -> Check {
     Ok(())
 }
 
-fn check_schedule(m: &Manifest) -> Check {
+/// `over`: the kernels that may write their output over their last input
+/// ([`writes_over_last_input`]).
+fn check_schedule(m: &Manifest, over: &BTreeSet<u32>) -> Check {
     if m.ranks.len() != 1 {
         return Err(fail("ranks", format!("{} schedules; an artifact has one (rank 0) that every rank of its mesh runs", m.ranks.len())));
     }
@@ -907,10 +931,10 @@ fn check_schedule(m: &Manifest) -> Check {
         return Err(fail("ranks[0].rank", format!("{}; the one schedule is rank 0's", m.ranks[0].rank)));
     }
     let n_layers = model_u64(m, "n_layers")?;
-    check_steps(m, &m.ranks[0].steps, "ranks[0].steps", n_layers, 0)
+    check_steps(m, &m.ranks[0].steps, "ranks[0].steps", n_layers, over, 0)
 }
 
-fn check_steps(m: &Manifest, steps: &[Step], at: &str, n_layers: Option<u64>, depth: usize) -> Check {
+fn check_steps(m: &Manifest, steps: &[Step], at: &str, n_layers: Option<u64>, over: &BTreeSet<u32>, depth: usize) -> Check {
     for (i, s) in steps.iter().enumerate() {
         let at = format!("{at}[{i}]");
         match s {
@@ -920,7 +944,6 @@ fn check_steps(m: &Manifest, steps: &[Step], at: &str, n_layers: Option<u64>, de
             Step::Launch { kernel, inputs, outputs, .. } => {
                 // A launch writes an operand it also reads only to update state in place, or a
                 // `scatter_add` its sum over the tensor it adds to (fusion rule 12: its last input).
-                let scatter = m.kernels.get(*kernel as usize).is_some_and(|k| k.kind == KernelKind::ScatterAdd);
                 let persistent = |r: &BufRef| match r {
                     BufRef::Buffer { buffer, .. } | BufRef::View { buffer, .. } => m
                         .buffers
@@ -929,7 +952,7 @@ fn check_steps(m: &Manifest, steps: &[Step], at: &str, n_layers: Option<u64>, de
                     BufRef::Carry { .. } => false,
                 };
                 for (j, o) in outputs.iter().enumerate() {
-                    let over_added = scatter && inputs.last() == Some(o) && inputs.iter().filter(|&i| i == o).count() == 1;
+                    let over_added = over.contains(kernel) && inputs.last() == Some(o) && inputs.iter().filter(|&i| i == o).count() == 1;
                     if inputs.contains(o) && !persistent(o) && !over_added {
                         return Err(fail(
                             format!("{at}.outputs[{j}]"),
@@ -1002,8 +1025,8 @@ fn check_steps(m: &Manifest, steps: &[Step], at: &str, n_layers: Option<u64>, de
                 if body.is_empty() {
                     return Err(fail(format!("{at}.body"), "is empty"));
                 }
-                check_steps(m, prefetch, &format!("{at}.prefetch"), n_layers, depth + 1)?;
-                check_steps(m, body, &format!("{at}.body"), n_layers, depth + 1)?;
+                check_steps(m, prefetch, &format!("{at}.prefetch"), n_layers, over, depth + 1)?;
+                check_steps(m, body, &format!("{at}.body"), n_layers, over, depth + 1)?;
             }
         }
     }

@@ -311,6 +311,24 @@ fn corruptions(m: &Manifest) -> Vec<Case> {
             })),
         }
     }
+    // A launch writing over an operand it reads: a plain `scatter_add` over its last input
+    // (only one with its add, fusion rule 12, may), and the first other kernel over its first.
+    let kind = |k: u32| m.kernels.get(k as usize).map(|k| k.kind);
+    let launches = m.ranks[0].steps.iter().enumerate().filter_map(|(s, step)| match step {
+        Step::Launch { kernel, inputs, outputs, .. } if !inputs.is_empty() && !outputs.is_empty() => Some((s, kind(*kernel))),
+        _ => None,
+    });
+    let scatter = launches.clone().find(|&(_, k)| k == Some(KernelKind::ScatterAdd)).map(|(s, _)| (s, true));
+    let other = launches.clone().find(|&(_, k)| !matches!(k, Some(KernelKind::ScatterAdd | KernelKind::Optimizer))).map(|(s, _)| (s, false));
+    assert!(scatter.is_some() && other.is_some(), "the debug schedule has a scatter_add launch and another");
+    for (s, last) in scatter.into_iter().chain(other) {
+        let at = format!("ranks[0].steps[{s}]");
+        cases.push(case(format!("{at}: output over an input"), format!("{at}.outputs[0]"), move |m| {
+            if let Step::Launch { inputs, outputs, .. } = &mut m.ranks[0].steps[s] {
+                outputs[0] = if last { inputs[inputs.len() - 1] } else { inputs[0] };
+            }
+        }));
+    }
     cases
 }
 
