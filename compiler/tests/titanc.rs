@@ -173,6 +173,36 @@ fn build_writes_an_artifact_and_prints_the_peak() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// A build-time switch (an environment variable that changes generated kernels, for
+/// comparisons) is named in the summary, recorded in the manifest and changes the content hash;
+/// without one the manifest has no `build_switches` and the hash is the default build's.
+#[test]
+fn build_time_switches_are_hashed_and_recorded() {
+    let dir = scratch("switches");
+    let model = workspace_file("examples/llama3-debug.ir");
+    let build = |name: &str, env: &[(&str, &str)]| {
+        let out_dir = dir.join(name);
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_titanc"));
+        cmd.args(["build", &model, "-o", out_dir.to_str().unwrap()]);
+        for (k, _) in titan_kernels::switches::SWITCHES {
+            cmd.env_remove(k);
+        }
+        let out = cmd.envs(env.iter().copied()).output().expect("titanc runs");
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        let json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(out_dir.join("manifest.json")).unwrap()).unwrap();
+        (text(&out.stdout), json)
+    };
+    let (plain_summary, plain) = build("plain", &[]);
+    let (summary, switched) = build("switched", &[("TITAN_SCATTER_SPLIT", "1"), ("TITAN_ATT_FWD_EX2", "full")]);
+    assert!(plain.get("build_switches").is_none(), "{plain}");
+    assert!(!plain_summary.contains("build-time switches"), "{plain_summary}");
+    assert_eq!(switched["build_switches"], serde_json::json!({"TITAN_ATT_FWD_EX2": "full", "TITAN_SCATTER_SPLIT": "1"}));
+    assert!(summary.contains("built with build-time switches TITAN_ATT_FWD_EX2=full TITAN_SCATTER_SPLIT=1"), "{summary}");
+    assert_ne!(plain["content_hash"], switched["content_hash"]);
+    assert_eq!(plain["model_hash"], switched["model_hash"], "a switch changes kernels, not the model");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 #[test]
 fn build_errors_say_what_to_change() {
     let dir = scratch("build-errors");

@@ -750,6 +750,11 @@ pub struct Manifest {
     /// absent before format version 6 and in builds without one (float8).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub eval: Option<EvalStep>,
+    /// The build-time switches (`TITAN_ATT_*`, ...: environment variables that change generated
+    /// kernels, for comparisons) set when it was built, also in `content_hash`; absent when none
+    /// was, as in every ordinary build.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub build_switches: BTreeMap<String, String>,
 }
 
 /// The eval step: its own buffer table, kernels and schedule, run between training steps.

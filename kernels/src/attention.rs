@@ -1123,7 +1123,7 @@ fn first_carried(e: &mut Em, c: &str, s: &[String], mask: Option<(&str, &[String
 /// the six perf shapes, level at the 8B one and mixed at seq 8192 head_dim 64 (-1.1% and +1.5%
 /// in two calls); the 20-step losses of 8b-4l and Llama-3.2 1B were bit-identical.
 pub(crate) fn ex2_ftz(var: &str) -> bool {
-    std::env::var(var).as_deref() != Ok("full")
+    crate::switches::var(var).as_deref() != Some("full")
 }
 
 /// Whether the pipelined key loop skips O's rescale where no row of the warp changed its max
@@ -1132,7 +1132,7 @@ pub(crate) fn ex2_ftz(var: &str) -> bool {
 /// power cap (docs/performance.md, session 26). `TITAN_ATT_FWD_SKIP_RESCALE=0` at build time
 /// always rescales, for comparisons.
 fn skip_rescale() -> bool {
-    std::env::var("TITAN_ATT_FWD_SKIP_RESCALE").as_deref() != Ok("0")
+    crate::switches::var("TITAN_ATT_FWD_SKIP_RESCALE").as_deref() != Some("0")
 }
 
 /// One iteration of the pipelined key loop (both forwards): its operands' layout.
@@ -1387,7 +1387,7 @@ struct Tile {
 /// the power cap stayed level and the steps too, so it is not the default.
 fn fwd_band(p: &Problem) -> i64 {
     let nbk = (p.b * p.hkv) as i64;
-    match std::env::var("TITAN_ATT_FWD_BAND").ok().and_then(|v| v.parse::<i64>().ok()) {
+    match crate::switches::var("TITAN_ATT_FWD_BAND").and_then(|v| v.parse::<i64>().ok()) {
         Some(g) if g > 0 && nbk % g == 0 => g,
         _ => nbk,
     }

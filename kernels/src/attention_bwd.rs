@@ -737,7 +737,7 @@ struct DkdvCols<'a> {
 /// Whether the causal dK/dV passes mask only the tiles that cross the diagonal (a warp-uniform
 /// branch) instead of every tile (`TITAN_ATT_BWD_MASK=all` at build time, for comparisons).
 fn mask_diagonal_only() -> bool {
-    std::env::var("TITAN_ATT_BWD_MASK").as_deref() == Ok("diag")
+    crate::switches::var("TITAN_ATT_BWD_MASK").as_deref() == Some("diag")
 }
 
 impl DkdvCols<'_> {
@@ -1128,10 +1128,10 @@ fn uses_ws(p: &Problem) -> (bool, bool) {
     if !uses_wgmma(p.d as u64) || p.s % WS_KEYS != 0 {
         return (false, false);
     }
-    match std::env::var("TITAN_ATT_BWD_WS").as_deref() {
-        Ok("0") => (false, false),
-        Ok("dkdv") => (true, false),
-        Ok("all") => (true, true),
+    match crate::switches::var("TITAN_ATT_BWD_WS").as_deref() {
+        Some("0") => (false, false),
+        Some("dkdv") => (true, false),
+        Some("all") => (true, true),
         _ => {
             let ws = p.d == 128 || p.s >= 8192;
             (ws, ws)
@@ -1313,14 +1313,14 @@ impl Order {
     fn of(p: &Problem, keys: i64) -> Order {
         let nbk = p.b * p.hkv;
         let long = p.s >= 4096;
-        let (down, heads_inner) = match std::env::var("TITAN_ATT_BWD_WALK").as_deref() {
-            Ok("up") => (false, false),
-            Ok("down") => (true, false),
-            Ok("down-heads-inner") => (true, true),
+        let (down, heads_inner) = match crate::switches::var("TITAN_ATT_BWD_WALK").as_deref() {
+            Some("up") => (false, false),
+            Some("down") => (true, false),
+            Some("down-heads-inner") => (true, true),
             _ => (long, false),
         };
         let wave = wave_band(nbk, p.s / keys);
-        let band = match std::env::var("TITAN_ATT_BWD_BAND").ok().as_deref() {
+        let band = match crate::switches::var("TITAN_ATT_BWD_BAND").as_deref() {
             Some("all") => nbk,
             Some("wave") => wave,
             Some(v) => match v.parse::<i64>() {

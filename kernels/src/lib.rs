@@ -18,6 +18,7 @@ mod optimizer;
 mod pipeline;
 mod ptxas;
 mod scatter;
+pub mod switches;
 mod values;
 mod warp_spec;
 

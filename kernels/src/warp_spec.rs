@@ -163,9 +163,9 @@ pub(crate) enum WgIndex {
 impl WgIndex {
     /// The pass's choice, or the one `TITAN_WS_WGI` forces.
     fn chosen(self) -> WgIndex {
-        match std::env::var("TITAN_WS_WGI").as_deref() {
-            Ok("shfl") => WgIndex::Broadcast,
-            Ok("tid") => WgIndex::Divided,
+        match crate::switches::var("TITAN_WS_WGI").as_deref() {
+            Some("shfl") => WgIndex::Broadcast,
+            Some("tid") => WgIndex::Divided,
             _ => self,
         }
     }

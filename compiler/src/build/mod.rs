@@ -537,12 +537,26 @@ pub struct Artifact {
     pub eval_graph_text: Option<String>,
 }
 
-/// Hex SHA-256 of the model text, the canonical options and the target, each length-prefixed.
+/// Hex SHA-256 of the model text, the canonical options and the target, each length-prefixed,
+/// and of the build-time switches set in this process ([`titan_kernels::switches`]).
 pub fn content_hash(model_text: &str, opts: &BuildOptions) -> String {
+    content_hash_with(model_text, opts, &titan_kernels::switches::active())
+}
+
+/// [`content_hash`] with the build-time switches given: none set (every ordinary build) hashes
+/// as before switches were hashed; any set adds a `switches` section, so a build with one never
+/// shares a hash with the default build.
+pub fn content_hash_with(model_text: &str, opts: &BuildOptions, switches: &BTreeMap<String, String>) -> String {
     let mut h = Sha256::new();
     h.update(b"titan artifact\n");
     let target = format!("{} {}", opts.target.arch, opts.target.ptx_isa);
-    for (label, text) in [("model", model_text), ("options", opts.canonical_text().as_str()), ("target", target.as_str())] {
+    let switches_text: String = switches.iter().map(|(k, v)| format!("{k}={v}\n")).collect();
+    let options = opts.canonical_text();
+    let mut sections = vec![("model", model_text), ("options", options.as_str()), ("target", target.as_str())];
+    if !switches.is_empty() {
+        sections.push(("switches", switches_text.as_str()));
+    }
+    for (label, text) in sections {
         h.update(format!("{label} {}\n", text.len()).as_bytes());
         h.update(text.as_bytes());
         h.update(b"\n");
@@ -790,7 +804,15 @@ pub(crate) fn compile(
     let seq_len = dims.get("seq").copied().unwrap_or(0);
     let vocab_size = fused.meta_i64("vocab_size").and_then(|v| u64::try_from(v).ok()).unwrap_or(0);
     let flops_per_token = model_stats(model).ok().and_then(|s| s.flops_per_token).map_or(0, |f| f.round() as u64);
-    let content_hash = content_hash(model_text, opts);
+    let build_switches = titan_kernels::switches::active();
+    if !build_switches.is_empty() {
+        let list: Vec<String> = build_switches.iter().map(|(k, v)| format!("{k}={v}")).collect();
+        notes.push(format!(
+            "built with build-time switches {} (kernels may differ from the default build; recorded in the manifest and the content hash)",
+            list.join(" ")
+        ));
+    }
+    let content_hash = content_hash_with(model_text, opts, &build_switches);
     // `model` carries the mesh meta here; the model hash leaves it out.
     let model_hash = titan_passes::model_hash(model, &opts.train);
     let mut kernels_by_kind = BTreeMap::new();
@@ -813,6 +835,7 @@ pub(crate) fn compile(
         ranks: vec![RankSchedule { rank: 0, steps: plan.schedule.steps.clone() }],
         report: report.clone(),
         eval: eval.as_ref().map(|e| e.step.clone()),
+        build_switches,
     };
     let dynamic_shared_max = manifest
         .kernels

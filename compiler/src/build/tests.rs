@@ -514,6 +514,12 @@ fn builds_are_byte_identical_and_hashed() {
     other.train.lr = 1e-3;
     assert_ne!(content_hash(&text, &other), sa.content_hash);
     assert_ne!(content_hash(&format!("{text}\n"), &opts), sa.content_hash);
+    // No build-time switch set hashes as without switches; one set changes the hash.
+    assert_eq!(content_hash_with(&text, &opts, &BTreeMap::new()), sa.content_hash);
+    let split = BTreeMap::from([("TITAN_SCATTER_SPLIT".to_string(), "1".to_string())]);
+    assert_ne!(content_hash_with(&text, &opts, &split), sa.content_hash);
+    let split2 = BTreeMap::from([("TITAN_SCATTER_SPLIT".to_string(), "2".to_string())]);
+    assert_ne!(content_hash_with(&text, &opts, &split2), content_hash_with(&text, &opts, &split));
     // The manifest reads back.
     let json = std::fs::read_to_string(a.join(titan_ir::artifact::MANIFEST_FILE)).unwrap_or_default();
     let back = Manifest::from_json("manifest.json", &json).unwrap_or_else(|e| panic!("{e}"));

@@ -61,9 +61,9 @@ pub(super) fn enabled(p: &Problem) -> bool {
     if !matches!(p.d, 64 | 128) || p.s % WS_KEYS != 0 {
         return false;
     }
-    match std::env::var("TITAN_ATT_BWD_5P").as_deref() {
-        Ok("1") => true,
-        Ok("0") => false,
+    match crate::switches::var("TITAN_ATT_BWD_5P").as_deref() {
+        Some("1") => true,
+        Some("0") => false,
         _ => (p.d == 64 && p.s >= 4096) || (p.d == 128 && p.s >= 8192),
     }
 }

@@ -147,6 +147,7 @@ impl Fixture {
             ranks: vec![RankSchedule { rank: 0, steps: self.steps.clone() }],
             report: None,
             eval: None,
+            build_switches: BTreeMap::new(),
         }
     }
 
