@@ -864,6 +864,9 @@ fn run(cli: Cli) -> Result<()> {
         trainer.seq_len(),
         cli.steps
     );
+    if let Some(line) = crate::log::switches_summary(m) {
+        eprintln!("titan-run: {line}");
+    }
     eprintln!("titan-run: {}", memory_summary(&artifact));
     train(&mut trainer, &cli, data, &data_name, &RunIdentity::of_artifact(&artifact), true)?;
     if cli.profiling() {
@@ -1085,6 +1088,9 @@ fn run_cuda(cli: &Cli, artifact: &Artifact, data: DataSource, data_name: &str, s
         trainer.seq_len(),
         cli.steps
     );
+    if let Some(line) = crate::log::switches_summary(m) {
+        eprintln!("titan-run: {line}");
+    }
     eprintln!("titan-run: {}", memory_summary(artifact));
     let mut startup = trainer.startup();
     startup.load_s += load_s;

@@ -178,6 +178,15 @@ impl MetricsWriter {
     }
 }
 
+/// A line naming the build-time switches the artifact was built with (kernel variants for
+/// comparisons, `docs/artifact.md`), printed once at start; `None` for an ordinary build.
+pub fn switches_summary(m: &titan_ir::artifact::Manifest) -> Option<String> {
+    (!m.build_switches.is_empty()).then(|| {
+        let list: Vec<String> = m.build_switches.iter().map(|(k, v)| format!("{k}={v}")).collect();
+        format!("built with build-time switches {}: its kernels are a variant for comparison, not the default build's", list.join(" "))
+    })
+}
+
 /// The predicted peak memory with its split over arenas, printed once at start.
 pub fn memory_summary(a: &Artifact) -> String {
     let parts: Vec<String> =
@@ -280,6 +289,19 @@ mod tests {
 
     fn metrics(peak: Option<u64>) -> StepMetrics {
         StepMetrics { step: 3, loss: 2.5, grad_norm: 0.75, lr: 3e-3, tokens_per_s: 1234.4, peak_bytes: peak, measured_peak_bytes: None }
+    }
+
+    #[test]
+    fn switches_are_named_only_when_set() {
+        let json = r#"{"format_version": 1, "titan_version": "t", "content_hash": "0", "target": {"arch": "sm_90a", "ptx_isa": "8.0"},
+            "model": {}, "dims": {}, "mesh": {"world_size": 1, "dims": []}, "training": {"batch": 1, "seq_len": 1, "vocab_size": 1, "tokens_per_step": 1, "flops_per_token": 0},
+            "buffers": [], "memory": {"arenas": [], "peak_bytes": 0, "activation_bytes_unplanned": 0}, "kernels": [], "ranks": []}"#;
+        let mut m: titan_ir::artifact::Manifest = serde_json::from_str(json).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(switches_summary(&m), None);
+        m.build_switches.insert("TITAN_SCATTER_SPLIT".into(), "1".into());
+        m.build_switches.insert("TITAN_ATT_FWD_WS".into(), "0".into());
+        let line = switches_summary(&m).unwrap_or_default();
+        assert!(line.starts_with("built with build-time switches TITAN_ATT_FWD_WS=0 TITAN_SCATTER_SPLIT=1:"), "{line}");
     }
 
     #[test]
