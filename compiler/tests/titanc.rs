@@ -193,11 +193,13 @@ fn build_time_switches_are_hashed_and_recorded() {
         (text(&out.stdout), json)
     };
     let (plain_summary, plain) = build("plain", &[]);
-    let (summary, switched) = build("switched", &[("TITAN_SCATTER_SPLIT", "1"), ("TITAN_ATT_FWD_EX2", "full")]);
+    let (summary, switched) = build("switched", &[("TITAN_SCATTER_SPLIT", "1"), ("TITAN_ATT_FWD_EX2", "full"), ("TITAN_ATT_FWD_EXP2", "full")]);
     assert!(plain.get("build_switches").is_none(), "{plain}");
     assert!(!plain_summary.contains("build-time switches"), "{plain_summary}");
     assert_eq!(switched["build_switches"], serde_json::json!({"TITAN_ATT_FWD_EX2": "full", "TITAN_SCATTER_SPLIT": "1"}));
     assert!(summary.contains("built with build-time switches TITAN_ATT_FWD_EX2=full TITAN_SCATTER_SPLIT=1"), "{summary}");
+    assert!(summary.contains("`TITAN_ATT_FWD_EXP2` is set but is not a build-time switch, so it changed nothing"), "{summary}");
+    assert!(!plain_summary.contains("is not a build-time switch"), "{plain_summary}");
     assert_ne!(plain["content_hash"], switched["content_hash"]);
     assert_eq!(plain["model_hash"], switched["model_hash"], "a switch changes kernels, not the model");
     let _ = std::fs::remove_dir_all(&dir);

@@ -46,6 +46,23 @@ pub fn active_in(get: impl Fn(&str) -> Option<String>) -> BTreeMap<String, Strin
     SWITCHES.iter().filter_map(|(n, _)| get(n).map(|v| (n.to_string(), v))).collect()
 }
 
+/// Prefixes of the switches' names: a variable with one of them that is not a switch is most
+/// likely a misspelt one, which would otherwise build the default kernels without a word.
+const PREFIXES: &[&str] = &["TITAN_ATT_", "TITAN_SCATTER", "TITAN_WS_"];
+
+/// Variables of `vars` named like a switch (one of its prefixes) that are not one, by name.
+pub fn unknown_in(vars: impl IntoIterator<Item = String>) -> Vec<String> {
+    let mut v: Vec<String> = vars.into_iter().filter(|n| PREFIXES.iter().any(|p| n.starts_with(p)) && !SWITCHES.iter().any(|(s, _)| s == n)).collect();
+    v.sort();
+    v.dedup();
+    v
+}
+
+/// [`unknown_in`] over this process's environment.
+pub fn unknown() -> Vec<String> {
+    unknown_in(std::env::vars_os().filter_map(|(k, _)| k.into_string().ok()))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -101,6 +118,12 @@ mod tests {
         let a = active_in(env);
         assert_eq!(a.into_iter().collect::<Vec<_>>(), vec![("TITAN_SCATTER_SPLIT".to_string(), "1".to_string())]);
         assert!(active_in(|_| None).is_empty());
+    }
+
+    #[test]
+    fn misspelt_switches_are_found() {
+        let vars = ["TITAN_ATT_FWD_W", "TITAN_ATT_FWD_WS", "TITAN_SCATTER_SPLITS", "TITAN_WS_WGI", "TITAN_PTXAS", "HOME", "TITAN_ATT_FWD_W"];
+        assert_eq!(unknown_in(vars.iter().map(|s| s.to_string())), ["TITAN_ATT_FWD_W", "TITAN_SCATTER_SPLITS"]);
     }
 
     #[test]

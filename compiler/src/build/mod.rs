@@ -805,6 +805,12 @@ pub(crate) fn compile(
     let vocab_size = fused.meta_i64("vocab_size").and_then(|v| u64::try_from(v).ok()).unwrap_or(0);
     let flops_per_token = model_stats(model).ok().and_then(|s| s.flops_per_token).map_or(0, |f| f.round() as u64);
     let build_switches = titan_kernels::switches::active();
+    for name in titan_kernels::switches::unknown() {
+        notes.push(format!(
+            "`{name}` is set but is not a build-time switch, so it changed nothing (the switches: {})",
+            titan_kernels::switches::SWITCHES.iter().map(|(n, _)| *n).collect::<Vec<_>>().join(", ")
+        ));
+    }
     if !build_switches.is_empty() {
         let list: Vec<String> = build_switches.iter().map(|(k, v)| format!("{k}={v}")).collect();
         notes.push(format!(
