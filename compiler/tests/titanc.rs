@@ -184,8 +184,8 @@ fn build_time_switches_are_hashed_and_recorded() {
         let out_dir = dir.join(name);
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_titanc"));
         cmd.args(["build", &model, "-o", out_dir.to_str().unwrap()]);
-        for (k, _) in titan_kernels::switches::SWITCHES {
-            cmd.env_remove(k);
+        for s in titan_kernels::switches::Switch::ALL {
+            cmd.env_remove(s.name());
         }
         let out = cmd.envs(env.iter().copied()).output().expect("titanc runs");
         assert!(out.status.success(), "{}", text(&out.stderr));

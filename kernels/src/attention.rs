@@ -845,7 +845,7 @@ fn mask_diagonal(e: &mut Em, kcol: &str, qrow: &[String; 2], s: &mut [[String; 4
 /// the new max, `alpha = exp2(m - m_new)` (what O must be scaled by), `l alpha` plus this tile's
 /// row sums, and P as A fragments (key step kk covers n-tiles 2kk and 2kk + 1).
 fn online_softmax(e: &mut Em, c: &str, s: &mut [[String; 4]], m: &[String; 2], l: &[String; 2]) -> ([String; 2], [String; 2], [String; 2], Vec<[String; 4]>) {
-    let ftz = ex2_ftz("TITAN_ATT_FWD_EX2");
+    let ftz = ex2_ftz(crate::switches::Switch::AttFwdEx2);
     let mut m_new = [String::new(), String::new()];
     let mut alpha = [String::new(), String::new()];
     for r in 0..2 {
@@ -1122,7 +1122,7 @@ fn first_carried(e: &mut Em, c: &str, s: &[String], mask: Option<(&str, &[String
 /// power cap at the 8B shape and 7% less at head_dim 64, the backward 0.7-4.7% less at four of
 /// the six perf shapes, level at the 8B one and mixed at seq 8192 head_dim 64 (-1.1% and +1.5%
 /// in two calls); the 20-step losses of 8b-4l and Llama-3.2 1B were bit-identical.
-pub(crate) fn ex2_ftz(var: &str) -> bool {
+pub(crate) fn ex2_ftz(var: crate::switches::Switch) -> bool {
     crate::switches::var(var).as_deref() != Some("full")
 }
 
@@ -1132,7 +1132,7 @@ pub(crate) fn ex2_ftz(var: &str) -> bool {
 /// power cap (docs/performance.md, session 26). `TITAN_ATT_FWD_SKIP_RESCALE=0` at build time
 /// always rescales, for comparisons.
 fn skip_rescale() -> bool {
-    crate::switches::var("TITAN_ATT_FWD_SKIP_RESCALE").as_deref() != Some("0")
+    crate::switches::var(crate::switches::Switch::AttFwdSkipRescale).as_deref() != Some("0")
 }
 
 /// One iteration of the pipelined key loop (both forwards): its operands' layout.
@@ -1387,7 +1387,7 @@ struct Tile {
 /// the power cap stayed level and the steps too, so it is not the default.
 fn fwd_band(p: &Problem) -> i64 {
     let nbk = (p.b * p.hkv) as i64;
-    match crate::switches::var("TITAN_ATT_FWD_BAND").and_then(|v| v.parse::<i64>().ok()) {
+    match crate::switches::var(crate::switches::Switch::AttFwdBand).and_then(|v| v.parse::<i64>().ok()) {
         Some(g) if g > 0 && nbk % g == 0 => g,
         _ => nbk,
     }

@@ -524,7 +524,7 @@ fn dq_tile(e: &mut Em, p: &Problem, r: &DqRows, sm: &DqSmem, kb: &str, vb: &str,
         let mut out: [String; 4] = Default::default();
         for (i, x) in t.iter().enumerate() {
             let y = e.fma(x, &c, &r.neg_lse[i / 2]);
-            let mut pv = e.ex2(&y, ex2_ftz("TITAN_ATT_BWD_EX2"));
+            let mut pv = e.ex2(&y, ex2_ftz(crate::switches::Switch::AttBwdEx2));
             if masked {
                 let key = e.addk(&kb0, nt as i64 * 8 + (i % 2) as i64);
                 let gt = e.op(&format!("arith.cmpi ugt, {key}, {} : i32", r.rows[i / 2]));
@@ -737,7 +737,7 @@ struct DkdvCols<'a> {
 /// Whether the causal dK/dV passes mask only the tiles that cross the diagonal (a warp-uniform
 /// branch) instead of every tile (`TITAN_ATT_BWD_MASK=all` at build time, for comparisons).
 fn mask_diagonal_only() -> bool {
-    crate::switches::var("TITAN_ATT_BWD_MASK").as_deref() == Some("diag")
+    crate::switches::var(crate::switches::Switch::AttBwdMask).as_deref() == Some("diag")
 }
 
 impl DkdvCols<'_> {
@@ -757,7 +757,7 @@ impl DkdvCols<'_> {
                 e.op(&format!("arith.negf {l} : f32"))
             })
             .collect();
-        let ftz = ex2_ftz("TITAN_ATT_BWD_EX2");
+        let ftz = ex2_ftz(crate::switches::Switch::AttBwdEx2);
         // Every tile masked right after its exponentials, or (diagonal only) after all of them,
         // in a branch taken by the tiles that cross the diagonal.
         let each = causal && !mask_diagonal_only();
@@ -1128,7 +1128,7 @@ fn uses_ws(p: &Problem) -> (bool, bool) {
     if !uses_wgmma(p.d as u64) || p.s % WS_KEYS != 0 {
         return (false, false);
     }
-    match crate::switches::var("TITAN_ATT_BWD_WS").as_deref() {
+    match crate::switches::var(crate::switches::Switch::AttBwdWs).as_deref() {
         Some("0") => (false, false),
         Some("dkdv") => (true, false),
         Some("all") => (true, true),
@@ -1313,14 +1313,14 @@ impl Order {
     fn of(p: &Problem, keys: i64) -> Order {
         let nbk = p.b * p.hkv;
         let long = p.s >= 4096;
-        let (down, heads_inner) = match crate::switches::var("TITAN_ATT_BWD_WALK").as_deref() {
+        let (down, heads_inner) = match crate::switches::var(crate::switches::Switch::AttBwdWalk).as_deref() {
             Some("up") => (false, false),
             Some("down") => (true, false),
             Some("down-heads-inner") => (true, true),
             _ => (long, false),
         };
         let wave = wave_band(nbk, p.s / keys);
-        let band = match crate::switches::var("TITAN_ATT_BWD_BAND").as_deref() {
+        let band = match crate::switches::var(crate::switches::Switch::AttBwdBand).as_deref() {
             Some("all") => nbk,
             Some("wave") => wave,
             Some(v) => match v.parse::<i64>() {

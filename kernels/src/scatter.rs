@@ -57,7 +57,7 @@ const COUNT_AHEAD: u64 = 4;
 /// of two from 1 to 64; anything else is refused by being ignored: the default), for
 /// comparisons: `1` is the kernel before the split, one CTA per block.
 fn split() -> u64 {
-    crate::switches::var("TITAN_SCATTER_SPLIT").and_then(|v| v.parse::<u64>().ok()).filter(|v| v.is_power_of_two() && *v <= 64).unwrap_or(SPLIT)
+    crate::switches::var(crate::switches::Switch::ScatterSplit).and_then(|v| v.parse::<u64>().ok()).filter(|v| v.is_power_of_two() && *v <= 64).unwrap_or(SPLIT)
 }
 /// Matches a group lists in shared memory.
 const CAP: u64 = 4096;

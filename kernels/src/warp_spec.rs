@@ -163,7 +163,7 @@ pub(crate) enum WgIndex {
 impl WgIndex {
     /// The pass's choice, or the one `TITAN_WS_WGI` forces.
     fn chosen(self) -> WgIndex {
-        match crate::switches::var("TITAN_WS_WGI").as_deref() {
+        match crate::switches::var(crate::switches::Switch::WsWgi).as_deref() {
             Some("shfl") => WgIndex::Broadcast,
             Some("tid") => WgIndex::Divided,
             _ => self,

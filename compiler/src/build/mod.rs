@@ -553,6 +553,7 @@ pub fn content_hash_with(model_text: &str, opts: &BuildOptions, switches: &BTree
     let switches_text: String = switches.iter().map(|(k, v)| format!("{k}={v}\n")).collect();
     let options = opts.canonical_text();
     let mut sections = vec![("model", model_text), ("options", options.as_str()), ("target", target.as_str())];
+    // No switch set: the three sections hashed before switches existed.
     if !switches.is_empty() {
         sections.push(("switches", switches_text.as_str()));
     }
@@ -808,7 +809,7 @@ pub(crate) fn compile(
     for name in titan_kernels::switches::unknown() {
         notes.push(format!(
             "`{name}` is set but is not a build-time switch, so it changed nothing (the switches: {})",
-            titan_kernels::switches::SWITCHES.iter().map(|(n, _)| *n).collect::<Vec<_>>().join(", ")
+            titan_kernels::switches::Switch::ALL.map(|s| s.name()).join(", ")
         ));
     }
     if !build_switches.is_empty() {

@@ -41,7 +41,7 @@ fn stages(d: i64) -> i64 {
 /// against 0.809 J a launch held at the power cap (docs/performance.md, session 26).
 /// `TITAN_ATT_FWD_PINGPONG=0` at build time turns it off, for comparisons.
 fn pingpong() -> bool {
-    crate::switches::var("TITAN_ATT_FWD_PINGPONG").as_deref() != Some("0")
+    crate::switches::var(crate::switches::Switch::AttFwdPingpong).as_deref() != Some("0")
 }
 
 /// Whether Q sits in shared memory (the A operand of `S = Q K^T` from a descriptor, 32 KB after
@@ -64,7 +64,7 @@ pub(super) fn enabled(p: &Problem) -> bool {
     if !uses_wgmma(p.d) || !p.s.is_multiple_of(QUERIES as u64) {
         return false;
     }
-    match crate::switches::var("TITAN_ATT_FWD_WS").as_deref() {
+    match crate::switches::var(crate::switches::Switch::AttFwdWs).as_deref() {
         Some("1") => true,
         Some("0") => false,
         _ => p.d == 128 && p.s >= 2048,

@@ -61,7 +61,7 @@ pub(super) fn enabled(p: &Problem) -> bool {
     if !matches!(p.d, 64 | 128) || p.s % WS_KEYS != 0 {
         return false;
     }
-    match crate::switches::var("TITAN_ATT_BWD_5P").as_deref() {
+    match crate::switches::var(crate::switches::Switch::AttBwd5p).as_deref() {
         Some("1") => true,
         Some("0") => false,
         _ => (p.d == 64 && p.s >= 4096) || (p.d == 128 && p.s >= 8192),
