@@ -123,6 +123,36 @@ pub fn entry_name(name: &str) -> String {
 /// Generate the kernel for `body` (a block of `graph`) of kind `kind`. `None` for `gemm`, which
 /// runs on cuBLASLt.
 pub fn compile_kernel(graph: &Graph, body: BlockId, kind: KernelKind, name: &str) -> Result<Option<CompiledKernel>, KernelError> {
+    compile_kernel_cached(graph, body, kind, name, &mut Lowered::default())
+}
+
+/// The symbol a kernel is generated and lowered under before it gets its own entry name (a
+/// textual rename of the MLIR and PTX: every symbol of a module is the entry or the entry and a
+/// suffix, and nothing else in them contains this string).
+const PLACEHOLDER: &str = "titan__entry";
+
+/// The PTX of the modules one build has lowered, by their MLIR text (generated under
+/// [`PLACEHOLDER`]). Kernels that generate the same module, as the eval step's forward kernels
+/// and the training step's do, are lowered once; lowering (MLIR -> LLVM -> PTX) is nearly all of
+/// a kernel's code generation time.
+#[derive(Debug, Default)]
+pub struct Lowered {
+    ptx: std::collections::HashMap<String, String>,
+}
+
+impl Lowered {
+    /// Modules lowered so far (distinct MLIR texts).
+    pub fn len(&self) -> usize {
+        self.ptx.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.ptx.is_empty()
+    }
+}
+
+/// [`compile_kernel`], reusing the PTX of a module `lowered` already holds.
+pub fn compile_kernel_cached(graph: &Graph, body: BlockId, kind: KernelKind, name: &str, lowered: &mut Lowered) -> Result<Option<CompiledKernel>, KernelError> {
     let kind_name = kind.name();
     let wrap = |e: GenError| match e {
         GenError::Unsupported(message) => KernelError::Unsupported { kernel: name.to_string(), kind: kind_name, message },
@@ -131,23 +161,34 @@ pub fn compile_kernel(graph: &Graph, body: BlockId, kind: KernelKind, name: &str
     let Some(region) = graph.blocks.get(body.index()) else {
         return Err(wrap(GenError::Invalid(format!("body block #{} does not exist", body.0))));
     };
-    let entry = entry_name(name);
     let generated = match kind {
         KernelKind::Gemm => return Ok(None),
-        KernelKind::Attention => attention::generate(graph, region, &entry),
-        KernelKind::AttentionBwd => attention_bwd::generate(graph, region, &entry),
-        KernelKind::Fused => fused::generate(graph, region, &entry),
-        KernelKind::Gather => gather::generate(graph, region, &entry),
-        KernelKind::ScatterAdd => scatter::generate(graph, region, &entry),
-        KernelKind::Optimizer => optimizer::generate(graph, region, &entry),
+        KernelKind::Attention => attention::generate(graph, region, PLACEHOLDER),
+        KernelKind::AttentionBwd => attention_bwd::generate(graph, region, PLACEHOLDER),
+        KernelKind::Fused => fused::generate(graph, region, PLACEHOLDER),
+        KernelKind::Gather => gather::generate(graph, region, PLACEHOLDER),
+        KernelKind::ScatterAdd => scatter::generate(graph, region, PLACEHOLDER),
+        KernelKind::Optimizer => optimizer::generate(graph, region, PLACEHOLDER),
     }
     .map_err(wrap)?;
-    lower(entry, generated).map(Some)
+    lower(entry_name(name), generated, lowered).map(Some)
 }
 
-/// Lower a generated module to PTX.
-fn lower(entry: String, generated: Generated) -> Result<CompiledKernel, KernelError> {
-    let ptx = pipeline::to_ptx(&generated.mlir)?;
+/// Lower a generated module to PTX (or take the PTX `lowered` has for it) and name its entry.
+fn lower(entry: String, generated: Generated, lowered: &mut Lowered) -> Result<CompiledKernel, KernelError> {
+    let named = |text: &str| text.replace(PLACEHOLDER, &entry);
+    let ptx = match lowered.ptx.get(&generated.mlir) {
+        Some(ptx) => named(ptx),
+        None => {
+            let ptx = pipeline::to_ptx(&generated.mlir).map_err(|e| match e {
+                KernelError::Mlir { stage, message } => KernelError::Mlir { stage, message: named(&message) },
+                other => other,
+            })?;
+            let out = named(&ptx);
+            lowered.ptx.insert(generated.mlir.clone(), ptx);
+            out
+        }
+    };
     let phase = |(suffix, grid, block, shared_bytes): (&str, u32, u32, u32)| Prologue {
         entry: format!("{entry}{suffix}"),
         launch: Launch { grid: [grid, 1, 1], block: [block, 1, 1], shared_bytes },
@@ -155,9 +196,9 @@ fn lower(entry: String, generated: Generated) -> Result<CompiledKernel, KernelEr
     let prologue = generated.prologue.map(phase);
     let epilogue = generated.epilogue.map(phase);
     Ok(CompiledKernel {
-        entry,
+        mlir: named(&generated.mlir),
         ptx,
-        mlir: generated.mlir,
+        entry,
         launch: Launch { grid: [generated.grid, 1, 1], block: [generated.block, 1, 1], shared_bytes: generated.shared_bytes },
         prologue,
         epilogue,

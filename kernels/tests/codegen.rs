@@ -7,7 +7,7 @@ use titan_ir::{
     AdamWConfig, ArgKind, BinaryOp, BlockId, Builder, DType, DecayKind, Graph, KernelKind, LrSchedule, Op, Output, ReduceKind, Region, RopeConfig, RopeLayout,
     RopeScaling, TensorType, UnaryOp, Value,
 };
-use titan_kernels::{CompiledKernel, compile_kernel, find_ptxas, ptxas_check};
+use titan_kernels::{CompiledKernel, Lowered, compile_kernel, compile_kernel_cached, find_ptxas, ptxas_check};
 
 fn bf16(shape: &[u64]) -> TensorType {
     TensorType::fixed(DType::BF16, shape)
@@ -82,6 +82,32 @@ fn swiglu_mlir_snapshot() {
     let id = swiglu_body(&mut g);
     let k = compile(&g, id, KernelKind::Fused, "layer.k1_swiglu");
     insta::assert_snapshot!("swiglu_fwd", k.mlir);
+}
+
+#[test]
+fn a_module_lowered_before_is_reused_under_the_new_name() {
+    let mut g = graph();
+    let a = rmsnorm_body(&mut g);
+    let b = rmsnorm_body(&mut g);
+    let c = swiglu_body(&mut g);
+    let mut lowered = Lowered::default();
+    let cached =
+        |g: &Graph, id, name, lowered: &mut Lowered| compile_kernel_cached(g, id, KernelKind::Fused, name, lowered).expect("generates").expect("a kernel");
+    let first = cached(&g, a, "layer.k0_rmsnorm", &mut lowered);
+    let again = cached(&g, b, "eval_layer.k0_rmsnorm", &mut lowered);
+    assert_eq!(lowered.len(), 1, "the second rmsnorm generates the same module");
+    cached(&g, c, "layer.k1_swiglu", &mut lowered);
+    assert_eq!(lowered.len(), 2);
+    // Each is what lowering it alone gives: its own entry name everywhere, no trace of the
+    // other's or of the placeholder.
+    assert_eq!(first, compile(&g, a, KernelKind::Fused, "layer.k0_rmsnorm"));
+    assert_eq!(again, compile(&g, b, KernelKind::Fused, "eval_layer.k0_rmsnorm"));
+    assert_eq!(again.entry, "eval_layer_k0_rmsnorm");
+    assert!(again.ptx.contains(".entry eval_layer_k0_rmsnorm("), "{}", again.ptx);
+    for k in [&first, &again] {
+        assert!(!k.ptx.contains("titan__entry") && !k.mlir.contains("titan__entry"));
+    }
+    assert!(!again.ptx.contains(" layer_k0_rmsnorm"));
 }
 
 #[test]

@@ -606,11 +606,18 @@ struct Code {
 /// attention) gets no GPU code and a note: the artifact then runs on the CPU backend only, and
 /// the CUDA backend refuses it at load naming the kernel. Invalid bodies and generator bugs fail
 /// the build.
-fn codegen(fused: &Graph, bodies: &[(BlockId, KernelKind, String)], notes: &mut Vec<String>) -> Result<Vec<Option<Code>>, BuildError> {
+/// `lowered` holds the PTX of the modules lowered before in this build (the eval step's forward
+/// kernels generate the training step's modules).
+fn codegen(
+    fused: &Graph,
+    bodies: &[(BlockId, KernelKind, String)],
+    lowered: &mut titan_kernels::Lowered,
+    notes: &mut Vec<String>,
+) -> Result<Vec<Option<Code>>, BuildError> {
     let mut unsupported = Vec::new();
     let code = bodies
         .iter()
-        .map(|(body, kind, name)| match titan_kernels::compile_kernel(fused, *body, *kind, name) {
+        .map(|(body, kind, name)| match titan_kernels::compile_kernel_cached(fused, *body, *kind, name, lowered) {
             Ok(Some(c)) => Ok(Some(Code {
                 entry: c.entry,
                 ptx: c.ptx,
@@ -774,7 +781,8 @@ pub(crate) fn compile(
     phases.plan += t.elapsed();
 
     let t = Instant::now();
-    let code = if generate_code { codegen(&fused, &bodies, &mut notes)? } else { bodies.iter().map(|_| None).collect() };
+    let mut lowered = titan_kernels::Lowered::default();
+    let code = if generate_code { codegen(&fused, &bodies, &mut lowered, &mut notes)? } else { bodies.iter().map(|_| None).collect() };
     let mut ptx = attach_code(&mut kernels, code);
     phases.codegen = t.elapsed();
 
@@ -787,7 +795,7 @@ pub(crate) fn compile(
     let t = Instant::now();
     if let Some(e) = eval.as_mut() {
         let mut eval_notes = Vec::new();
-        let code = if generate_code { codegen(&e.fused, &e.bodies, &mut eval_notes)? } else { e.bodies.iter().map(|_| None).collect() };
+        let code = if generate_code { codegen(&e.fused, &e.bodies, &mut lowered, &mut eval_notes)? } else { e.bodies.iter().map(|_| None).collect() };
         let eval_ptx = attach_code(&mut e.step.kernels, code);
         cubins.extend(attach_cubins(ptxas, &mut e.step.kernels, &eval_ptx, &mut eval_notes, &mut ptxas_reports));
         ptx.extend(eval_ptx);
