@@ -70,13 +70,13 @@ fn main() -> Result<()> {
     let _ = std::fs::remove_dir_all(&scratch);
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     println!("titanc build, median of {} runs, {cores} cores, times in ms", args.runs);
-    println!("| preset | kernels | PTX files | cubins | peak per rank | total | parse | pipeline | plan | codegen | ptxas | write |");
-    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    println!("| preset | kernels | PTX files | cubins | peak per rank | total | parse | pipeline | plan | codegen | ptxas | eval step | write |");
+    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     for r in &rows {
         let s = &r.summary;
         let peak = s.peak_bytes_per_rank.first().copied().unwrap_or(0);
         println!(
-            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
             r.preset,
             s.kernels,
             s.ptx_files,
@@ -88,6 +88,7 @@ fn main() -> Result<()> {
             ms(s.phases.plan),
             ms(s.phases.codegen),
             ms(s.phases.ptxas),
+            ms(s.phases.eval),
             ms(s.phases.write)
         );
     }
