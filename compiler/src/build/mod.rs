@@ -786,20 +786,14 @@ pub(crate) fn compile(
     let mut ptx = attach_code(&mut kernels, code);
     phases.codegen = t.elapsed();
 
+    // The eval kernels: the same code generator (and ptxas, below), files next to the training
+    // ones.
     let t = Instant::now();
-    let mut ptxas_reports = Vec::new();
-    let mut cubins = attach_cubins(ptxas, &mut kernels, &ptx, &mut notes, &mut ptxas_reports);
-    phases.ptxas = t.elapsed();
-
-    // The eval kernels: the same code generator and ptxas, files next to the training ones.
-    let t = Instant::now();
+    let mut eval_ptx = Vec::new();
     if let Some(e) = eval.as_mut() {
         let mut eval_notes = Vec::new();
         let code = if generate_code { codegen(&e.fused, &e.bodies, &mut lowered, &mut eval_notes)? } else { e.bodies.iter().map(|_| None).collect() };
-        let eval_ptx = attach_code(&mut e.step.kernels, code);
-        cubins.extend(attach_cubins(ptxas, &mut e.step.kernels, &eval_ptx, &mut eval_notes, &mut ptxas_reports));
-        ptx.extend(eval_ptx);
-        // A note the training kernels already gave (no ptxas) is said once.
+        eval_ptx = attach_code(&mut e.step.kernels, code);
         for n in eval_notes {
             if !notes.contains(&n) {
                 notes.push(format!("eval step: {n}"));
@@ -807,6 +801,17 @@ pub(crate) fn compile(
         }
     }
     phases.eval += t.elapsed();
+
+    let t = Instant::now();
+    let mut ptxas_reports = Vec::new();
+    let mut sets: Vec<KernelSet> = vec![(&mut kernels, &ptx)];
+    if let Some(e) = eval.as_mut() {
+        sets.push((&mut e.step.kernels, &eval_ptx));
+    }
+    let cubins = attach_cubins(ptxas, &mut sets, &mut notes, &mut ptxas_reports);
+    drop(sets);
+    ptx.extend(eval_ptx);
+    phases.ptxas = t.elapsed();
 
     let dims = fused.dims.clone();
     let batch = dims.get("batch").copied().unwrap_or(0);
@@ -1002,36 +1007,45 @@ fn attach_code(kernels: &mut [Kernel], code: Vec<Option<Code>>) -> Vec<(String, 
     ptx
 }
 
+/// A kernel table and its PTX files, `(path, text)`.
+type KernelSet<'a> = (&'a mut [Kernel], &'a [(String, String)]);
+
 /// Assemble every kernel's PTX into a cubin with `ptxas` (`None`: a note says the artifact ships
 /// PTX only) and record it in the kernel's entry; returns the cubin files, `(path, image)`.
+/// `sets` are kernel tables with their PTX files (the training step's, then the eval step's),
+/// assembled in one pool so the eval kernels do not wait for the training step's slowest one.
 fn attach_cubins(
     ptxas: Option<&Path>,
-    kernels: &mut [Kernel],
-    ptx: &[(String, String)],
+    sets: &mut [KernelSet],
     notes: &mut Vec<String>,
     reports: &mut Vec<(String, PtxasReport)>,
 ) -> Vec<(String, Vec<u8>)> {
     let mut cubins = Vec::new();
     match ptxas {
         Some(ptxas) => {
-            let mut jobs = Vec::with_capacity(ptx.len());
-            for (i, k) in kernels.iter().enumerate() {
-                if let (Some(path), Some(entry)) = (&k.ptx, &k.entry)
-                    && let Some((_, text)) = ptx.iter().find(|(p, _)| p == path)
-                {
-                    jobs.push((i, path.as_str(), text.as_str(), entry.as_str()));
+            let mut at = Vec::new();
+            let mut jobs = Vec::new();
+            for (s, (kernels, ptx)) in sets.iter().enumerate() {
+                for (i, k) in kernels.iter().enumerate() {
+                    if let (Some(path), Some(entry)) = (&k.ptx, &k.entry)
+                        && let Some((_, text)) = ptx.iter().find(|(p, _)| p == path)
+                    {
+                        jobs.push((jobs.len(), path.as_str(), text.as_str(), entry.as_str()));
+                        at.push((s, i));
+                    }
                 }
             }
             let assembled = assemble_cubins(ptxas, &jobs, notes);
-            let done: Vec<(usize, Assembled)> = jobs.iter().zip(assembled).filter_map(|(&(i, ..), c)| c.map(|c| (i, c))).collect();
-            for (i, a) in done {
-                let path = format!("{KERNEL_DIR}/{}.cubin", kernels[i].name);
-                kernels[i].cubin = Some(path.clone());
+            drop(jobs);
+            for ((s, i), a) in at.into_iter().zip(assembled).filter_map(|(at, c)| c.map(|c| (at, c))) {
+                let k = &mut sets[s].0[i];
+                let path = format!("{KERNEL_DIR}/{}.cubin", k.name);
+                k.cubin = Some(path.clone());
                 cubins.push((path, a.cubin));
-                reports.push((kernels[i].name.clone(), a.report));
+                reports.push((k.name.clone(), a.report));
             }
         }
-        None if !ptx.is_empty() => notes.push(
+        None if sets.iter().any(|(_, ptx)| !ptx.is_empty()) => notes.push(
             "ptxas not found: the artifact ships PTX only and the CUDA driver JIT-compiles it at start-up (seconds); install it with \
              `pip install nvidia-cuda-nvcc` or point TITAN_PTXAS at a ptxas binary, then rebuild"
                 .to_string(),
