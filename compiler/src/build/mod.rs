@@ -3,9 +3,11 @@
 //! Phases: **pipeline** (verify the model, lower it to the training step and fuse it into the
 //! kernel graph with [`compile_train_graph`]), **plan** (the static memory plan, rank 0's
 //! schedule and the kernel table: [`memory`], [`schedule`], [`gemm`]), **codegen** (PTX for every
-//! generated kernel body, once per body, through `titan_kernels::compile_kernel`), **ptxas**
-//! (each PTX assembled into an sm_90a cubin when `ptxas` is found, on a few threads; without
-//! `ptxas` the artifact ships PTX only and the summary says so) and **write** ([`emit`]:
+//! generated kernel body, once per distinct module, through
+//! `titan_kernels::compile_kernel_cached`), **ptxas** (each PTX assembled into an sm_90a cubin
+//! when `ptxas` is found, by worker threads beside code generation (`cubins.rs`); the phase is
+//! the wait after code generation; without `ptxas` the artifact ships PTX only and the summary
+//! says so) and **write** ([`emit`]:
 //! `manifest.json`, `graph.ir`, `kernels/*.ptx`, `kernels/*.cubin` into a temporary directory
 //! renamed into place). `docs/artifact.md` describes the result.
 //!
@@ -13,6 +15,7 @@
 //! files, and `content_hash` (hex SHA-256 of the three) identifies them.
 
 mod cubin_cache;
+mod cubins;
 pub mod device_memory;
 pub mod emit;
 pub mod eval;
@@ -35,7 +38,7 @@ use titan_ir::artifact::{
 };
 use titan_ir::attr::fmt_float;
 use titan_ir::{AttrValue, BlockId, Graph, KernelKind};
-use titan_kernels::{Assembled, KernelError, PtxasReport};
+use titan_kernels::{KernelError, PtxasReport};
 use titan_passes::activation_checkpoint::AcPolicy;
 use titan_passes::fuse::FusionReport;
 use titan_passes::pipeline::{BUILD_PIPELINE, EVAL_BUILD_PIPELINE, SPMD_BUILD_PIPELINE, SPMD_EVAL_BUILD_PIPELINE};
@@ -152,7 +155,7 @@ pub struct Phases {
     pub pipeline: Duration,
     pub plan: Duration,
     pub codegen: Duration,
-    /// Assembling the cubins with `ptxas` (zero without `ptxas`).
+    /// The wait for `ptxas` after code generation, beside which it runs (zero without `ptxas`).
     pub ptxas: Duration,
     pub write: Duration,
     /// The extra unfused lowering of `--report` (zero without it).
@@ -599,115 +602,65 @@ struct Code {
     workspace_scratch: bool,
 }
 
-/// Run the code generator on every body, in body order. Serial on purpose: MLIR registers
-/// passes and dialects in process-wide tables, and on this 2-core machine two generator threads
-/// were slower than one (lock contention inside MLIR/LLVM), so threads bought nothing but risk.
-/// PTX for every body. A body whose pattern the code generator does not handle (e.g. f32
-/// attention) gets no GPU code and a note: the artifact then runs on the CPU backend only, and
-/// the CUDA backend refuses it at load naming the kernel. Invalid bodies and generator bugs fail
-/// the build.
-/// `lowered` holds the PTX of the modules lowered before in this build (the eval step's forward
-/// kernels generate the training step's modules).
+/// Run the code generator on every body. Serial on purpose: MLIR registers passes and dialects
+/// in process-wide tables, and on this 2-core machine two generator threads were slower than
+/// one (lock contention inside MLIR/LLVM), so threads bought nothing but risk; `ptxas` runs
+/// beside it instead ([`cubins::Pool`]): `generated(i, code)` is called as soon as body `i` has
+/// its code, and the bodies `ptxas` is slowest on (the optimizer's, then attention's) are
+/// generated first. Returns PTX for every body, in body order. A body whose pattern the code
+/// generator does not handle (e.g. f32 attention) gets no GPU code and a note: the artifact then
+/// runs on the CPU backend only, and the CUDA backend refuses it at load naming the kernel.
+/// Invalid bodies and generator bugs fail the build. `lowered` holds the PTX of the modules
+/// lowered before in this build (the eval step's forward kernels generate the training step's
+/// modules).
 fn codegen(
     fused: &Graph,
     bodies: &[(BlockId, KernelKind, String)],
     lowered: &mut titan_kernels::Lowered,
     notes: &mut Vec<String>,
+    generated: &mut dyn FnMut(usize, &Code),
 ) -> Result<Vec<Option<Code>>, BuildError> {
+    let slow_first = |kind: &KernelKind| match kind {
+        KernelKind::Optimizer => 0,
+        KernelKind::AttentionBwd => 1,
+        KernelKind::Attention => 2,
+        _ => 3,
+    };
+    let mut order: Vec<usize> = (0..bodies.len()).collect();
+    order.sort_by_key(|&i| (slow_first(&bodies[i].1), i));
+    let mut code: Vec<Option<Code>> = bodies.iter().map(|_| None).collect();
     let mut unsupported = Vec::new();
-    let code = bodies
-        .iter()
-        .map(|(body, kind, name)| match titan_kernels::compile_kernel_cached(fused, *body, *kind, name, lowered) {
-            Ok(Some(c)) => Ok(Some(Code {
-                entry: c.entry,
-                ptx: c.ptx,
-                launch: c.launch,
-                prologue: c.prologue,
-                epilogue: c.epilogue,
-                workspace_bytes: c.workspace_bytes,
-                workspace_scratch: c.workspace_scratch,
-            })),
-            Ok(None) => Ok(None),
-            Err(e @ KernelError::Unsupported { .. }) => {
-                unsupported.push(e.to_string());
-                Ok(None)
+    for i in order {
+        let (body, kind, name) = &bodies[i];
+        match titan_kernels::compile_kernel_cached(fused, *body, *kind, name, lowered) {
+            Ok(Some(c)) => {
+                let c = Code {
+                    entry: c.entry,
+                    ptx: c.ptx,
+                    launch: c.launch,
+                    prologue: c.prologue,
+                    epilogue: c.epilogue,
+                    workspace_bytes: c.workspace_bytes,
+                    workspace_scratch: c.workspace_scratch,
+                };
+                generated(i, &c);
+                code[i] = Some(c);
             }
-            Err(e @ KernelError::InvalidBody { .. }) => Err(BuildError::Codegen(e.to_string())),
-            Err(e) => Err(BuildError::Codegen(format!("kernel `{name}`: {e}"))),
-        })
-        .collect();
+            Ok(None) => {}
+            Err(e @ KernelError::Unsupported { .. }) => unsupported.push((i, e.to_string())),
+            Err(e @ KernelError::InvalidBody { .. }) => return Err(BuildError::Codegen(e.to_string())),
+            Err(e) => return Err(BuildError::Codegen(format!("kernel `{name}`: {e}"))),
+        }
+    }
+    unsupported.sort();
+    let unsupported: Vec<String> = unsupported.into_iter().map(|(_, e)| e).collect();
     // One note per kernel reads well for a few; a float8 build has dozens with two reasons.
     match unsupported.as_slice() {
         [] => {}
         few if few.len() <= 3 => notes.extend(few.iter().map(|e| format!("no GPU code: {e}; the artifact runs on the CPU backend only"))),
         many => notes.push(format!("no GPU code for {} kernels (the first: {}); the artifact runs on the CPU backend only", many.len(), many[0])),
     }
-    code
-}
-
-/// Assemble every `(kernel index, PTX path, PTX, entry)` into a cubin with `ptxas`, on up to
-/// four threads (each call is a separate `ptxas` process), longest PTX first. A kernel ptxas
-/// rejects keeps its PTX only, with a note: the loader then JIT-compiles the PTX, which reports
-/// the problem on the GPU. If every kernel fails (a `ptxas` that cannot run), one note says so.
-fn assemble_cubins(ptxas: &Path, jobs: &[(usize, &str, &str, &str)], notes: &mut Vec<String>) -> Vec<Option<Assembled>> {
-    if jobs.is_empty() {
-        return Vec::new();
-    }
-    let mut results: Vec<Option<Result<Assembled, KernelError>>> = (0..jobs.len()).map(|_| None).collect();
-    // Cubins of PTX assembled before (this model or another: most kernels of a rebuild
-    // with other flags are unchanged) come from the cache; ptxas runs on the rest.
-    let cache = cubin_cache::cache_dir().and_then(|d| cubin_cache::CubinCache::open(d, ptxas));
-    if let Some(cache) = &cache {
-        for (r, &(_, _, ptx, _)) in results.iter_mut().zip(jobs) {
-            *r = cache.get(ptx).map(Ok);
-        }
-    }
-    // Longest PTX first, so one slow kernel (the optimizer's) does not start last.
-    let mut order: Vec<usize> = (0..jobs.len()).filter(|&i| results[i].is_none()).collect();
-    order.sort_by_key(|&i| std::cmp::Reverse(jobs[i].2.len()));
-    let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).clamp(1, 4).min(order.len().max(1));
-    let next = std::sync::atomic::AtomicUsize::new(0);
-    let parts: Vec<Vec<(usize, Result<Assembled, KernelError>)>> = std::thread::scope(|s| {
-        let workers: Vec<_> = (0..threads)
-            .map(|_| {
-                let (next, order) = (&next, &order);
-                s.spawn(move || {
-                    let mut out = Vec::new();
-                    while let Some(&i) = order.get(next.fetch_add(1, std::sync::atomic::Ordering::Relaxed)) {
-                        let (_, _, ptx, entry) = jobs[i];
-                        out.push((i, titan_kernels::assemble_cubin_with(ptxas, ptx, entry)));
-                    }
-                    out
-                })
-            })
-            .collect();
-        workers.into_iter().map(|w| w.join().unwrap_or_else(|p| std::panic::resume_unwind(p))).collect()
-    });
-    for (i, r) in parts.into_iter().flatten() {
-        if let (Some(cache), Ok(a)) = (&cache, &r) {
-            cache.put(jobs[i].2, a);
-        }
-        results[i] = Some(r);
-    }
-    if results.iter().all(|r| matches!(r, Some(Err(_)))) {
-        // Typically a `ptxas` that cannot run at all: one note, not one per kernel.
-        if let Some(Some(Err(e))) = results.first() {
-            notes.push(format!("no cubins (the runtime JIT-compiles the PTX at start-up): {e}"));
-        }
-        return jobs.iter().map(|_| None).collect();
-    }
-    results
-        .into_iter()
-        .zip(jobs)
-        .map(|(r, &(_, path, _, _))| match r {
-            Some(Ok(a)) => Some(a),
-            Some(Err(e)) => {
-                notes.push(format!("no cubin for `{path}` (the runtime JIT-compiles its PTX): {e}"));
-                None
-            }
-            None => None,
-        })
-        .collect()
+    Ok(code)
 }
 
 /// Compile `model` (whose source text is `model_text`) into an in-memory artifact; no files
@@ -780,38 +733,70 @@ pub(crate) fn compile(
     let (bodies, mut kernels) = kernel_table(&fused, &plan)?;
     phases.plan += t.elapsed();
 
-    let t = Instant::now();
+    // Code generation, with `ptxas` assembling each kernel beside it (the training step's kernels
+    // are table 0, the eval step's table 1); the eval kernels use the same code generator, their
+    // files next to the training ones.
     let mut lowered = titan_kernels::Lowered::default();
-    let code = if generate_code { codegen(&fused, &bodies, &mut lowered, &mut notes)? } else { bodies.iter().map(|_| None).collect() };
-    let mut ptx = attach_code(&mut kernels, code);
-    phases.codegen = t.elapsed();
-
-    // The eval kernels: the same code generator (and ptxas, below), files next to the training
-    // ones.
-    let t = Instant::now();
-    let mut eval_ptx = Vec::new();
-    if let Some(e) = eval.as_mut() {
-        let mut eval_notes = Vec::new();
-        let code = if generate_code { codegen(&e.fused, &e.bodies, &mut lowered, &mut eval_notes)? } else { e.bodies.iter().map(|_| None).collect() };
-        eval_ptx = attach_code(&mut e.step.kernels, code);
-        for n in eval_notes {
-            if !notes.contains(&n) {
-                notes.push(format!("eval step: {n}"));
+    let ptxas = ptxas.filter(|_| generate_code);
+    let cache = ptxas.and_then(|p| cubin_cache::cache_dir().and_then(|d| cubin_cache::CubinCache::open(d, p)));
+    let mut eval_notes = Vec::new();
+    let (code, eval_code, done) = std::thread::scope(|s| -> Result<_, BuildError> {
+        let pool = ptxas.map(|p| cubins::Pool::start(s, p, cache.as_ref()));
+        let send = |table: usize| {
+            let pool = pool.as_ref();
+            move |i: usize, c: &Code| {
+                if let Some(pool) = pool {
+                    pool.send((table, i), &c.ptx, &c.entry);
+                }
             }
+        };
+        let t = Instant::now();
+        let code = if generate_code { codegen(&fused, &bodies, &mut lowered, &mut notes, &mut send(0))? } else { bodies.iter().map(|_| None).collect() };
+        phases.codegen = t.elapsed();
+        let t = Instant::now();
+        let eval_code = match eval.as_ref() {
+            Some(e) if generate_code => Some(codegen(&e.fused, &e.bodies, &mut lowered, &mut eval_notes, &mut send(1))?),
+            Some(e) => Some(e.bodies.iter().map(|_| None).collect()),
+            None => None,
+        };
+        phases.eval += t.elapsed();
+        // What assembling adds after code generation: the queue's tail.
+        let t = Instant::now();
+        let done = pool.map(cubins::Pool::finish).unwrap_or_default();
+        phases.ptxas = t.elapsed();
+        Ok((code, eval_code, done))
+    })?;
+    let mut ptx = attach_code(&mut kernels, code);
+    let mut eval_ptx = Vec::new();
+    if let (Some(e), Some(c)) = (eval.as_mut(), eval_code) {
+        eval_ptx = attach_code(&mut e.step.kernels, c);
+    }
+    for n in eval_notes {
+        if !notes.contains(&n) {
+            notes.push(format!("eval step: {n}"));
         }
     }
-    phases.eval += t.elapsed();
-
-    let t = Instant::now();
     let mut ptxas_reports = Vec::new();
-    let mut sets: Vec<KernelSet> = vec![(&mut kernels, &ptx)];
-    if let Some(e) = eval.as_mut() {
-        sets.push((&mut e.step.kernels, &eval_ptx));
-    }
-    let cubins = attach_cubins(ptxas, &mut sets, &mut notes, &mut ptxas_reports);
-    drop(sets);
+    let cubins = {
+        let mut sets: Vec<cubins::KernelSet> = vec![(&mut kernels, &ptx)];
+        if let Some(e) = eval.as_mut() {
+            sets.push((&mut e.step.kernels, &eval_ptx));
+        }
+        match ptxas {
+            Some(_) => cubins::attach(&mut sets, done, &mut notes, &mut ptxas_reports),
+            None => {
+                if sets.iter().any(|(_, ptx)| !ptx.is_empty()) {
+                    notes.push(
+                        "ptxas not found: the artifact ships PTX only and the CUDA driver JIT-compiles it at start-up (seconds); install it \
+                         with `pip install nvidia-cuda-nvcc` or point TITAN_PTXAS at a ptxas binary, then rebuild"
+                            .to_string(),
+                    );
+                }
+                Vec::new()
+            }
+        }
+    };
     ptx.extend(eval_ptx);
-    phases.ptxas = t.elapsed();
 
     let dims = fused.dims.clone();
     let batch = dims.get("batch").copied().unwrap_or(0);
@@ -1005,54 +990,6 @@ fn attach_code(kernels: &mut [Kernel], code: Vec<Option<Code>>) -> Vec<(String, 
         ptx.push((path, c.ptx));
     }
     ptx
-}
-
-/// A kernel table and its PTX files, `(path, text)`.
-type KernelSet<'a> = (&'a mut [Kernel], &'a [(String, String)]);
-
-/// Assemble every kernel's PTX into a cubin with `ptxas` (`None`: a note says the artifact ships
-/// PTX only) and record it in the kernel's entry; returns the cubin files, `(path, image)`.
-/// `sets` are kernel tables with their PTX files (the training step's, then the eval step's),
-/// assembled in one pool so the eval kernels do not wait for the training step's slowest one.
-fn attach_cubins(
-    ptxas: Option<&Path>,
-    sets: &mut [KernelSet],
-    notes: &mut Vec<String>,
-    reports: &mut Vec<(String, PtxasReport)>,
-) -> Vec<(String, Vec<u8>)> {
-    let mut cubins = Vec::new();
-    match ptxas {
-        Some(ptxas) => {
-            let mut at = Vec::new();
-            let mut jobs = Vec::new();
-            for (s, (kernels, ptx)) in sets.iter().enumerate() {
-                for (i, k) in kernels.iter().enumerate() {
-                    if let (Some(path), Some(entry)) = (&k.ptx, &k.entry)
-                        && let Some((_, text)) = ptx.iter().find(|(p, _)| p == path)
-                    {
-                        jobs.push((jobs.len(), path.as_str(), text.as_str(), entry.as_str()));
-                        at.push((s, i));
-                    }
-                }
-            }
-            let assembled = assemble_cubins(ptxas, &jobs, notes);
-            drop(jobs);
-            for ((s, i), a) in at.into_iter().zip(assembled).filter_map(|(at, c)| c.map(|c| (at, c))) {
-                let k = &mut sets[s].0[i];
-                let path = format!("{KERNEL_DIR}/{}.cubin", k.name);
-                k.cubin = Some(path.clone());
-                cubins.push((path, a.cubin));
-                reports.push((k.name.clone(), a.report));
-            }
-        }
-        None if sets.iter().any(|(_, ptx)| !ptx.is_empty()) => notes.push(
-            "ptxas not found: the artifact ships PTX only and the CUDA driver JIT-compiles it at start-up (seconds); install it with \
-             `pip install nvidia-cuda-nvcc` or point TITAN_PTXAS at a ptxas binary, then rebuild"
-                .to_string(),
-        ),
-        None => {}
-    }
-    cubins
 }
 
 /// What `titanc build` says about `precompute_float8_dynamic_scale_for_fsdp` (see
