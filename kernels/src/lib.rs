@@ -123,7 +123,7 @@ pub fn entry_name(name: &str) -> String {
 /// Generate the kernel for `body` (a block of `graph`) of kind `kind`. `None` for `gemm`, which
 /// runs on cuBLASLt.
 pub fn compile_kernel(graph: &Graph, body: BlockId, kind: KernelKind, name: &str) -> Result<Option<CompiledKernel>, KernelError> {
-    compile_kernel_cached(graph, body, kind, name, &mut Lowered::default())
+    compile_kernel_cached(graph, body, kind, name, &Lowered::default())
 }
 
 /// The symbol a kernel is generated and lowered under before it gets its own entry name (a
@@ -133,26 +133,32 @@ const PLACEHOLDER: &str = "titan__entry";
 
 /// The PTX of the modules one build has lowered, by their MLIR text (generated under
 /// [`PLACEHOLDER`]). Kernels that generate the same module, as the eval step's forward kernels
-/// and the training step's do, are lowered once; lowering (MLIR -> LLVM -> PTX) is nearly all of
-/// a kernel's code generation time.
+/// and the training step's do, are lowered once (or, on threads racing for it, a few times, all
+/// giving the same PTX); lowering (MLIR -> LLVM -> PTX) is nearly all of a kernel's code
+/// generation time. Shared by the code generator's threads.
 #[derive(Debug, Default)]
 pub struct Lowered {
-    ptx: std::collections::HashMap<String, String>,
+    ptx: std::sync::Mutex<std::collections::HashMap<String, String>>,
 }
 
 impl Lowered {
     /// Modules lowered so far (distinct MLIR texts).
     pub fn len(&self) -> usize {
-        self.ptx.len()
+        self.map().len()
     }
 
     pub fn is_empty(&self) -> bool {
-        self.ptx.is_empty()
+        self.map().is_empty()
+    }
+
+    fn map(&self) -> std::sync::MutexGuard<'_, std::collections::HashMap<String, String>> {
+        // A panic while holding the lock cannot leave the map half-written (one insert).
+        self.ptx.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 }
 
 /// [`compile_kernel`], reusing the PTX of a module `lowered` already holds.
-pub fn compile_kernel_cached(graph: &Graph, body: BlockId, kind: KernelKind, name: &str, lowered: &mut Lowered) -> Result<Option<CompiledKernel>, KernelError> {
+pub fn compile_kernel_cached(graph: &Graph, body: BlockId, kind: KernelKind, name: &str, lowered: &Lowered) -> Result<Option<CompiledKernel>, KernelError> {
     let kind_name = kind.name();
     let wrap = |e: GenError| match e {
         GenError::Unsupported(message) => KernelError::Unsupported { kernel: name.to_string(), kind: kind_name, message },
@@ -175,17 +181,18 @@ pub fn compile_kernel_cached(graph: &Graph, body: BlockId, kind: KernelKind, nam
 }
 
 /// Lower a generated module to PTX (or take the PTX `lowered` has for it) and name its entry.
-fn lower(entry: String, generated: Generated, lowered: &mut Lowered) -> Result<CompiledKernel, KernelError> {
+fn lower(entry: String, generated: Generated, lowered: &Lowered) -> Result<CompiledKernel, KernelError> {
     let named = |text: &str| text.replace(PLACEHOLDER, &entry);
-    let ptx = match lowered.ptx.get(&generated.mlir) {
-        Some(ptx) => named(ptx),
+    let known = lowered.map().get(&generated.mlir).map(|ptx| named(ptx));
+    let ptx = match known {
+        Some(ptx) => ptx,
         None => {
             let ptx = pipeline::to_ptx(&generated.mlir).map_err(|e| match e {
                 KernelError::Mlir { stage, message } => KernelError::Mlir { stage, message: named(&message) },
                 other => other,
             })?;
             let out = named(&ptx);
-            lowered.ptx.insert(generated.mlir.clone(), ptx);
+            lowered.map().insert(generated.mlir.clone(), ptx);
             out
         }
     };

@@ -475,6 +475,36 @@ fn manifest_describes_the_debug_step() {
     assert_eq!(seen.len(), man.kernels.len());
 }
 
+/// The code generator's threads change nothing but the time: one thread and four give the same
+/// code for every body of the debug model, every body is handed to `generated` exactly once, and
+/// the kernels `ptxas` is slowest on go first on one thread.
+#[test]
+fn codegen_on_several_threads_gives_what_one_thread_gives() {
+    let text = debug_text();
+    let m = titan_ir::parse::parse_and_verify("llama3-debug.ir", &text).unwrap_or_else(|e| panic!("{e}"));
+    let fused = kernel_graph(&m);
+    let plan = plan_kernel_graph(&fused).unwrap_or_else(|e| panic!("{e}"));
+    let (bodies, _) = kernel_table(&fused, &plan).unwrap_or_else(|e| panic!("{e}"));
+    let run = |threads: usize| {
+        let handed = std::sync::Mutex::new(Vec::new());
+        let mut notes = Vec::new();
+        let code = codegen_on(threads, &fused, &bodies, &titan_kernels::Lowered::default(), &mut notes, &|i, _| handed.lock().expect("lock").push(i))
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert!(notes.is_empty(), "{notes:?}");
+        let order = handed.into_inner().expect("lock");
+        (code.into_iter().map(|c| c.map(|c| (c.entry, c.ptx, c.launch, c.workspace_bytes))).collect::<Vec<_>>(), order)
+    };
+    let (one, order) = run(1);
+    let (four, mut handed) = run(4);
+    assert_eq!(one, four);
+    let with_code: Vec<usize> = (0..bodies.len()).filter(|&i| one[i].is_some()).collect();
+    handed.sort_unstable();
+    assert_eq!(handed, with_code, "every body with code is handed over once");
+    let kinds: Vec<KernelKind> = order.iter().map(|&i| bodies[i].1).collect();
+    assert_eq!(kinds.first(), Some(&KernelKind::Optimizer), "{kinds:?}");
+    assert_eq!(&kinds[1..3], &[KernelKind::AttentionBwd, KernelKind::Attention], "{kinds:?}");
+}
+
 #[test]
 fn builds_are_byte_identical_and_hashed() {
     let text = debug_text();
