@@ -680,13 +680,11 @@ fn codegen_on(
     for (i, r) in results {
         match r {
             Ok(c) => code[i] = c,
-            Err(e @ KernelError::Unsupported { .. }) => unsupported.push((i, e.to_string())),
+            Err(e @ KernelError::Unsupported { .. }) => unsupported.push(e.to_string()),
             Err(e @ KernelError::InvalidBody { .. }) => return Err(BuildError::Codegen(e.to_string())),
             Err(e) => return Err(BuildError::Codegen(format!("kernel `{}`: {e}", bodies[i].2))),
         }
     }
-    unsupported.sort();
-    let unsupported: Vec<String> = unsupported.into_iter().map(|(_, e)| e).collect();
     // One note per kernel reads well for a few; a float8 build has dozens with two reasons.
     match unsupported.as_slice() {
         [] => {}
