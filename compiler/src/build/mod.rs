@@ -602,7 +602,8 @@ struct Code {
     workspace_scratch: bool,
 }
 
-/// Run the code generator on every body, on up to eight threads, each with its own MLIR context
+/// Run the code generator on every body, on `threads` threads (at most one per body; the build
+/// asks for up to eight), each with its own MLIR context
 /// (one generator thread was the rule while every kernel created a context: registering the
 /// dialects and passes takes process-wide locks, and two threads ran slower than one; with a
 /// context per thread two threads take the 8B preset's code generation from 0.70 to 0.39 s on a
@@ -616,18 +617,6 @@ struct Code {
 /// the PTX of the modules lowered before in this build (the eval step's forward kernels generate
 /// the training step's modules).
 fn codegen(
-    fused: &Graph,
-    bodies: &[(BlockId, KernelKind, String)],
-    lowered: &titan_kernels::Lowered,
-    notes: &mut Vec<String>,
-    generated: &(dyn Fn(usize, &Code) + Sync),
-) -> Result<Vec<Option<Code>>, BuildError> {
-    let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).clamp(1, 8);
-    codegen_on(threads, fused, bodies, lowered, notes, generated)
-}
-
-/// [`codegen`] on `threads` threads (at most one per body).
-fn codegen_on(
     threads: usize,
     fused: &Graph,
     bodies: &[(BlockId, KernelKind, String)],
@@ -781,12 +770,13 @@ pub(crate) fn compile(
                 }
             }
         };
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).clamp(1, 8);
         let t = Instant::now();
-        let code = if generate_code { codegen(&fused, &bodies, &lowered, &mut notes, &send(0))? } else { bodies.iter().map(|_| None).collect() };
+        let code = if generate_code { codegen(threads, &fused, &bodies, &lowered, &mut notes, &send(0))? } else { bodies.iter().map(|_| None).collect() };
         phases.codegen = t.elapsed();
         let t = Instant::now();
         let eval_code = match eval.as_ref() {
-            Some(e) if generate_code => Some(codegen(&e.fused, &e.bodies, &lowered, &mut eval_notes, &send(1))?),
+            Some(e) if generate_code => Some(codegen(threads, &e.fused, &e.bodies, &lowered, &mut eval_notes, &send(1))?),
             Some(e) => Some(e.bodies.iter().map(|_| None).collect()),
             None => None,
         };

@@ -488,7 +488,7 @@ fn codegen_on_several_threads_gives_what_one_thread_gives() {
     let run = |threads: usize| {
         let handed = std::sync::Mutex::new(Vec::new());
         let mut notes = Vec::new();
-        let code = codegen_on(threads, &fused, &bodies, &titan_kernels::Lowered::default(), &mut notes, &|i, _| handed.lock().expect("lock").push(i))
+        let code = codegen(threads, &fused, &bodies, &titan_kernels::Lowered::default(), &mut notes, &|i, _| handed.lock().expect("lock").push(i))
             .unwrap_or_else(|e| panic!("{e}"));
         assert!(notes.is_empty(), "{notes:?}");
         let order = handed.into_inner().expect("lock");
